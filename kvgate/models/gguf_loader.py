@@ -1,0 +1,262 @@
+"""GGUF -> the one in-memory format (an HF-style directory), cached on disk.
+
+Reading a GGUF with the `gguf` package costs seconds (its Python metadata parser and the numpy
+dequantizers), so the first load converts the file into an HF-style directory -- `config.json`,
+`tokenizer.json`, `kvgate_tokenizer.json` (chat template, end-of-generation ids) and
+`model.safetensors` with float32 weights under HF names -- and every later load reads that directory
+through `hf_loader`. The cache key hashes the file's path, size, mtime and its first and last MiB, so
+a changed file gets a new entry.
+
+Weight layout notes:
+- GGUF lists dimensions fastest-first; `gguf`'s reader already returns numpy arrays in row-major
+  order, so a weight comes out as [out_features, in_features] like torch's.
+- llama.cpp's converter permutes attn_q/attn_k rows so rotary pairs are adjacent (GPT-J style). We
+  undo that permutation so the model can use the HF rotate-half RoPE for every source format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
+
+CACHE_FORMAT = 1
+# Quantization types we accept, all dequantized by `gguf.quants.dequantize`.
+SUPPORTED_QUANTS = (
+    "F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K Q8_K"
+).split()
+
+# llama.cpp's end-of-generation token texts (its EOG list); any present in the vocab stops generation.
+EOG_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<EOT>",
+    "<|eom_id|>",
+    "<｜end▁of▁sentence｜>",
+)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVGATE_CACHE_DIR", Path.home() / ".cache" / "kvgate"))
+
+
+def cache_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if st.st_size > 2 << 20:
+            f.seek(-(1 << 20), os.SEEK_END)
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:24]
+
+
+def convert_to_cache(path: Path) -> Path:
+    """Return a cached HF-style directory for this GGUF file, converting it on first use."""
+    if not path.is_file():
+        raise ModelLoadError(
+            f"model file not found: {path}. Pass --model default for the bundled SmolLM2, "
+            "a .gguf file, or a Hugging Face directory with config.json and *.safetensors."
+        )
+    target = cache_root() / f"gguf-{cache_key(path)}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        _convert(path, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race; its copy is as good as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _open_reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError... on bad bytes
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}). It may be truncated or "
+            "corrupt: download it again and compare its size and checksum with the source."
+        ) from exc
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _convert(path: Path, out: Path) -> None:
+    import torch
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    reader = _open_reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path.name}: architecture '{arch}' is not supported. Supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
+        )
+    cfg = _config_from_metadata(reader, arch, path)
+    tensors = {t.name: t for t in reader.tensors}
+    weights: dict[str, torch.Tensor] = {}
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for name, t in tensors.items():
+        qtype = t.tensor_type.name
+        if qtype not in SUPPORTED_QUANTS:
+            raise ModelLoadError(
+                f"{path.name}: tensor {name} uses quantization type {qtype}, which kvgate cannot "
+                f"dequantize. Supported: {', '.join(SUPPORTED_QUANTS)}. Re-quantize the model to one of "
+                "these (for example Q8_0 or Q4_K_M) or use the original safetensors directory."
+            )
+        hf_name = _hf_name(name)
+        if hf_name is None:
+            continue
+        try:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"{path.name}: tensor {name} ({qtype}) could not be decoded ({exc}); the file is "
+                "probably truncated or corrupt. Download it again."
+            ) from exc
+        if name.endswith("attn_q.weight"):
+            arr = _unpermute(arr, n_heads)
+        elif name.endswith("attn_k.weight"):
+            arr = _unpermute(arr, n_kv)
+        weights[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+    if "model.embed_tokens.weight" not in weights:
+        raise ModelLoadError(f"{path.name}: no token_embd.weight tensor; the file is incomplete.")
+    cfg["tie_word_embeddings"] = "lm_head.weight" not in weights
+    expected = cfg["num_hidden_layers"]
+    missing = [i for i in range(expected) if f"model.layers.{i}.self_attn.q_proj.weight" not in weights]
+    if missing:
+        raise ModelLoadError(
+            f"{path.name}: metadata says {expected} layers but layer(s) {missing[:5]} have no weights; "
+            "the file is incomplete or corrupt. Download it again."
+        )
+    save_file(weights, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    tok_json, extra = _tokenizer_from_metadata(reader, path)
+    (out / "tokenizer.json").write_text(tok_json)
+    (out / "kvgate_tokenizer.json").write_text(json.dumps(extra, indent=1))
+
+
+def _config_from_metadata(reader, arch: str, path: Path) -> dict:
+    def need(key: str):
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ModelLoadError(f"{path.name}: metadata key {arch}.{key} is missing; the file is incomplete.")
+        return v
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "kvgate_source_architecture": arch,
+        "name": str(_field(reader, "general.name", path.stem)),
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+    }
+
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+    return None  # e.g. rope_freqs: not used by the supported architectures
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: rows (head, pair, 2) back to (head, 2, pair)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tokenizer_from_metadata(reader, path: Path) -> tuple[str, dict]:
+    from kvgate.tokenizer_build import build_bpe_tokenizer
+
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelLoadError(
+            f"{path.name}: tokenizer type '{model}' is not supported yet (kvgate reads byte-level BPE, "
+            "'gpt2', from GGUF). Use the model's Hugging Face directory, which carries tokenizer.json."
+        )
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    token_types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = list(_field(reader, "tokenizer.ggml.merges", []))
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    tok = build_bpe_tokenizer(tokens, merges, token_types, pre)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eog = set()
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        v = _field(reader, f"tokenizer.ggml.{key}")
+        if v is not None:
+            eog.add(int(v))
+    index = {t: i for i, t in enumerate(tokens)}
+    eog.update(index[t] for t in EOG_TEXTS if t in index)
+    extra = {
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "eog_token_ids": sorted(eog),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "source": "gguf",
+    }
+    return tok.to_str(), extra

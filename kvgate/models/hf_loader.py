@@ -1,0 +1,150 @@
+"""Hugging Face directories (and converted GGUF caches) -> `LoadedModel`.
+
+A directory holds `config.json`, one or more `*.safetensors`, `tokenizer.json`, and optionally
+`tokenizer_config.json` (chat template, special tokens), `generation_config.json` (eos ids) and
+`kvgate_tokenizer.json` (what our GGUF converter writes). Weights keep their HF names; the model
+fuses q/k/v and gate/up itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvgate.config import ModelSpec
+from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
+
+_HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+@dataclass
+class TokenizerInfo:
+    tokenizer_json: str
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    eog_token_ids: list[int]
+    add_bos_token: bool
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor]
+    tokenizer: TokenizerInfo
+    source: str
+
+
+def read_spec(config: dict, path: Path) -> ModelSpec:
+    archs = config.get("architectures") or [config.get("model_type", "?")]
+    arch = _HF_ARCHS.get(archs[0]) or (archs[0] if archs[0] in SUPPORTED_ARCHITECTURES else None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{path}: architecture '{archs[0]}' is not supported. Supported: "
+            f"{', '.join(_HF_ARCHS)} (Llama-family decoders)."
+        )
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    return ModelSpec(
+        architecture=config.get("kvgate_source_architecture", arch),
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        name=str(config.get("name") or path.name),
+    )
+
+
+def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(
+            f"{path} has no config.json: a Hugging Face model directory needs config.json, *.safetensors "
+            "and tokenizer.json."
+        )
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON ({exc}); re-download the model.") from exc
+    spec = read_spec(config, path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights; kvgate does not read .bin checkpoints.")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except Exception as exc:
+            raise ModelLoadError(
+                f"{f} could not be read ({exc}); the file is truncated or corrupt. Download it again."
+            ) from exc
+    if "lm_head.weight" not in weights and not spec.tie_word_embeddings:
+        raise ModelLoadError(f"{path}: no lm_head.weight and tie_word_embeddings is false.")
+    return LoadedModel(spec, weights, _read_tokenizer(path), source or str(path))
+
+
+def _read_tokenizer(path: Path) -> TokenizerInfo:
+    tj = path / "tokenizer.json"
+    if not tj.is_file():
+        raise ModelLoadError(f"{path} has no tokenizer.json; kvgate needs a fast-tokenizer file.")
+    extra_path = path / "kvgate_tokenizer.json"
+    if extra_path.is_file():
+        extra = json.loads(extra_path.read_text())
+        return TokenizerInfo(
+            tj.read_text(),
+            extra.get("chat_template"),
+            extra.get("bos_token_id"),
+            extra.get("eos_token_id"),
+            list(extra.get("eog_token_ids") or []),
+            bool(extra.get("add_bos_token")),
+        )
+    text = tj.read_text()
+    vocab = _added_token_ids(json.loads(text))
+    tc = _json(path / "tokenizer_config.json")
+    gc = _json(path / "generation_config.json")
+    template = tc.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+
+    def tid(name: str) -> int | None:
+        tok = tc.get(name)
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        return vocab.get(tok) if isinstance(tok, str) else None
+
+    eos = gc.get("eos_token_id", tid("eos_token"))
+    eos_list = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    bos = gc.get("bos_token_id", tid("bos_token"))
+    from kvgate.models.gguf_loader import EOG_TEXTS
+
+    eog = set(int(e) for e in eos_list) | {vocab[t] for t in EOG_TEXTS if t in vocab}
+    return TokenizerInfo(
+        text,
+        template,
+        None if bos is None else int(bos),
+        int(eos_list[0]) if eos_list else None,
+        sorted(eog),
+        bool(tc.get("add_bos_token", False)),
+    )
+
+
+def _added_token_ids(tok_json: dict) -> dict[str, int]:
+    return {t["content"]: int(t["id"]) for t in tok_json.get("added_tokens", [])}
+
+
+def _json(p: Path) -> dict:
+    return json.loads(p.read_text()) if p.is_file() else {}

@@ -1,0 +1,152 @@
+"""Llama-family forward over the paged KV cache (Llama, SmolLM, Mistral, Qwen2).
+
+One call runs one engine step: any number of decode rows (one token each) plus prefill chunks, all
+concatenated into one flat token list so every linear layer is one matmul for the whole step. The
+layer is deliberately short: RMSNorm -> fused QKV matmul -> RoPE on q and k together -> write K/V into
+the pool -> attention over the row's blocks -> output projection -> RMSNorm -> fused gate/up matmul ->
+SiLU * up -> down projection. Logits are computed only for the tokens the sampler needs.
+
+Attention uses grouped queries without repeating K/V: a row's queries are viewed as
+`[kv_heads, group * q_len, head_dim]`, so each KV head is read once for the queries that share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvgate.config import ModelSpec
+from kvgate.kv import KVPool
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows `[start, end)` of the flat token list, padded to a common number of blocks."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [rows, max_blocks] long
+    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass
+class PrefillSpan:
+    """One prompt chunk: tokens `[start, start + q_len)` at positions `[ctx_len - q_len, ctx_len)`."""
+
+    start: int
+    q_len: int
+    ctx_len: int
+    block_table: torch.Tensor  # [blocks covering ctx_len] long
+    mask: torch.Tensor  # [group * q_len, ctx_len] bool
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slots: torch.Tensor  # [T] long, flat slot index (block * block_size + offset) for each new K/V
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSpan]
+    logits_index: torch.Tensor  # [S] long, the tokens whose next-token logits are needed
+
+
+class LlamaModel:
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype, device):
+        self.spec = spec
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            return weights.pop(name).to(device=self.device, dtype=dtype).contiguous()
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
+            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            self.layers.append(
+                (
+                    w(p + "input_layernorm.weight"),
+                    qkv,
+                    qkv_bias,
+                    w(p + "self_attn.o_proj.weight"),
+                    w(p + "post_attention_layernorm.weight"),
+                    gate_up,
+                    w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if "lm_head.weight" not in weights else w("lm_head.weight")
+        inv_freq = 1.0 / (
+            spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim)
+        )
+        pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device=self.device, dtype=dtype)
+        self.sin = emb.sin().to(device=self.device, dtype=dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm, self.cos, self.sin]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors.extend(t for t in layer if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv: KVPool) -> torch.Tensor:
+        """Run one step; return float32 logits `[len(batch.logits_index), vocab]`."""
+        s = self.spec
+        H, KVH, D = s.num_heads, s.num_kv_heads, s.head_dim
+        g = H // KVH
+        T = batch.input_ids.shape[0]
+        eps = s.rms_norm_eps
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        half = D // 2
+        x = F.embedding(batch.input_ids, self.embed)
+        for li, (ln1, w_qkv, b_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.layers):
+            h = F.rms_norm(x, (s.hidden_size,), ln1, eps)
+            qkv = F.linear(h, w_qkv, b_qkv)
+            qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+            rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rot * sin
+            q = qk[:, :H]
+            k_new = qk[:, H:]
+            v_new = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+            k_pool = kv.k[li]
+            v_pool = kv.v[li]
+            k_pool.view(-1, KVH, D).index_copy_(0, batch.slots, k_new)
+            v_pool.view(-1, KVH, D).index_copy_(0, batch.slots, v_new)
+            attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
+            for grp in batch.decode_groups:
+                R = grp.end - grp.start
+                qg = q[grp.start : grp.end].reshape(R, KVH, g, D)
+                kg = k_pool[grp.block_tables].flatten(1, 2).transpose(1, 2)
+                vg = v_pool[grp.block_tables].flatten(1, 2).transpose(1, 2)
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask)
+                attn[grp.start : grp.end] = og.reshape(R, H * D)
+            for pf in batch.prefills:
+                n = pf.q_len
+                qp = q[pf.start : pf.start + n].view(n, KVH, g, D).permute(1, 2, 0, 3).reshape(KVH, g * n, D)
+                kp = k_pool[pf.block_table].flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
+                vp = v_pool[pf.block_table].flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pf.mask)
+                attn[pf.start : pf.start + n] = op.view(KVH, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
+            x = x + F.linear(attn, w_o)
+            h = F.rms_norm(x, (s.hidden_size,), ln2, eps)
+            gu = F.linear(h, w_gu)
+            inter = gu.shape[-1] // 2
+            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
+        h = F.rms_norm(x[batch.logits_index], (s.hidden_size,), self.norm, eps)
+        return F.linear(h, self.lm_head).float()

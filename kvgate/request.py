@@ -1,0 +1,220 @@
+"""What crosses between callers and the engine worker: requests, refusals, events, results, handles.
+
+A `RequestHandle` is the caller's side of one request. Its event channel yields, in order: exactly one
+`Admitted` or `Refused`; then `Token`s; then exactly one `Finished` (after `Admitted`). The channel can
+be read from plain threads (`next_event`) and from asyncio (`anext_event`) without polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvgate.sampling import SamplingParams
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None = up to the remaining context (may be capped, and reported)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class BudgetCap:
+    requested_max_tokens: int
+    admitted_max_tokens: int
+    reason: str  # "kv_budget": the whole pool can't hold more; "kv_free_now": admitted early with less
+
+    def header(self) -> str:
+        return f"requested={self.requested_max_tokens}; admitted={self.admitted_max_tokens}; reason={self.reason}"
+
+
+class Refusal(Exception):
+    """A typed refusal; `status` is the HTTP status the server answers with."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        status: int,
+        *,
+        retry_after: int | None = None,
+        estimated_bytes: int | None = None,
+        limit_bytes: int | None = None,
+        positions: int | None = None,
+        positions_limit: int | None = None,
+    ):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+        self.retry_after = retry_after
+        self.estimated_bytes = estimated_bytes
+        self.limit_bytes = limit_bytes
+        self.positions = positions
+        self.positions_limit = positions_limit
+
+    def details(self) -> dict:
+        keys = ("estimated_bytes", "limit_bytes", "positions", "positions_limit")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+@dataclass
+class Admitted:
+    max_tokens: int
+    budget_cap: BudgetCap | None
+    prompt_tokens: int
+
+
+@dataclass
+class Refused:
+    refusal: Refusal
+
+
+@dataclass
+class Token:
+    token_id: int
+    text: str  # text released by this token (may be "" while held back by detokenizer or stop matcher)
+    t: float
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # stop | length | cancelled | error
+    prompt_tokens: int
+    completion_tokens: int
+    budget_cap: BudgetCap | None
+    submitted_at: float
+    admitted_at: float | None
+    first_token_at: float | None
+    finished_at: float
+    token_times: list[float]
+    error: str | None = None
+    stop_reason: str | None = None  # the stop string or "token:<id>" that ended generation
+
+
+@dataclass
+class Finished:
+    result: Result
+    tail: str  # text released at the end (held-back text), already included in result.text
+
+
+class Channel:
+    """A FIFO usable from worker threads (put) and from both sync and async consumers."""
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    def put(self, item) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify_all()
+            waiters, self._async_waiters = self._async_waiters, []
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake, fut)
+            except RuntimeError:  # that consumer's loop has closed
+                pass
+
+    def get(self, timeout: float | None = None):
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._items, timeout):
+                raise TimeoutError("no event within the timeout")
+            return self._items.popleft()
+
+    async def aget(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cv:
+                if self._items:
+                    return self._items.popleft()
+                fut = loop.create_future()
+                self._async_waiters.append((loop, fut))
+            await fut
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class RequestHandle:
+    def __init__(self, request: GenerationRequest, wake_engine):
+        self.id = next(_ids)
+        self.request = request
+        self.events = Channel()
+        self.submitted_at = time.monotonic()
+        self.cancelled = False
+        self._wake_engine = wake_engine
+        self.admission: Admitted | Refusal | None = None
+        self.final: Result | None = None
+
+    def cancel(self) -> None:
+        """Honoured at the next step boundary wherever the request is; safe to call any time, twice."""
+        self.cancelled = True
+        self._wake_engine()
+
+    # Synchronous consumers -------------------------------------------------------------------
+    def wait_admitted(self, timeout: float | None = None) -> Admitted:
+        ev = self.events.get(timeout)
+        return self._on_admission(ev)
+
+    def __iter__(self):
+        while True:
+            ev = self.events.get()
+            if isinstance(ev, Finished):
+                yield ev
+                return
+            yield ev
+
+    def result(self, timeout: float | None = None) -> Result:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.admission is None:
+            try:
+                self.wait_admitted(timeout)
+            except Refusal:
+                if self.final is not None:
+                    return self.final
+                raise
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ev = self.events.get(left)
+            if isinstance(ev, Finished):
+                return ev.result
+
+    # Asyncio consumers -----------------------------------------------------------------------
+    async def await_admitted(self) -> Admitted:
+        return self._on_admission(await self.events.aget())
+
+    async def aevents(self):
+        while True:
+            ev = await self.events.aget()
+            yield ev
+            if isinstance(ev, Finished):
+                return
+
+    def _on_admission(self, ev) -> Admitted:
+        if isinstance(ev, Finished):  # cancelled (or failed) while still queued
+            self.final = ev.result
+            self.admission = Refusal(ev.result.finish_reason, "the request ended before it was admitted", 499)
+            raise self.admission
+        if isinstance(ev, Refused):
+            self.admission = ev.refusal
+            raise ev.refusal
+        assert isinstance(ev, Admitted), f"first event must be an admission decision, got {ev!r}"
+        self.admission = ev
+        return ev

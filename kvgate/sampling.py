@@ -1,0 +1,113 @@
+"""Per-request sampling: validated parameters and a sampler that owns its random generator.
+
+A request's tokens depend only on its own logits and its own `torch.Generator`, never on which other
+requests share the step: that is half of "batching does not change output" (the model's row-wise
+math is the other half).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+class SamplingError(ValueError):
+    """An out-of-range sampling value; the message names the parameter, the value and the range."""
+
+    def __init__(self, param: str, value, allowed: str):
+        super().__init__(f"{param}={value!r} is out of range: allowed {allowed}")
+        self.param = param
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def validate(self) -> SamplingParams:
+        def finite(name, v):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise SamplingError(name, v, "a finite number")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+            finite(name, getattr(self, name))
+        finite("frequency_penalty", self.frequency_penalty)
+        if not 0.0 <= self.temperature <= 2.0:
+            raise SamplingError("temperature", self.temperature, "0 <= temperature <= 2 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError("top_p", self.top_p, "0 < top_p <= 1")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise SamplingError("top_k", self.top_k, "an integer >= 1, or 0 / -1 for no limit")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError("min_p", self.min_p, "0 <= min_p <= 1")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingError("repetition_penalty", self.repetition_penalty, "0 < repetition_penalty <= 2")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(name, getattr(self, name), f"-2 <= {name} <= 2")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):
+            raise SamplingError("seed", self.seed, "an integer 0 <= seed < 2**63")
+        return self
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+        self.p = params
+        self.greedy = params.temperature == 0.0
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab_size
+        self.penalized = (
+            params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        )
+        if self.penalized:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            if prompt_ids:
+                self.seen[torch.tensor(prompt_ids)] = True
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """`logits`: float32 `[vocab]` (may be a view into the batch's logits; it is not modified)."""
+        p = self.p
+        if self.penalized:
+            logits = logits.clone()
+            if p.repetition_penalty != 1.0:
+                sel = logits[self.seen]
+                logits[self.seen] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+            if p.frequency_penalty or p.presence_penalty:
+                logits -= self.counts * p.frequency_penalty + (self.counts > 0).float() * p.presence_penalty
+        if self.greedy:
+            token = int(torch.argmax(logits))
+        else:
+            token = self._draw(logits / p.temperature)
+        if self.penalized:
+            self.seen[token] = True
+            self.counts[token] += 1
+        return token
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        p = self.p
+        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        probs = torch.softmax(logits, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            drop = (cum - sorted_p) > p.top_p  # keep the smallest prefix reaching top_p (>= 1 token)
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        return int(torch.multinomial(probs, 1, generator=self.gen))

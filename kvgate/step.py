@@ -1,0 +1,103 @@
+"""Turn the scheduler's choice for one step into the tensors the model reads (`StepBatch`).
+
+Decode rows come first in the flat token list, sorted by context length (longest first) and split
+into groups whose padded attention (`rows x longest context`) stays within `attn_token_cap` tokens;
+that cap is what bounds the attention workspace the memory planner reserves. Prefill chunks follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgate.models.llama import DecodeGroup, PrefillSpan, StepBatch
+
+
+@dataclass
+class DecodeInput:
+    token: int
+    position: int  # position of `token`; context after the step is position + 1
+    blocks: list[int]
+
+
+@dataclass
+class PrefillInput:
+    tokens: list[int]
+    start: int  # position of tokens[0]
+    blocks: list[int]
+    wants_logits: bool  # True when this chunk ends the prompt
+
+
+def build_step(
+    decodes: list[DecodeInput],
+    prefills: list[PrefillInput],
+    block_size: int,
+    group_size: int,
+    attn_token_cap: int,
+    device: torch.device,
+) -> tuple[StepBatch, list[int], list[int]]:
+    """Return the batch plus, for decodes and prefills, where each input's logits row is (-1: none)."""
+    order = sorted(range(len(decodes)), key=lambda i: -decodes[i].position)
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    groups: list[DecodeGroup] = []
+    logits_index: list[int] = []
+    decode_logit_row = [-1] * len(decodes)
+    i = 0
+    while i < len(order):
+        longest = decodes[order[i]].position + 1
+        per_row = -(-longest // block_size) * block_size
+        take = max(1, min(len(order) - i, attn_token_cap // per_row))
+        members = [decodes[j] for j in order[i : i + take]]
+        nblk = per_row // block_size
+        table = torch.zeros((take, nblk), dtype=torch.long)
+        mask = torch.zeros((take, 1, 1, per_row), dtype=torch.bool)
+        start = len(ids)
+        for r, d in enumerate(members):
+            used = d.position // block_size + 1
+            table[r, :used] = torch.tensor(d.blocks[:used])
+            mask[r, 0, 0, : d.position + 1] = True
+            ids.append(d.token)
+            pos.append(d.position)
+            slots.append(d.blocks[d.position // block_size] * block_size + d.position % block_size)
+        for r, j in enumerate(order[i : i + take]):
+            decode_logit_row[j] = len(logits_index)
+            logits_index.append(start + r)
+        groups.append(DecodeGroup(start, start + take, table.to(device), mask.to(device)))
+        i += take
+    spans: list[PrefillSpan] = []
+    prefill_logit_row = [-1] * len(prefills)
+    for k, p in enumerate(prefills):
+        n = len(p.tokens)
+        ctx = p.start + n
+        start = len(ids)
+        ids.extend(p.tokens)
+        positions = list(range(p.start, ctx))
+        pos.extend(positions)
+        slots.extend(p.blocks[q // block_size] * block_size + q % block_size for q in positions)
+        nblk = -(-ctx // block_size)
+        q_pos = torch.arange(p.start, ctx).unsqueeze(1)
+        causal = torch.arange(ctx).unsqueeze(0) <= q_pos
+        spans.append(
+            PrefillSpan(
+                start,
+                n,
+                ctx,
+                torch.tensor(p.blocks[:nblk], dtype=torch.long, device=device),
+                causal.repeat(group_size, 1).to(device),
+            )
+        )
+        if p.wants_logits:
+            prefill_logit_row[k] = len(logits_index)
+            logits_index.append(start + n - 1)
+    batch = StepBatch(
+        torch.tensor(ids, dtype=torch.long, device=device),
+        torch.tensor(pos, dtype=torch.long, device=device),
+        torch.tensor(slots, dtype=torch.long, device=device),
+        groups,
+        spans,
+        torch.tensor(logits_index, dtype=torch.long, device=device),
+    )
+    return batch, decode_logit_row, prefill_logit_row
