@@ -1,0 +1,58 @@
+"""One stable public error shape: `{"error": {"message", "type", "code", "param"?, ...numbers}}`.
+
+Bodies carry what the client can act on (cause, numbers, next step) and never internal ids, file
+paths or stack traces; those go to the server log.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from kvgate.request import Refusal
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "resource_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str, *, param: str | None = None, retry_after=None, **extra):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.retry_after = retry_after
+        self.extra = extra
+
+    def body(self) -> dict:
+        err = {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"), "code": self.code}
+        if self.param is not None:
+            err["param"] = self.param
+        err.update(self.extra)
+        return {"error": err}
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        h = dict(headers or {})
+        if self.retry_after is not None:
+            h["Retry-After"] = str(int(self.retry_after))
+        return JSONResponse(self.body(), status_code=self.status, headers=h)
+
+
+def from_refusal(r: Refusal) -> APIError:
+    extra = r.details()
+    if r.retry_after is not None:
+        extra["retry_after_seconds"] = r.retry_after
+    return APIError(r.status, r.message, r.code, retry_after=r.retry_after, **extra)
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code, param=param)
+
+
+def unsupported(field: str, detail: str) -> APIError:
+    return APIError(400, f"'{field}' is not supported by kvgate yet: {detail}", "unsupported_parameter", param=field)

@@ -1,0 +1,84 @@
+"""Prometheus metrics, names prefixed `kvgate_`, one registry per app.
+
+Request-level counters and latency histograms are observed by the HTTP layer; engine state (rows,
+queue, KV blocks, ledger) is read from the engine at scrape time, so it can never drift from the
+source. Nothing unmeasured is reported as 0: before the engine has loaded, engine metrics are absent.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LAT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_ITL = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self, get_engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvgate_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.rejections = Counter("kvgate_rejections", "Refused requests by reason (each counted once)", ["reason"], registry=r)
+        self.ttft = Histogram("kvgate_time_to_first_token_seconds", "Submit to first token", buckets=_LAT, registry=r)
+        self.itl = Histogram("kvgate_inter_token_latency_seconds", "Gap between tokens", buckets=_ITL, registry=r)
+        self.e2e = Histogram("kvgate_e2e_request_latency_seconds", "Submit to finish", buckets=_LAT, registry=r)
+        self.queue = Histogram("kvgate_queue_time_seconds", "Submit to admission", buckets=_LAT, registry=r)
+        r.register(_EngineCollector(get_engine))
+
+    def observe_result(self, result) -> None:
+        if result.admitted_at is not None:
+            self.queue.observe(result.admitted_at - result.submitted_at)
+        if result.first_token_at is not None:
+            self.ttft.observe(result.first_token_at - result.submitted_at)
+        t = result.token_times
+        for a, b in zip(t, t[1:]):
+            self.itl.observe(b - a)
+        self.e2e.observe(result.finished_at - result.submitted_at)
+
+
+class _EngineCollector:
+    def __init__(self, get_engine):
+        self.get_engine = get_engine
+
+    def collect(self):
+        engine = self.get_engine()
+        if engine is None:
+            return
+        s = engine.scheduler
+        c = s.counters
+        alloc = engine.allocator
+        plan = engine.plan
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(f"kvgate_{name}", doc)
+            g.add_metric([], value)
+            return g
+
+        def counter(name, doc, value):
+            m = CounterMetricFamily(f"kvgate_{name}", doc)
+            m.add_metric([], value)
+            return m
+
+        yield gauge("requests_running", "Rows holding KV blocks (prefilling or decoding)", len(s.running))
+        yield gauge("requests_waiting", "Requests in the FIFO queue", len(s.waiting))
+        yield gauge("kv_blocks_total", "KV blocks in the pool", alloc.total)
+        yield gauge("kv_blocks_free", "KV blocks not reserved by any request", alloc.free)
+        yield gauge("kv_blocks_peak", "Most KV blocks ever held at once (counted from rows)", c.kv_blocks_peak)
+        yield gauge("kv_block_size", "Tokens per KV block", plan.block_size)
+        yield gauge("kv_usage_ratio", "Reserved KV blocks / total", 1 - alloc.free / alloc.total)
+        yield gauge("kv_bytes_per_token", "KV bytes per token position", plan.kv_bytes_per_token)
+        yield gauge("memory_limit_bytes", "The ledger's memory limit", engine.ledger.limit)
+        reserved = GaugeMetricFamily("kvgate_memory_reserved_bytes", "Ledger reservations by role", labels=["role"])
+        for role, n in engine.ledger.by_role().items():
+            reserved.add_metric([role], n)
+        yield reserved
+        yield counter("budget_caps", "Requests admitted with a capped max_tokens", c.budget_caps)
+        yield counter("prompt_tokens", "Prompt tokens admitted", c.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated", c.generated_tokens)
+        yield counter("aborted", "Requests cancelled (client disconnect or shutdown)", c.aborted)
+        yield counter("prefill_chunks", "Prompt chunks run", c.prefill_chunks)
+        yield counter("decode_steps", "Steps that decoded at least one row", c.decode_steps)
+        yield counter("failed_rows", "Rows failed by an error in their step", c.failed)
+        if s.step_time_ema is not None:
+            yield gauge("step_seconds_ema", "Smoothed engine step time", s.step_time_ema)

@@ -1,0 +1,107 @@
+"""`kvgate serve`: bind safely, answer /health while the model loads, shut down gracefully.
+
+On SIGTERM or Ctrl-C: stop admitting (new requests get 503 + Retry-After), let running requests
+finish for up to `--shutdown-grace` seconds, cancel what is left (clients get their partial output),
+then exit 0.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from kvgate.server.app import ServerSettings, create_app
+
+log = logging.getLogger("kvgate.serve")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+def served_name(model: str, override: str | None) -> str:
+    if override:
+        return override
+    if model == "default":
+        return "SmolLM2-135M-Instruct"
+    from pathlib import Path
+
+    p = Path(model)
+    return p.stem if p.suffix else p.name
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config, app, grace: float):
+        super().__init__(config)
+        self.kv_app = app
+        self.grace = grace
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining:  # a second signal: stop now
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        self.kv_app.state.status = "shutting_down"
+        threading.Thread(target=self._drain, name="kvgate-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        engine = self.kv_app.state.engine
+        log.info("shutting down: no new requests; waiting up to %.0fs for running ones", self.grace)
+        if engine is not None:
+            engine.shutdown(self.grace)
+        time.sleep(0.2)  # let the final SSE events and responses flush
+        self.should_exit = True
+
+
+def serve(args) -> int:
+    from kvgate.cli import engine_config
+    from kvgate.engine import Engine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not is_loopback(args.host) and not args.api_key and not args.allow_unauthenticated:
+        print(
+            f"kvgate: error: refusing to bind {args.host} (not a loopback address) without --api-key. Set "
+            "--api-key KEY (or KVGATE_API_KEY), or pass --allow-unauthenticated if this network is trusted.",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = engine_config(args)
+    settings = ServerSettings(
+        model_name=served_name(args.model, args.served_model_name),
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
+    app = create_app(settings)
+
+    def load():
+        try:
+            engine = Engine.from_model(args.model, cfg)
+            print(engine.plan.describe(1024), file=sys.stderr, flush=True)
+            app.state.engine = engine.start()
+            app.state.status = "ready"
+            log.info("ready: %s on %s (%s), loaded in %.1fs", settings.model_name, engine.info.device,
+                     engine.info.dtype, engine.info.load_seconds)
+        except Exception as exc:  # the server stays up to say why on /health
+            app.state.load_error = str(exc)
+            log.error("model failed to load: %s", exc)
+
+    threading.Thread(target=load, name="kvgate-load", daemon=True).start()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    server = GracefulServer(config, app, args.shutdown_grace)
+    print(f"kvgate: serving on http://{args.host}:{args.port}/v1 (health: /health)", file=sys.stderr, flush=True)
+    server.run()
+    return 0 if app.state.load_error is None else 1

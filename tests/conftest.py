@@ -1,0 +1,43 @@
+"""Shared fixtures: a tiny random model on disk, engines built on it, and the cache dir kept per-session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.tiny_model import make_tiny_hf_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    # Converted-GGUF caches go to a per-session folder unless the caller chose one (CI reuses ~/.cache).
+    if "KVGATE_CACHE_DIR" not in os.environ:
+        os.environ["KVGATE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvgate-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def make_engine(tiny_dir):
+    """Build started engines on the tiny model; every engine is shut down after the test."""
+    from kvgate.config import EngineConfig
+    from kvgate.engine import Engine
+
+    engines = []
+
+    def build(**cfg):
+        cfg.setdefault("memory_limit", "2GiB")
+        cfg.setdefault("dtype", "float32")
+        cfg.setdefault("device", "cpu")
+        overhead = cfg.pop("overhead_bytes", 0)
+        e = Engine.from_model(str(tiny_dir), EngineConfig(**cfg), overhead_bytes=overhead).start()
+        engines.append(e)
+        return e
+
+    yield build
+    for e in engines:
+        e.shutdown()
