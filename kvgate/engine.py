@@ -228,6 +228,11 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        mt = request.max_tokens
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+            # Below 1 the KV reservation would be smaller than the prompt: its prefill would write
+            # past its blocks and fail every row sharing that step.
+            raise ValueError(f"max_tokens={mt!r} must be an integer of at least 1 (or unset)")
         handle = RequestHandle(request, self._wake)
         if self.dead is not None:
             from kvgate.request import Refusal

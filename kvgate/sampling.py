@@ -22,6 +22,18 @@ class SamplingError(ValueError):
         self.param = param
 
 
+_RANGES = {
+    "temperature": "0 <= temperature <= 2 (0 = greedy)",
+    "top_p": "0 < top_p <= 1",
+    "top_k": "an integer >= 1, or 0 / -1 for no limit",
+    "min_p": "0 <= min_p <= 1",
+    "repetition_penalty": "0 < repetition_penalty <= 2",
+    "presence_penalty": "-2 <= presence_penalty <= 2",
+    "frequency_penalty": "-2 <= frequency_penalty <= 2",
+    "seed": "an integer 0 <= seed < 2**63",
+}
+
+
 @dataclass(slots=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -36,28 +48,28 @@ class SamplingParams:
     def validate(self) -> SamplingParams:
         def finite(name, v):
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise SamplingError(name, v, "a finite number")
+                raise SamplingError(name, v, f"a finite number, {_RANGES[name]}")
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
             finite(name, getattr(self, name))
         finite("frequency_penalty", self.frequency_penalty)
         if not 0.0 <= self.temperature <= 2.0:
-            raise SamplingError("temperature", self.temperature, "0 <= temperature <= 2 (0 = greedy)")
+            raise SamplingError("temperature", self.temperature, _RANGES["temperature"])
         if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError("top_p", self.top_p, "0 < top_p <= 1")
+            raise SamplingError("top_p", self.top_p, _RANGES["top_p"])
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise SamplingError("top_k", self.top_k, "an integer >= 1, or 0 / -1 for no limit")
+            raise SamplingError("top_k", self.top_k, _RANGES["top_k"])
         if not 0.0 <= self.min_p <= 1.0:
-            raise SamplingError("min_p", self.min_p, "0 <= min_p <= 1")
+            raise SamplingError("min_p", self.min_p, _RANGES["min_p"])
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise SamplingError("repetition_penalty", self.repetition_penalty, "0 < repetition_penalty <= 2")
+            raise SamplingError("repetition_penalty", self.repetition_penalty, _RANGES["repetition_penalty"])
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise SamplingError(name, getattr(self, name), f"-2 <= {name} <= 2")
+                raise SamplingError(name, getattr(self, name), _RANGES[name])
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):
-            raise SamplingError("seed", self.seed, "an integer 0 <= seed < 2**63")
+            raise SamplingError("seed", self.seed, _RANGES["seed"])
         return self
 
 
@@ -71,16 +83,24 @@ class Sampler:
         self.penalized = (
             params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         )
-        if self.penalized:
-            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
-            if prompt_ids:
-                self.seen[torch.tensor(prompt_ids)] = True
-            self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+        self._prompt_ids = list(prompt_ids) if self.penalized else []
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def _init_penalty_state(self, n: int) -> None:
+        # Sized by the logits, not the tokenizer: a model may have more rows than tokens (padding).
+        self.seen = torch.zeros(n, dtype=torch.bool)
+        ids = [t for t in self._prompt_ids if 0 <= t < n]
+        if ids:
+            self.seen[torch.tensor(ids)] = True
+        self.counts = torch.zeros(n, dtype=torch.float32)
 
     def sample(self, logits: torch.Tensor) -> int:
         """`logits`: float32 `[vocab]` (may be a view into the batch's logits; it is not modified)."""
         p = self.p
         if self.penalized:
+            if self.seen is None:
+                self._init_penalty_state(logits.shape[-1])
             logits = logits.clone()
             if p.repetition_penalty != 1.0:
                 sel = logits[self.seen]

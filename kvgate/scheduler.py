@@ -154,6 +154,7 @@ class Scheduler:
             c.rejected_context_length += 1
             raise self._context_refusal(P, req.max_tokens)
         cap = None
+        requested = ceiling  # before any cap: what the caller asked for, or the context ceiling
         if blocks_for(P + ceiling, self.block_size) > self.alloc.total:
             if explicit or P + 1 > limit_pos:
                 c.rejected_kv_budget += 1
@@ -179,7 +180,7 @@ class Scheduler:
                     retry_after=self.retry_after(queued=len(self.waiting)),
                 )
             deadline = handle.submitted_at + self.max_queue_wait
-            self.waiting.append(WaitEntry(handle, ceiling, explicit, req.max_tokens or ceiling, cap, deadline))
+            self.waiting.append(WaitEntry(handle, ceiling, explicit, requested, cap, deadline))
             self.lock.notify_all()
 
     def _context_refusal(self, P: int, max_tokens: int | None) -> Refusal:
@@ -279,7 +280,7 @@ class Scheduler:
             need = blocks_for(P + mt, self.block_size)
             if not self.alloc.can_allocate(need):
                 fits = self.alloc.free * self.block_size - P
-                if head.explicit or fits < self.min_cap_tokens:
+                if head.explicit or fits < max(1, self.min_cap_tokens):
                     return  # the head blocks the line (strict FIFO)
                 cap = BudgetCap(head.requested, fits, "kv_free_now")
                 mt = fits
