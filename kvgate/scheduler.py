@@ -329,14 +329,19 @@ class Scheduler:
             self.counters.rejected_kv_timeout += 1
             P = len(w.handle.request.prompt_ids)
             need = blocks_for(P + w.max_tokens, self.block_size)
+            if self.alloc.can_allocate(need) and len(self.running) >= self.max_seqs:
+                why = f"all {self.max_seqs} batch rows (--max-seqs) stayed busy"
+            else:
+                why = (
+                    f"it needs {need} blocks of KV (prompt {P} + max_tokens {w.max_tokens}) and "
+                    f"{self.alloc.free} of {self.alloc.total} are free"
+                )
             w.handle.events.put(
                 Refused(
                     Refusal(
                         "kv_memory_unavailable",
-                        f"not enough free KV memory for this request right now: it needs {need} blocks "
-                        f"(prompt {P} + max_tokens {w.max_tokens}) and {self.alloc.free} of "
-                        f"{self.alloc.total} are free after waiting {self.max_queue_wait:g}s. Retry after the "
-                        "Retry-After interval, or lower max_tokens.",
+                        f"no room for this request right now: {why} after waiting {self.max_queue_wait:g}s. "
+                        "Retry after the Retry-After interval, or lower max_tokens.",
                         429,
                         retry_after=self.retry_after(),
                         estimated_bytes=need * self.block_size * self.kv_bytes_per_token,
@@ -397,11 +402,21 @@ class Scheduler:
         c.prefill_tokens += sum(len(p.tokens) for p in prefills)
         now = time.monotonic()
         for row, li in zip(decode_rows, d_rows, strict=True):
-            self._append(row, row.sampler.sample(logits[li]), now)
+            self._sample_append(row, logits[li], now)
         for row, p, li in zip(prefill_rows, prefills, p_rows, strict=True):
             row.computed += len(p.tokens)
             if li >= 0:
-                self._append(row, row.sampler.sample(logits[li]), now)
+                self._sample_append(row, logits[li], now)
+
+    def _sample_append(self, row: Row, logits: torch.Tensor, now: float) -> None:
+        """Sample one row's token and append it. An error here (e.g. a sampler that meets non-finite
+        probabilities) fails this row alone; outside a try it would kill the worker and every row."""
+        try:
+            self._append(row, row.sampler.sample(logits), now)
+        except Exception as exc:
+            if row.handle.id in self.running:
+                self.counters.failed += 1
+                self._finish(row, "error", error=f"{type(exc).__name__}: {exc}", flush=False)
 
     def _append(self, row: Row, token: int, now: float) -> None:
         row.computed = len(row.tokens)
@@ -472,4 +487,11 @@ class Scheduler:
                 Refused(Refusal("engine_unavailable", f"the server stopped before admitting this request: {reason}", 503, retry_after=1))
             )
         for row in list(self.running.values()):
-            self._finish(row, "error", error=reason)
+            try:
+                self._finish(row, "error", error=reason)
+            except Exception:  # keep going: every other row still needs its terminal event
+                self.running.pop(row.handle.id, None)
+                row.handle.events.put(Finished(Result(
+                    list(row.out_ids), "".join(row.text), "error", len(row.prompt), len(row.out_ids),
+                    row.budget_cap, row.handle.submitted_at, row.admitted_at, None, time.monotonic(), [], reason,
+                ), ""))
