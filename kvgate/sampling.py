@@ -122,12 +122,11 @@ class Sampler:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, -math.inf)
         probs = torch.softmax(logits, dim=-1)
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
             cum = torch.cumsum(sorted_p, dim=-1)
-            drop = (cum - sorted_p) > p.top_p  # keep the smallest prefix reaching top_p (>= 1 token)
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+            drop = (cum - sorted_p) >= p.top_p  # keep the smallest prefix reaching top_p (>= 1 token)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p.masked_fill(drop, 0.0))
+        if p.min_p > 0.0:  # relative to the most likely token, after top-p (multinomial renormalizes)
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs, 1, generator=self.gen))

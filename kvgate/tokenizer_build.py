@@ -49,8 +49,8 @@ def build_bpe_tokenizer(
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     # Type 3 (control, e.g. <|im_start|>) is special; type 4 (user-defined) must still match whole.
-    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == 3]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == 4]
+    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types, strict=False) if k == 3]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types, strict=False) if k == 4]
     if special:
         tok.add_special_tokens(special)
     if user:

@@ -11,7 +11,8 @@ Weight layout notes:
 - GGUF lists dimensions fastest-first; `gguf`'s reader already returns numpy arrays in row-major
   order, so a weight comes out as [out_features, in_features] like torch's.
 - llama.cpp's converter permutes attn_q/attn_k rows so rotary pairs are adjacent (GPT-J style). We
-  undo that permutation so the model can use the HF rotate-half RoPE for every source format.
+  undo that permutation so the model can use the HF rotate-half RoPE for every source format. It does
+  so only for Llama-style architectures (`PERMUTED_QK_ARCHS`): Qwen2 GGUFs keep HF order.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ import numpy as np
 
 from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
 
-CACHE_FORMAT = 1
+# Bump when the converter's output changes. 2: Qwen2 q/k rows are no longer unpermuted; Llama q/k
+# biases are.
+CACHE_FORMAT = 3
+# llama.cpp permutes q/k rows (weights and biases) only for architectures it runs with GPT-J style
+# RoPE; Qwen2 uses NeoX (rotate-half) RoPE and is written in HF order, untouched.
+PERMUTED_QK_ARCHS = ("llama", "mistral", "smollm")
 # Quantization types we accept, all dequantized by `gguf.quants.dequantize`.
 SUPPORTED_QUANTS = (
     "F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K Q8_K"
@@ -117,6 +123,16 @@ def _convert(path: Path, out: Path) -> None:
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
         )
     cfg = _config_from_metadata(reader, arch, path)
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in {t.name for t in reader.tensors} or scaling not in (None, "none"):
+        raise ModelLoadError(
+            f"{path.name}: this model uses RoPE scaling ({scaling or 'rope_freqs, Llama 3.1+ style'}), which "
+            "kvgate does not implement yet; its output would be silently wrong, so it is refused. Use a "
+            "model without RoPE scaling (Llama 2/3.0, SmolLM, Mistral, Qwen2)."
+        )
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window and int(window) < cfg["max_position_embeddings"]:
+        cfg["sliding_window"] = int(window)
     tensors = {t.name: t for t in reader.tensors}
     weights: dict[str, torch.Tensor] = {}
     n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -138,9 +154,9 @@ def _convert(path: Path, out: Path) -> None:
                 f"{path.name}: tensor {name} ({qtype}) could not be decoded ({exc}); the file is "
                 "probably truncated or corrupt. Download it again."
             ) from exc
-        if name.endswith("attn_q.weight"):
+        if arch in PERMUTED_QK_ARCHS and name.endswith(("attn_q.weight", "attn_q.bias")):
             arr = _unpermute(arr, n_heads)
-        elif name.endswith("attn_k.weight"):
+        elif arch in PERMUTED_QK_ARCHS and name.endswith(("attn_k.weight", "attn_k.bias")):
             arr = _unpermute(arr, n_kv)
         weights[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
     if "model.embed_tokens.weight" not in weights:

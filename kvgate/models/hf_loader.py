@@ -48,6 +48,16 @@ def read_spec(config: dict, path: Path) -> ModelSpec:
         )
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
+    if config.get("rope_scaling"):
+        raise ModelLoadError(
+            f"{path}: rope_scaling {config['rope_scaling']} is not implemented in kvgate yet; the output "
+            "would be silently wrong, so the model is refused. Use a model without RoPE scaling."
+        )
+    max_pos = int(config.get("max_position_embeddings", 2048))
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and int(window) < max_pos:
+        # Within the window, full attention is exact; beyond it we would differ. Cap the context.
+        max_pos = int(window)
     return ModelSpec(
         architecture=config.get("kvgate_source_architecture", arch),
         vocab_size=int(config["vocab_size"]),
@@ -59,7 +69,7 @@ def read_spec(config: dict, path: Path) -> ModelSpec:
         head_dim=int(config.get("head_dim") or hidden // heads),
         rope_theta=float(config.get("rope_theta", 10000.0)),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         name=str(config.get("name") or path.name),
     )

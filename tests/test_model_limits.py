@@ -1,0 +1,43 @@
+"""Model features kvgate does not implement are refused or bounded, never silently computed wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvgate.models import ModelLoadError, load_model
+from kvgate.sampling import Sampler, SamplingParams
+from tests.tiny_model import make_tiny_hf_dir
+
+
+def _with_config(tmp_path, **changes):
+    d = make_tiny_hf_dir(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_rope_scaling_is_refused_by_name(tmp_path):
+    """Seen to fail (the model loaded) before hf_loader checked rope_scaling."""
+    d = _with_config(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ModelLoadError, match="rope_scaling"):
+        load_model(str(d))
+
+
+def test_sliding_window_caps_the_context_instead_of_attending_past_it(tmp_path):
+    """Full attention equals sliding-window attention only inside the window, so the context is capped.
+    Seen to fail when the window was ignored (max_position_embeddings stayed 512)."""
+    d = _with_config(tmp_path, sliding_window=128)
+    assert load_model(str(d)).spec.max_position_embeddings == 128
+
+
+def test_top_p_stops_at_the_token_that_reaches_it():
+    """probs 0.5, 0.3, 0.2 with top_p=0.8: the first two reach 0.8 exactly, so the third is dropped.
+    Seen to fail with the strict '>' comparison, which kept the third token."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    s = Sampler(SamplingParams(temperature=1.0, top_p=0.8, seed=0), [], 3)
+    drawn = {s.sample(logits) for _ in range(300)}
+    assert drawn == {0, 1}

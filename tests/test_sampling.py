@@ -1,0 +1,223 @@
+"""Sampling (`kvgate.sampling`): parameter validation with messages a client can act on, seeded
+determinism, and each logits processor doing what it says."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvgate.sampling import Sampler, SamplingError, SamplingParams
+
+VOCAB = 64
+
+
+def draws(params: SamplingParams, logits: torch.Tensor, n: int, prompt: list[int] | None = None) -> list[int]:
+    s = Sampler(params, prompt or [], logits.shape[-1])
+    return [s.sample(logits) for _ in range(n)]
+
+
+def random_logits(seed: int, n: int = VOCAB, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ---- validation ----------------------------------------------------------------------------------
+
+BAD = [
+    ("temperature", -1.0, "0 <= temperature <= 2"),
+    ("temperature", math.nan, "0 <= temperature <= 2"),
+    ("temperature", math.inf, "0 <= temperature <= 2"),
+    ("temperature", 3, "0 <= temperature <= 2"),
+    ("top_p", 0.0, "0 < top_p <= 1"),
+    ("top_p", 1.5, "0 < top_p <= 1"),
+    ("top_k", -2, "0 / -1 for no limit"),
+    ("top_k", 2.5, "an integer"),
+    ("min_p", 2.0, "0 <= min_p <= 1"),
+    ("min_p", -0.1, "0 <= min_p <= 1"),
+    ("repetition_penalty", 0.0, "0 < repetition_penalty <= 2"),
+    ("repetition_penalty", 2.5, "0 < repetition_penalty <= 2"),
+    ("presence_penalty", -2.5, "-2 <= presence_penalty <= 2"),
+    ("presence_penalty", 3.0, "-2 <= presence_penalty <= 2"),
+    ("frequency_penalty", 2.1, "-2 <= frequency_penalty <= 2"),
+    ("frequency_penalty", -math.inf, "-2 <= frequency_penalty <= 2"),
+    ("seed", -1, "0 <= seed < 2**63"),
+    ("seed", 2**63, "0 <= seed < 2**63"),
+]
+
+
+@pytest.mark.parametrize("param,value,allowed", BAD, ids=[f"{p}={v}" for p, v, _ in BAD])
+def test_out_of_range_values_raise_an_error_naming_parameter_value_and_allowed_range(param, value, allowed):
+    """Seen to fail when a range check is loosened (e.g. top_p allows 0) and, for nan/inf, when the
+    message only said "a finite number" without the range."""
+    with pytest.raises(SamplingError) as err:
+        SamplingParams(**{param: value}).validate()
+    msg = str(err.value)
+    assert err.value.param == param
+    assert msg.startswith(f"{param}={value!r}")
+    assert allowed in msg
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0),
+        dict(temperature=2, top_p=1, top_k=-1, min_p=1),
+        dict(top_k=0, repetition_penalty=2, presence_penalty=-2, frequency_penalty=2),
+        dict(seed=0),
+        dict(seed=2**63 - 1),
+    ],
+)
+def test_values_at_the_edges_of_each_range_are_accepted(kw):
+    """Seen to fail when an inclusive bound is made exclusive (e.g. temperature 2 refused)."""
+    assert SamplingParams(**kw).validate() is not None
+
+
+# ---- determinism ---------------------------------------------------------------------------------
+
+
+def test_the_same_seed_gives_the_same_tokens_and_another_seed_different_ones():
+    """Seen to fail when the sampler draws from the global RNG instead of its own generator."""
+    logits = random_logits(0, scale=0.5)  # flat-ish: many tokens are likely
+    a = draws(SamplingParams(seed=1234), logits, 40)
+    torch.manual_seed(99)  # the global RNG must not matter
+    b = draws(SamplingParams(seed=1234), logits, 40)
+    c = draws(SamplingParams(seed=4321), logits, 40)
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 5  # really sampling, not collapsing to one token
+
+
+def test_temperature_zero_is_argmax_whatever_the_seed_and_filters():
+    """Seen to fail when temperature 0 samples (the greedy branch removed)."""
+    for seed in range(20):
+        logits = random_logits(seed, scale=0.3)
+        p = SamplingParams(temperature=0, seed=seed, top_k=50, top_p=0.9, min_p=0.05)
+        assert draws(p, logits, 3) == [int(logits.argmax())] * 3
+
+
+def test_top_k_one_is_greedy():
+    """Seen to fail when top-k masks with `<=` the k-th value (everything masked) or is skipped."""
+    for seed in range(20):
+        logits = random_logits(seed, scale=0.3)
+        assert draws(SamplingParams(top_k=1, seed=seed), logits, 5) == [int(logits.argmax())] * 5
+
+
+def test_a_tiny_top_p_is_greedy():
+    """Seen to fail when top-p keeps tokens whose own cumulative mass (not the mass before them) is
+    within top_p (nothing would be kept) or when it is skipped."""
+    for seed in range(20):
+        logits = random_logits(seed, scale=0.3)
+        assert draws(SamplingParams(top_p=1e-6, seed=seed), logits, 5) == [int(logits.argmax())] * 5
+
+
+PROBS = torch.tensor([0.45, 0.3, 0.15, 0.07, 0.03])
+
+
+def test_top_k_keeps_only_the_k_most_likely_tokens():
+    """Seen to fail when top-k is skipped."""
+    got = set(draws(SamplingParams(top_k=2, seed=3), PROBS.log(), 400))
+    assert got == {0, 1}
+    assert set(draws(SamplingParams(seed=3), PROBS.log(), 400)) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    """0.45 + 0.3 = 0.75 reaches 0.7: tokens 2..4 are never drawn. Seen to fail when top-p is skipped."""
+    assert set(draws(SamplingParams(top_p=0.7, seed=5), PROBS.log(), 400)) == {0, 1}
+
+
+def test_min_p_drops_tokens_less_likely_than_min_p_times_the_top_probability():
+    """min_p 0.2 of 0.45 = 0.09: tokens at 0.07 and 0.03 go, 0.15 stays.
+
+    Seen to fail when min_p is compared with the absolute probability (0.15 < 0.2 would be dropped)
+    and when it is skipped.
+    """
+    assert set(draws(SamplingParams(min_p=0.2, seed=7), PROBS.log(), 400)) == {0, 1, 2}
+
+
+def test_temperature_sharpens_and_flattens_the_distribution():
+    """Seen to fail when logits are multiplied by the temperature instead of divided."""
+    low = draws(SamplingParams(temperature=0.2, seed=11), PROBS.log(), 400)
+    high = draws(SamplingParams(temperature=2.0, seed=11), PROBS.log(), 400)
+    assert low.count(0) > 300  # (0.45/0.3) ** 5 = 7.6: token 0 about 88% of the time
+    assert high.count(0) < 200  # flatter than the original 45%
+    assert len(set(high)) == 5
+
+
+# ---- penalties -------------------------------------------------------------------------------------
+
+
+def greedy(logits: list[float], n: int, prompt: list[int] | None = None, **kw) -> list[int]:
+    return draws(SamplingParams(temperature=0, **kw), torch.tensor(logits), n, prompt)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    """Seen tokens (prompt or output) get less likely either way round the sign.
+
+    Seen to fail when positive and negative logits are both divided (a negative logit would rise).
+    """
+    assert greedy([2.0, 1.8, 0.0], 1, prompt=[0], repetition_penalty=1.2) == [1]  # 2.0 / 1.2 < 1.8
+    assert greedy([-1.0, -1.1, -5.0], 1, prompt=[0], repetition_penalty=1.2) == [1]  # -1.0 * 1.2 < -1.1
+    assert greedy([2.0, 1.8, 0.0], 1, prompt=[0]) == [0]  # no penalty: token 0
+    # A penalty below 1 favours repetition.
+    assert greedy([1.8, 2.0, 0.0], 1, prompt=[0], repetition_penalty=0.8) == [0]
+    # Generated tokens count as seen too.
+    assert greedy([2.0, 1.8, 0.0], 3, repetition_penalty=1.2) == [0, 1, 0]  # 2.0/1.2 > 1.8/1.2
+
+
+def test_presence_penalty_subtracts_once_for_any_token_already_generated():
+    """A: 1.0, B: 0.8, presence 0.5 -> A, then B (A is 0.5), then A twice (0.5 > 0.3): A's second
+    use costs nothing more.
+
+    Seen to fail when the presence penalty scales with the count (it is the frequency penalty's job).
+    """
+    assert greedy([1.0, 0.8, -3.0], 4, presence_penalty=0.5) == [0, 1, 0, 0]
+    assert greedy([1.0, 0.8, -3.0], 4) == [0, 0, 0, 0]
+
+
+def test_frequency_penalty_grows_with_how_often_a_token_was_generated():
+    """A: 1.0, B: 0.3, frequency 0.4 -> A (1.0), A (0.6), then B (A is down to 0.2).
+
+    Seen to fail when the frequency penalty is applied once per token regardless of count.
+    """
+    assert greedy([1.0, 0.3, -3.0], 3, frequency_penalty=0.4) == [0, 0, 1]
+
+
+def test_negative_presence_penalty_makes_generated_tokens_more_likely():
+    """Seen to fail when the penalty's sign is flipped (added instead of subtracted)."""
+    logits = torch.tensor([1.0, 0.9, -3.0])
+    s = Sampler(SamplingParams(temperature=0, presence_penalty=-2.0), [], 3)
+    first = s.sample(logits)
+    later = s.sample(torch.tensor([0.9, 1.0, -3.0]))  # the other token now leads by 0.1
+    assert (first, later) == (0, 0)
+    assert torch.equal(logits, torch.tensor([1.0, 0.9, -3.0]))
+
+
+def test_penalties_never_modify_the_callers_logits():
+    """The logits handed in may be a view into the whole batch's logits.
+
+    Seen to fail when the penalized sampler works in place (no clone).
+    """
+    batch = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    before = batch.clone()
+    s = Sampler(
+        SamplingParams(repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=1.0, seed=1),
+        list(range(10)),
+        VOCAB,
+    )
+    for _ in range(5):
+        s.sample(batch[1])
+    assert torch.equal(batch, before)
+
+
+def test_penalties_work_when_the_model_has_more_logits_than_the_tokenizer_has_tokens():
+    """Models often pad the embedding past the tokenizer's vocabulary (Qwen2: 151,936 vs 151,665).
+
+    Seen to fail (IndexError, which kills the engine worker) when the seen-token mask is sized by
+    the tokenizer's vocabulary instead of the logits it is applied to.
+    """
+    logits = torch.tensor([2.0, 1.8, 0.0, -1.0, -1.0, -1.0])
+    s = Sampler(SamplingParams(temperature=0, repetition_penalty=1.2), [0], vocab_size=4)
+    assert s.sample(logits) == 1
+    s = Sampler(SamplingParams(seed=1, frequency_penalty=0.5), [], vocab_size=4)
+    assert all(0 <= s.sample(logits) < 6 for _ in range(20))

@@ -1,0 +1,151 @@
+"""Stop matching (`kvgate.stop.StopMatcher`): stop ids, stop strings across token boundaries, and a
+hold-back that keeps only what could still become a stop string."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgate.stop import StopMatcher
+
+
+def feed(matcher: StopMatcher, chunks: list[str]) -> tuple[list[str], bool]:
+    """Push chunks until a stop completes; return the pieces released (flush included if none did)."""
+    out = []
+    for chunk in chunks:
+        text, stopped = matcher.push(chunk)
+        out.append(text)
+        if stopped:
+            return out, True
+    out.append(matcher.flush())
+    return out, False
+
+
+def test_stop_string_split_across_token_boundaries_is_found_and_cut():
+    """Seen to fail when push searches only the new chunk (not held + new text)."""
+    m = StopMatcher(set(), ["END"])
+    assert m.push("Hello wor") == ("Hello wor", False)
+    assert m.push("ld E") == ("ld ", False)
+    assert m.push("N") == ("", False)
+    assert m.push("D and more") == ("", True)
+
+
+def test_text_before_a_stop_in_the_same_chunk_is_released_and_the_rest_dropped():
+    """Seen to fail when the stop string and the text after it are released too."""
+    m = StopMatcher(set(), ["###"])
+    assert m.push("answer: 42### trailing") == ("answer: 42", True)
+
+
+def test_a_partial_stop_that_never_completes_is_released_in_full_by_flush():
+    """Nothing is lost: held text comes back once generation ends for another reason.
+
+    Seen to fail when flush returns "" instead of the held tail.
+    """
+    m = StopMatcher(set(), ["<|end|>"])
+    pieces, stopped = feed(m, ["one two", " <|e", "nd"])
+    assert not stopped
+    assert pieces[:-1] == ["one two", " ", ""]
+    assert "".join(pieces) == "one two <|end"
+    assert m.flush() == ""  # flushing empties the hold
+
+
+def test_a_partial_that_turns_out_not_to_be_a_stop_is_released_at_once():
+    """Seen to fail when the held tail is kept after the next chunk rules it out."""
+    m = StopMatcher(set(), ["END"])
+    assert m.push("the EN") == ("the ", False)
+    assert m.push("ter") == ("ENter", False)
+    assert m.push(" E") == (" ", False)
+    assert m.push("x") == ("Ex", False)
+
+
+def test_with_several_stops_the_earliest_occurrence_wins():
+    """Seen to fail when the first stop in list order wins instead of the earliest in the text."""
+    m = StopMatcher(set(), ["world", "lo"])
+    assert m.push("hello world") == ("hel", True)
+    m = StopMatcher(set(), ["zz", "b"])
+    assert m.push("a zz b") == ("a ", True)
+
+
+def test_hold_back_is_only_the_longest_tail_that_is_a_prefix_of_some_stop():
+    """Seen to fail when the matcher holds max(len(stop)) - 1 characters regardless of content, and
+    when it holds the shortest matching prefix instead of the longest."""
+    m = StopMatcher(set(), ["abcd", "xy"])
+    assert m.push("12345") == ("12345", False)  # nothing can start a stop: nothing held
+    assert m.push("ab") == ("", False)
+    assert m.held == "ab"
+    assert m.push("c") == ("", False)
+    assert m.held == "abc"
+    assert m.push("x") == ("abc", False)  # "abcx" rules out abcd; "x" may start "xy"
+    assert m.held == "x"
+    assert m.push("y") == ("", True)
+    m = StopMatcher(set(), ["aab"])
+    assert m.push("aa") == ("", False)  # "aa" and "a" are both prefixes: the longer one is held
+    assert m.push("a") == ("a", False)  # "aaa": only "aa" can still become "aab"
+    assert m.push("b") == ("", True)
+
+
+def test_without_stop_strings_text_passes_straight_through():
+    """Seen to fail when empty stop strings are kept (every text would 'contain' the stop "")."""
+    m = StopMatcher(set(), ["", ""])
+    assert m.push("anything") == ("anything", False)
+    assert m.flush() == ""
+
+
+def test_stop_token_ids_are_matched_exactly():
+    """Seen to fail when is_stop_token ignores the id set."""
+    m = StopMatcher({2, 7}, [])
+    assert m.is_stop_token(2) and m.is_stop_token(7)
+    assert not m.is_stop_token(3) and not m.is_stop_token(0)
+    assert not StopMatcher(frozenset(), ["x"]).is_stop_token(2)
+
+
+def expected_output(chunks: list[str], stops: list[str]) -> tuple[str, bool]:
+    """What a streaming server must produce: at the first chunk boundary where the text so far contains
+    a stop string, the text before the earliest such occurrence; otherwise everything."""
+    text = ""
+    for chunk in chunks:
+        text += chunk
+        found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+        if found:
+            return text[: min(found)], True
+    return text, False
+
+
+def longest_partial(text: str, stops: list[str]) -> int:
+    best = 0
+    for s in stops:
+        for n in range(1, len(s)):
+            if text.endswith(s[:n]):
+                best = max(best, n)
+    return best
+
+
+_alphabet = st.sampled_from("abc ")
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    chunks=st.lists(st.text(_alphabet, max_size=6), max_size=12),
+    stops=st.lists(st.text(_alphabet, max_size=4), max_size=3),
+)
+def test_streamed_output_equals_the_text_up_to_the_first_stop_and_holds_back_minimally(chunks, stops):
+    """A tiny alphabet makes stops, partial stops and overlaps common.
+
+    Seen to fail when flush drops the held text, when the hold-back keeps one character too many or
+    too few, and when the earliest-occurrence rule is replaced by list order.
+    """
+    m = StopMatcher(set(), stops)
+    released = ""
+    seen = ""
+    stopped = False
+    for chunk in chunks:
+        text, stopped = m.push(chunk)
+        released += text
+        seen += chunk
+        if stopped:
+            break
+        # Minimal hold-back: all of the text is out except the longest tail that may still be a stop.
+        assert released == seen[: len(seen) - longest_partial(seen, stops)]
+    if not stopped:
+        released += m.flush()
+    assert (released, stopped) == expected_output(chunks, stops)
