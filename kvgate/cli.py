@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_plan(a) -> int:
     import torch
 
-    from kvgate.engine import resolve_device, resolve_dtype
-    from kvgate.memory.plan import make_plan
+    from kvgate.engine import checkpoint_bytes, resolve_device, resolve_dtype
+    from kvgate.memory.plan import make_plan, runtime_overhead_bytes
     from kvgate.models import load_model
 
     loaded = load_model(a.model)
@@ -160,6 +160,7 @@ def cmd_plan(a) -> int:
         max_seqs=cfg.max_seqs,
         max_model_len=min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings),
         kv_cache_bytes=cfg.kv_cache_bytes,
+        overhead_bytes=runtime_overhead_bytes(str(device), checkpoint_bytes(loaded)),
     )
     if a.json:
         print(json.dumps(plan.to_dict(a.context), indent=1))

@@ -22,7 +22,7 @@ import torch
 from kvgate.config import EngineConfig
 from kvgate.kv import BlockAllocator, KVPool
 from kvgate.memory.ledger import MemoryLedger
-from kvgate.memory.plan import MemoryPlan, make_plan
+from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
 from kvgate.models import LoadedModel, load_model
 from kvgate.models.llama import LlamaModel
 from kvgate.request import GenerationRequest, RequestHandle
@@ -88,6 +88,11 @@ class EngineInfo:
     load_seconds: float
 
 
+def checkpoint_bytes(loaded: LoadedModel) -> int:
+    """Bytes of the loaded checkpoint tensors (they become the weights the plan charges)."""
+    return sum(t.numel() * t.element_size() for t in loaded.weights.values())
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig, *, overhead_bytes: int | None = None):
         t0 = time.monotonic()
@@ -100,6 +105,8 @@ class Engine:
         self.spec = spec
         max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         dtype_bytes = torch.finfo(self.dtype).bits // 8
+        if overhead_bytes is None:
+            overhead_bytes = runtime_overhead_bytes(str(self.device), checkpoint_bytes(loaded))
         self.plan: MemoryPlan = make_plan(
             spec,
             device=str(self.device),
@@ -118,7 +125,9 @@ class Engine:
         self.ledger.reserve("overhead", p.overhead_bytes, "runtime")
         # Weights are charged before they are materialized: a model that cannot fit never allocates.
         self._weights_res = self.ledger.reserve("weights", p.weights_bytes, spec.name)
-        self.model = LlamaModel(spec, dict(loaded.weights), self.dtype, self.device)
+        # The model pops each source tensor as it consumes it, so a loader that hands over owned
+        # tensors frees each one as soon as its copy exists (a copy of the dict would hold them all).
+        self.model = LlamaModel(spec, loaded.weights, self.dtype, self.device)
         loaded.weights.clear()
         actual = self.model.weight_bytes
         assert actual <= p.weights_bytes, f"weights {actual} B exceed the planned {p.weights_bytes} B"
@@ -191,6 +200,18 @@ class Engine:
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._thread is None or not self._thread.is_alive():
+            self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Give the pool and weights back (a stopped engine object may outlive its use)."""
+        if getattr(self, "_released", False):
+            return
+        self._released = True
+        self.kv = None
+        self.model = None
+        for r in self.ledger._live[:]:
+            r.release()
 
     @property
     def alive(self) -> bool:

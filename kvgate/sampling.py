@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_BELOW = 1e-5
+
+
 class SamplingError(ValueError):
     """An out-of-range sampling value; the message names the parameter, the value and the range."""
 
@@ -76,7 +79,8 @@ class SamplingParams:
 class Sampler:
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
         self.p = params
-        self.greedy = params.temperature == 0.0
+        # Below 1e-5 a temperature only overflows logits / T to inf (NaN after softmax); it means greedy.
+        self.greedy = params.temperature < GREEDY_BELOW
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.gen = torch.Generator().manual_seed(seed)
         self.vocab_size = vocab_size
@@ -129,4 +133,6 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p.masked_fill(drop, 0.0))
         if p.min_p > 0.0:  # relative to the most likely token, after top-p (multinomial renormalizes)
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            return int(torch.argmax(torch.nan_to_num(logits, nan=-math.inf)))  # degenerate row: fall back
         return int(torch.multinomial(probs, 1, generator=self.gen))

@@ -30,6 +30,9 @@ def make_engine(tiny_dir):
     engines = []
 
     def build(**cfg):
+        if "memory_limit" not in cfg and "kv_cache_bytes" not in cfg:
+            # The pool is zero-filled real memory: keep test engines small (32k positions of the tiny model).
+            cfg["kv_cache_bytes"] = 16 << 20
         cfg.setdefault("memory_limit", "2GiB")
         cfg.setdefault("dtype", "float32")
         cfg.setdefault("device", "cpu")

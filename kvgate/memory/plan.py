@@ -10,6 +10,8 @@ KV bytes per token = 2 x layers x kv_heads x head_dim x bytes(dtype); SmolLM2-13
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -17,7 +19,8 @@ from dataclasses import asdict, dataclass
 from kvgate.config import ModelSpec
 from kvgate.memory.ledger import fmt_bytes
 
-AUTO_CPU_SHARE = 0.25  # "auto" on CPU: a quarter of MemAvailable at startup (the pool is zero-filled, so real)
+# "auto" on CPU: a quarter of MemAvailable at startup (the KV pool is zero-filled, so that is real)
+AUTO_CPU_SHARE = 0.25
 AUTO_CUDA_SHARE = 0.9  # "auto" on CUDA: 90% of the free device memory at startup
 OVERHEAD_SLACK = 192 << 20  # allocator arenas, thread stacks, HTTP buffers beyond the measured baseline
 MIN_KV_POSITIONS = 512  # a model is refused at load unless one request of this many positions fits
@@ -52,31 +55,65 @@ def device_memory(device: str) -> tuple[int, int]:
     return info["MemTotal"], info.get("MemAvailable", info["MemFree"])
 
 
+LIMIT_HELP = "write a size (4GiB, 512MiB, 2000000000 bytes), a fraction of device memory (0.5), or auto"
+
+
 def resolve_limit(spec: str, device: str) -> tuple[int, str]:
     """`--memory-limit` -> (bytes, how it was derived)."""
-    total, available = device_memory(device)
-    if spec == "auto":
+    text = str(spec).strip()
+    if text.lower() == "auto":
+        total, available = device_memory(device)
         share = AUTO_CUDA_SHARE if device.startswith("cuda") else AUTO_CPU_SHARE
         what = "free device memory" if device.startswith("cuda") else "available RAM"
         return int(available * share), f"auto: {share:.0%} of {what} ({fmt_bytes(available)})"
-    if re.fullmatch(r"\s*(0?\.[0-9]+|1(\.0*)?)\s*", spec):
-        share = float(spec)
-        if share <= 0:
-            raise PlanError(f"--memory-limit {spec}: a fraction must be in (0, 1]")
+    if re.fullmatch(r"[0-9]*\.[0-9]+|[0-9]+\.|1", text):  # a bare number with a point: a fraction
+        share = float(text)
+        if not 0 < share <= 1:
+            hint = f" (for a size give a unit: {text}GiB)" if share > 1 else ""
+            raise PlanError(
+                f"--memory-limit {spec}: a fraction of device memory must be in (0, 1]{hint}; {LIMIT_HELP}."
+            )
+        total, _ = device_memory(device)
         return int(total * share), f"{share:.0%} of {fmt_bytes(total)} device memory"
-    return parse_bytes(spec), "explicit"
+    try:
+        limit = parse_bytes(text)
+    except PlanError:
+        raise PlanError(f"--memory-limit {spec!r} is not understood: {LIMIT_HELP}.") from None
+    if limit <= 0:
+        raise PlanError(f"--memory-limit {spec!r} must be more than zero: {LIMIT_HELP}.")
+    return limit, "explicit"
 
 
-def runtime_overhead_bytes(device: str) -> int:
+def release_free_heap() -> None:
+    """Collect garbage and hand freed heap back to the OS (glibc `malloc_trim`), so a baseline read
+    right after a load counts what the process holds, not what a finished conversion left behind."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def process_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def runtime_overhead_bytes(device: str, held_tensor_bytes: int = 0) -> int:
     """What the process holds besides the ledger's tensors: measured baseline RSS plus a fixed slack.
+
+    Measured after the checkpoint is read: the loader copies every tensor out of the file (a memory
+    map would stay resident behind views), so `held_tensor_bytes` -- the loaded checkpoint, which
+    becomes the planned weights -- is subtracted. What remains is the interpreter, torch, the
+    tokenizer and the server's modules. A cold GGUF conversion in the same process leaves ~400 MiB of
+    freed heap behind (measured on SmolLM2-135M), which `release_free_heap` gives back first.
 
     On CUDA the ledger covers device memory only, and the CUDA context is outside torch's allocator.
     """
     if device.startswith("cuda"):
         return 512 << 20
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return rss + OVERHEAD_SLACK
+    release_free_heap()
+    return max(0, process_rss_bytes() - held_tensor_bytes) + OVERHEAD_SLACK
 
 
 def weight_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
@@ -100,38 +137,114 @@ class StepLimits:
     max_seqs: int
     attn_token_cap: int  # padded decode-attention tokens per group (rows x longest context)
     max_model_len: int
+    # The longest context a row can reach: max_model_len, or the whole KV pool when that is smaller
+    # (a row never holds more positions than the pool has). The attention terms are sized for it.
+    attn_context: int | None = None
+
+    @property
+    def context(self) -> int:
+        return self.attn_context or self.max_model_len
 
     @property
     def max_step_tokens(self) -> int:
         return self.prefill_chunk + self.max_seqs
 
 
-def step_workspace(spec: ModelSpec, dtype_bytes: int, limits: StepLimits) -> dict[str, int]:
-    """Peak bytes of one engine step, by component, from the step limits the engine enforces."""
-    b = dtype_bytes
-    T = limits.max_step_tokens
+# Terms of `step_workspace` that stay allocated together for a whole step (summed), and the
+# transients of which only one is alive at a time on top of them (the largest is taken).
+STANDING_TERMS = ("step_inputs", "layer_activations", "kernel_scratch", "row_state", "penalty_state")
+TRANSIENT_TERMS = ("rms_norm", "residual", "rope", "decode_attention", "prefill_attention", "mlp", "logits")
+
+GEMM_PANEL_COLUMNS = 4096  # MKL sgemm packs at most K x 4096 float32 of a weight per call (measured)
+KERNEL_SLACK = 1 << 20  # flash-attention per-thread blocks, small index temporaries, page rounding
+SAMPLING_TEMPS = 12  # vocab-sized float32 temporaries of one row's sampling (penalties, softmax, top-p sort)
+ROW_FIXED_BYTES = 16 << 10  # per running row: Row, sampler + torch.Generator, stop matcher, detokenizer
+# per position of a row: prompt ids / prompt / tokens list slots (3 x 8 B) and the int (28 B); for a
+# generated token also its time (24 B + a slot), text piece and the Token event until it is read
+ROW_BYTES_PER_POSITION = 256
+
+
+def padded_len(max_model_len: int, block_size: int) -> int:
+    """A row's context rounded up to whole KV blocks: what one row's attention gathers at most."""
+    return -(-max_model_len // block_size) * block_size
+
+
+def step_workspace(
+    spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_size: int = 16
+) -> dict[str, int]:
+    """Peak bytes of one engine step, by term, from the step limits the engine enforces.
+
+    The forward (`kvgate.models.llama`) keeps its per-layer tensors in Python locals, so the newest
+    of each (hidden states, fused qkv, rotated q/k, attention output, gate/up output, the last decode
+    group's gathered K/V and the last prefill span's) stay alive together until the next layer
+    rebinds them: those are `layer_activations`, counted in full. On top of them one transient at a
+    time is alive: RMSNorm's float32 temporaries, a residual add, RoPE, one decode group's attention,
+    one prefill chunk's attention (CPU math SDPA: float32 scores, softmax, a -inf mask and scaled
+    copies), the MLP, or the logits of the batch with one row's sampling. `workspace_total` adds the
+    standing terms and the largest transient; every term was checked against a measured step
+    (tests/test_memory.py, tests/memory_probe.py).
+    """
+    b, f = dtype_bytes, 4
+    C, S = limits.prefill_chunk, limits.max_seqs
+    T = C + S
     H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     g = H // KVH
-    ctx = limits.max_model_len
-    chunk = limits.prefill_chunk
+    h, inter, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    Lp = padded_len(limits.context, block_size)
+    cap = limits.attn_token_cap
+    QK = T * (H + KVH) * D * b  # rotated q and k of the step
+    kv_tok = KVH * D * b  # one position's K (or V) across the KV heads
+    upcast = b != 4  # float16/bfloat16: math SDPA and RMSNorm work in float32, logits are cast
+    gemms = [(h, (H + 2 * KVH) * D), (H * D, h), (h, 2 * inter), (inter, h), (h, V)]
     return {
-        # x, residual sum, normed h, attention output, projection output
-        "hidden_states": 5 * T * spec.hidden_size * b,
-        # fused qkv, rotated q/k and its rotate-half temporary, gathered cos/sin
-        "qkv_rope": T * (spec.q_size + 2 * spec.kv_size) * b + 2 * T * (H + KVH) * D * b + 2 * T * D * b,
-        # gate/up output, SiLU, product, down output
-        "mlp": T * (4 * spec.intermediate_size + spec.hidden_size) * b,
-        # decode groups: gathered K and V, fp32 scores, mask
-        "decode_attention": 2 * limits.attn_token_cap * KVH * D * b + limits.attn_token_cap * (g * 4 + 1),
-        # one prefill chunk at full context: gathered K and V, materialized scores (fp32), mask
-        "prefill_attention": 2 * ctx * KVH * D * b + chunk * H * ctx * 4 + chunk * g * ctx,
-        # logits of every sampled row in the model dtype and as float32
-        "logits": limits.max_seqs * spec.vocab_size * (b + 4),
-        # one row's sampling at a time: clone, softmax, sorted values, int64 indices, cumsum
-        "sampling": spec.vocab_size * (4 * 4 + 8),
-        # per-step index tensors (ids, positions, slots, block tables, masks)
-        "step_inputs": 3 * T * 8 + limits.attn_token_cap * 9,
+        # ids, positions, slots; logits index; decode block tables and masks; prefill masks (and the
+        # causal temporary build_step makes them from); per-span block tables; gathered cos/sin
+        "step_inputs": 3 * T * 8
+        + S * 8
+        + cap // block_size * 8
+        + cap
+        + (g + 1) * C * Lp
+        + S * (Lp // block_size) * 8
+        + 2 * T * D * b,
+        # x, h, fused qkv, rotated qk and its rotate-half copy, attention output, gate/up output,
+        # a decode group's gathered K and V and its output, a prefill span's q, gathered K/V and output
+        "layer_activations": T * (2 * h + (H + 2 * KVH) * D + 2 * (H + KVH) * D + H * D + 2 * inter) * b
+        + 2 * cap * kv_tok
+        + S * H * D * b
+        + 2 * C * H * D * b
+        + 2 * Lp * kv_tok,
+        # sgemm packing buffers (kept by MKL's allocator after first use) + attention kernel blocks
+        "kernel_scratch": max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * f + KERNEL_SLACK,
+        # what every running row holds between steps: its objects and token lists at full context
+        "row_state": S * (Lp * ROW_BYTES_PER_POSITION + ROW_FIXED_BYTES),
+        # a row with repetition/presence/frequency penalties: a bool seen-mask and float32 counts over
+        # the vocabulary (zero pages until written: a row reaches this after touching most of the vocab)
+        "penalty_state": S * V * 5,
+        # transients, one at a time:
+        "rms_norm": 3 * T * h * f + T * h * b,
+        "residual": 2 * T * h * b,
+        "rope": 2 * QK,
+        # the next group's K (or V) gathered while this one's is alive, its output, the float mask
+        "decode_attention": cap * kv_tok + S * H * D * b + cap * f,
+        # scores and softmax in float32 (+ a quarter for the -inf test), bool and float masks, scaled
+        # q and k in float32 (upcast q/k/v first for 16-bit dtypes), the output, the next span's gather
+        "prefill_attention": (9 * H * C * Lp * f) // 4
+        + g * C * Lp * (f + 1)
+        + (2 * C * H * D + Lp * KVH * D) * f
+        + ((C * H * D + 2 * Lp * KVH * D) * f if upcast else 0)
+        + 2 * C * H * D * b
+        + Lp * kv_tok,
+        # gate/up output while the previous layer's is alive; SiLU and the product
+        "mlp": 2 * T * inter * b,
+        # the sampled rows' hidden states and norm, logits in the model dtype and as float32, and one
+        # row's sampling temporaries
+        "logits": S * h * (2 * b + 3 * f) + S * V * b + (S * V * f if upcast else 0) + SAMPLING_TEMPS * V * f,
     }
+
+
+def workspace_total(breakdown: dict[str, int]) -> int:
+    """Standing terms plus the largest transient (transients never overlap)."""
+    return sum(breakdown[k] for k in STANDING_TERMS) + max(breakdown[k] for k in TRANSIENT_TERMS)
 
 
 @dataclass
@@ -176,7 +289,7 @@ class MemoryPlan:
             f"  weights          {fmt_bytes(self.weights_bytes):>12}",
             f"  runtime overhead {fmt_bytes(self.overhead_bytes):>12}  (measured baseline + slack)",
             f"  step workspace   {fmt_bytes(self.workspace_bytes):>12}  (prefill chunk {L.prefill_chunk}, "
-            f"max rows {L.max_seqs}, attention cap {L.attn_token_cap} tokens, context {L.max_model_len})",
+            f"max rows {L.max_seqs}, attention cap {L.attn_token_cap} tokens, context {L.context})",
             f"  KV pool          {fmt_bytes(self.kv_pool_bytes):>12}  = {self.kv_blocks} blocks x "
             f"{self.block_size} tokens x {self.kv_bytes_per_token:,} B/token",
             f"  KV capacity      {self.kv_positions:>12,} tokens",
@@ -207,45 +320,88 @@ def make_plan(
     block_bytes = per_token * block_size
     min_kv = -(-min(MIN_KV_POSITIONS, max_model_len) // block_size) * block_bytes
     notes: list[str] = []
-    requested = StepLimits(prefill_chunk, max_seqs, _attn_cap(max_seqs, max_model_len), max_model_len)
-    limits = requested
+    bs = block_size
+    min_ctx = min(MIN_KV_POSITIONS, max_model_len)
+    requested = StepLimits(prefill_chunk, max_seqs, _attn_cap(max_seqs, max_model_len, bs), max_model_len)
     fixed = weights + overhead
-    if fixed + min_kv + _ws(spec, dtype_bytes, _smallest(limits)) > limit:
+
+    def sized(lim: StepLimits, ctx: int) -> StepLimits:
+        """`lim` with its attention sized for rows of at most `ctx` positions."""
+        ctx = min(ctx, max_model_len)
+        return StepLimits(
+            lim.prefill_chunk,
+            lim.max_seqs,
+            _attn_cap(lim.max_seqs, ctx, bs),
+            max_model_len,
+            None if ctx >= max_model_len else ctx,
+        )
+
+    def room(lim: StepLimits) -> int:
+        return limit - fixed - _ws(spec, dtype_bytes, lim, bs)
+
+    smallest = _ws(
+        spec, dtype_bytes, sized(StepLimits(min(16, prefill_chunk), 1, 0, max_model_len), min_ctx), bs
+    )
+    if fixed + min_kv + smallest > limit:
+        need = fixed + min_kv + smallest
         raise PlanError(
             f"the model does not fit in the memory limit: weights {fmt_bytes(weights)} + runtime overhead "
-            f"{fmt_bytes(overhead)} + smallest step workspace "
-            f"{fmt_bytes(_ws(spec, dtype_bytes, _smallest(limits)))} + KV for one {min(MIN_KV_POSITIONS, max_model_len)}"
-            f"-token request {fmt_bytes(min_kv)} > limit {fmt_bytes(limit)} ({source}). Raise "
-            "--memory-limit, pick a smaller --dtype, or lower --max-model-len."
+            f"{fmt_bytes(overhead)} + smallest step workspace {fmt_bytes(smallest)} + KV for one "
+            f"{min_ctx}-token request {fmt_bytes(min_kv)} = {fmt_bytes(need)} > limit {fmt_bytes(limit)} "
+            f"({source}). Raise --memory-limit to at least {-(-need // (1 << 20))}MiB, pick a smaller "
+            "--dtype, or lower --max-model-len."
         )
-    # Shrink the step until the workspace leaves room for at least the minimum KV pool.
-    while fixed + min_kv + _ws(spec, dtype_bytes, limits) > limit:
+    # Shrink the step until its workspace leaves room for at least one min_ctx-token request.
+    limits = requested
+    while room(sized(limits, min_ctx)) < min_kv:
         if limits.prefill_chunk > 16:
-            limits = StepLimits(limits.prefill_chunk // 2, limits.max_seqs, limits.attn_token_cap, max_model_len)
+            limits = StepLimits(limits.prefill_chunk // 2, limits.max_seqs, 0, max_model_len)
         elif limits.max_seqs > 1:
-            seqs = limits.max_seqs // 2
-            limits = StepLimits(limits.prefill_chunk, seqs, _attn_cap(seqs, max_model_len), max_model_len)
-        else:
-            break
-    if limits != requested:
+            limits = StepLimits(limits.prefill_chunk, limits.max_seqs // 2, 0, max_model_len)
+        else:  # unreachable after the check above; never loop forever
+            raise PlanError(f"the smallest step does not fit in the limit {fmt_bytes(limit)} ({source})")
+    if (limits.prefill_chunk, limits.max_seqs) != (requested.prefill_chunk, requested.max_seqs):
         notes.append(
             f"step limits shrunk to fit the limit: prefill chunk {requested.prefill_chunk} -> "
             f"{limits.prefill_chunk}, max rows {requested.max_seqs} -> {limits.max_seqs}"
         )
-    breakdown = step_workspace(spec, dtype_bytes, limits)
-    workspace = sum(breakdown.values())
-    room = limit - fixed - workspace
+    # Size attention for full context when the pool can hold a full-context row; otherwise for the
+    # smallest context that is at least what the pool (planned around it) can hold.
+    if (
+        kv_cache_bytes is None
+        and room(sized(limits, max_model_len)) < padded_len(max_model_len, bs) * per_token
+    ):
+        lo, hi = -(-min_ctx // bs), -(-max_model_len // bs)  # in blocks; room(lo) holds >= lo blocks
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if room(sized(limits, mid * bs)) // block_bytes <= mid:
+                hi = mid
+            else:
+                lo = mid + 1
+        limits = sized(limits, lo * bs)
+        notes.append(
+            f"the KV pool holds fewer than {max_model_len} positions, so attention is planned for rows of "
+            f"at most {limits.context} positions (the most the pool can hold)"
+        )
+    else:
+        limits = sized(limits, max_model_len)
+    breakdown = step_workspace(spec, dtype_bytes, limits, bs)
+    workspace = workspace_total(breakdown)
+    room_left = limit - fixed - workspace
     if kv_cache_bytes is not None:
-        if kv_cache_bytes > room:
+        if kv_cache_bytes > room_left:
             raise PlanError(
                 f"--kv-cache-bytes {fmt_bytes(kv_cache_bytes)} does not fit: the limit {fmt_bytes(limit)} "
-                f"leaves {fmt_bytes(room)} after weights, overhead and workspace. Lower it or raise "
+                f"leaves {fmt_bytes(room_left)} after weights, overhead and workspace. Lower it or raise "
                 "--memory-limit."
             )
-        room = kv_cache_bytes
-    blocks = room // block_bytes
+        room_left = kv_cache_bytes
+    blocks = room_left // block_bytes
     if blocks < 1:
-        raise PlanError(f"no room for a single KV block ({fmt_bytes(block_bytes)}) in {fmt_bytes(room)}")
+        raise PlanError(
+            f"no room for a single KV block ({fmt_bytes(block_bytes)}): --kv-cache-bytes / the room left "
+            f"is {fmt_bytes(room_left)}. Raise --kv-cache-bytes or --memory-limit."
+        )
     return MemoryPlan(
         device=device,
         dtype=dtype_name,
@@ -264,14 +420,13 @@ def make_plan(
     )
 
 
-def _attn_cap(max_seqs: int, max_model_len: int) -> int:
-    # Room for every row at 512 tokens, and never less than one row at full context.
-    return max(max_model_len, max_seqs * 512)
+def _attn_cap(max_seqs: int, max_model_len: int, block_size: int = 16) -> int:
+    """Padded decode-attention tokens per group: room for every row at 512 tokens, never less than one
+    row at full context (padded to whole blocks, which is what a group gathers), and never more than
+    every row at full context (no step can gather more)."""
+    full = padded_len(max_model_len, block_size)
+    return min(max_seqs * full, max(full, max_seqs * 512))
 
 
-def _smallest(limits: StepLimits) -> StepLimits:
-    return StepLimits(min(16, limits.prefill_chunk), 1, limits.max_model_len, limits.max_model_len)
-
-
-def _ws(spec: ModelSpec, dtype_bytes: int, limits: StepLimits) -> int:
-    return sum(step_workspace(spec, dtype_bytes, limits).values())
+def _ws(spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_size: int = 16) -> int:
+    return workspace_total(step_workspace(spec, dtype_bytes, limits, block_size))

@@ -76,7 +76,7 @@ def read_spec(config: dict, path: Path) -> ModelSpec:
 
 
 def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
@@ -95,7 +95,12 @@ def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            weights.update(load_file(str(f)))
+            # Copy each tensor out of the file's memory map: a view would keep the whole mapping
+            # resident for the life of the process (measured: 266 MiB of dead pages for SmolLM2 in
+            # float32, where .to(float32) is a no-op and every unfused weight stayed a view).
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    weights[name] = fh.get_tensor(name).clone()
         except Exception as exc:
             raise ModelLoadError(
                 f"{f} could not be read ({exc}); the file is truncated or corrupt. Download it again."

@@ -1,0 +1,318 @@
+"""The startup memory plan: `--memory-limit` parsing, the arithmetic a user can check by hand, refusal
+of a model that cannot fit, shrunk step limits the engine then obeys, and `kvgate plan` agreeing with
+the engine's own plan.
+
+The SmolLM2-135M arithmetic is written out by hand from its geometry (30 layers, 9 query heads, 3 KV
+heads, head_dim 64, hidden 576, intermediate 1536, vocab 49152, context 8192, tied embeddings), so a
+change to any formula shows up as a number that no longer matches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgate.config import EngineConfig, ModelSpec
+from kvgate.memory import plan as P
+from kvgate.memory.plan import PlanError, make_plan, parse_bytes, resolve_limit
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = "import sys; from kvgate.cli import main; sys.exit(main(sys.argv[1:]))"
+MiB, GiB = 1 << 20, 1 << 30
+
+SMOLLM2 = ModelSpec(
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    name="SmolLM2-135M",
+)
+# By hand: embed 49152x576 = 28,311,552; per layer qkv 576x960 = 552,960, o 576x576 = 331,776,
+# gate/up/down 3x576x1536 = 2,654,208, two norms 1,152 -> 3,540,096 x 30 = 106,202,880; final norm 576:
+# 134,515,008 parameters; rope tables 2 x 8192 x 64 = 1,048,576 values.
+SMOLLM2_VALUES = 134_515_008 + 1_048_576
+
+
+def smollm2_plan(limit="4GiB", dtype_bytes=2, overhead=300 * MiB, **kw):
+    args = dict(block_size=16, prefill_chunk=256, max_seqs=32, max_model_len=8192)
+    args.update(kw)
+    return make_plan(
+        SMOLLM2,
+        device="cpu",
+        dtype_name={2: "bfloat16", 4: "float32"}[dtype_bytes],
+        dtype_bytes=dtype_bytes,
+        limit_spec=limit,
+        overhead_bytes=overhead,
+        **args,
+    )
+
+
+# ---- --memory-limit ------------------------------------------------------------------------------
+@pytest.fixture
+def fixed_memory(monkeypatch):
+    """16 GiB total, 10 GiB available: resolve_limit's arithmetic without reading this host."""
+    monkeypatch.setattr(P, "device_memory", lambda device: (16 * GiB, 10 * GiB))
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4GiB", 4 * GiB),
+        ("512MiB", 512 * MiB),
+        ("1.5GiB", 3 * GiB // 2),
+        ("2000000000", 2_000_000_000),
+        ("4GB", 4 * 10**9),
+    ],
+)
+def test_memory_limit_sizes(fixed_memory, text, expected):
+    """Broken by: a wrong unit table entry (e.g. GiB = 10**9) or a size read as a fraction."""
+    assert parse_bytes(text) == expected
+    assert resolve_limit(text, "cpu") == (expected, "explicit")
+
+
+def test_memory_limit_fraction_and_auto(fixed_memory):
+    """A fraction is of the device's total memory; `auto` on CPU is AUTO_CPU_SHARE (documented: a
+    quarter) of MemAvailable at startup, and says so. Broken by: a fraction of available memory, or
+    auto taking total memory / another share."""
+    assert P.AUTO_CPU_SHARE == 0.25
+    assert resolve_limit("0.5", "cpu") == (8 * GiB, "50% of 16.0 GiB device memory")
+    assert resolve_limit("1", "cpu")[0] == 16 * GiB
+    limit, source = resolve_limit("auto", "cpu")
+    assert limit == int(10 * GiB * 0.25)
+    assert "25%" in source and "available RAM" in source and "10.0 GiB" in source
+
+
+@pytest.mark.parametrize("text", ["lots", "4 gigs", "-1", "", "0", "0.0", "1.5", "2."])
+def test_memory_limit_garbage_says_what_to_write(fixed_memory, text):
+    """Broken by: `1.5` read as 1 byte, `0` accepted (the ledger would then fail with a bare
+    ValueError), or a message that does not show a valid spelling."""
+    with pytest.raises(PlanError) as ei:
+        resolve_limit(text, "cpu")
+    msg = str(ei.value)
+    assert "--memory-limit" in msg and "4GiB" in msg and "0.5" in msg and "auto" in msg
+
+
+# ---- the arithmetic, by hand ------------------------------------------------------------------------
+def test_kv_bytes_per_token_smollm2():
+    """2 x 30 layers x 3 KV heads x 64 x bytes. Broken by: forgetting the 2 (K and V) or using q heads."""
+    assert SMOLLM2.kv_bytes_per_token(2) == 23_040
+    assert SMOLLM2.kv_bytes_per_token(4) == 46_080
+
+
+def test_weights_smollm2_by_hand():
+    """Broken by: counting the tied lm_head twice, or dropping the rope tables."""
+    assert P.weight_bytes(SMOLLM2, 2) == SMOLLM2_VALUES * 2 == 271_127_168
+    assert P.weight_bytes(SMOLLM2, 4) == SMOLLM2_VALUES * 4
+
+
+@pytest.mark.parametrize("dtype_bytes, per_token", [(2, 23_040), (4, 46_080)])
+def test_blocks_and_concurrency_by_hand(dtype_bytes, per_token):
+    """blocks = floor((limit - weights - workspace - overhead) / (bytes_per_token x block_size)), and
+    "max concurrent requests at N tokens each" = blocks // ceil(N / block_size).
+    Broken by: rounding the block count up (the pool would exceed the limit), a pool that is not
+    blocks x block bytes, or concurrency counted in tokens rather than whole blocks."""
+    plan = smollm2_plan("4GiB", dtype_bytes)
+    room = 4 * GiB - SMOLLM2_VALUES * dtype_bytes - 300 * MiB - plan.workspace_bytes
+    assert plan.kv_bytes_per_token == per_token
+    assert plan.kv_blocks == room // (per_token * 16)
+    assert plan.kv_pool_bytes == plan.kv_blocks * per_token * 16 <= room
+    assert plan.kv_positions == plan.kv_blocks * 16
+    for n in (1, 16, 17, 1024, 8192):
+        assert plan.max_concurrent(n) == plan.kv_blocks // math.ceil(n / 16)
+    d = plan.to_dict(1024)
+    assert d["max_concurrent_requests_at_context"] == plan.kv_blocks // 64
+    text = plan.describe(1024)
+    assert f"max concurrent requests at 1024 tokens each: {plan.kv_blocks // 64}" in text
+    assert f"{per_token:,} B/token" in text
+
+
+def test_workspace_terms_cover_the_tensors_they_name():
+    """Each term is at least the tensors a step really makes (float32 logits of every row, float32
+    attention scores of a prefill chunk at full context, gathered K and V of a decode group, the
+    per-layer activations), and the total is the standing terms plus the largest transient.
+    Broken by: under-counting a term (e.g. logits x 0) or summing a wrong set."""
+    plan = smollm2_plan("4GiB", 4, max_model_len=1024)
+    L, bd = plan.limits, plan.workspace_breakdown
+    T, S, C = L.prefill_chunk + L.max_seqs, L.max_seqs, L.prefill_chunk
+    assert bd["logits"] >= S * 49152 * 4
+    assert bd["prefill_attention"] >= 2 * 9 * C * 1024 * 4  # scores and softmax, float32
+    assert bd["layer_activations"] >= 2 * L.attn_token_cap * 3 * 64 * 4 + T * (2 * 576 + 960 + 2 * 1536) * 4
+    assert bd["mlp"] >= 2 * T * 1536 * 4
+    assert bd["penalty_state"] == S * 49152 * 5
+    standing = sum(bd[k] for k in P.STANDING_TERMS)
+    assert plan.workspace_bytes == standing + max(bd[k] for k in P.TRANSIENT_TERMS)
+    assert set(bd) == set(P.STANDING_TERMS) | set(P.TRANSIENT_TERMS)
+
+
+def test_attention_cap_never_below_one_padded_row():
+    """A decode group is padded to whole blocks: with a context that is not a block multiple the cap
+    must still hold one full row. Broken by: cap = max_model_len (1000 < 1008 gathered)."""
+    assert P._attn_cap(1, 1000, 16) == 1008
+    assert P._attn_cap(4, 64, 16) == 4 * 64  # never more than every row at full context
+    assert P._attn_cap(32, 8192, 16) == 32 * 512
+
+
+# ---- refusal and shrinking ----------------------------------------------------------------------------
+def test_model_that_cannot_fit_is_refused_with_the_numbers():
+    """Weights 517.1 MiB (fp32) + 100 MiB overhead cannot fit in 600 MiB. Broken by: dropping the
+    check (the plan would go on with a negative room) or a message without the numbers and the fix."""
+    with pytest.raises(PlanError) as ei:
+        smollm2_plan("600MiB", 4, overhead=100 * MiB)
+    msg = str(ei.value)
+    assert "weights 517.1 MiB" in msg and "overhead 100.0 MiB" in msg and "limit 600.0 MiB" in msg
+    assert "Raise --memory-limit to at least" in msg and "--dtype" in msg
+
+
+def test_tight_limit_shrinks_the_step_and_says_so():
+    """A limit that fits the weights but not the requested step workspace halves the prefill chunk
+    (then the rows) until one minimum request fits, and notes it. Broken by: removing the shrink loop
+    (PlanError or a negative KV room) or shrinking silently."""
+    full = smollm2_plan("4GiB", 4, max_model_len=1024)
+    fixed = full.weights_bytes + full.overhead_bytes
+    min_kv = P.MIN_KV_POSITIONS * full.kv_bytes_per_token
+    limit = fixed + min_kv + full.workspace_bytes // 2
+    plan = smollm2_plan(str(limit), 4, max_model_len=1024)
+    assert plan.limits.prefill_chunk < 256 or plan.limits.max_seqs < 32
+    assert any("step limits shrunk" in n and "prefill chunk 256 -> " in n for n in plan.notes)
+    assert fixed + plan.workspace_bytes + plan.kv_pool_bytes <= limit
+    assert plan.kv_positions >= P.MIN_KV_POSITIONS
+
+
+def test_small_pool_plans_attention_for_the_pool_not_the_context():
+    """When the pool holds fewer positions than the context, attention is planned for the pool (no
+    row can outgrow it) and the plan says so; the planned context is never below what the pool holds.
+    Broken by: planning for a context shorter than the pool (under-count)."""
+    plan = smollm2_plan("1GiB", 4, overhead=436 * MiB)
+    assert plan.limits.attn_context is not None
+    assert plan.kv_positions <= plan.limits.context < 8192
+    assert any("attention is planned for rows of at most" in n for n in plan.notes)
+
+
+@pytest.fixture(scope="module")
+def default_model_cache():
+    """The default GGUF converted once, in a child process (its freed heap stays out of ours)."""
+    from tests.memory_probe import warm_conversion_cache
+
+    warm_conversion_cache("default")
+
+
+@pytest.fixture(scope="module")
+def tiny_spec(tiny_dir):
+    from kvgate.models import load_model
+
+    return load_model(str(tiny_dir)).spec
+
+
+def test_engine_refuses_a_model_that_cannot_fit_before_loading_it(tiny_dir):
+    """Engine construction raises PlanError (not an OOM, not a half-built engine) when the weights
+    alone exceed the limit. Broken by: materializing the model before planning."""
+    from kvgate.engine import Engine
+
+    with pytest.raises(PlanError) as ei:
+        Engine.from_model(
+            str(tiny_dir), EngineConfig(memory_limit="64KiB", dtype="float32", device="cpu"), overhead_bytes=0
+        )
+    assert "weights" in str(ei.value) and "limit 64.0 KiB" in str(ei.value)
+
+
+def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
+    """The scheduler runs with the plan's shrunk prefill chunk and rows, not the configured ones: a
+    prompt of 40 tokens takes ceil(40 / chunk) prefill steps. Broken by: Engine passing
+    cfg.prefill_chunk / cfg.max_seqs to the scheduler."""
+    kw = dict(block_size=16, prefill_chunk=64, max_seqs=8, max_model_len=512)
+    full = make_plan(
+        tiny_spec,
+        device="cpu",
+        dtype_name="float32",
+        dtype_bytes=4,
+        limit_spec="1GiB",
+        overhead_bytes=0,
+        **kw,
+    )
+    min_kv = P.MIN_KV_POSITIONS * full.kv_bytes_per_token
+    small = P.StepLimits(16, 1, P._attn_cap(1, 512), 512)
+    lo = full.weights_bytes + min_kv + P._ws(tiny_spec, 4, small)
+    limit = lo + (full.weights_bytes + min_kv + full.workspace_bytes - lo) // 3
+    plan = make_plan(
+        tiny_spec,
+        device="cpu",
+        dtype_name="float32",
+        dtype_bytes=4,
+        limit_spec=str(limit),
+        overhead_bytes=0,
+        **kw,
+    )
+    assert (plan.limits.prefill_chunk, plan.limits.max_seqs) < (64, 8) and plan.notes
+    engine = make_engine(
+        memory_limit=str(limit), block_size=16, prefill_chunk=64, max_seqs=8, max_model_len=512
+    )
+    assert engine.plan.limits == plan.limits
+    assert engine.scheduler.prefill_chunk == plan.limits.prefill_chunk
+    assert engine.scheduler.max_seqs == plan.limits.max_seqs
+    assert engine.scheduler.attn_token_cap == plan.limits.attn_token_cap
+    from kvgate.request import GenerationRequest
+    from kvgate.sampling import SamplingParams
+
+    r = engine.generate(
+        GenerationRequest(list(range(10, 50)), SamplingParams(temperature=0), max_tokens=1), timeout=60
+    )
+    assert r.finish_reason == "length"
+    assert engine.scheduler.counters.prefill_chunks == math.ceil(40 / plan.limits.prefill_chunk)
+    assert engine.ledger.by_role()["workspace"] == plan.workspace_bytes
+    assert engine.ledger.reserved <= plan.limit_bytes
+
+
+# ---- `kvgate plan` agrees with the engine -------------------------------------------------------------
+@pytest.mark.slow
+def test_cli_plan_json_equals_engine_plan(default_model_cache):
+    """`kvgate plan --model default --memory-limit 1GiB --context 1024 --json` (a subprocess) prints the
+    numbers the engine plans for the same flags. The runtime overhead is measured (process RSS), so the
+    engine is given the CLI's measured overhead and everything else must match exactly. Broken by: the
+    CLI computing max_model_len, dtype or limits differently from Engine.__init__."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLI,
+            "plan",
+            "--model",
+            "default",
+            "--memory-limit",
+            "1GiB",
+            "--context",
+            "1024",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    cli = json.loads(out.stdout)
+    assert cli["limit_bytes"] == GiB and cli["context_tokens"] == 1024
+    assert P.OVERHEAD_SLACK + (64 << 20) < cli["overhead_bytes"] < P.OVERHEAD_SLACK + (1 << 30)
+
+    from kvgate.engine import Engine
+
+    engine = Engine.from_model(
+        "default", EngineConfig(memory_limit="1GiB"), overhead_bytes=cli["overhead_bytes"]
+    )
+    assert engine.plan.to_dict(1024) == cli
+    assert engine.scheduler.max_model_len == cli["limits"]["max_model_len"]
+    assert engine.ledger.reserved <= cli["limit_bytes"]
