@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 GREEDY_BELOW = 1e-5
 
 
