@@ -41,3 +41,23 @@ def test_top_p_stops_at_the_token_that_reaches_it():
     s = Sampler(SamplingParams(temperature=1.0, top_p=0.8, seed=0), [], 3)
     drawn = {s.sample(logits) for _ in range(300)}
     assert drawn == {0, 1}
+
+
+def test_completion_echo_suffix_and_unknown_message_keys_are_refused_by_name(make_engine):
+    """Seen to fail when echo/suffix were accepted and ignored, and message extras dropped silently."""
+    import httpx
+
+    from tests.server_util import running_server
+
+    with running_server(make_engine()) as (base, _):
+        for body, param in (
+            ({"prompt": "hi", "echo": True}, "echo"),
+            ({"prompt": "hi", "suffix": "end"}, "suffix"),
+        ):
+            r = httpx.post(base + "/v1/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param
+        msg = {"role": "assistant", "content": "x", "tool_calls": []}
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": [msg]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.tool_calls"
+        before = httpx.get(base + "/metrics").text.count('reason="shutting_down"')
+        assert before == 0

@@ -64,8 +64,9 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             return APIError(404, f"no route {request.method} {request.url.path}", "not_found").response()
-        if exc.status_code == 405:
-            return APIError(405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed").response()
+        if exc.status_code == 405:  # keep Starlette's Allow header (RFC 9110 requires it on a 405)
+            err = APIError(405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed")
+            return err.response(headers=exc.headers)
         return APIError(exc.status_code, str(exc.detail), "http_error").response()
 
     @app.exception_handler(Exception)
@@ -75,12 +76,16 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
 
     def ready_engine():
         eng = app.state.engine
+        err = None
         if app.state.status == "shutting_down":
-            raise APIError(503, "the server is shutting down; retry against another replica", "shutting_down", retry_after=5)
-        if eng is None:
-            raise APIError(503, "the model is still loading; retry shortly", "not_ready", retry_after=5)
-        if not eng.alive:
-            raise APIError(503, "the engine is not running (see /health); requests cannot be served", "engine_unavailable", retry_after=5)
+            err = APIError(503, "the server is shutting down; retry against another replica", "shutting_down", retry_after=5)
+        elif eng is None:
+            err = APIError(503, "the model is still loading; retry shortly", "not_ready", retry_after=5)
+        elif not eng.alive:
+            err = APIError(503, "the engine is not running (see /health); requests cannot be served", "engine_unavailable", retry_after=5)
+        if err is not None:
+            metrics.rejections.labels(err.code).inc()  # a refusal like any other: counted once
+            raise err
         return eng
 
     # ---- plain routes -----------------------------------------------------------------------
@@ -178,6 +183,8 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
         eng = ready_engine()
         req = P.parse(cls, await read_json(request, settings.max_body_bytes))
         P.check_common(req)
+        if isinstance(req, P.CompletionRequest):
+            P.check_completion(req)
         check_model(req.model)
         kind = P.request_kind(req)
         prompts = prompt_ids(eng, req)
@@ -214,6 +221,13 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
         try:
             admitted = await until_disconnect(request, admit_all(handles), handles)
         except Refusal as r:
+            if r.status == 499:  # cancelled while queued, and not by this client (that is ClientGone): a shutdown
+                r = Refusal(
+                    "shutting_down",
+                    "the server is shutting down and did not admit this request; retry against another replica",
+                    503,
+                    retry_after=5,
+                )
             metrics.rejections.labels(r.code).inc()
             return from_refusal(r).response()
         except ClientGone:
@@ -250,17 +264,21 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
                 raise invalid(str(exc), param="messages") from None
         p = req.prompt
         if isinstance(p, str):
-            return [tok.encode(p)]
-        if not p:
+            out = [tok.encode(p)]
+        elif not p:
             raise invalid("prompt must not be empty", param="prompt")
-        if all(isinstance(x, str) for x in p):
-            return [tok.encode(x) for x in p]
-        if all(isinstance(x, int) for x in p):
+        elif all(isinstance(x, str) for x in p):
+            out = [tok.encode(x) for x in p]
+        elif all(isinstance(x, int) for x in p):
             check_ids(eng, p, "prompt")
-            return [list(p)]
-        for ids in p:
-            check_ids(eng, ids, "prompt")
-        return [list(x) for x in p]
+            out = [list(p)]
+        else:
+            for ids in p:
+                check_ids(eng, ids, "prompt")
+            out = [list(x) for x in p]
+        if any(not ids for ids in out):  # refused here, not by the engine: an empty prompt is bad input
+            raise invalid("prompt must not be empty: send at least one token of prompt", param="prompt")
+        return out
 
     def check_ids(eng, ids, param: str) -> None:
         vocab = eng.tokenizer.vocab_size
@@ -402,15 +420,49 @@ async def read_json(request: Request, limit: int):
     except UnicodeDecodeError as exc:
         raise invalid(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding") from None
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        data = json.loads(text, parse_constant=_no_constants)
     except json.JSONDecodeError as exc:
         raise invalid(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", code="invalid_json") from None
+    except RecursionError:  # e.g. 100k nested '[': the decoder's recursion limit, not a server fault
+        raise invalid("request body is nested too deeply to be a request", code="invalid_json") from None
     except ValueError as exc:
         raise invalid(str(exc), code="invalid_json") from None
+    where = _unpaired_surrogate(data)
+    if where is not None:  # "\ud800" is valid JSON but not Unicode: the tokenizer would raise on it
+        raise invalid(
+            f"the string at '{where or 'body'}' contains an unpaired UTF-16 surrogate escape, which is not valid Unicode",
+            param=where or None, code="invalid_encoding",
+        )
+    return data
 
 
 def _no_constants(name: str):
     raise ValueError(f"request body contains {name}, which is not valid JSON")
+
+
+def _unpaired_surrogate(data) -> str | None:
+    """The dotted path of the first string (value or key) holding a lone surrogate, or None."""
+    stack = [("", data)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                p = f"{path}.{k}" if path else str(k)
+                if not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return p
+                stack.append((p, x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}.{i}" if path else str(i), x) for i, x in enumerate(v))
+    return None
 
 
 async def admit_all(handles) -> list[Admitted]:

@@ -1,10 +1,21 @@
-"""The OpenAPI document, with the request bodies our handlers parse themselves.
+"""The OpenAPI document, with the request bodies our handlers parse themselves and every response.
 
 Handlers read and validate bodies by hand (to answer 413/400 in our own error shape instead of
 FastAPI's 422), so FastAPI cannot see their schemas; this adds them, for clients and for fuzzing.
+
+The document is meant to be exact, and tests/test_fuzz.py holds it to that with schemathesis:
+- request schemas carry the ranges the server enforces (protocol.py and sampling.py) and forbid the
+  fields it refuses, so a body that violates the document is refused and one the server refuses
+  for its shape violates the document;
+- every status a route can answer is declared, with the one error body shape (`errors.py`), its
+  `Retry-After` header where the server always sends one, and SSE as `text/event-stream`.
+What no schema can express (a prompt too long for the context, an unknown model name, a token id past
+the vocabulary before the model is loaded) is a documented 400/404.
 """
 
 from __future__ import annotations
+
+import copy
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -16,6 +27,300 @@ _BODIES = {
     "/v1/detokenize": "DetokenizeRequest",
 }
 
+_NULL = {"type": "null"}
+_INT = {"type": "integer"}
+_STR = {"type": "string"}
+
+# Ranges as enforced by kvgate.sampling.SamplingParams.validate and protocol.check_common.
+_RANGES = {
+    "max_tokens": {"minimum": 1},
+    "max_completion_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0, "maximum": 2},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "seed": {"minimum": 0, "maximum": 2**63 - 1},
+}
+
+_ERROR_TYPES = sorted(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "not_found_error",
+        "resource_limit_error",
+        "server_error",
+        "service_unavailable_error",
+    }
+)
+
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": _INT,
+        "completion_tokens": _INT,
+        "total_tokens": _INT,
+        "budget_cap": {
+            "anyOf": [
+                _NULL,
+                {
+                    "type": "object",
+                    "required": ["requested_max_tokens", "admitted_max_tokens", "reason"],
+                    "properties": {"requested_max_tokens": _INT, "admitted_max_tokens": _INT, "reason": _STR},
+                },
+            ]
+        },
+    },
+}
+_FINISH = {"enum": ["stop", "length", "cancelled"]}
+
+_RESPONSES = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "additionalProperties": False,
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "code"],
+                "additionalProperties": False,  # nothing beyond these: no ids, paths or traces
+                "properties": {
+                    "message": {"type": "string", "minLength": 1},
+                    "type": {"enum": _ERROR_TYPES},
+                    "code": {"type": "string", "minLength": 1},
+                    "param": _STR,
+                    "estimated_bytes": _INT,
+                    "limit_bytes": _INT,
+                    "positions": _INT,
+                    "positions_limit": _INT,
+                    "retry_after_seconds": _INT,
+                },
+            }
+        },
+    },
+    "ChatCompletion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": _STR,
+            "object": {"const": "chat.completion"},
+            "created": _INT,
+            "model": _STR,
+            "choices": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["index", "message", "finish_reason"],
+                    "properties": {
+                        "index": _INT,
+                        "message": {
+                            "type": "object",
+                            "required": ["role", "content"],
+                            "properties": {"role": {"const": "assistant"}, "content": _STR},
+                        },
+                        "finish_reason": _FINISH,
+                        "logprobs": _NULL,
+                    },
+                },
+            },
+            "usage": _USAGE,
+        },
+    },
+    "Completion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": _STR,
+            "object": {"const": "text_completion"},
+            "created": _INT,
+            "model": _STR,
+            "choices": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["index", "text", "finish_reason"],
+                    "properties": {"index": _INT, "text": _STR, "finish_reason": _FINISH, "logprobs": _NULL},
+                },
+            },
+            "usage": _USAGE,
+        },
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "object", "owned_by"],
+                    "properties": {
+                        "id": _STR,
+                        "object": {"const": "model"},
+                        "owned_by": _STR,
+                        "created": _INT,
+                        "max_model_len": _INT,
+                    },
+                },
+            },
+        },
+    },
+    "TokenizeResponse": {
+        "type": "object",
+        "required": ["tokens", "count", "max_model_len"],
+        "properties": {"tokens": {"type": "array", "items": _INT}, "count": _INT, "max_model_len": _INT},
+    },
+    "DetokenizeResponse": {"type": "object", "required": ["prompt"], "properties": {"prompt": _STR}},
+    "Health": {
+        "type": "object",
+        "required": ["status"],
+        "properties": {
+            "status": {"enum": ["ok", "loading", "failed", "dead", "shutting_down"]},
+            "reason": {"anyOf": [_STR, _NULL]},
+        },
+    },
+    "StreamEvent": {  # Open API 3.1: the schema of a text/event-stream entry describes one event
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "minLength": 1,
+                "description": "a JSON chunk, a final JSON error object, or the literal [DONE]",
+            },
+            "event": {"const": "message"},
+        },
+    },
+    "Resources": {
+        "type": "object",
+        "required": ["plan", "ledger", "kv", "scheduler"],
+        "properties": {
+            "plan": {"type": "object"},
+            "ledger": {"type": "object"},
+            "kv": {"type": "object"},
+            "scheduler": {"type": "object"},
+        },
+    },
+}
+
+_RETRY_AFTER = {"Retry-After": {"required": True, "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+_WHY = {
+    400: "Invalid request (names the field in error.param), or a request that can never fit (names both sides)",
+    401: "Missing or wrong API key (only when the server has one)",
+    404: "Unknown model",
+    413: "Request body over the limit",
+    429: "Not enough free KV memory within the bounded queue wait: retry after Retry-After",
+    500: "A generation step failed inside the engine (the details are in the server log)",
+    503: "Queue full, loading, shutting down, or the engine stopped: retry after Retry-After",
+}
+
+
+def _error(status: int) -> dict:
+    r = {
+        "description": _WHY[status],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    if status in (429, 503):
+        r["headers"] = copy.deepcopy(_RETRY_AFTER)
+    return r
+
+
+def _ok(name: str, description: str = "OK") -> dict:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+    }
+
+
+def _route_responses(path: str) -> dict:
+    if path == "/health":
+        return {
+            "200": _ok("Health", "Ready"),
+            "503": _ok("Health", "Loading, failed to load, shutting down or dead"),
+        }
+    if path == "/metrics":
+        return {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": _STR}}}}
+    if path == "/v1/models":
+        return {"200": _ok("ModelList"), "401": _error(401)}
+    if path == "/v1/resources":
+        return {"200": _ok("Resources"), "401": _error(401), "503": _error(503)}
+    if path in ("/v1/tokenize", "/v1/detokenize"):
+        name = "TokenizeResponse" if path == "/v1/tokenize" else "DetokenizeResponse"
+        return {"200": _ok(name), **{str(s): _error(s) for s in (400, 401, 404, 413, 503)}}
+    if path in ("/v1/chat/completions", "/v1/completions"):
+        name = "ChatCompletion" if path == "/v1/chat/completions" else "Completion"
+        ok = _ok(name, "The completion (JSON), or with stream=true a server-sent event stream")
+        ok["content"]["text/event-stream"] = {"schema": {"$ref": "#/components/schemas/StreamEvent"}}
+        ok["headers"] = {
+            "X-KVGate-Budget-Cap": {
+                "required": False,
+                "schema": _STR,
+                "description": "present when max_tokens was capped by the budget",
+            }
+        }
+        return {"200": ok, **{str(s): _error(s) for s in (400, 401, 404, 413, 429, 500, 503)}}
+    return {}
+
+
+def _non_null(prop: dict) -> list[dict]:
+    """The schema branches of a pydantic `X | None` property, excluding the null branch."""
+    return [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
+
+
+def _tighten_common(js: dict, vocab: int | None) -> None:
+    from kvgate.server.protocol import _KNOWN_EXTRA, MAX_STOP, MAX_STOP_LEN
+
+    props = js["properties"]
+    for name, rng in _RANGES.items():
+        if name in props:
+            for b in _non_null(props[name]):
+                b.update(rng)
+    stop_str = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
+    props["stop"] = {"anyOf": [stop_str, {"type": "array", "maxItems": MAX_STOP, "items": stop_str}, _NULL]}
+    token = {"type": "integer", "minimum": 0, **({"maximum": vocab - 1} if vocab else {})}
+    props["stop_token_ids"] = {"anyOf": [{"type": "array", "items": token}, _NULL]}
+    # Fields kvgate refuses unless they ask for what it does anyway.
+    props["n"] = {"enum": [1, None]}
+    props["best_of"] = {"enum": [1, None]}
+    props["logprobs"] = {"enum": [False, 0, None]}
+    props["top_logprobs"] = {"enum": [0, None]}
+    props["logit_bias"] = {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]}
+    props["response_format"] = {
+        "anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, _NULL]
+    }
+    props["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}
+    props["tool_choice"] = {"enum": ["none", None]}
+    for name in sorted(_KNOWN_EXTRA):  # accepted and ignored: they change no output
+        props[name] = {}
+    js["additionalProperties"] = False
+    if "prompt" in props:
+        ids = {"type": "array", "minItems": 1, "items": token}
+        nonempty = {"type": "string", "minLength": 1}
+        props["prompt"] = {
+            "anyOf": [
+                nonempty,
+                {"type": "array", "minItems": 1, "items": nonempty},
+                ids,
+                {"type": "array", "minItems": 1, "items": ids},
+            ]
+        }
+
+
+def _tighten_messages(schemas: dict) -> None:
+    from kvgate.server.protocol import ROLES
+
+    schemas["ChatMessage"]["properties"]["role"] = {"enum": sorted(ROLES)}
+    part = schemas["ContentPart"]
+    part["properties"]["type"] = {"const": "text"}
+    part["properties"]["text"] = _STR
+    part["required"] = ["type", "text"]
+
 
 def install_openapi(app: FastAPI) -> None:
     from kvgate.server import protocol
@@ -23,6 +328,8 @@ def install_openapi(app: FastAPI) -> None:
     def openapi():
         if app.openapi_schema:
             return app.openapi_schema
+        engine = app.state.engine
+        vocab = engine.tokenizer.vocab_size if engine is not None else None
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for path, name in _BODIES.items():
@@ -35,7 +342,36 @@ def install_openapi(app: FastAPI) -> None:
                 "required": True,
                 "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
             }
-        app.openapi_schema = doc
+        _tighten_messages(schemas)
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            _tighten_common(schemas[name], vocab)
+        schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1
+        tok = schemas["TokenizeRequest"]
+        tok["properties"]["messages"] = {
+            "anyOf": [
+                {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/ChatMessage"}},
+                _NULL,
+            ]
+        }
+        tok["oneOf"] = [  # exactly one of prompt / messages
+            {"required": ["prompt"], "properties": {"prompt": _STR}},
+            {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+        ]
+        token = {"type": "integer", "minimum": 0, **({"maximum": vocab - 1} if vocab else {})}
+        schemas["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token}
+        schemas.update(copy.deepcopy(_RESPONSES))
+        for path, ops in doc["paths"].items():
+            for op in ops.values():
+                op["responses"] = _route_responses(path) or op.get("responses", {})
+        key = getattr(app.state.settings, "api_key", None)
+        if key:
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            for path, ops in doc["paths"].items():
+                if path.startswith("/v1/"):
+                    for op in ops.values():
+                        op["security"] = [{"bearer": []}]
+        if engine is not None:  # cache once the vocabulary (token id maximum) is known
+            app.openapi_schema = doc
         return doc
 
     app.openapi = openapi

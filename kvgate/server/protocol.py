@@ -1,7 +1,8 @@
 """OpenAI request bodies: schemas, strict validation, and refusal of unimplemented fields by name.
 
 Unknown fields are refused, not dropped: a client that sends `logprobs: true` or `tools` must learn
-that kvgate did not honour them instead of silently getting a different answer.
+that kvgate did not honour them instead of silently getting a different answer. Types are strict for
+the same reason: "5" is not an integer, "yes" is not a boolean, true is not a max_tokens.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ MAX_STOP_LEN = 256
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(default=None, description="default: up to the remaining context")
     temperature: float | None = None
@@ -52,13 +53,13 @@ class _Common(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -76,7 +77,7 @@ class CompletionRequest(_Common):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -84,7 +85,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]
 
@@ -113,6 +114,13 @@ def schema_error(exc: ValidationError) -> APIError:
 
 def _is_type_tag(part) -> bool:
     return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part)
+
+
+def check_completion(req: CompletionRequest) -> None:
+    if req.echo:
+        raise unsupported("echo", "the prompt is not echoed back; send echo=false")
+    if req.suffix:
+        raise unsupported("suffix", "fill-in-the-middle is not implemented")
 
 
 def check_common(req: _Common) -> None:
@@ -161,6 +169,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         raise invalid("messages must contain at least one message", param="messages")
     out = []
     for i, m in enumerate(req.messages):
+        extra = sorted(m.model_extra or {})
+        if extra:
+            raise unsupported(f"messages.{i}.{extra[0]}", "unknown message field (tool calls are not implemented)")
         if m.role not in ROLES:
             raise invalid(
                 f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(ROLES))}", param=f"messages.{i}.role"
