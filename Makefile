@@ -32,7 +32,7 @@ generate: setup
 
 test: setup
 	$(VENV)/bin/ruff check kvgate tests bench
-	$(PY) -m pytest -q -x $(ARGS)
+	$(PY) -m pytest -q $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check kvgate tests bench
