@@ -560,7 +560,7 @@ class Progress:
         if not final and now - self.t_last < (0.5 if self.tty else 10.0):
             return
         self.t_last = now
-        done = [r for r in records if r.status or r.error]
+        done = [r for r in records if r.e2e_ms is not None or (r.status and r.status != 200)]
         ok = sum(1 for r in done if r.ok)
         toks = sum(r.output_tokens for r in done if r.ok)
         bad = len(done) - ok
@@ -635,11 +635,11 @@ async def run_once(
         "num_requests": cfg.num_requests,
         "output_len": cfg.output_len,
         "summary": summarize(records, duration, slo),
-        "records": [_record_json(r) for r in records],
+        "records": [record_json(r) for r in records],
     }
 
 
-def _record_json(r: RequestRecord) -> dict:
+def record_json(r: RequestRecord) -> dict:
     d = asdict(r)
     d["tpot_ms"] = r.tpot_ms
     return d

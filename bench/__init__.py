@@ -1,0 +1,1 @@
+"""Benchmark scripts: `python -m bench.compare`, `bench.bandwidth`, `bench.run_all`, `bench.soak`."""

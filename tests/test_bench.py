@@ -1,0 +1,84 @@
+"""`kvgate bench` end to end on a tiny load against a live in-process kvgate server (tiny random model)."""
+
+from __future__ import annotations
+
+import json
+
+from kvgate import bench
+from tests.server_util import running_server
+
+KEYS = {
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2e_ms",
+    "output_throughput",
+    "total_throughput",
+    "request_throughput",
+    "status_counts",
+    "retry_after",
+    "goodput",
+    "completed",
+    "failed",
+    "duration_s",
+}
+
+
+def test_bench_runs_end_to_end(make_engine, tmp_path, capsys):
+    engine = make_engine(max_seqs=4)
+    out = tmp_path / "bench.json"
+    with running_server(engine) as (base, _app):
+        rc = bench.main(
+            [
+                "--base-url",
+                base,
+                "--endpoint",
+                "completions",
+                "--num-requests",
+                "4",
+                "--concurrency",
+                "2",
+                "--input-len",
+                "16",
+                "--output-len",
+                "8",
+                "--slo",
+                "ttft=60s,tpot=10s",
+                "--json",
+                str(out),
+                "--quiet",
+            ]
+        )
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["model"] == "tiny"
+    assert result["meta"]["eos_mode"].startswith("ignore_eos")  # kvgate refuses min_tokens, takes ignore_eos
+    assert result["meta"]["tokenizer"] == "v1"
+    (run,) = result["runs"]
+    s = run["summary"]
+    assert KEYS <= set(s)
+    assert s["completed"] == 4 and s["failed"] == 0
+    assert s["status_counts"] == {"200": 4, "400": 0, "429": 0, "503": 0, "other": 0}
+    assert s["output_tokens"] == 4 * 8 and s["output_tokens_source"] == "usage"
+    assert s["prompt_tokens"] == 4 * 16  # prompts are built to the exact length with /v1/tokenize
+    assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"] < 60_000
+    assert s["tpot_ms"]["p50"] > 0 and s["itl_ms"]["n"] > 0
+    assert s["output_throughput"] > 0 and s["request_throughput"] > 0
+    assert s["goodput_requests"] == 4
+    assert len(run["records"]) == 4 and len({r["index"] for r in run["records"]}) == 4
+    assert "200/400/429/503" in capsys.readouterr().out
+
+
+def test_slo_and_percentiles():
+    assert bench.parse_slo("ttft=2s,tpot=200ms,e2el=1500") == {"ttft": 2000.0, "tpot": 200.0, "e2e": 1500.0}
+    assert bench.percentile([1, 2, 3, 4], 50) == 2.5
+    assert bench.percentile([], 50) is None
+    recs = [
+        bench.RequestRecord(index=0, sent_at=0, status=429, retry_after="3"),
+        bench.RequestRecord(index=1, sent_at=0, status=503),
+        bench.RequestRecord(index=2, sent_at=0, status=0, error="ConnectError"),
+    ]
+    s = bench.summarize(recs, 1.0)
+    assert s["status_counts"] == {"200": 0, "400": 0, "429": 1, "503": 1, "other": 1}
+    assert s["retry_after"]["429"] == {"with": 1, "without": 0} and s["retry_after"]["503"]["without"] == 1
+    assert s["other_statuses"] == {"no_response": 1} and s["admitted_completion_rate"] is None
