@@ -8,14 +8,14 @@ nothing else's:
 It prints one JSON object (the last line of stdout) with the plan and the measurements. Every memory
 figure is resident set size (RSS) read from /proc/self/status:
 
-- VmRSS is what the process holds now; VmHWM is its high-water mark, the same number
-  getrusage(RUSAGE_SELF).ru_maxrss reports. RSS is the right measure on CPU: it is what the kernel
+- VmRSS is what the process holds now; VmHWM is its high-water mark (what ru_maxrss reports too,
+  except that ru_maxrss also carries the parent's RSS across fork+exec, so it is not used). RSS is the right measure on CPU: it is what the kernel
   charges the process and what an OOM killer or a cgroup limit sees. It counts every tensor page that
   was touched, heap that glibc or MKL freed but kept, the interpreter and library code pages, and the
   file-backed pages of memory-mapped weights. It does not count pages never touched (the KV pool is
   zero-filled at startup, so it counts in full).
 - Writing "5" to /proc/self/clear_refs resets VmHWM to the current RSS (Linux >= 4.0). The probe
-  reads the load peak (ru_maxrss after the engine is built), then resets, so the serving peak is
+  reads the load peak (VmHWM after the engine is built), then resets, so the serving peak is
   measured apart from the load's transient. Before every engine step it reads VmHWM (the high-water
   mark since the last reset) and resets again: the serving peak is the largest of all readings, and
   each step's rise above the RSS it started from is recorded.
@@ -191,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.from_model(a.model, cfg)
     load_s = time.monotonic() - t0
     cpu["load"] = time.process_time()
-    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not ru_maxrss: on Linux ru_maxrss survives fork+exec (exec folds the forked copy of the
+    # parent's memory into it), so under a large pytest parent it reported the parent's RSS (seen:
+    # 1764 MiB "load peak" in the full suite, 1.1 GiB in isolation). VmHWM belongs to this process's
+    # own address space, which exec created fresh.
+    load_peak = hwm()
     plan = engine.plan
     loaded_rss = rss()
     m = engine.model
