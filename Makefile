@@ -39,10 +39,12 @@ lint: setup
 	$(VENV)/bin/ruff format --check kvgate tests bench
 
 bench: setup
+	$(PIP) install -q -e '.[bench]'
 	$(VENV)/bin/kvgate bench --help >/dev/null
 	$(PY) -m bench.run_all $(ARGS)
 
 bench-compare: setup
+	$(PIP) install -q -e '.[bench]'
 	$(PY) -m bench.compare $(ARGS)
 
 soak: setup

@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own parser: argparse's REMAINDER would not take leading --flags
+        from kvgate.bench import main as bench_main
+
+        rest = argv[1:]
+        return bench_main(rest[1:] if rest[:1] == ["--"] else rest)
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "generate":
