@@ -945,6 +945,15 @@ def derive_findings(results: dict) -> list[str]:
                 f"Best output throughput over the sweep: kvgate {best_k:.1f} tok/s vs "
                 f"{results['peers'][peer]['label']} {best_p:.1f} tok/s (ratio {best_k / best_p:.2f})."
             )
+    ref = (results.get("reference") or {}).get("peers", {}).get("kvgate")
+    if ref and k_lo and str(lo) in ref["runs"]:
+        rs = ref["runs"][str(lo)]["runs"][0]["summary"]
+        if rs["tpot_ms"]["p50"] and k_lo["tpot_ms"]["p50"]:
+            out.append(
+                f"kvgate with torch's default threads (2) on this shared box: batch-1 TPOT {rs['tpot_ms']['p50']:.0f} ms "
+                f"vs {k_lo['tpot_ms']['p50']:.0f} ms with `--threads 1` (reference run below): when another tenant "
+                "takes a core, two OpenMP threads are worse than one."
+            )
     ov = results.get("overload")
     if ov:
         for k, r in ov["runs"].items():
@@ -970,7 +979,7 @@ USAGE_MD = """## Running the benchmarks
 | kvgate alone | `make bench` (`python -m bench.run_all`) | starts `kvgate serve`, sweeps 1,4,16, writes `bench/out/` and plots |
 | side by side | `make bench-compare` (`python -m bench.compare`, `--quick` for a short sweep) | about 30-60 min on 2 vCPUs; the first run also builds llama-cpp-python (~5 min) |
 | bandwidth bound | `python -m bench.bandwidth` | memory read GB/s and batch-1 decode bound for fp32/bf16/Q4_1 |
-| soak | `make soak` (`python -m bench.soak --seconds 600 --rate 0.5`) | steady Poisson load; fails on 500s, incomplete admitted streams, RSS growth |
+| soak | `make soak` (`python -m bench.soak`, see its `--help`) | minutes of mixed load, then leak checks |
 
 `kvgate bench` essentials:
 - Prompts: `--input-len N` builds distinct prompts from a word list, sized with the server's tokenizer
@@ -1230,6 +1239,17 @@ def write_doc(results: dict) -> None:
             )
         )
         w("")
+        done_rps = {k: r["runs"][0]["summary"]["request_throughput"] for k, r in ov["runs"].items()}
+        w(
+            "Measured against what kvgate completed during each overload run itself, arrivals were "
+            + ", ".join(
+                f"{k}: {ov['runs'][k]['runs'][0]['request_rate'] / x:.1f}x its completion rate ({x:.3f} req/s)"
+                for k, x in done_rps.items()
+                if x
+            )
+            + " (the machine's load differed between the sweep and these runs; see the load column)."
+        )
+        w("")
         w(
             f"Unloaded TTFT p50 / p99: {_f(ov.get('unloaded_ttft_p50_ms'), 2, 1e-3)} / "
             f"{_f(ov['unloaded_ttft_p99_ms'], 2, 1e-3)} s ({ov.get('unloaded_from', 'the sweep at c=1')})."
@@ -1283,8 +1303,9 @@ def write_doc(results: dict) -> None:
         "llama.cpp's C++ `llama-server` (which batches continuously and is faster still; see docs/PEERS.md §9)."
     )
     w(
-        "- llama.cpp computes with Q4_1 weights (98 MB/step); kvgate and transformers stream float weights "
-        "(538 MB/step in fp32), so at batch 1 the bandwidth bound alone favours llama.cpp ~5x."
+        f"- llama.cpp computes with Q4_1 weights ({wb['gguf_file'] / 1e6:.0f} MB/step); kvgate and transformers "
+        f"stream float weights ({wb['fp32'] / 1e6:.0f} MB/step in fp32), so at batch 1 the bandwidth bound alone "
+        f"favours llama.cpp ~{wb['fp32'] / wb['gguf_file']:.1f}x."
     )
     w(
         "- The transformers numbers are an engine-only upper reference for static batching: no HTTP, no "
