@@ -13,6 +13,16 @@ import uvicorn
 from kvgate.server.app import ServerSettings, create_app
 
 
+def wait_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Poll `pred` until it is true or `timeout` seconds pass; return whether it became true."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

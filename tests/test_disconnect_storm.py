@@ -30,6 +30,7 @@ from collections import Counter
 import httpx
 
 from tests.server_util import running_server
+from tests.server_util import wait_until as shared_wait_until
 
 CHAT = "/v1/chat/completions"
 LONG = "the quick brown fox jumps over the lazy dog " * 7  # ~300 tokens: many 8-token prefill chunks
@@ -264,9 +265,4 @@ def test_disconnect_storm_cancels_every_leaver_and_leaks_nothing(make_engine):
 
 
 def wait_until(pred, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
+    return shared_wait_until(pred, timeout)

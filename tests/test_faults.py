@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from tests.server_util import running_server
+from tests.server_util import wait_until as shared_wait_until
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hello there"}]
@@ -58,12 +59,7 @@ class Fault:
 
 
 def wait_until(pred, timeout=15.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
+    return shared_wait_until(pred, timeout)
 
 
 def rows_of(engine) -> list:

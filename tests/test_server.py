@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.server_util import running_server
+from tests.server_util import wait_until as shared_wait_until
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hello there"}]
@@ -50,12 +51,7 @@ def metric(base: str, name: str, labels: str = "") -> float:
 
 
 def wait_until(pred, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+    return shared_wait_until(pred, timeout)
 
 
 def test_chat_and_completion_round_trip_with_usage(make_engine):

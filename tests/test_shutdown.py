@@ -32,6 +32,7 @@ import httpx
 import pytest
 
 from tests.server_util import free_port
+from tests.server_util import wait_until as shared_wait_until
 from tests.tiny_model import make_tiny_hf_dir
 
 CHAT = "/v1/chat/completions"
@@ -168,12 +169,7 @@ class Stream(threading.Thread):
 
 
 def wait_until(pred, timeout=30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+    return shared_wait_until(pred, timeout)
 
 
 def check_refused_while_draining(base: str):

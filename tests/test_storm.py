@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tests.server_util import running_server
+from tests.server_util import wait_until as shared_wait_until
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -162,12 +163,7 @@ def metric_values(text: str, name: str) -> dict[str, float]:
 
 
 def wait_until(pred, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+    return shared_wait_until(pred, timeout)
 
 
 def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
