@@ -228,10 +228,6 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
             assert o.finish == "length" and o.completion_tokens == o.spec.body["max_tokens"], o
             ref = reference.setdefault(o.spec.key, o.text)
             assert o.text == ref, f"same prompt, seed and max_tokens gave different text under load: {o.spec}"
-        shared = sum(
-            1 for k in reference if sum(1 for o in outcomes if o.status == 200 and o.spec.key == k) > 1
-        )
-        assert shared > 0, "no two 200s shared a key: the same-seed comparison proved nothing"
 
         # ---- nothing leaked; counters and metrics agree with what the clients saw -------------
         assert wait_until(lambda: not engine.scheduler.running and not engine.scheduler.waiting)
@@ -255,6 +251,24 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
             res = cl.get("/v1/resources").json()["kv"]
             assert res["blocks_free"] == res["blocks_total"] == KV_BLOCKS
+
+        # Which requests win a 200 in the storm is random, so pairs sharing a key may not exist: replay
+        # one storm 200 on the idle server, streamed and not, so the same-seed check always compares.
+        engine.scheduler.fault_hook = None
+        first = next(o for o in outcomes if o.status == 200)
+
+        async def replay():
+            async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(60.0)) as client:
+                outs = []
+                for stream in (False, True):
+                    body = {k: v for k, v in first.spec.body.items() if k not in ("stream", "stream_options")}
+                    if stream:
+                        body.update(stream=True, stream_options={"include_usage": True})
+                    outs.append(await run_one(client, Spec(first.spec.i, first.spec.path, body, first.spec.kind)))
+                return outs
+
+        for again in asyncio.run(replay()):
+            assert again.status == 200 and again.text == reference[first.spec.key], (again, first)
 
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
