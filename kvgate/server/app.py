@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -532,7 +532,3 @@ async def until_disconnect(request: Request, coro, handles):
 async def _watch_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.1)
-
-
-def plain(text: str, status: int = 200) -> PlainTextResponse:
-    return PlainTextResponse(text, status_code=status)

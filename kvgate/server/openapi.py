@@ -77,6 +77,30 @@ _USAGE = {
 }
 _FINISH = {"enum": ["stop", "length", "cancelled"]}
 
+
+def _completion_schema(obj: str, payload: dict) -> dict:
+    """A non-streaming response: chat and text completions differ only in `object` and the choice payload."""
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": _STR,
+            "object": {"const": obj},
+            "created": _INT,
+            "model": _STR,
+            "choices": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["index", *payload, "finish_reason"],
+                    "properties": {"index": _INT, **payload, "finish_reason": _FINISH, "logprobs": _NULL},
+                },
+            },
+            "usage": _USAGE,
+        },
+    }
+
 _RESPONSES = {
     "Error": {
         "type": "object",
@@ -101,55 +125,17 @@ _RESPONSES = {
             }
         },
     },
-    "ChatCompletion": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": _STR,
-            "object": {"const": "chat.completion"},
-            "created": _INT,
-            "model": _STR,
-            "choices": {
-                "type": "array",
-                "minItems": 1,
-                "items": {
-                    "type": "object",
-                    "required": ["index", "message", "finish_reason"],
-                    "properties": {
-                        "index": _INT,
-                        "message": {
-                            "type": "object",
-                            "required": ["role", "content"],
-                            "properties": {"role": {"const": "assistant"}, "content": _STR},
-                        },
-                        "finish_reason": _FINISH,
-                        "logprobs": _NULL,
-                    },
-                },
-            },
-            "usage": _USAGE,
+    "ChatCompletion": _completion_schema(
+        "chat.completion",
+        {
+            "message": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"const": "assistant"}, "content": _STR},
+            }
         },
-    },
-    "Completion": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": _STR,
-            "object": {"const": "text_completion"},
-            "created": _INT,
-            "model": _STR,
-            "choices": {
-                "type": "array",
-                "minItems": 1,
-                "items": {
-                    "type": "object",
-                    "required": ["index", "text", "finish_reason"],
-                    "properties": {"index": _INT, "text": _STR, "finish_reason": _FINISH, "logprobs": _NULL},
-                },
-            },
-            "usage": _USAGE,
-        },
-    },
+    ),
+    "Completion": _completion_schema("text_completion", {"text": _STR}),
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
