@@ -24,6 +24,7 @@ ENGINE_FLAGS = [
     ("--min-cap-tokens", int, 256, "admit an unset-max_tokens request early if this many tokens fit"),
     ("--max-model-len", int, None, "context length (default: the model's)"),
     ("--threads", int, None, "torch intra-op threads (default: torch's choice)"),
+    ("--pack-weights", str, "auto", "auto | on | off: prepack weights for oneDNN (auto: CPU float32)"),
 ]
 
 
@@ -54,6 +55,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         min_cap_tokens=a.min_cap_tokens,
         max_model_len=a.max_model_len,
         threads=a.threads,
+        pack_weights=a.pack_weights,
     )
 
 
@@ -146,15 +148,20 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_plan(a) -> int:
     import torch
 
-    from kvgate.engine import checkpoint_bytes, resolve_device, resolve_dtype
+    from kvgate.engine import checkpoint_bytes, resolve_device, resolve_dtype, resolve_packing
     from kvgate.memory.plan import make_plan, runtime_overhead_bytes
     from kvgate.models import load_model
+    from kvgate.models.linear import warm_kernels
+    from kvgate.models.llama import matmul_shapes
 
     loaded = load_model(a.model)
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, device)
     spec = loaded.spec
     cfg = engine_config(a)
+    packed = resolve_packing(cfg.pack_weights, device, dtype)
+    if packed:  # as the engine does: the kernels' memory is part of the measured overhead
+        warm_kernels(matmul_shapes(spec, cfg.prefill_chunk + cfg.max_seqs, cfg.max_seqs), dtype)
     plan = make_plan(
         spec,
         device=str(device),
@@ -167,6 +174,7 @@ def cmd_plan(a) -> int:
         max_model_len=min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings),
         kv_cache_bytes=cfg.kv_cache_bytes,
         overhead_bytes=runtime_overhead_bytes(str(device), checkpoint_bytes(loaded)),
+        packed_weights=packed,
     )
     if a.json:
         print(json.dumps(plan.to_dict(a.context), indent=1))

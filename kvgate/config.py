@@ -57,4 +57,5 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's own context length
     seed: int | None = None  # default seed for requests that give none (None = fresh entropy)
     threads: int | None = None  # torch intra-op threads; None = torch's default
+    pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
     extra: dict = field(default_factory=dict)

@@ -24,7 +24,8 @@ from kvgate.kv import BlockAllocator, KVPool
 from kvgate.memory.ledger import MemoryLedger
 from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
 from kvgate.models import LoadedModel, load_model
-from kvgate.models.llama import LlamaModel
+from kvgate.models.linear import packs_weights, warm_kernels
+from kvgate.models.llama import LlamaModel, matmul_shapes
 from kvgate.request import GenerationRequest, RequestHandle
 from kvgate.scheduler import Scheduler
 from kvgate.tokenizer import TextTokenizer
@@ -79,6 +80,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_packing(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """auto: prepack weight matrices for oneDNN wherever that works (CPU float32); on: insist."""
+    if name not in ("auto", "on", "off"):
+        raise DeviceError(f"--pack-weights {name!r} is not one of auto, on, off")
+    possible = packs_weights(device, dtype)
+    if name == "on" and not possible:
+        raise DeviceError(
+            f"--pack-weights on needs a CPU device, float32 and a torch with oneDNN; this is "
+            f"{device} {str(dtype).removeprefix('torch.')}. Use --pack-weights auto or off."
+        )
+    return possible and name != "off"
+
+
 @dataclass
 class EngineInfo:
     model_name: str
@@ -101,10 +115,13 @@ class Engine:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.packed_weights = resolve_packing(cfg.pack_weights, self.device, self.dtype)
         spec = loaded.spec
         self.spec = spec
         max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
         dtype_bytes = torch.finfo(self.dtype).bits // 8
+        if self.packed_weights:  # before the overhead is measured, so it includes the kernels' memory
+            warm_kernels(matmul_shapes(spec, cfg.prefill_chunk + cfg.max_seqs, cfg.max_seqs), self.dtype)
         if overhead_bytes is None:
             overhead_bytes = runtime_overhead_bytes(str(self.device), checkpoint_bytes(loaded))
         self.plan: MemoryPlan = make_plan(
@@ -119,6 +136,7 @@ class Engine:
             max_model_len=max_len,
             kv_cache_bytes=cfg.kv_cache_bytes,
             overhead_bytes=overhead_bytes,
+            packed_weights=self.packed_weights,
         )
         p = self.plan
         self.ledger = MemoryLedger(p.limit_bytes, str(self.device))
@@ -127,7 +145,8 @@ class Engine:
         self._weights_res = self.ledger.reserve("weights", p.weights_bytes, spec.name)
         # The model pops each source tensor as it consumes it, so a loader that hands over owned
         # tensors frees each one as soon as its copy exists (a copy of the dict would hold them all).
-        self.model = LlamaModel(spec, loaded.weights, self.dtype, self.device)
+        self.model = LlamaModel(spec, loaded.weights, self.dtype, self.device, pack=self.packed_weights)
+        self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_seqs)
         loaded.weights.clear()
         actual = self.model.weight_bytes
         assert actual <= p.weights_bytes, f"weights {actual} B exceed the planned {p.weights_bytes} B"
@@ -152,9 +171,7 @@ class Engine:
             kv_bytes_per_token=p.kv_bytes_per_token,
             device=self.device,
         )
-        self.info = EngineInfo(
-            spec.name, loaded.source, str(self.device), p.dtype, time.monotonic() - t0
-        )
+        self.info = EngineInfo(spec.name, loaded.source, str(self.device), p.dtype, time.monotonic() - t0)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: str | None = None
@@ -234,7 +251,9 @@ class Engine:
                     # Every waiter is blocked and nothing runs: sleep until the nearest deadline.
                     nd = sched.next_deadline()
                     with sched.lock:
-                        sched.lock.wait(timeout=0.05 if nd is None else max(0.0, min(0.05, nd - time.monotonic())))
+                        sched.lock.wait(
+                            timeout=0.05 if nd is None else max(0.0, min(0.05, nd - time.monotonic()))
+                        )
         except BaseException as exc:  # the worker is gone for good: fail everything, loudly
             self.dead = f"engine worker died: {type(exc).__name__}: {exc}"
             log.exception("engine worker died")

@@ -84,7 +84,9 @@ class Sampler:
         self.gen = torch.Generator().manual_seed(seed)
         self.vocab_size = vocab_size
         self.penalized = (
-            params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
         )
         self._prompt_ids = list(prompt_ids) if self.penalized else []
         self.seen: torch.Tensor | None = None
@@ -98,40 +100,138 @@ class Sampler:
             self.seen[torch.tensor(ids)] = True
         self.counts = torch.zeros(n, dtype=torch.float32)
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """`logits`: float32 `[vocab]` (may be a view into the batch's logits; it is not modified)."""
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with this request's repetition/presence/frequency penalties applied (a copy)."""
         p = self.p
-        if self.penalized:
-            if self.seen is None:
-                self._init_penalty_state(logits.shape[-1])
-            logits = logits.clone()
-            if p.repetition_penalty != 1.0:
-                sel = logits[self.seen]
-                logits[self.seen] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
-            if p.frequency_penalty or p.presence_penalty:
-                logits -= self.counts * p.frequency_penalty + (self.counts > 0).float() * p.presence_penalty
-        if self.greedy:
-            token = int(torch.argmax(logits))
-        else:
-            token = self._draw(logits / p.temperature)
+        if self.seen is None:
+            self._init_penalty_state(logits.shape[-1])
+        logits = logits.clone()
+        if p.repetition_penalty != 1.0:
+            sel = logits[self.seen]
+            logits[self.seen] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+        if p.frequency_penalty or p.presence_penalty:
+            logits -= self.counts * p.frequency_penalty + (self.counts > 0).float() * p.presence_penalty
+        return logits
+
+    def record(self, token: int) -> None:
+        """Remember a generated token for the penalties."""
         if self.penalized:
             self.seen[token] = True
             self.counts[token] += 1
-        return token
 
-    def _draw(self, logits: torch.Tensor) -> int:
-        p = self.p
-        if p.top_k > 0 and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, -math.inf)
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, dim=-1)
-            drop = (cum - sorted_p) >= p.top_p  # keep the smallest prefix reaching top_p (>= 1 token)
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p.masked_fill(drop, 0.0))
-        if p.min_p > 0.0:  # relative to the most likely token, after top-p (multinomial renormalizes)
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-            return int(torch.argmax(torch.nan_to_num(logits, nan=-math.inf)))  # degenerate row: fall back
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+    def sample(self, logits: torch.Tensor) -> int:
+        """`logits`: float32 `[vocab]` (may be a view into the batch's logits; it is not modified)."""
+        return sample_batch([self], logits.unsqueeze(0))[0]
+
+
+TOP_P_CANDIDATES = 1024  # top-p looks at the most likely 1024 tokens first; a full sort only if needed
+SAMPLE_ROWS = 4  # rows drawn together: bounds the vocab-sized temporaries (the plan's `logits` term)
+
+
+def sample_batch(samplers: list[Sampler], logits: torch.Tensor, rows: list[int] | None = None) -> list[int]:
+    """One token per sampler; sampler i reads float32 `logits[rows[i]]` (`rows` default: 0, 1, ...).
+
+    Rows with the same candidate count are drawn together, `SAMPLE_ROWS` at a time, but each row's
+    result depends only on its own logits, parameters and generator: every operation is row-wise,
+    and a row's candidate count comes from its own parameters. The draw is an inverse-CDF lookup of
+    one uniform number from the row's own generator. A row with non-finite or all-zero
+    probabilities falls back to its argmax. `logits` is never modified.
+
+    Top-p keeps the smallest prefix of the sorted probabilities that reaches p (at least one token),
+    then min-p drops tokens below min_p x the top probability. Top-k keeps exactly k tokens. Top-p
+    first looks only at the `TOP_P_CANDIDATES` most likely tokens, which hold the nucleus whenever
+    their probability sums to p or more; otherwise that row is sorted in full (same result, slower).
+    """
+    rows = list(range(len(samplers))) if rows is None else rows
+    vocab = logits.shape[-1]
+
+    def row_logits(i: int) -> torch.Tensor:
+        s = samplers[i]
+        return s.penalize(logits[rows[i]]) if s.penalized else logits[rows[i]]
+
+    tokens = [0] * len(samplers)
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(samplers):
+        if s.greedy:
+            tokens[i] = int(torch.argmax(row_logits(i)))
+        else:
+            groups.setdefault(_candidates(s.p, vocab), []).append(i)
+    for k, members in groups.items():
+        for at in range(0, len(members), SAMPLE_ROWS):
+            chunk = members[at : at + SAMPLE_ROWS]
+            x = torch.stack([row_logits(i) for i in chunk])
+            for i, t in zip(chunk, _draw_rows([samplers[i] for i in chunk], x, k), strict=True):
+                tokens[i] = t
+    for s, t in zip(samplers, tokens, strict=True):
+        s.record(t)
+    return tokens
+
+
+def _candidates(p: SamplingParams, vocab: int) -> int:
+    """How many of the most likely tokens a row draws from, sorted (0: all of them, unsorted)."""
+    if 0 < p.top_k < vocab:
+        return p.top_k
+    if p.top_p < 1.0:
+        return min(vocab, TOP_P_CANDIDATES)
+    return 0
+
+
+def _draw_rows(samplers: list[Sampler], logits: torch.Tensor, k: int) -> list[int]:
+    """Draw one token per row of `logits` (owned: scaled in place)."""
+    n, vocab = logits.shape
+    temps = torch.tensor([s.p.temperature for s in samplers], dtype=logits.dtype).unsqueeze(1)
+    scaled = logits.div_(temps)
+    top_k = torch.tensor([0 < s.p.top_k < vocab for s in samplers]).unsqueeze(1)
+    if k:
+        vals, ids = torch.topk(scaled, k, dim=-1)
+        # top-k rows renormalize over their k tokens; top-p rows keep the full softmax's mass
+        norm = torch.where(
+            top_k, torch.logsumexp(vals, -1, keepdim=True), torch.logsumexp(scaled, -1, keepdim=True)
+        )
+        probs = torch.exp(vals - norm)
+    else:
+        ids = None
+        probs = torch.softmax(scaled, dim=-1)
+    top_p = torch.tensor([s.p.top_p for s in samplers], dtype=probs.dtype).unsqueeze(1)
+    if ids is not None and bool((top_p < 1.0).any()):
+        cum = torch.cumsum(probs, dim=-1)
+        short = ((cum[:, -1:] < top_p) & ~top_k).squeeze(1)
+        probs = probs.masked_fill((cum - probs) >= top_p, 0.0)  # smallest prefix reaching top_p
+        if bool(short.any()):  # the nucleus is wider than the candidates: sort those rows in full
+            return _redraw_full(samplers, scaled, short, probs, ids)
+    min_p = torch.tensor([s.p.min_p for s in samplers], dtype=probs.dtype).unsqueeze(1)
+    probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    return _inverse_cdf(samplers, probs, ids, scaled)
+
+
+def _redraw_full(samplers, scaled, short, probs, ids) -> list[int]:
+    """Rows whose nucleus exceeds the candidates are drawn from a full sort; the others as usual."""
+    out = []
+    for i, s in enumerate(samplers):
+        if bool(short[i]):
+            sorted_p, order = torch.sort(torch.softmax(scaled[i], -1), descending=True)
+            cum = torch.cumsum(sorted_p, -1)
+            row = sorted_p.masked_fill((cum - sorted_p) >= s.p.top_p, 0.0)
+        else:
+            row, order = probs[i], ids[i]
+        row = row.masked_fill(row < s.p.min_p * row.amax(), 0.0)
+        out += _inverse_cdf([s], row.unsqueeze(0), order.unsqueeze(0), scaled[i : i + 1])
+    return out
+
+
+def _inverse_cdf(samplers, probs: torch.Tensor, ids: torch.Tensor | None, scaled: torch.Tensor) -> list[int]:
+    u = torch.cat([torch.rand(1, generator=s.gen) for s in samplers]).unsqueeze(1)
+    cum = torch.cumsum(probs, dim=-1)
+    total = cum[:, -1:]
+    pick = torch.searchsorted(cum, u * total, right=True).squeeze(1)
+    # u * total can round up to total: take the last token with probability > 0 instead
+    last = probs.shape[1] - 1 - torch.argmax(torch.flip(probs > 0, [1]).to(torch.uint8), dim=1)
+    pick = torch.minimum(pick, last)
+    if ids is not None:
+        pick = ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+    out = pick.tolist()
+    ok = (torch.isfinite(total) & (total > 0)).squeeze(1).tolist()
+    for i, good in enumerate(ok):
+        if not good:  # degenerate row (NaN/inf logits): fall back to its argmax
+            out[i] = int(torch.argmax(torch.nan_to_num(scaled[i], nan=-math.inf)))
+    return out

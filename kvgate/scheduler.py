@@ -34,7 +34,7 @@ from kvgate.request import (
     Result,
     Token,
 )
-from kvgate.sampling import Sampler
+from kvgate.sampling import Sampler, sample_batch
 from kvgate.step import DecodeInput, PrefillInput, build_step
 from kvgate.stop import StopMatcher
 from kvgate.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -228,7 +228,8 @@ class Scheduler:
         if not rows:
             return 1
         remaining = sorted(
-            r.max_tokens - len(r.out_ids) + -(-(len(r.prompt) - r.computed) // self.prefill_chunk) for r in rows
+            r.max_tokens - len(r.out_ids) + -(-(len(r.prompt) - r.computed) // self.prefill_chunk)
+            for r in rows
         )
         est = remaining[0] * step * (1 + queued / max(1, len(rows)))
         return int(min(60, max(1, round(est))))
@@ -263,7 +264,18 @@ class Scheduler:
     def _send_final_unadmitted(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
         now = time.monotonic()
         result = Result(
-            [], "", reason, len(handle.request.prompt_ids), 0, None, handle.submitted_at, None, None, now, [], error
+            [],
+            "",
+            reason,
+            len(handle.request.prompt_ids),
+            0,
+            None,
+            handle.submitted_at,
+            None,
+            None,
+            now,
+            [],
+            error,
         )
         handle.events.put(Finished(result, ""))
 
@@ -401,18 +413,29 @@ class Scheduler:
         c.prefill_chunks += len(prefills)
         c.prefill_tokens += sum(len(p.tokens) for p in prefills)
         now = time.monotonic()
-        for row, li in zip(decode_rows, d_rows, strict=True):
-            self._sample_append(row, logits[li], now)
+        sampled = list(zip(decode_rows, d_rows, strict=True))
         for row, p, li in zip(prefill_rows, prefills, p_rows, strict=True):
             row.computed += len(p.tokens)
             if li >= 0:
-                self._sample_append(row, logits[li], now)
-
-    def _sample_append(self, row: Row, logits: torch.Tensor, now: float) -> None:
-        """Sample one row's token and append it. An error here (e.g. a sampler that meets non-finite
-        probabilities) fails this row alone; outside a try it would kill the worker and every row."""
+                sampled.append((row, li))
+        if not sampled:
+            return
+        states = [r.sampler.gen.get_state() for r, _ in sampled]
         try:
-            self._append(row, row.sampler.sample(logits), now)
+            tokens = sample_batch([r.sampler for r, _ in sampled], logits, [li for _, li in sampled])
+        except Exception:  # find the row that failed: sample each alone (same draws), so it fails alone
+            for (r, _), st in zip(sampled, states, strict=True):
+                r.sampler.gen.set_state(st)
+            tokens = [None] * len(sampled)
+        for (row, li), token in zip(sampled, tokens, strict=True):
+            self._sample_append(row, logits[li], now, token)
+
+    def _sample_append(self, row: Row, logits: torch.Tensor, now: float, token: int | None = None) -> None:
+        """Append the row's token (sampled here when `token` is None). An error here (e.g. a sampler
+        that meets bad penalties state) fails this row alone; outside a try it would kill the worker
+        and every row."""
+        try:
+            self._append(row, row.sampler.sample(logits) if token is None else token, now)
         except Exception as exc:
             if row.handle.id in self.running:
                 self.counters.failed += 1
@@ -484,14 +507,36 @@ class Scheduler:
         for w in waiters:
             self.counters.rejected_unavailable += 1
             w.handle.events.put(
-                Refused(Refusal("engine_unavailable", f"the server stopped before admitting this request: {reason}", 503, retry_after=1))
+                Refused(
+                    Refusal(
+                        "engine_unavailable",
+                        f"the server stopped before admitting this request: {reason}",
+                        503,
+                        retry_after=1,
+                    )
+                )
             )
         for row in list(self.running.values()):
             try:
                 self._finish(row, "error", error=reason)
             except Exception:  # keep going: every other row still needs its terminal event
                 self.running.pop(row.handle.id, None)
-                row.handle.events.put(Finished(Result(
-                    list(row.out_ids), "".join(row.text), "error", len(row.prompt), len(row.out_ids),
-                    row.budget_cap, row.handle.submitted_at, row.admitted_at, None, time.monotonic(), [], reason,
-                ), ""))
+                row.handle.events.put(
+                    Finished(
+                        Result(
+                            list(row.out_ids),
+                            "".join(row.text),
+                            "error",
+                            len(row.prompt),
+                            len(row.out_ids),
+                            row.budget_cap,
+                            row.handle.submitted_at,
+                            row.admitted_at,
+                            None,
+                            time.monotonic(),
+                            [],
+                            reason,
+                        ),
+                        "",
+                    )
+                )

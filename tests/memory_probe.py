@@ -117,24 +117,30 @@ def weights_resident(model) -> tuple[int, int, int]:
                     maps.append((lo, hi))
             elif head[0] == "Rss:" and current:
                 file_rss += int(head[1]) * 1024
+    import torch
+
     anon = mapped = 0
     seen = set()
     for t in model_tensors(model):
-        p = t.data_ptr()
+        if t.is_mkldnn:  # a prepacked weight (kvgate.models.llama.Linear): opaque, always owned
+            p, nbytes = torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t)
+        else:
+            p, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
         if p in seen:
             continue
         seen.add(p)
         if any(lo <= p < hi for lo, hi in maps):
             mapped += t.numel() * t.element_size()
         else:
-            anon += t.untyped_storage().nbytes()
+            anon += nbytes
     return file_rss, mapped, anon
 
 
 def model_tensors(m) -> list:
-    return [m.embed, m.norm, m.lm_head, m.cos, m.sin] + [
-        t for layer in m.layers for t in layer if t is not None
-    ]
+    out = [m.embed, m.norm, m.lm_head.weight, m.cos, m.sin]
+    for ln1, qkv, o, ln2, gu, down in m.layers:
+        out += [ln1, ln2] + [t for lin in (qkv, o, gu, down) for t in (lin.weight, lin.bias) if t is not None]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded_rss = rss()
     m = engine.model
     for t in model_tensors(m):
-        t.sum()
+        (t.to_dense() if t.is_mkldnn else t).sum()  # touch every page (a packed weight is owned anyway)
     touched_rss = rss()
     file_rss, mapped_weights, anon_weights = weights_resident(m)
 
@@ -239,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         ctx = min(L, plan_mod.padded_len(max(shape["context"], 1), plan.block_size))
         rows = max(shape["rows"], shape["logits_rows"])
         lim = plan_mod.StepLimits(
-            shape["prefill_tokens"], rows, shape["group_tokens"], L, ctx if ctx < L else None
+            shape["prefill_tokens"],
+            rows,
+            shape["group_tokens"],
+            L,
+            ctx if ctx < L else None,
+            plan.limits.packed_weights,
         )
         return plan_mod.step_workspace(engine.spec, dtype_bytes, lim, plan.block_size)
 

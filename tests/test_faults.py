@@ -210,10 +210,10 @@ def test_a_row_whose_sampler_raises_fails_alone(make_engine):
             if r.max_tokens == 77 and len(r.out_ids) >= 2 and not state["done"]:
                 state["done"] = True
 
-                def boom(logits):
+                def boom(token):
                     raise RuntimeError(SECRET)
 
-                r.sampler.sample = boom
+                r.sampler.record = boom  # called for every sampled row, batched or alone
 
     engine.scheduler.fault_hook = hook
     with running_server(engine) as (base, _):

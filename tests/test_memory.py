@@ -173,7 +173,10 @@ PRODUCTION = COMMON + ["--max-seqs", "8", "--long-decode", "4", "--row-prompt", 
 # Exact: the same long prompt while 31 one-token rows prefill and decode; it stops after 2 tokens, the
 # 31 rows decode 8: so there are steps with a full chunk at full context, steps with 32 rows decoding
 # next to a 384-token row (padded decode attention), and steps where the 31 rows' logits dominate.
+# A 512-token context here: the batched sampler's group of rows makes the logits term larger than the
+# 32-row decode attention at 384 tokens, and this probe must reach a decode-attention-largest step.
 EXACT = COMMON + ["--max-seqs", "32", "--long-decode", "2", "--row-prompt", "1", "--decode", "8", "--exact"]
+EXACT += ["--max-model-len", "512"]
 
 
 def run_probe(args: list[str]) -> dict:

@@ -17,10 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvgate.config import EngineConfig, ModelSpec
 from kvgate.memory import plan as P
 from kvgate.memory.plan import PlanError, make_plan, parse_bytes, resolve_limit
+from kvgate.models.linear import packs_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "import sys; from kvgate.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -234,6 +236,7 @@ def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
     prompt of 40 tokens takes ceil(40 / chunk) prefill steps. Broken by: Engine passing
     cfg.prefill_chunk / cfg.max_seqs to the scheduler."""
     kw = dict(block_size=16, prefill_chunk=64, max_seqs=8, max_model_len=512)
+    kw["packed_weights"] = packs_weights("cpu", torch.float32)  # as the engine decides (float32 on CPU)
     full = make_plan(
         tiny_spec,
         device="cpu",
@@ -244,7 +247,7 @@ def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
         **kw,
     )
     min_kv = P.MIN_KV_POSITIONS * full.kv_bytes_per_token
-    small = P.StepLimits(16, 1, P._attn_cap(1, 512), 512)
+    small = P.StepLimits(16, 1, P._attn_cap(1, 512), 512, packed_weights=kw["packed_weights"])
     lo = full.weights_bytes + min_kv + P._ws(tiny_spec, 4, small)
     limit = lo + (full.weights_bytes + min_kv + full.workspace_bytes - lo) // 3
     plan = make_plan(
@@ -279,7 +282,7 @@ def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
 # ---- `kvgate plan` agrees with the engine -------------------------------------------------------------
 @pytest.mark.slow
 def test_cli_plan_json_equals_engine_plan(default_model_cache):
-    """`kvgate plan --model default --memory-limit 1GiB --context 1024 --json` (a subprocess) prints the
+    """`kvgate plan --model default --memory-limit 1280MiB --context 1024 --json` (a subprocess) prints the
     numbers the engine plans for the same flags. The runtime overhead is measured (process RSS), so the
     engine is given the CLI's measured overhead and everything else must match exactly. Broken by: the
     CLI computing max_model_len, dtype or limits differently from Engine.__init__."""
@@ -292,7 +295,7 @@ def test_cli_plan_json_equals_engine_plan(default_model_cache):
             "--model",
             "default",
             "--memory-limit",
-            "1GiB",
+            "1280MiB",
             "--context",
             "1024",
             "--json",
@@ -305,13 +308,13 @@ def test_cli_plan_json_equals_engine_plan(default_model_cache):
     )
     assert out.returncode == 0, out.stderr
     cli = json.loads(out.stdout)
-    assert cli["limit_bytes"] == GiB and cli["context_tokens"] == 1024
+    assert cli["limit_bytes"] == 1280 * MiB and cli["context_tokens"] == 1024
     assert P.OVERHEAD_SLACK + (64 << 20) < cli["overhead_bytes"] < P.OVERHEAD_SLACK + (1 << 30)
 
     from kvgate.engine import Engine
 
     engine = Engine.from_model(
-        "default", EngineConfig(memory_limit="1GiB"), overhead_bytes=cli["overhead_bytes"]
+        "default", EngineConfig(memory_limit="1280MiB"), overhead_bytes=cli["overhead_bytes"]
     )
     assert engine.plan.to_dict(1024) == cli
     assert engine.scheduler.max_model_len == cli["limits"]["max_model_len"]

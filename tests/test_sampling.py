@@ -221,3 +221,88 @@ def test_penalties_work_when_the_model_has_more_logits_than_the_tokenizer_has_to
     assert s.sample(logits) == 1
     s = Sampler(SamplingParams(seed=1, frequency_penalty=0.5), [], vocab_size=4)
     assert all(0 <= s.sample(logits) < 6 for _ in range(20))
+
+
+# ---- batched sampling (one call for every row of a step) -------------------------------------------
+
+MIXED = [
+    dict(temperature=0),
+    dict(temperature=0.8, top_p=0.9),
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.2, min_p=0.05),
+    dict(temperature=0.9, top_p=0.5, top_k=20, min_p=0.02),
+    dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.5),
+    dict(temperature=0, presence_penalty=1.0),
+    dict(temperature=1.0, top_p=0.9),
+]
+
+
+def test_a_row_draws_the_same_tokens_alone_or_in_any_batch():
+    """sample_batch over rows with mixed parameters gives each row exactly the tokens it draws when
+    sampled alone with the same seed, step after step, whatever its neighbours and position. Broken
+    by (each seen red): drawing every row's uniform from the first row's generator; one candidate
+    count for the whole batch (max over rows); top-p renormalized over the candidates."""
+    from kvgate.sampling import sample_batch
+
+    vocab, steps = 3000, 6
+    logits = [torch.stack([random_logits(100 * t + i, vocab) for i in range(len(MIXED))]) for t in range(steps)]
+
+    def run(order: list[int]) -> dict[int, list[int]]:
+        samplers = {i: Sampler(SamplingParams(seed=i, **MIXED[i]), [1, 2, 3], vocab) for i in order}
+        out = {i: [] for i in order}
+        for t in range(steps):
+            rows = [i for i in order]
+            got = sample_batch([samplers[i] for i in rows], logits[t], rows)
+            for i, tok in zip(rows, got, strict=True):
+                out[i].append(tok)
+        return out
+
+    alone = {i: run([i])[i] for i in range(len(MIXED))}
+    assert run(list(range(len(MIXED)))) == alone
+    assert run(list(reversed(range(len(MIXED))))) == alone
+    assert len({tuple(v) for v in alone.values()}) > 3  # the rows really differ
+
+
+def test_top_p_wider_than_the_candidate_prefilter_still_draws_from_the_whole_nucleus():
+    """With nearly flat logits the top-0.99 nucleus holds far more than TOP_P_CANDIDATES tokens: the
+    sampler must fall back to a full sort, so tokens ranked past the prefilter get drawn. Broken by:
+    skipping the fallback (only the top 1024 can ever be drawn)."""
+    from kvgate.sampling import TOP_P_CANDIDATES
+
+    vocab = 4 * TOP_P_CANDIDATES
+    logits = random_logits(7, vocab, scale=0.05)
+    rank = torch.empty(vocab, dtype=torch.long)
+    rank[torch.argsort(logits, descending=True)] = torch.arange(vocab)
+    got = draws(SamplingParams(temperature=1.0, top_p=0.99, seed=3), logits, 200)
+    assert max(int(rank[t]) for t in got) >= TOP_P_CANDIDATES
+
+
+def test_a_nan_row_falls_back_to_argmax_without_touching_its_neighbours():
+    """A row whose logits hold NaN gets its argmax (NaN ignored); the finite rows beside it draw
+    what they draw alone. Broken by: letting NaN reach the inverse CDF (an out-of-range index)."""
+    from kvgate.sampling import sample_batch
+
+    good = random_logits(1, VOCAB)
+    bad = random_logits(2, VOCAB)
+    bad[5] = math.nan
+    batch = torch.stack([good, bad, good])
+    p = dict(temperature=1.0, top_p=0.9)
+    got = sample_batch([Sampler(SamplingParams(seed=s, **p), [], VOCAB) for s in (1, 2, 3)], batch)
+    assert got[1] == int(torch.argmax(torch.nan_to_num(bad, nan=-math.inf)))
+    assert got[0] == draws(SamplingParams(seed=1, **p), good, 1)[0]
+    assert got[2] == draws(SamplingParams(seed=3, **p), good, 1)[0]
+
+
+def test_top_p_counts_the_mass_of_the_whole_vocabulary_not_just_the_candidates():
+    """Three tokens hold 90% of the probability and 4997 share the rest; top_p=0.95 must keep tail
+    tokens (the three reach only 0.90 of the full softmax), so ~5% of draws come from the tail.
+    Broken by (seen red): renormalizing top-p over the prefiltered candidates, which makes the three
+    look like 98% and keeps only them."""
+    vocab = 5000
+    logits = torch.zeros(vocab)
+    tail_logit = math.log(0.1 / (vocab - 3))
+    logits[:] = tail_logit
+    logits[:3] = math.log(0.3)
+    got = draws(SamplingParams(temperature=1.0, top_p=0.95, seed=11), logits, 300)
+    assert sum(t >= 3 for t in got) >= 3

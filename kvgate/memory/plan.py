@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 from kvgate.config import ModelSpec
 from kvgate.memory.ledger import fmt_bytes
+from kvgate.sampling import SAMPLE_ROWS
 
 # "auto" on CPU: a quarter of MemAvailable at startup (the KV pool is zero-filled, so that is real)
 AUTO_CPU_SHARE = 0.25
@@ -116,7 +117,10 @@ def runtime_overhead_bytes(device: str, held_tensor_bytes: int = 0) -> int:
     return max(0, process_rss_bytes() - held_tensor_bytes) + OVERHEAD_SLACK
 
 
-def weight_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
+def weight_bytes(spec: ModelSpec, dtype_bytes: int, lm_head_copy: bool = False) -> int:
+    """Bytes of the model's weights and RoPE tables. `lm_head_copy`: the weights are prepacked
+    (`kvgate.models.llama.Linear`), so tied embeddings are held twice (plain for the lookup, packed
+    for the head)."""
     h, layers = spec.hidden_size, spec.num_layers
     per_layer = (
         h * (spec.q_size + 2 * spec.kv_size)  # fused qkv
@@ -125,7 +129,7 @@ def weight_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
         + 2 * h  # two norms
     )
     params = spec.vocab_size * h + layers * per_layer + h
-    if not spec.tie_word_embeddings:
+    if not spec.tie_word_embeddings or lm_head_copy:
         params += spec.vocab_size * h
     rope = 2 * spec.max_position_embeddings * spec.head_dim
     return (params + rope) * dtype_bytes
@@ -140,6 +144,9 @@ class StepLimits:
     # The longest context a row can reach: max_model_len, or the whole KV pool when that is smaller
     # (a row never holds more positions than the pool has). The attention terms are sized for it.
     attn_context: int | None = None
+    # Weights prepacked for oneDNN (kvgate.models.linear): no MKL sgemm packing buffers, but a padded
+    # copy of a matmul's input; oneDNN's own kernel memory is warmed up into the measured overhead.
+    packed_weights: bool = False
 
     @property
     def context(self) -> int:
@@ -157,7 +164,9 @@ TRANSIENT_TERMS = ("rms_norm", "residual", "rope", "decode_attention", "prefill_
 
 GEMM_PANEL_COLUMNS = 4096  # MKL sgemm packs at most K x 4096 float32 of a weight per call (measured)
 KERNEL_SLACK = 1 << 20  # flash-attention per-thread blocks, small index temporaries, page rounding
-SAMPLING_TEMPS = 12  # vocab-sized float32 temporaries of one row's sampling (penalties, softmax, top-p sort)
+# vocab-sized float32 temporaries per row of a sampling group (kvgate.sampling.sample_batch); measured
+# at most 3.6 (4 rows, top-p with the full-sort fallback and penalties), rounded up
+SAMPLING_TEMPS = 5
 ROW_FIXED_BYTES = 16 << 10  # per running row: Row, sampler + torch.Generator, stop matcher, detokenizer
 # per position of a row: prompt ids / prompt / tokens list slots (3 x 8 B) and the int (28 B); for a
 # generated token also its time (24 B + a slot), text piece and the Token event until it is read
@@ -213,8 +222,14 @@ def step_workspace(
         + S * H * D * b
         + 2 * C * H * D * b
         + 2 * Lp * kv_tok,
-        # sgemm packing buffers (kept by MKL's allocator after first use) + attention kernel blocks
-        "kernel_scratch": max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * f + KERNEL_SLACK,
+        # sgemm packing buffers (kept by MKL's allocator after first use), or with prepacked weights a
+        # matmul input padded to its row bucket; + attention kernel blocks
+        "kernel_scratch": (
+            T * max(k for k, _ in gemms) * b
+            if limits.packed_weights
+            else max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * f
+        )
+        + KERNEL_SLACK,
         # what every running row holds between steps: its objects and token lists at full context
         "row_state": S * (Lp * ROW_BYTES_PER_POSITION + ROW_FIXED_BYTES),
         # a row with repetition/presence/frequency penalties: a bool seen-mask and float32 counts over
@@ -236,9 +251,12 @@ def step_workspace(
         + Lp * kv_tok,
         # gate/up output while the previous layer's is alive; SiLU and the product
         "mlp": 2 * T * inter * b,
-        # the sampled rows' hidden states and norm, logits in the model dtype and as float32, and one
-        # row's sampling temporaries
-        "logits": S * h * (2 * b + 3 * f) + S * V * b + (S * V * f if upcast else 0) + SAMPLING_TEMPS * V * f,
+        # the sampled rows' hidden states and norm, logits in the model dtype and as float32, and the
+        # sampling temporaries of one group of rows drawn together (kvgate.sampling.SAMPLE_ROWS)
+        "logits": S * h * (2 * b + 3 * f)
+        + S * V * b
+        + (S * V * f if upcast else 0)
+        + SAMPLING_TEMPS * min(S, SAMPLE_ROWS) * V * f,
     }
 
 
@@ -312,17 +330,27 @@ def make_plan(
     max_model_len: int,
     kv_cache_bytes: int | None = None,
     overhead_bytes: int | None = None,
+    packed_weights: bool = False,
 ) -> MemoryPlan:
     limit, source = resolve_limit(limit_spec, device)
-    weights = weight_bytes(spec, dtype_bytes)
+    weights = weight_bytes(spec, dtype_bytes, lm_head_copy=packed_weights)
     overhead = runtime_overhead_bytes(device) if overhead_bytes is None else overhead_bytes
     per_token = spec.kv_bytes_per_token(dtype_bytes)
     block_bytes = per_token * block_size
     min_kv = -(-min(MIN_KV_POSITIONS, max_model_len) // block_size) * block_bytes
     notes: list[str] = []
+    if packed_weights and spec.tie_word_embeddings:
+        notes.append(
+            f"weights include a packed copy of the tied embeddings for the LM head "
+            f"({fmt_bytes(spec.vocab_size * spec.hidden_size * dtype_bytes)}; --pack-weights off saves it, "
+            f"and makes batched steps about 2.5x slower on CPU)"
+        )
     bs = block_size
     min_ctx = min(MIN_KV_POSITIONS, max_model_len)
-    requested = StepLimits(prefill_chunk, max_seqs, _attn_cap(max_seqs, max_model_len, bs), max_model_len)
+    pw = packed_weights
+    requested = StepLimits(
+        prefill_chunk, max_seqs, _attn_cap(max_seqs, max_model_len, bs), max_model_len, packed_weights=pw
+    )
     fixed = weights + overhead
 
     def sized(lim: StepLimits, ctx: int) -> StepLimits:
@@ -334,13 +362,17 @@ def make_plan(
             _attn_cap(lim.max_seqs, ctx, bs),
             max_model_len,
             None if ctx >= max_model_len else ctx,
+            pw,
         )
 
     def room(lim: StepLimits) -> int:
         return limit - fixed - _ws(spec, dtype_bytes, lim, bs)
 
     smallest = _ws(
-        spec, dtype_bytes, sized(StepLimits(min(16, prefill_chunk), 1, 0, max_model_len), min_ctx), bs
+        spec,
+        dtype_bytes,
+        sized(StepLimits(min(16, prefill_chunk), 1, 0, max_model_len, packed_weights=pw), min_ctx),
+        bs,
     )
     if fixed + min_kv + smallest > limit:
         need = fixed + min_kv + smallest
@@ -349,15 +381,24 @@ def make_plan(
             f"{fmt_bytes(overhead)} + smallest step workspace {fmt_bytes(smallest)} + KV for one "
             f"{min_ctx}-token request {fmt_bytes(min_kv)} = {fmt_bytes(need)} > limit {fmt_bytes(limit)} "
             f"({source}). Raise --memory-limit to at least {-(-need // (1 << 20))}MiB, pick a smaller "
-            "--dtype, or lower --max-model-len."
+            "--dtype, or lower --max-model-len"
+            + (
+                " (or --pack-weights off, which drops the packed LM head copy)."
+                if pw and spec.tie_word_embeddings
+                else "."
+            )
         )
     # Shrink the step until its workspace leaves room for at least one min_ctx-token request.
     limits = requested
     while room(sized(limits, min_ctx)) < min_kv:
         if limits.prefill_chunk > 16:
-            limits = StepLimits(limits.prefill_chunk // 2, limits.max_seqs, 0, max_model_len)
+            limits = StepLimits(
+                limits.prefill_chunk // 2, limits.max_seqs, 0, max_model_len, packed_weights=pw
+            )
         elif limits.max_seqs > 1:
-            limits = StepLimits(limits.prefill_chunk, limits.max_seqs // 2, 0, max_model_len)
+            limits = StepLimits(
+                limits.prefill_chunk, limits.max_seqs // 2, 0, max_model_len, packed_weights=pw
+            )
         else:  # unreachable after the check above; never loop forever
             raise PlanError(f"the smallest step does not fit in the limit {fmt_bytes(limit)} ({source})")
     if (limits.prefill_chunk, limits.max_seqs) != (requested.prefill_chunk, requested.max_seqs):

@@ -8,6 +8,9 @@ SiLU * up -> down projection. Logits are computed only for the tokens the sample
 
 Attention uses grouped queries without repeating K/V: a row's queries are viewed as
 `[kv_heads, group * q_len, head_dim]`, so each KV head is read once for the queries that share it.
+
+On CPU in float32 every weight matrix is prepacked once for oneDNN (`kvgate.models.linear`): 2.5-3x
+faster batched matmuls, and a row's result no longer depends on how many rows share the step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
 from kvgate.kv import KVPool
+from kvgate.models.linear import Linear, packs_weights, row_buckets
 
 
 @dataclass
@@ -52,14 +56,33 @@ class StepBatch:
     logits_index: torch.Tensor  # [S] long, the tokens whose next-token logits are needed
 
 
+def matmul_shapes(spec: ModelSpec, step_tokens: int, logit_rows: int) -> list[tuple[int, int, int]]:
+    """(out_features, in_features, max rows) of each distinct matmul the forward runs."""
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    per_layer = [(q + 2 * kv, h), (h, q), (2 * spec.intermediate_size, h), (h, spec.intermediate_size)]
+    return [(n, k, step_tokens) for n, k in per_layer] + [(spec.vocab_size, h, logit_rows)]
+
+
 class LlamaModel:
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device,
+        pack: bool | None = None,
+    ):
+        """`pack`: prepack the weight matrices (`Linear`); None = wherever `packs_weights` says."""
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
+        self.packed = packs_weights(self.device, dtype) if pack is None else pack
 
         def w(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=self.device, dtype=dtype).contiguous()
+
+        def lin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, self.packed)
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
@@ -75,16 +98,17 @@ class LlamaModel:
             self.layers.append(
                 (
                     w(p + "input_layernorm.weight"),
-                    qkv,
-                    qkv_bias,
-                    w(p + "self_attn.o_proj.weight"),
+                    lin(qkv, qkv_bias),
+                    lin(w(p + "self_attn.o_proj.weight")),
                     w(p + "post_attention_layernorm.weight"),
-                    gate_up,
-                    w(p + "mlp.down_proj.weight"),
+                    lin(gate_up),
+                    lin(w(p + "mlp.down_proj.weight")),
                 )
             )
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if "lm_head.weight" not in weights else w("lm_head.weight")
+        # Tied embeddings: the lookup needs the plain table, so a packed head is a second copy (the
+        # plan charges it: `kvgate.memory.plan.weight_bytes(..., lm_head_copy=True)`).
+        self.lm_head = lin(self.embed if "lm_head.weight" not in weights else w("lm_head.weight"))
         inv_freq = 1.0 / (
             spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim)
         )
@@ -94,14 +118,21 @@ class LlamaModel:
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
         self.sin = emb.sin().to(device=self.device, dtype=dtype)
 
+    def set_row_buckets(self, step_tokens: int, logit_rows: int) -> None:
+        """Round each matmul's rows up to the buckets `warm_kernels` ran (see kvgate.models.linear)."""
+        for layer in self.layers:
+            for lin in layer[1:3] + layer[4:]:  # qkv, o, gate_up, down
+                lin.buckets = row_buckets(step_tokens)
+        self.lm_head.buckets = row_buckets(logit_rows)
+
     @property
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.norm, self.cos, self.sin]
-        if self.lm_head is not self.embed:
-            tensors.append(self.lm_head)
-        for layer in self.layers:
-            tensors.extend(t for t in layer if t is not None)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        linears = [self.lm_head] if self.lm_head.weight is not self.embed else []
+        for ln1, qkv, o, ln2, gu, down in self.layers:
+            tensors += [ln1, ln2]
+            linears += [qkv, o, gu, down]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(lin.nbytes for lin in linears)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVPool) -> torch.Tensor:
@@ -115,9 +146,9 @@ class LlamaModel:
         sin = self.sin[batch.positions].unsqueeze(1)
         half = D // 2
         x = F.embedding(batch.input_ids, self.embed)
-        for li, (ln1, w_qkv, b_qkv, w_o, ln2, w_gu, w_down) in enumerate(self.layers):
+        for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = F.rms_norm(x, (s.hidden_size,), ln1, eps)
-            qkv = F.linear(h, w_qkv, b_qkv)
+            qkv = qkv_proj(h)
             qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
             rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
             qk = qk * cos + rot * sin
@@ -132,21 +163,22 @@ class LlamaModel:
             for grp in batch.decode_groups:
                 R = grp.end - grp.start
                 qg = q[grp.start : grp.end].reshape(R, KVH, g, D)
-                kg = k_pool[grp.block_tables].flatten(1, 2).transpose(1, 2)
-                vg = v_pool[grp.block_tables].flatten(1, 2).transpose(1, 2)
+                flat = grp.block_tables.view(-1)  # index_select gathers ~1.8x faster than k_pool[table]
+                kg = k_pool.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)
+                vg = v_pool.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask)
                 attn[grp.start : grp.end] = og.reshape(R, H * D)
             for pf in batch.prefills:
                 n = pf.q_len
                 qp = q[pf.start : pf.start + n].view(n, KVH, g, D).permute(1, 2, 0, 3).reshape(KVH, g * n, D)
-                kp = k_pool[pf.block_table].flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
-                vp = v_pool[pf.block_table].flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
+                kp = k_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
+                vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pf.mask)
                 attn[pf.start : pf.start + n] = op.view(KVH, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
-            x = x + F.linear(attn, w_o)
+            x = x + o_proj(attn)
             h = F.rms_norm(x, (s.hidden_size,), ln2, eps)
-            gu = F.linear(h, w_gu)
+            gu = gate_up_proj(h)
             inter = gu.shape[-1] // 2
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
+            x = x + down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])
         h = F.rms_norm(x[batch.logits_index], (s.hidden_size,), self.norm, eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
