@@ -476,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
             results["peers"]["kvgate"] = entry
             if a.overload == "on":
                 results["overload"] = overload(kv_url, entry, datasets, n_over, out_len, concs)
+    if "kvgate" in peers and a.overload == "on":
+        overload_with_ttft_budget(results["overload"], datasets, n_over, out_len, thr)
     save(results)
 
     if "llamacpp" in peers:
@@ -572,6 +574,23 @@ def overload(kv_url: str, entry: dict, datasets: dict, n: int, out_len: int, con
         r = bench_run(f"kvgate_overload_{k}", kv_url, datasets[f"over{k}"], None, n, out_len, rate=sat * mult)
         res["runs"][k] = r
     return res
+
+
+TTFT_BUDGET_FACTOR = 1.5  # --max-ttft for the budget run: this x the unloaded TTFT p50
+
+
+def overload_with_ttft_budget(ov: dict, datasets: dict, n: int, out_len: int, thr: list[str]) -> None:
+    """The 4x run again on a fresh kvgate with `--max-ttft` = 1.5 x the unloaded TTFT p50: requests whose
+    predicted time to first token is over budget get 429 at arrival instead of queueing."""
+    budget = TTFT_BUDGET_FACTOR * ov["unloaded_ttft_p50_ms"] / 1000
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    flags = ["--max-ttft", f"{budget:.2f}"]
+    with kvgate_server(port, thr + flags) as srv:
+        rate = ov["runs"]["4x"]["runs"][0]["request_rate"]
+        r = bench_run("kvgate_overload_4x_ttft", url, datasets["over4x"], None, n, out_len, rate=rate)
+        r["server_command"] = shlex.join(srv.cmd)
+        ov["runs"][f"4x, --max-ttft {budget:.2f}"] = r
 
 
 def reference_only(a: argparse.Namespace) -> int:
@@ -714,6 +733,7 @@ def overload_only(a: argparse.Namespace) -> int:
         results["overload"] = overload(
             url, results["peers"]["kvgate"], datasets, n, sh["output_len"], sh["concurrency"]
         )
+    overload_with_ttft_budget(results["overload"], datasets, n, sh["output_len"], thr)
     results["overload"]["rerun"] = {
         "argv": ["python", "-m", "bench.compare", *sys.argv[1:]],
         "started": results["overload"]["runs"]["2x"]["when"]["start"],
@@ -1167,7 +1187,9 @@ def write_doc(results: dict) -> None:
             f"Saturating rate: {ov['saturating_rate_rps']:.3f} req/s, estimated from {ov['estimated_from']}. "
             f"Poisson arrivals at 2x and 4x that, no client-side concurrency cap, same {sh['input_len']}/"
             f"{sh['output_len']} shape, bounded request count. kvgate's defaults: `--max-seqs 32`, "
-            "`--max-queue 256`, `--max-queue-wait 30` (a request that waits 30 s for room gets 429 + Retry-After)."
+            "`--max-queue 256`, `--max-queue-wait 30` (a request that waits 30 s for room gets 429 + Retry-After). "
+            f"The last row reruns 4x on a fresh kvgate with `--max-ttft` = {TTFT_BUDGET_FACTOR} x the unloaded "
+            "TTFT p50: a request whose predicted time to first token is over that budget gets 429 at arrival."
         )
         w("")
         if ov.get("rerun"):

@@ -20,6 +20,12 @@ ENGINE_FLAGS = [
     ("--max-seqs", int, 32, "running rows, prompts still prefilling included"),
     ("--max-queue", int, 256, "waiting requests before 503 queue_full"),
     ("--max-queue-wait", float, 30.0, "seconds a request waits for KV before 429 (0 = refuse at once)"),
+    (
+        "--max-ttft",
+        float,
+        None,
+        "refuse (429) at arrival if the predicted time to first token exceeds this (s)",
+    ),
     ("--prefill-chunk", int, 256, "prompt tokens per step"),
     ("--min-cap-tokens", int, 256, "admit an unset-max_tokens request early if this many tokens fit"),
     ("--max-model-len", int, None, "context length (default: the model's)"),
@@ -36,7 +42,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("KVGATE_MODEL", "default"), help="default | PATH")
     for flag, typ, default, help_ in ENGINE_FLAGS:
         env = os.environ.get(_env_name(flag))
-        p.add_argument(flag, type=typ, default=typ(env) if env is not None else default, help=f"{help_} [{_env_name(flag)}]")
+        p.add_argument(
+            flag,
+            type=typ,
+            default=typ(env) if env is not None else default,
+            help=f"{help_} [{_env_name(flag)}]",
+        )
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -51,6 +62,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         max_seqs=a.max_seqs,
         max_queue=a.max_queue,
         max_queue_wait=a.max_queue_wait,
+        max_ttft=a.max_ttft,
         prefill_chunk=a.prefill_chunk,
         min_cap_tokens=a.min_cap_tokens,
         max_model_len=a.max_model_len,
@@ -97,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=os.environ.get("KVGATE_HOST", "127.0.0.1"))
     s.add_argument("--port", type=int, default=int(os.environ.get("KVGATE_PORT", "8000")))
     s.add_argument("--api-key", default=os.environ.get("KVGATE_API_KEY"))
-    s.add_argument("--allow-unauthenticated", action="store_true", help="allow a non-loopback bind without a key")
+    s.add_argument(
+        "--allow-unauthenticated", action="store_true", help="allow a non-loopback bind without a key"
+    )
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-body-bytes", type=int, default=4 << 20)
     s.add_argument("--shutdown-grace", type=float, default=30.0)
@@ -210,7 +224,14 @@ def cmd_generate(a) -> int:
     else:
         ids = tok.encode(a.prompt)
     params = SamplingParams(
-        a.temperature, a.top_p, a.top_k, a.min_p, a.repetition_penalty, a.presence_penalty, a.frequency_penalty, a.seed
+        a.temperature,
+        a.top_p,
+        a.top_k,
+        a.min_p,
+        a.repetition_penalty,
+        a.presence_penalty,
+        a.frequency_penalty,
+        a.seed,
     )
     req = GenerationRequest(ids, params, a.max_tokens, a.stop, ignore_eos=a.ignore_eos)
     handle = engine.submit(req)
@@ -232,7 +253,9 @@ def cmd_generate(a) -> int:
     if not a.no_stats:
         cap = stats["budget_cap"]
         cap_s = (
-            f" · cap {_short(cap['requested_max_tokens'])}->{_short(cap['admitted_max_tokens'])}" if cap else ""
+            f" · cap {_short(cap['requested_max_tokens'])}->{_short(cap['admitted_max_tokens'])}"
+            if cap
+            else ""
         )
         print(
             f"[ {stats['prompt_tokens']} in · {stats['completion_tokens']} out · "

@@ -52,6 +52,7 @@ class EngineConfig:
     max_seqs: int = 32  # running rows, prompts still prefilling included
     max_queue: int = 256
     max_queue_wait: float = 30.0  # seconds a request may wait for KV before a 429; 0 = refuse at once
+    max_ttft: float | None = None  # refuse (429) at arrival when the predicted time to first token exceeds it
     prefill_chunk: int = 256
     min_cap_tokens: int = 256
     max_model_len: int | None = None  # None = the model's own context length

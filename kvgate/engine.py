@@ -163,6 +163,7 @@ class Engine:
             max_seqs=p.limits.max_seqs,
             max_queue=cfg.max_queue,
             max_queue_wait=cfg.max_queue_wait,
+            max_ttft=cfg.max_ttft,
             prefill_chunk=p.limits.prefill_chunk,
             min_cap_tokens=cfg.min_cap_tokens,
             max_model_len=max_len,

@@ -53,6 +53,7 @@ class Counters:
     rejected_context_length: int = 0
     rejected_kv_budget: int = 0
     rejected_kv_timeout: int = 0
+    rejected_ttft_budget: int = 0
     rejected_unavailable: int = 0
     budget_caps: int = 0
     aborted: int = 0
@@ -118,6 +119,7 @@ class Scheduler:
         group_size: int,
         kv_bytes_per_token: int,
         device: torch.device,
+        max_ttft: float | None = None,
     ):
         self.forward = forward
         self.tok = tokenizer
@@ -139,6 +141,10 @@ class Scheduler:
         self.running: dict[int, Row] = {}
         self._prefill_rr: deque[int] = deque()
         self.step_time_ema: float | None = None
+        # Seconds per prompt token in steps that prefill (decode rows beside them included): what the
+        # TTFT budget (`max_ttft`) predicts with. None until a step has prefilled.
+        self.max_ttft = max_ttft
+        self.prefill_token_time_ema: float | None = None
         self.fault_hook = None  # tests: called before each forward; may raise
         self.closed_reason: str | None = None  # set when no new requests are accepted
 
@@ -179,6 +185,8 @@ class Scheduler:
                     503,
                     retry_after=self.retry_after(queued=len(self.waiting)),
                 )
+            if self.max_ttft is not None:
+                self._check_ttft_budget(P, ceiling)
             deadline = handle.submitted_at + self.max_queue_wait
             self.waiting.append(WaitEntry(handle, ceiling, explicit, requested, cap, deadline))
             self.lock.notify_all()
@@ -219,6 +227,62 @@ class Scheduler:
             limit_bytes=limit_pos * self.kv_bytes_per_token,
             positions=want,
             positions_limit=limit_pos,
+        )
+
+    def predicted_ttft(self, P: int, max_tokens: int) -> tuple[float, float, int] | None:
+        """(seconds until admission, seconds of prefill, prompt tokens to prefill) for a request
+        arriving now, or None before any prefill was timed. Called with `self.lock` held.
+
+        Admission: the running rows are assumed to run to their max_tokens; walking them by remaining
+        steps, the request is admitted once enough rows and blocks are free for every waiter ahead
+        of it and itself. Prefill: every prompt token still to prefill ahead of it (running rows and
+        waiters) plus its own, at the measured seconds per prefill token -- exact with one prompt
+        prefilling, an upper bound when chunks are shared round-robin."""
+        per_token, step = self.prefill_token_time_ema, self.step_time_ema
+        if per_token is None or step is None:
+            return None
+        rows = list(self.running.values())
+        waiting = list(self.waiting)
+        ahead = sum(len(r.prompt) - r.computed for r in rows)
+        ahead += sum(len(w.handle.request.prompt_ids) for w in waiting) + P
+        slots = len(waiting) + 1 - (self.max_seqs - len(rows))
+        blocks = blocks_for(P + max_tokens, self.block_size) - self.alloc.free
+        blocks += sum(
+            blocks_for(len(w.handle.request.prompt_ids) + w.max_tokens, self.block_size) for w in waiting
+        )
+        admit = 0.0
+        if slots > 0 or blocks > 0:
+            admit = float("inf")
+            done = sorted(
+                (
+                    r.max_tokens - len(r.out_ids) + -(-(len(r.prompt) - r.computed) // self.prefill_chunk),
+                    len(r.blocks),
+                )
+                for r in rows
+            )
+            for steps, nblocks in done:
+                slots, blocks = slots - 1, blocks - nblocks
+                if slots <= 0 and blocks <= 0:
+                    admit = steps * step
+                    break
+        return admit, ahead * per_token, ahead
+
+    def _check_ttft_budget(self, P: int, max_tokens: int) -> None:
+        est = self.predicted_ttft(P, max_tokens)
+        if est is None:
+            return
+        admit, prefill, ahead = est
+        if admit + prefill <= self.max_ttft:
+            return
+        self.counters.rejected_ttft_budget += 1
+        wait = "no room is in sight" if admit == float("inf") else f"{admit:.1f}s until rows and KV free up"
+        raise Refusal(
+            "ttft_budget_exceeded",
+            f"this request would wait about {admit + prefill:.1f}s for its first token ({wait}, then "
+            f"{ahead} prompt tokens to prefill at {1 / self.prefill_token_time_ema:.0f} tokens/s), more than "
+            f"this server's --max-ttft {self.max_ttft:g}s. Retry after the Retry-After interval.",
+            429,
+            retry_after=int(min(60, max(1, round(min(admit + prefill, 3600) - self.max_ttft)))),
         )
 
     def retry_after(self, queued: int = 0) -> int:
@@ -411,7 +475,12 @@ class Scheduler:
             c.decode_steps += 1
             c.decode_tokens += len(decodes)
         c.prefill_chunks += len(prefills)
-        c.prefill_tokens += sum(len(p.tokens) for p in prefills)
+        prefilled = sum(len(p.tokens) for p in prefills)
+        c.prefill_tokens += prefilled
+        if prefilled >= min(32, self.prefill_chunk):  # tiny tail chunks would overstate the per-token time
+            t = dt / prefilled
+            ema = self.prefill_token_time_ema
+            self.prefill_token_time_ema = t if ema is None else 0.8 * ema + 0.2 * t
         now = time.monotonic()
         sampled = list(zip(decode_rows, d_rows, strict=True))
         for row, p, li in zip(prefill_rows, prefills, p_rows, strict=True):

@@ -15,6 +15,7 @@ import pytest
 
 from kvgate.request import Admitted, BudgetCap, GenerationRequest, Refusal, Refused, Token
 from kvgate.sampling import SamplingParams
+from tests.server_util import wait_until
 
 BPT = 512
 
@@ -320,3 +321,57 @@ def test_refused_waiter_event_protocol(make_engine):
         h.events.get(0.1)
     h0.cancel()
     h0.result(10)
+
+
+# ---- TTFT budget (--max-ttft): refuse at arrival what would start too late --------------------------
+
+
+def test_ttft_budget_refuses_at_arrival_with_the_prediction_and_retry_after(make_engine):
+    """With rows busy for ~2 s and --max-ttft 0.5, a new request is refused at once (no queueing) with
+    429 ttft_budget_exceeded, the predicted wait in the message and a Retry-After; with rows free it
+    is admitted. Broken by (each seen red): no budget check in submit; the admission wait ignoring
+    busy rows (the prediction is then only the prefill, well under budget)."""
+    e = make_engine(block_size=4, max_seqs=1, max_ttft=0.5)
+    e.generate(req(40, 2), timeout=20)  # times a prefill (>= 32 tokens): the prediction needs one
+    assert e.scheduler.prefill_token_time_ema is not None
+    h = hog(e, 8, 400, step_sleep=0.01)  # the only row, ~4 s of decoding left
+    t0 = time.monotonic()
+    with pytest.raises(Refusal) as ei:
+        e.submit(req(8, 4, salt=1))
+    r = ei.value
+    assert time.monotonic() - t0 < 0.5  # answered at arrival, not after a wait
+    assert (r.status, r.code) == (429, "ttft_budget_exceeded")
+    assert "--max-ttft 0.5s" in r.message and "until rows and KV free up" in r.message
+    assert 1 <= r.retry_after <= 60
+    assert e.scheduler.counters.rejected_ttft_budget == 1
+    assert not e.scheduler.waiting
+    h.cancel()
+    e.scheduler.fault_hook = None
+    assert wait_until(lambda: not e.scheduler.running)
+    ok = e.generate(req(8, 4, salt=2), timeout=20)  # rows free: predicted prefill only, admitted
+    assert ok.finish_reason == "length"
+
+
+def test_predicted_ttft_walks_running_rows_by_remaining_steps(make_engine):
+    """Two busy rows (max_seqs 2): a newcomer is admitted when the sooner of them ends, so the admission
+    part is its remaining steps x the step time; with a row free it is 0. Broken by: taking the
+    later row's remaining steps, or counting the newcomer's own prompt out of the prefill."""
+    e = make_engine(block_size=4, max_seqs=2)
+    e.generate(req(40, 2), timeout=20)
+    a = hog(e, 8, 250, step_sleep=0.01)
+    b = e.submit(req(8, 490, salt=5))
+    b.wait_admitted(5)
+    s = e.scheduler
+    with s.lock:
+        rows = sorted(s.running.values(), key=lambda r: r.max_tokens - len(r.out_ids))
+        soonest = rows[0].max_tokens - len(rows[0].out_ids)
+        admit, prefill, ahead = s.predicted_ttft(10, 4)
+        step = s.step_time_ema
+    assert soonest * step * 0.8 <= admit <= (soonest + 3) * step * 1.25
+    assert ahead >= 10 and prefill > 0
+    a.cancel()
+    b.cancel()
+    assert wait_until(lambda: len(s.running) == 0)
+    with s.lock:
+        admit, _, ahead = s.predicted_ttft(10, 4)
+    assert admit == 0.0 and ahead == 10
