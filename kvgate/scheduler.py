@@ -244,7 +244,7 @@ class Scheduler:
             return None
         rows = list(self.running.values())
         waiting = list(self.waiting)
-        ahead = sum(len(r.prompt) - r.computed for r in rows)
+        ahead = sum(max(0, len(r.prompt) - r.computed) for r in rows)
         ahead += sum(len(w.handle.request.prompt_ids) for w in waiting) + P
         slots = len(waiting) + 1 - (self.max_seqs - len(rows))
         blocks = blocks_for(P + max_tokens, self.block_size) - self.alloc.free
@@ -257,7 +257,9 @@ class Scheduler:
             admit = float("inf")
             done = sorted(
                 (
-                    r.max_tokens - len(r.out_ids) + -(-(len(r.prompt) - r.computed) // self.prefill_chunk),
+                    r.max_tokens
+                    - len(r.out_ids)
+                    + -(-(max(0, len(r.prompt) - r.computed)) // self.prefill_chunk),
                     len(r.blocks),
                 )
                 for r in rows
@@ -294,7 +296,7 @@ class Scheduler:
         if not rows:
             return 1
         remaining = sorted(
-            r.max_tokens - len(r.out_ids) + -(-(len(r.prompt) - r.computed) // self.prefill_chunk)
+            r.max_tokens - len(r.out_ids) + -(-(max(0, len(r.prompt) - r.computed)) // self.prefill_chunk)
             for r in rows
         )
         est = remaining[0] * step * (1 + queued / max(1, len(rows)))
