@@ -40,17 +40,23 @@ def _pre_tokenizer(pre: str):
     return pre_tokenizers.Sequence(steps)
 
 
-def build_bpe_tokenizer(
-    tokens: list[str], merges: list[str], token_types: list[int], pre: str
-) -> Tokenizer:
+def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int], pre: str) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=False))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     # Type 3 (control, e.g. <|im_start|>) is special; type 4 (user-defined) must still match whole.
-    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types, strict=False) if k == 3]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types, strict=False) if k == 4]
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, token_types, strict=False)
+        if k == 3
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(tokens, token_types, strict=False)
+        if k == 4
+    ]
     if special:
         tok.add_special_tokens(special)
     if user:

@@ -25,7 +25,9 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 
 
 def req(P: int, max_tokens: int | None = None, *, salt: int = 0, seed: int = 0) -> GenerationRequest:
-    return GenerationRequest(prompt(P, salt), SamplingParams(temperature=0.8, seed=seed), max_tokens, ignore_eos=True)
+    return GenerationRequest(
+        prompt(P, salt), SamplingParams(temperature=0.8, seed=seed), max_tokens, ignore_eos=True
+    )
 
 
 def hog(e, P: int, max_tokens: int, step_sleep: float = 0.02):
@@ -70,7 +72,10 @@ def test_exact_pool_ceiling_admitted_and_one_more_refused(make_engine):
     }
     assert "65 positions" in r.message and "16 blocks" in r.message
     assert refusal_counters(e) == {
-        "rejected_context_length": 0, "rejected_kv_budget": 1, "rejected_kv_timeout": 0, "queue_rejected": 0
+        "rejected_context_length": 0,
+        "rejected_kv_budget": 1,
+        "rejected_kv_timeout": 0,
+        "queue_rejected": 0,
     }
     assert e.allocator.free == e.allocator.total
 
@@ -87,7 +92,10 @@ def test_context_overflow_reported_before_budget_overflow(make_engine):
     r = ei.value
     assert (r.code, r.status) == ("context_length_exceeded", 400)
     assert r.details() == {
-        "estimated_bytes": 50 * BPT, "limit_bytes": 48 * BPT, "positions": 50, "positions_limit": 48
+        "estimated_bytes": 50 * BPT,
+        "limit_bytes": 48 * BPT,
+        "positions": 50,
+        "positions_limit": 48,
     }
     assert "at most 38" in r.message
     with pytest.raises(Refusal) as ei:
@@ -99,7 +107,10 @@ def test_context_overflow_reported_before_budget_overflow(make_engine):
     assert (r.code, r.status, r.positions, r.positions_limit) == ("kv_budget_exceeded", 400, 40, 32)
     assert (r.estimated_bytes, r.limit_bytes) == (10 * 4 * BPT, 32 * BPT)
     assert refusal_counters(e) == {
-        "rejected_context_length": 2, "rejected_kv_budget": 1, "rejected_kv_timeout": 0, "queue_rejected": 0
+        "rejected_context_length": 2,
+        "rejected_kv_budget": 1,
+        "rejected_kv_timeout": 0,
+        "queue_rejected": 0,
     }
     assert not e.scheduler.waiting and e.scheduler.counters.admitted == 0
 
@@ -184,13 +195,19 @@ def test_kv_memory_unavailable_after_max_queue_wait(make_engine):
     assert (r.code, r.status) == ("kv_memory_unavailable", 429)
     assert 1 <= r.retry_after <= 60
     assert r.details() == {
-        "estimated_bytes": 12 * 4 * BPT, "limit_bytes": 128 * BPT, "positions": 48, "positions_limit": 128
+        "estimated_bytes": 12 * 4 * BPT,
+        "limit_bytes": 128 * BPT,
+        "positions": 48,
+        "positions_limit": 128,
     }
     assert "needs 12 blocks" in r.message
     assert 0.25 <= waited < 3, waited
     assert h0.id in e.scheduler.running  # the running request is untouched by the refusal
     assert refusal_counters(e) == {
-        "rejected_context_length": 0, "rejected_kv_budget": 0, "rejected_kv_timeout": 1, "queue_rejected": 0
+        "rejected_context_length": 0,
+        "rejected_kv_budget": 0,
+        "rejected_kv_timeout": 1,
+        "queue_rejected": 0,
     }
     h0.cancel()
     assert h0.result(10).finish_reason == "cancelled"

@@ -24,7 +24,9 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [3 + (i * 13 + salt * 29) % 250 for i in range(n)]
 
 
-def req(P: int, max_tokens: int, *, salt: int = 0, seed: int = 0, temperature: float = 0.8) -> GenerationRequest:
+def req(
+    P: int, max_tokens: int, *, salt: int = 0, seed: int = 0, temperature: float = 0.8
+) -> GenerationRequest:
     return GenerationRequest(
         prompt(P, salt), SamplingParams(temperature=temperature, seed=seed), max_tokens, ignore_eos=True
     )

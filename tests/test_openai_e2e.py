@@ -49,14 +49,20 @@ def test_sync_stream_equals_non_stream(real_server):
         temperature=0,
     )
     whole = client.chat.completions.create(**args).choices[0].message.content
-    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**args, stream=True)
+        if c.choices
+    ]
     assert "".join(parts) == whole
 
 
 def test_completions_greedy_once_upon_a_time(real_server):
     base, _ = real_server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
-    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=12, temperature=0)
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=12, temperature=0
+    )
     assert out.choices[0].text.startswith(", the city of Nova Haven was a thriving metropolis")
 
 

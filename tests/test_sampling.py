@@ -246,7 +246,9 @@ def test_a_row_draws_the_same_tokens_alone_or_in_any_batch():
     from kvgate.sampling import sample_batch
 
     vocab, steps = 3000, 6
-    logits = [torch.stack([random_logits(100 * t + i, vocab) for i in range(len(MIXED))]) for t in range(steps)]
+    logits = [
+        torch.stack([random_logits(100 * t + i, vocab) for i in range(len(MIXED))]) for t in range(steps)
+    ]
 
     def run(order: list[int]) -> dict[int, list[int]]:
         samplers = {i: Sampler(SamplingParams(seed=i, **MIXED[i]), [1, 2, 3], vocab) for i in order}

@@ -89,7 +89,9 @@ class Harness:
 
         def recording_start_row(w, blocks, max_tokens, cap):
             self.order.append(w.handle.id)
-            self.skipped += [(w.handle.id, x.handle.id) for x in self.sched.waiting if x.handle.id < w.handle.id]
+            self.skipped += [
+                (w.handle.id, x.handle.id) for x in self.sched.waiting if x.handle.id < w.handle.id
+            ]
             start_row(w, blocks, max_tokens, cap)
 
         self.sched._start_row = recording_start_row
@@ -314,7 +316,9 @@ OPS = st.lists(
 
 
 @settings(max_examples=100, deadline=None)
-@given(ops=OPS, wait=st.sampled_from([0.0, 30.0]), max_seqs=st.integers(2, 4), chunk=st.sampled_from([2, 5, 64]))
+@given(
+    ops=OPS, wait=st.sampled_from([0.0, 30.0]), max_seqs=st.integers(2, 4), chunk=st.sampled_from([2, 5, 64])
+)
 def test_random_operations_keep_the_invariants(ops, wait, max_seqs, chunk):
     """Blocks held == sum of rows' blocks <= total, no block in two rows, FIFO admission, exact outputs,
     one terminal event per accepted request, and the whole pool back when idle.
@@ -323,8 +327,14 @@ def test_random_operations_keep_the_invariants(ops, wait, max_seqs, chunk):
     waiter left without a terminal event, and with an explicit max_tokens given a free-now cap.
     """
     hx = Harness(
-        blocks=12, block_size=4, max_seqs=max_seqs, max_queue=5, max_queue_wait=wait, prefill_chunk=chunk,
-        min_cap_tokens=8, max_model_len=40,
+        blocks=12,
+        block_size=4,
+        max_seqs=max_seqs,
+        max_queue=5,
+        max_queue_wait=wait,
+        prefill_chunk=chunk,
+        min_cap_tokens=8,
+        max_model_len=40,
     )
     s = hx.sched
     handles: list[RequestHandle] = []
@@ -432,8 +442,14 @@ def test_threads_random_submit_cancel_keep_invariants(make_engine, plan, nthread
     given no terminal event (the test times out waiting for it).
     """
     e = make_engine(
-        kv_cache_bytes=12 * 4 * 512, block_size=4, max_seqs=3, max_queue=64, max_queue_wait=30,
-        max_model_len=40, min_cap_tokens=8, prefill_chunk=5,
+        kv_cache_bytes=12 * 4 * 512,
+        block_size=4,
+        max_seqs=3,
+        max_queue=64,
+        max_queue_wait=30,
+        max_model_len=40,
+        min_cap_tokens=8,
+        prefill_chunk=5,
     )
     s = e.scheduler
     queue_order: list[int] = []

@@ -25,7 +25,9 @@ def shared_base(tiny_dir):
     from kvgate.config import EngineConfig
     from kvgate.engine import Engine
 
-    engine = Engine.from_model(str(tiny_dir), EngineConfig(memory_limit="1GiB", dtype="float32"), overhead_bytes=0)
+    engine = Engine.from_model(
+        str(tiny_dir), EngineConfig(memory_limit="1GiB", dtype="float32"), overhead_bytes=0
+    )
     engine.start()
     with running_server(engine) as (base, _):
         yield base
@@ -66,7 +68,9 @@ def test_chat_and_completion_round_trip_with_usage(make_engine):
         u = body["usage"]
         assert u["completion_tokens"] == 5 and u["total_tokens"] == u["prompt_tokens"] + 5
         assert u["budget_cap"] is None
-        r = httpx.post(base + "/v1/completions", json={"prompt": ["ab", "cd"], "max_tokens": 3, "temperature": 0})
+        r = httpx.post(
+            base + "/v1/completions", json={"prompt": ["ab", "cd"], "max_tokens": 3, "temperature": 0}
+        )
         assert r.status_code == 200
         assert [c["index"] for c in r.json()["choices"]] == [0, 1]
 
@@ -145,11 +149,15 @@ def test_never_fits_is_400_with_numbers_and_a_waiter_streams_once_room_frees(mak
         assert err["estimated_bytes"] > err["limit_bytes"] and "max_tokens" in err["message"]
         slow_steps(engine, 0.01)
         holder = threading.Thread(
-            target=httpx.post, args=(base + CHAT,), kwargs={"json": {"messages": MSG, "max_tokens": 60, "ignore_eos": True}}
+            target=httpx.post,
+            args=(base + CHAT,),
+            kwargs={"json": {"messages": MSG, "max_tokens": 60, "ignore_eos": True}},
         )
         holder.start()
         assert wait_until(lambda: engine.allocator.free < engine.allocator.total)
-        with httpx.stream("POST", base + CHAT, json={"messages": MSG, "max_tokens": 60, "stream": True}, timeout=30) as r:
+        with httpx.stream(
+            "POST", base + CHAT, json={"messages": MSG, "max_tokens": 60, "stream": True}, timeout=30
+        ) as r:
             assert r.status_code == 200
             lines = [ln for ln in r.iter_lines() if ln]
         assert lines[-1] == "data: [DONE]"
@@ -158,7 +166,9 @@ def test_never_fits_is_400_with_numbers_and_a_waiter_streams_once_room_frees(mak
 
 def test_queue_full_is_503_with_retry_after(make_engine):
     """Seen to fail when a full queue answered 429 instead of 503."""
-    engine = make_engine(kv_cache_bytes=8 * 16 * 512, block_size=16, max_queue=1, max_queue_wait=20, min_cap_tokens=10_000)
+    engine = make_engine(
+        kv_cache_bytes=8 * 16 * 512, block_size=16, max_queue=1, max_queue_wait=20, min_cap_tokens=10_000
+    )
     slow_steps(engine, 0.02)
     with running_server(engine) as (base, _):
         big = {"messages": MSG, "max_tokens": 100, "ignore_eos": True}
@@ -187,7 +197,9 @@ def test_budget_cap_is_reported_in_usage_and_header(make_engine):
         assert cap["reason"] == "kv_budget"
         assert cap["admitted_max_tokens"] < cap["requested_max_tokens"]
         assert f"admitted={cap['admitted_max_tokens']}" in r.headers["x-kvgate-budget-cap"]
-        with httpx.stream("POST", base + CHAT, json={"messages": MSG, "stream": True, "max_tokens": None}) as s:
+        with httpx.stream(
+            "POST", base + CHAT, json={"messages": MSG, "stream": True, "max_tokens": None}
+        ) as s:
             assert "x-kvgate-budget-cap" in s.headers
             s.read()
 
@@ -198,7 +210,9 @@ def test_client_disconnect_mid_stream_frees_blocks_and_counts_one_abort(make_eng
     slow_steps(engine, 0.02)
     with running_server(engine) as (base, _):
         before = engine.scheduler.counters.aborted
-        with httpx.stream("POST", base + CHAT, json={"messages": MSG, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        with httpx.stream(
+            "POST", base + CHAT, json={"messages": MSG, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        ) as r:
             for n, _line in enumerate(r.iter_lines()):
                 if n > 4:
                     break
@@ -215,7 +229,9 @@ def test_non_streaming_disconnect_cancels_the_request(make_engine):
     slow_steps(engine, 0.02)
     with running_server(engine) as (base, _):
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(base + CHAT, json={"messages": MSG, "max_tokens": 400, "ignore_eos": True}, timeout=0.5)
+            httpx.post(
+                base + CHAT, json={"messages": MSG, "max_tokens": 400, "ignore_eos": True}, timeout=0.5
+            )
         assert wait_until(lambda: engine.scheduler.counters.aborted == 1)
         assert wait_until(lambda: engine.allocator.free == engine.allocator.total)
 
@@ -266,8 +282,15 @@ def test_api_key_guards_v1_routes_and_leaves_health_and_metrics_open(make_engine
     engine = make_engine()
     with running_server(engine, api_key="sekret") as (base, _):
         assert httpx.get(base + "/v1/models").status_code == 401
-        assert httpx.post(base + CHAT, json={"messages": MSG}, headers={"Authorization": "Bearer nope"}).status_code == 401
-        ok = httpx.post(base + CHAT, json={"messages": MSG, "max_tokens": 2}, headers={"Authorization": "Bearer sekret"})
+        assert (
+            httpx.post(
+                base + CHAT, json={"messages": MSG}, headers={"Authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
+        ok = httpx.post(
+            base + CHAT, json={"messages": MSG, "max_tokens": 2}, headers={"Authorization": "Bearer sekret"}
+        )
         assert ok.status_code == 200
         assert httpx.get(base + "/health").status_code == 200
         assert httpx.get(base + "/metrics").status_code == 200

@@ -264,7 +264,9 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
                     body = {k: v for k, v in first.spec.body.items() if k not in ("stream", "stream_options")}
                     if stream:
                         body.update(stream=True, stream_options={"include_usage": True})
-                    outs.append(await run_one(client, Spec(first.spec.i, first.spec.path, body, first.spec.kind)))
+                    outs.append(
+                        await run_one(client, Spec(first.spec.i, first.spec.path, body, first.spec.kind))
+                    )
                 return outs
 
         for again in asyncio.run(replay()):

@@ -41,7 +41,9 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def random_weights(vocab: int, seed: int = 0, tie: bool = True, g: dict | None = None) -> dict[str, torch.Tensor]:
+def random_weights(
+    vocab: int, seed: int = 0, tie: bool = True, g: dict | None = None
+) -> dict[str, torch.Tensor]:
     g = {**GEOMETRY, **(g or {})}
     gen = torch.Generator().manual_seed(seed)
     h, inter, L = g["hidden"], g["inter"], g["layers"]

@@ -35,9 +35,7 @@ CACHE_FORMAT = 3
 # RoPE; Qwen2 uses NeoX (rotate-half) RoPE and is written in HF order, untouched.
 PERMUTED_QK_ARCHS = ("llama", "mistral", "smollm")
 # Quantization types we accept, all dequantized by `gguf.quants.dequantize`.
-SUPPORTED_QUANTS = (
-    "F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K Q8_K"
-).split()
+SUPPORTED_QUANTS = ("F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K Q8_K").split()
 
 # llama.cpp's end-of-generation token texts (its EOG list); any present in the vocab stops generation.
 EOG_TEXTS = (
@@ -180,7 +178,9 @@ def _config_from_metadata(reader, arch: str, path: Path) -> dict:
     def need(key: str):
         v = _field(reader, f"{arch}.{key}")
         if v is None:
-            raise ModelLoadError(f"{path.name}: metadata key {arch}.{key} is missing; the file is incomplete.")
+            raise ModelLoadError(
+                f"{path.name}: metadata key {arch}.{key} is missing; the file is incomplete."
+            )
         return v
 
     hidden = int(need("embedding_length"))

@@ -65,24 +65,38 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
         if exc.status_code == 404:
             return APIError(404, f"no route {request.method} {request.url.path}", "not_found").response()
         if exc.status_code == 405:  # keep Starlette's Allow header (RFC 9110 requires it on a 405)
-            err = APIError(405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed")
+            err = APIError(
+                405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+            )
             return err.response(headers=exc.headers)
         return APIError(exc.status_code, str(exc.detail), "http_error").response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return APIError(500, "internal server error; the details are in the server log", "internal_error").response()
+        return APIError(
+            500, "internal server error; the details are in the server log", "internal_error"
+        ).response()
 
     def ready_engine():
         eng = app.state.engine
         err = None
         if app.state.status == "shutting_down":
-            err = APIError(503, "the server is shutting down; retry against another replica", "shutting_down", retry_after=5)
+            err = APIError(
+                503,
+                "the server is shutting down; retry against another replica",
+                "shutting_down",
+                retry_after=5,
+            )
         elif eng is None:
             err = APIError(503, "the model is still loading; retry shortly", "not_ready", retry_after=5)
         elif not eng.alive:
-            err = APIError(503, "the engine is not running (see /health); requests cannot be served", "engine_unavailable", retry_after=5)
+            err = APIError(
+                503,
+                "the engine is not running (see /health); requests cannot be served",
+                "engine_unavailable",
+                retry_after=5,
+            )
         if err is not None:
             metrics.rejections.labels(err.code).inc()  # a refusal like any other: counted once
             raise err
@@ -95,7 +109,10 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
         if app.state.status == "shutting_down":
             return JSONResponse({"status": "shutting_down"}, status_code=503, headers={"Retry-After": "5"})
         if eng is None:
-            body = {"status": "loading" if app.state.load_error is None else "failed", "reason": app.state.load_error}
+            body = {
+                "status": "loading" if app.state.load_error is None else "failed",
+                "reason": app.state.load_error,
+            }
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         if not eng.alive:
             return JSONResponse({"status": "dead", "reason": "the engine worker stopped"}, status_code=503)
@@ -175,8 +192,10 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     def check_model(name: str | None) -> None:
         if name not in (None, "", settings.model_name, "default"):
             raise APIError(
-                404, f"model {name!r} is not served here; this server serves {settings.model_name!r} (see /v1/models)",
-                "model_not_found", param="model",
+                404,
+                f"model {name!r} is not served here; this server serves {settings.model_name!r} (see /v1/models)",
+                "model_not_found",
+                param="model",
             )
 
     async def generate(request: Request, cls):
@@ -206,7 +225,9 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
             check_ids(eng, req.stop_token_ids, "stop_token_ids")
         max_tokens = P.max_tokens_of(req)
         gens = [
-            GenerationRequest(ids, sampling, max_tokens, P.stop_list(req), list(req.stop_token_ids or []), req.ignore_eos)
+            GenerationRequest(
+                ids, sampling, max_tokens, P.stop_list(req), list(req.stop_token_ids or []), req.ignore_eos
+            )
             for ids in prompts
         ]
         handles = []
@@ -221,7 +242,9 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
         try:
             admitted = await until_disconnect(request, admit_all(handles), handles)
         except Refusal as r:
-            if r.status == 499:  # cancelled while queued, and not by this client (that is ClientGone): a shutdown
+            if (
+                r.status == 499
+            ):  # cancelled while queued, and not by this client (that is ClientGone): a shutdown
                 r = Refusal(
                     "shutting_down",
                     "the server is shutting down and did not admit this request; retry against another replica",
@@ -252,7 +275,9 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
         failed = [r for r in results if r.finish_reason == "error"]
         if failed:
             log.error("generation failed: %s", failed[0].error)
-            return APIError(500, "generation failed inside the engine; the details are in the server log", "engine_error").response()
+            return APIError(
+                500, "generation failed inside the engine; the details are in the server log", "engine_error"
+            ).response()
         return JSONResponse(completion_body(kind, rid, created, results), headers=headers)
 
     def prompt_ids(eng, req) -> list[list[int]]:
@@ -284,11 +309,18 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
         vocab = eng.tokenizer.vocab_size
         for t in ids:
             if not 0 <= t < vocab:
-                raise invalid(f"token id {t} in '{param}' is outside the vocabulary [0, {vocab})", param=param)
+                raise invalid(
+                    f"token id {t} in '{param}' is outside the vocabulary [0, {vocab})", param=param
+                )
 
     async def sse_stream(kind, rid, created, handles, admitted, include_usage):
         finished: dict[int, object] = {}
-        base = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion", "created": created, "model": settings.model_name}
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created,
+            "model": settings.model_name,
+        }
 
         def chunk(i, text=None, finish=None, role=False):
             if kind == "chat":
@@ -317,7 +349,11 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
                         yield chunk(i, ev.tail)
                     if ev.result.finish_reason == "error":
                         log.error("generation failed mid-stream: %s", ev.result.error)
-                        err = APIError(500, "generation failed inside the engine; the details are in the server log", "engine_error")
+                        err = APIError(
+                            500,
+                            "generation failed inside the engine; the details are in the server log",
+                            "engine_error",
+                        )
                         yield "data: " + json.dumps(err.body()) + "\n\n"
                         for h in handles:
                             h.cancel()
@@ -326,7 +362,9 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
                     yield chunk(i, None if kind == "chat" else "", finish=ev.result.finish_reason)
             if include_usage:
                 results = [finished[i] for i in sorted(finished)]
-                yield "data: " + json.dumps({**base, "choices": [], "usage": usage(results, admitted)}) + "\n\n"
+                yield (
+                    "data: " + json.dumps({**base, "choices": [], "usage": usage(results, admitted)}) + "\n\n"
+                )
             yield "data: [DONE]\n\n"
         finally:
             if len(finished) < len(handles):  # the client left (or the stream broke): stop the work
@@ -336,24 +374,42 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     def completion_body(kind, rid, created, results) -> dict:
         if kind == "chat":
             choices = [
-                {"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason, "logprobs": None}
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text},
+                    "finish_reason": r.finish_reason,
+                    "logprobs": None,
+                }
                 for i, r in enumerate(results)
             ]
             obj = "chat.completion"
         else:
             choices = [
-                {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None} for i, r in enumerate(results)
+                {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
+                for i, r in enumerate(results)
             ]
             obj = "text_completion"
-        return {"id": rid, "object": obj, "created": created, "model": settings.model_name, "choices": choices,
-                "usage": usage(results, None)}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": settings.model_name,
+            "choices": choices,
+            "usage": usage(results, None),
+        }
 
     return app
 
 
 _ENDPOINTS = {
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/tokenize", "/v1/detokenize",
-    "/v1/resources", "/health", "/metrics",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/tokenize",
+    "/v1/detokenize",
+    "/v1/resources",
+    "/health",
+    "/metrics",
 }
 
 
@@ -365,7 +421,9 @@ def usage(results, admitted) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "budget_cap": None if cap is None else {
+        "budget_cap": None
+        if cap is None
+        else {
             "requested_max_tokens": cap.requested_max_tokens,
             "admitted_max_tokens": cap.admitted_max_tokens,
             "reason": cap.reason,
@@ -391,7 +449,9 @@ class AuthAndCount:
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, key.encode()):
                 self.metrics.requests.labels(endpoint, "401").inc()
-                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key")
+                err = APIError(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+                )
                 return await err.response()(scope, receive, send)
         status = {"code": 499}
 
@@ -409,7 +469,9 @@ class AuthAndCount:
 async def read_json(request: Request, limit: int):
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {int(declared)} bytes; the limit is {limit} bytes", "body_too_large")
+        raise APIError(
+            413, f"request body is {int(declared)} bytes; the limit is {limit} bytes", "body_too_large"
+        )
     body = bytearray()
     async for piece in request.stream():
         body += piece
@@ -418,11 +480,16 @@ async def read_json(request: Request, limit: int):
     try:
         text = bytes(body).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise invalid(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding") from None
+        raise invalid(
+            f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding"
+        ) from None
     try:
         data = json.loads(text, parse_constant=_no_constants)
     except json.JSONDecodeError as exc:
-        raise invalid(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", code="invalid_json") from None
+        raise invalid(
+            f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+            code="invalid_json",
+        ) from None
     except RecursionError:  # e.g. 100k nested '[': the decoder's recursion limit, not a server fault
         raise invalid("request body is nested too deeply to be a request", code="invalid_json") from None
     except ValueError as exc:
@@ -431,7 +498,8 @@ async def read_json(request: Request, limit: int):
     if where is not None:  # "\ud800" is valid JSON but not Unicode: the tokenizer would raise on it
         raise invalid(
             f"the string at '{where or 'body'}' contains an unpaired UTF-16 surrogate escape, which is not valid Unicode",
-            param=where or None, code="invalid_encoding",
+            param=where or None,
+            code="invalid_encoding",
         )
     return data
 

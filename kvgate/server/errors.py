@@ -23,14 +23,20 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str, *, param: str | None = None, retry_after=None, **extra):
+    def __init__(
+        self, status: int, message: str, code: str, *, param: str | None = None, retry_after=None, **extra
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.retry_after = retry_after
         self.extra = extra
 
     def body(self) -> dict:
-        err = {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"), "code": self.code}
+        err = {
+            "message": self.message,
+            "type": _TYPES.get(self.status, "invalid_request_error"),
+            "code": self.code,
+        }
         if self.param is not None:
             err["param"] = self.param
         err.update(self.extra)
@@ -55,4 +61,6 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_value")
 
 
 def unsupported(field: str, detail: str) -> APIError:
-    return APIError(400, f"'{field}' is not supported by kvgate yet: {detail}", "unsupported_parameter", param=field)
+    return APIError(
+        400, f"'{field}' is not supported by kvgate yet: {detail}", "unsupported_parameter", param=field
+    )

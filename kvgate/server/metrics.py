@@ -18,11 +18,21 @@ class Metrics:
     def __init__(self, get_engine):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvgate_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
-        self.rejections = Counter("kvgate_rejections", "Refused requests by reason (each counted once)", ["reason"], registry=r)
-        self.ttft = Histogram("kvgate_time_to_first_token_seconds", "Submit to first token", buckets=_LAT, registry=r)
-        self.itl = Histogram("kvgate_inter_token_latency_seconds", "Gap between tokens", buckets=_ITL, registry=r)
-        self.e2e = Histogram("kvgate_e2e_request_latency_seconds", "Submit to finish", buckets=_LAT, registry=r)
+        self.requests = Counter(
+            "kvgate_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.rejections = Counter(
+            "kvgate_rejections", "Refused requests by reason (each counted once)", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvgate_time_to_first_token_seconds", "Submit to first token", buckets=_LAT, registry=r
+        )
+        self.itl = Histogram(
+            "kvgate_inter_token_latency_seconds", "Gap between tokens", buckets=_ITL, registry=r
+        )
+        self.e2e = Histogram(
+            "kvgate_e2e_request_latency_seconds", "Submit to finish", buckets=_LAT, registry=r
+        )
         self.queue = Histogram("kvgate_queue_time_seconds", "Submit to admission", buckets=_LAT, registry=r)
         r.register(_EngineCollector(get_engine))
 
@@ -64,12 +74,16 @@ class _EngineCollector:
         yield gauge("requests_waiting", "Requests in the FIFO queue", len(s.waiting))
         yield gauge("kv_blocks_total", "KV blocks in the pool", alloc.total)
         yield gauge("kv_blocks_free", "KV blocks not reserved by any request", alloc.free)
-        yield gauge("kv_blocks_peak", "Most KV blocks ever held at once (counted from rows)", c.kv_blocks_peak)
+        yield gauge(
+            "kv_blocks_peak", "Most KV blocks ever held at once (counted from rows)", c.kv_blocks_peak
+        )
         yield gauge("kv_block_size", "Tokens per KV block", plan.block_size)
         yield gauge("kv_usage_ratio", "Reserved KV blocks / total", 1 - alloc.free / alloc.total)
         yield gauge("kv_bytes_per_token", "KV bytes per token position", plan.kv_bytes_per_token)
         yield gauge("memory_limit_bytes", "The ledger's memory limit", engine.ledger.limit)
-        reserved = GaugeMetricFamily("kvgate_memory_reserved_bytes", "Ledger reservations by role", labels=["role"])
+        reserved = GaugeMetricFamily(
+            "kvgate_memory_reserved_bytes", "Ledger reservations by role", labels=["role"]
+        )
         for role, n in engine.ledger.by_role().items():
             reserved.add_metric([role], n)
         yield reserved

@@ -101,6 +101,7 @@ def _completion_schema(obj: str, payload: dict) -> dict:
         },
     }
 
+
 _RESPONSES = {
     "Error": {
         "type": "object",

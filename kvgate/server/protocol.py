@@ -144,7 +144,14 @@ def check_common(req: _Common) -> None:
         raise unsupported("tools", "tool calling is not implemented")
     if req.tool_choice not in (None, "none"):
         raise unsupported("tool_choice", "tool calling is not implemented")
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         v = getattr(req, name)
         if v is not None and not math.isfinite(v):
             raise invalid(f"{name}={v} is not a finite number", param=name)
@@ -171,16 +178,21 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         extra = sorted(m.model_extra or {})
         if extra:
-            raise unsupported(f"messages.{i}.{extra[0]}", "unknown message field (tool calls are not implemented)")
+            raise unsupported(
+                f"messages.{i}.{extra[0]}", "unknown message field (tool calls are not implemented)"
+            )
         if m.role not in ROLES:
             raise invalid(
-                f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(ROLES))}", param=f"messages.{i}.role"
+                f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(ROLES))}",
+                param=f"messages.{i}.role",
             )
         if isinstance(m.content, list):
             texts = []
             for part in m.content:
                 if part.type != "text" or part.text is None:
-                    raise unsupported(f"messages.{i}.content", f"content part type {part.type!r}: only 'text'")
+                    raise unsupported(
+                        f"messages.{i}.content", f"content part type {part.type!r}: only 'text'"
+                    )
                 texts.append(part.text)
             content = "".join(texts)
         else:

@@ -71,7 +71,9 @@ def serve(args) -> int:
     from kvgate.cli import engine_config
     from kvgate.engine import Engine
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if not is_loopback(args.host) and not args.api_key and not args.allow_unauthenticated:
         print(
             f"kvgate: error: refusing to bind {args.host} (not a loopback address) without --api-key. Set "
@@ -93,15 +95,24 @@ def serve(args) -> int:
             print(engine.plan.describe(1024), file=sys.stderr, flush=True)
             app.state.engine = engine.start()
             app.state.status = "ready"
-            log.info("ready: %s on %s (%s), loaded in %.1fs", settings.model_name, engine.info.device,
-                     engine.info.dtype, engine.info.load_seconds)
+            log.info(
+                "ready: %s on %s (%s), loaded in %.1fs",
+                settings.model_name,
+                engine.info.device,
+                engine.info.dtype,
+                engine.info.load_seconds,
+            )
         except Exception as exc:  # the server stays up to say why on /health
             app.state.load_error = str(exc)
             log.error("model failed to load: %s", exc)
 
     threading.Thread(target=load, name="kvgate-load", daemon=True).start()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30
+    )
     server = GracefulServer(config, app, args.shutdown_grace)
-    print(f"kvgate: serving on http://{args.host}:{args.port}/v1 (health: /health)", file=sys.stderr, flush=True)
+    print(
+        f"kvgate: serving on http://{args.host}:{args.port}/v1 (health: /health)", file=sys.stderr, flush=True
+    )
     server.run()
     return 0 if app.state.load_error is None else 1
