@@ -10,7 +10,8 @@ Attention uses grouped queries without repeating K/V: a row's queries are viewed
 `[kv_heads, group * q_len, head_dim]`, so each KV head is read once for the queries that share it.
 
 On CPU in float32 every weight matrix is prepacked once for oneDNN (`kvgate.models.linear`): 2.5-3x
-faster batched matmuls, and a row's result no longer depends on how many rows share the step.
+faster batched matmuls, and a row's matmul results no longer depend on how many rows share the step
+(the CPU flash attention still does, by ~1e-8).
 """
 
 from __future__ import annotations
