@@ -196,12 +196,21 @@ def _draw_rows(samplers: list[Sampler], logits: torch.Tensor, k: int) -> list[in
     if ids is not None and bool((top_p < 1.0).any()):
         cum = torch.cumsum(probs, dim=-1)
         short = ((cum[:, -1:] < top_p) & ~top_k).squeeze(1)
-        probs = probs.masked_fill((cum - probs) >= top_p, 0.0)  # smallest prefix reaching top_p
+        probs = _keep_nucleus(probs, cum, top_p)
         if bool(short.any()):  # the nucleus is wider than the candidates: sort those rows in full
             return _redraw_full(samplers, scaled, short, probs, ids)
     min_p = torch.tensor([s.p.min_p for s in samplers], dtype=probs.dtype).unsqueeze(1)
-    probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
-    return _inverse_cdf(samplers, probs, ids, scaled)
+    return _inverse_cdf(samplers, _keep_min_p(probs, min_p), ids, scaled)
+
+
+def _keep_nucleus(sorted_probs: torch.Tensor, cum: torch.Tensor, top_p) -> torch.Tensor:
+    """Zero all but the smallest prefix of descending probabilities that reaches top_p (>= 1 token)."""
+    return sorted_probs.masked_fill((cum - sorted_probs) >= top_p, 0.0)
+
+
+def _keep_min_p(probs: torch.Tensor, min_p) -> torch.Tensor:
+    """Zero tokens less likely than min_p x the row's most likely token."""
+    return probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
 
 
 def _redraw_full(samplers, scaled, short, probs, ids) -> list[int]:
@@ -210,12 +219,11 @@ def _redraw_full(samplers, scaled, short, probs, ids) -> list[int]:
     for i, s in enumerate(samplers):
         if bool(short[i]):
             sorted_p, order = torch.sort(torch.softmax(scaled[i], -1), descending=True)
-            cum = torch.cumsum(sorted_p, -1)
-            row = sorted_p.masked_fill((cum - sorted_p) >= s.p.top_p, 0.0)
+            row = _keep_nucleus(sorted_p, torch.cumsum(sorted_p, -1), s.p.top_p)
         else:
             row, order = probs[i], ids[i]
-        row = row.masked_fill(row < s.p.min_p * row.amax(), 0.0)
-        out += _inverse_cdf([s], row.unsqueeze(0), order.unsqueeze(0), scaled[i : i + 1])
+        row = _keep_min_p(row.unsqueeze(0), s.p.min_p)
+        out += _inverse_cdf([s], row, order.unsqueeze(0), scaled[i : i + 1])
     return out
 
 

@@ -87,6 +87,11 @@ class Row:
         return self.computed < len(self.prompt)
 
     @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill (`computed` counts generated tokens too once decoding)."""
+        return max(0, len(self.prompt) - self.computed)
+
+    @property
     def out_ids(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
 
@@ -236,7 +241,7 @@ class Scheduler:
         Admission: the running rows are assumed to run to their max_tokens; walking them by remaining
         steps, the request is admitted once enough rows and blocks are free for every waiter ahead
         of it and itself, at the tick after that step (with rows running, never before the step in
-        flight ends: leaving that out under-predicted TTFT by ~0.6 s in the 4x overload run). Prefill: every prompt token still to prefill ahead of it (running rows and
+        flight ends). Prefill: every prompt token still to prefill ahead of it (running rows and
         waiters) plus its own, at the measured seconds per prefill token -- exact with one prompt
         prefilling, an upper bound when chunks are shared round-robin."""
         per_token, step = self.prefill_token_time_ema, self.step_time_ema
@@ -244,7 +249,7 @@ class Scheduler:
             return None
         rows = list(self.running.values())
         waiting = list(self.waiting)
-        ahead = sum(max(0, len(r.prompt) - r.computed) for r in rows)
+        ahead = sum(r.prompt_left for r in rows)
         ahead += sum(len(w.handle.request.prompt_ids) for w in waiting) + P
         slots = len(waiting) + 1 - (self.max_seqs - len(rows))
         blocks = blocks_for(P + max_tokens, self.block_size) - self.alloc.free
@@ -255,15 +260,7 @@ class Scheduler:
         admit = step if rows else 0.0
         if slots > 0 or blocks > 0:
             admit = float("inf")
-            done = sorted(
-                (
-                    r.max_tokens
-                    - len(r.out_ids)
-                    + -(-(max(0, len(r.prompt) - r.computed)) // self.prefill_chunk),
-                    len(r.blocks),
-                )
-                for r in rows
-            )
+            done = sorted((self._steps_left(r), len(r.blocks)) for r in rows)
             for steps, nblocks in done:
                 slots, blocks = slots - 1, blocks - nblocks
                 if slots <= 0 and blocks <= 0:
@@ -289,16 +286,17 @@ class Scheduler:
             retry_after=int(min(60, max(1, round(min(admit + prefill, 3600) - self.max_ttft)))),
         )
 
+    def _steps_left(self, r: Row) -> int:
+        """Steps until a row ends at the latest: its prefill chunks, then its remaining tokens."""
+        return r.max_tokens - len(r.out_ids) + -(-r.prompt_left // self.prefill_chunk)
+
     def retry_after(self, queued: int = 0) -> int:
         """Seconds until room is likely: the soonest-finishing row's remaining steps x step time."""
         step = self.step_time_ema or 0.05
         rows = list(self.running.values())
         if not rows:
             return 1
-        remaining = sorted(
-            r.max_tokens - len(r.out_ids) + -(-(max(0, len(r.prompt) - r.computed)) // self.prefill_chunk)
-            for r in rows
-        )
+        remaining = sorted(self._steps_left(r) for r in rows)
         est = remaining[0] * step * (1 + queued / max(1, len(rows)))
         return int(min(60, max(1, round(est))))
 
