@@ -8,67 +8,7 @@ import os
 import sys
 import time
 
-from kvgate.config import EngineConfig
-
-ENGINE_FLAGS = [
-    # flag, type, default, help
-    ("--device", str, "auto", "auto | cpu | cuda | cuda:N (a missing device is an error, never a fallback)"),
-    ("--dtype", str, "auto", "auto | bfloat16 | float16 | float32 (auto: bf16 only where it is fast)"),
-    ("--memory-limit", str, "auto", "bytes (4GiB), fraction of device memory (0.5), or auto"),
-    ("--kv-cache-bytes", str, None, "explicit KV pool size (default: what the memory limit leaves)"),
-    ("--block-size", int, 16, "KV block size in tokens"),
-    ("--max-seqs", int, 32, "running rows, prompts still prefilling included"),
-    ("--max-queue", int, 256, "waiting requests before 503 queue_full"),
-    ("--max-queue-wait", float, 30.0, "seconds a request waits for KV before 429 (0 = refuse at once)"),
-    (
-        "--max-ttft",
-        float,
-        None,
-        "refuse (429) at arrival if the predicted time to first token exceeds this (s)",
-    ),
-    ("--prefill-chunk", int, 256, "prompt tokens per step"),
-    ("--min-cap-tokens", int, 256, "admit an unset-max_tokens request early if this many tokens fit"),
-    ("--max-model-len", int, None, "context length (default: the model's)"),
-    ("--threads", int, None, "torch intra-op threads (default: torch's choice)"),
-    ("--pack-weights", str, "auto", "auto | on | off: prepack weights for oneDNN (auto: CPU float32)"),
-]
-
-
-def _env_name(flag: str) -> str:
-    return "KVGATE_" + flag.lstrip("-").upper().replace("-", "_")
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=os.environ.get("KVGATE_MODEL", "default"), help="default | PATH")
-    for flag, typ, default, help_ in ENGINE_FLAGS:
-        env = os.environ.get(_env_name(flag))
-        p.add_argument(
-            flag,
-            type=typ,
-            default=typ(env) if env is not None else default,
-            help=f"{help_} [{_env_name(flag)}]",
-        )
-
-
-def engine_config(a: argparse.Namespace) -> EngineConfig:
-    from kvgate.memory.plan import parse_bytes
-
-    return EngineConfig(
-        device=a.device,
-        dtype=a.dtype,
-        memory_limit=a.memory_limit,
-        kv_cache_bytes=parse_bytes(a.kv_cache_bytes) if a.kv_cache_bytes else None,
-        block_size=a.block_size,
-        max_seqs=a.max_seqs,
-        max_queue=a.max_queue,
-        max_queue_wait=a.max_queue_wait,
-        max_ttft=a.max_ttft,
-        prefill_chunk=a.prefill_chunk,
-        min_cap_tokens=a.min_cap_tokens,
-        max_model_len=a.max_model_len,
-        threads=a.threads,
-        pack_weights=a.pack_weights,
-    )
+from kvgate.config import add_engine_flags, engine_config
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -146,13 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        from kvgate.engine import DeviceError
+        from kvgate.core.placement import DeviceError
         from kvgate.memory.plan import PlanError
         from kvgate.models import ModelLoadError
-        from kvgate.request import Refusal
+        from kvgate.request import Refusal, RequestError
         from kvgate.sampling import SamplingError
 
-        if isinstance(exc, ModelLoadError | PlanError | DeviceError | SamplingError | Refusal | ValueError):
+        if isinstance(exc, ModelLoadError | PlanError | DeviceError | SamplingError | RequestError | Refusal | ValueError):
             print(f"kvgate: error: {exc}", file=sys.stderr)
             return 2
         raise
@@ -160,39 +100,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_plan(a) -> int:
-    import torch
-
-    from kvgate.engine import checkpoint_bytes, resolve_device, resolve_dtype, resolve_packing
-    from kvgate.memory.plan import make_plan, runtime_overhead_bytes
+    from kvgate.core.placement import plan_for
     from kvgate.models import load_model
-    from kvgate.models.linear import warm_kernels
-    from kvgate.models.llama import matmul_shapes
 
     loaded = load_model(a.model)
-    device = resolve_device(a.device)
-    dtype = resolve_dtype(a.dtype, device)
-    spec = loaded.spec
-    cfg = engine_config(a)
-    packed = resolve_packing(cfg.pack_weights, device, dtype)
-    if packed:  # as the engine does: the kernels' memory is part of the measured overhead
-        warm_kernels(matmul_shapes(spec, cfg.prefill_chunk + cfg.max_seqs, cfg.max_seqs), dtype)
-    plan = make_plan(
-        spec,
-        device=str(device),
-        dtype_name=str(dtype).removeprefix("torch."),
-        dtype_bytes=torch.finfo(dtype).bits // 8,
-        limit_spec=cfg.memory_limit,
-        block_size=cfg.block_size,
-        prefill_chunk=cfg.prefill_chunk,
-        max_seqs=cfg.max_seqs,
-        max_model_len=min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings),
-        kv_cache_bytes=cfg.kv_cache_bytes,
-        overhead_bytes=runtime_overhead_bytes(str(device), checkpoint_bytes(loaded)),
-        packed_weights=packed,
-    )
+    plan = plan_for(loaded, engine_config(a)).plan
     if a.json:
         print(json.dumps(plan.to_dict(a.context), indent=1))
     else:
+        spec = loaded.spec
         print(f"model {spec.name}: {spec.num_layers} layers, {spec.num_kv_heads} KV heads x {spec.head_dim}")
         print(plan.describe(a.context))
     return 0
@@ -210,7 +126,7 @@ def _short(n: int) -> str:
 
 
 def cmd_generate(a) -> int:
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
     from kvgate.request import Finished, GenerationRequest, Token
     from kvgate.sampling import SamplingParams
 

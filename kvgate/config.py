@@ -1,12 +1,19 @@
-"""Plain values that cross module boundaries: the model's geometry and the engine's limits.
+"""Plain values that cross module boundaries: the model's geometry, the engine's knobs and their flags.
 
-Nothing here allocates or decides; loaders fill `ModelSpec`, the CLI and server fill `EngineConfig`,
-and the memory planner (`kvgate.memory.plan`) turns both into a byte plan.
+Nothing here allocates or decides; loaders fill `ModelSpec`, the CLI and server fill `EngineConfig`
+(from `ENGINE_FLAGS`, each also a `KVGATE_*` environment variable), the memory planner
+(`kvgate.memory.plan`) turns both into a byte plan, and the engine hands the scheduler and the
+admission gate one `SchedulerConfig`. Every entry point (`kvgate serve | generate | plan`) reads its
+engine flags through `add_engine_flags` / `engine_config` here, so no entry point imports another.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 from dataclasses import dataclass, field
+
+from kvgate.units import parse_bytes
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,4 +66,98 @@ class EngineConfig:
     seed: int | None = None  # default seed for requests that give none (None = fresh entropy)
     threads: int | None = None  # torch intra-op threads; None = torch's default
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
+    # a step running longer than this turns /health to 503 and fails new requests fast;
+    # None = auto: max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_FACTOR x the slowest step measured so far)
+    step_timeout: float | None = None
     extra: dict = field(default_factory=dict)
+
+
+STEP_TIMEOUT_FLOOR = 30.0  # seconds: a cold first step (a full prefill chunk) stays far below this
+STEP_TIMEOUT_FACTOR = 20.0
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    """The limits the scheduler and the admission gate enforce, fixed when the engine starts."""
+
+    block_size: int
+    total_blocks: int
+    max_seqs: int
+    max_queue: int
+    max_queue_wait: float
+    prefill_chunk: int
+    min_cap_tokens: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    max_ttft: float | None = None
+
+    @property
+    def kv_positions(self) -> int:
+        return self.total_blocks * self.block_size
+
+
+ENGINE_FLAGS = [
+    # flag, type, default, help
+    ("--device", str, "auto", "auto | cpu | cuda | cuda:N (a missing device is an error, never a fallback)"),
+    ("--dtype", str, "auto", "auto | bfloat16 | float16 | float32 (auto: bf16 only where it is fast)"),
+    ("--memory-limit", str, "auto", "bytes (4GiB), fraction of device memory (0.5), or auto"),
+    ("--kv-cache-bytes", str, None, "explicit KV pool size (default: what the memory limit leaves)"),
+    ("--block-size", int, 16, "KV block size in tokens"),
+    ("--max-seqs", int, 32, "running rows, prompts still prefilling included"),
+    ("--max-queue", int, 256, "waiting requests before 503 queue_full"),
+    ("--max-queue-wait", float, 30.0, "seconds a request waits for KV before 429 (0 = refuse at once)"),
+    (
+        "--max-ttft",
+        float,
+        None,
+        "refuse (429) at arrival if the predicted time to first token exceeds this (s)",
+    ),
+    ("--prefill-chunk", int, 256, "prompt tokens per step"),
+    ("--min-cap-tokens", int, 256, "admit an unset-max_tokens request early if this many tokens fit"),
+    ("--max-model-len", int, None, "context length (default: the model's)"),
+    ("--threads", int, None, "torch intra-op threads (default: torch's choice)"),
+    ("--pack-weights", str, "auto", "auto | on | off: prepack weights for oneDNN (auto: CPU float32)"),
+    (
+        "--step-timeout",
+        float,
+        None,
+        f"seconds one engine step may run before /health turns 503 (default: max({STEP_TIMEOUT_FLOOR:g}, "
+        f"{STEP_TIMEOUT_FACTOR:g} x the slowest step measured))",
+    ),
+]
+
+
+def env_name(flag: str) -> str:
+    return "KVGATE_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("KVGATE_MODEL", "default"), help="default | PATH")
+    for flag, typ, default, help_ in ENGINE_FLAGS:
+        env = os.environ.get(env_name(flag))
+        p.add_argument(
+            flag,
+            type=typ,
+            default=typ(env) if env is not None else default,
+            help=f"{help_} [{env_name(flag)}]",
+        )
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        device=a.device,
+        dtype=a.dtype,
+        memory_limit=a.memory_limit,
+        kv_cache_bytes=parse_bytes(a.kv_cache_bytes) if a.kv_cache_bytes else None,
+        block_size=a.block_size,
+        max_seqs=a.max_seqs,
+        max_queue=a.max_queue,
+        max_queue_wait=a.max_queue_wait,
+        max_ttft=a.max_ttft,
+        prefill_chunk=a.prefill_chunk,
+        min_cap_tokens=a.min_cap_tokens,
+        max_model_len=a.max_model_len,
+        threads=a.threads,
+        pack_weights=a.pack_weights,
+        step_timeout=a.step_timeout,
+    )

@@ -1,8 +1,17 @@
 """What crosses between callers and the engine worker: requests, refusals, events, results, handles.
 
 A `RequestHandle` is the caller's side of one request. Its event channel yields, in order: exactly one
-`Admitted` or `Refused`; then `Token`s; then exactly one `Finished` (after `Admitted`). The channel can
-be read from plain threads (`next_event`) and from asyncio (`anext_event`) without polling.
+`Admitted` or `Refused` (or, for a request cancelled while queued, one `Finished`); then `Token`s; then
+exactly one `Finished` (after `Admitted`). The channel can be read from plain threads (`events.get`)
+and from asyncio (`events.aget`) without polling.
+
+`GenerationRequest.validate` is the one owner of the per-request rules (token ids inside the
+vocabulary, max_tokens of at least 1, sampling ranges); the server calls it and turns a
+`RequestError` into a 400 naming the field.
+
+`Result.finish_reason` is one of `stop`, `length`, `cancelled`, `error`. The last two are kvgate's own
+and never reach an OpenAI client as such: the server answers `error` with the stable error body, and
+reports `cancelled` (cut short by a shutdown) as `length`, the OpenAI reason for "truncated output".
 """
 
 from __future__ import annotations
@@ -19,6 +28,29 @@ from kvgate.sampling import SamplingParams
 _ids = itertools.count(1)
 
 
+class RequestError(ValueError):
+    """A request field is invalid; `param` names the field (for the 400's `param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise RequestError(
+                f"token id {t!r} in '{param}' is outside the vocabulary [0, {vocab_size})", param
+            )
+
+
+def check_max_tokens(value, param: str = "max_tokens") -> None:
+    """At least 1, or unset. Below 1 a request's KV reservation would be smaller than its prompt: its
+    prefill would write past its blocks and fail every row sharing that step."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise RequestError(f"{param}={value!r} must be an integer of at least 1 (or unset)", param)
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -27,6 +59,14 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> GenerationRequest:
+        """Raise `RequestError` / `SamplingError` (both ValueErrors naming the field) or return self."""
+        self.sampling.validate()
+        check_token_ids(self.prompt_ids, vocab_size, "prompt")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        check_max_tokens(self.max_tokens)
+        return self
 
 
 @dataclass
@@ -153,20 +193,22 @@ def _wake(fut: asyncio.Future) -> None:
 
 
 class RequestHandle:
-    def __init__(self, request: GenerationRequest, wake_engine):
+    def __init__(self, request: GenerationRequest, send_cancel):
+        """`send_cancel(request_id)` delivers a cancel command to the engine's worker."""
         self.id = next(_ids)
         self.request = request
         self.events = Channel()
         self.submitted_at = time.monotonic()
         self.cancelled = False
-        self._wake_engine = wake_engine
+        self._send_cancel = send_cancel
         self.admission: Admitted | Refusal | None = None
         self.final: Result | None = None
 
     def cancel(self) -> None:
         """Honoured at the next step boundary wherever the request is; safe to call any time, twice."""
-        self.cancelled = True
-        self._wake_engine()
+        if not self.cancelled:
+            self.cancelled = True
+            self._send_cancel(self.id)
 
     # Synchronous consumers -------------------------------------------------------------------
     def wait_admitted(self, timeout: float | None = None) -> Admitted:
@@ -182,19 +224,25 @@ class RequestHandle:
             yield ev
 
     def result(self, timeout: float | None = None) -> Result:
+        """Wait for the final result. On a timeout the request is cancelled (its blocks go back at the
+        next step) before `TimeoutError` is raised: nobody is left to read it."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self.admission is None:
-            try:
-                self.wait_admitted(timeout)
-            except Refusal:
-                if self.final is not None:
-                    return self.final
-                raise
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ev = self.events.get(left)
-            if isinstance(ev, Finished):
-                return ev.result
+        try:
+            if self.admission is None:
+                try:
+                    self.wait_admitted(timeout)
+                except Refusal:
+                    if self.final is not None:
+                        return self.final
+                    raise
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ev = self.events.get(left)
+                if isinstance(ev, Finished):
+                    return ev.result
+        except TimeoutError:
+            self.cancel()
+            raise
 
     # Asyncio consumers -----------------------------------------------------------------------
     async def await_admitted(self) -> Admitted:

@@ -25,7 +25,7 @@ def tiny_dir(tmp_path_factory):
 def make_engine(tiny_dir):
     """Build started engines on the tiny model; every engine is shut down after the test."""
     from kvgate.config import EngineConfig
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
 
     engines = []
 

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvgate.config import EngineConfig
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest
     from kvgate.sampling import SamplingParams
 
@@ -233,12 +233,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import kvgate.memory.plan as plan_mod
 
-    sched = engine.scheduler
+    runner = engine.runner
     dtype_bytes = engine.kv.k.element_size()
     readings = [warm_rss]
     steps: list[dict] = []
     rows_seen = [0]
-    real_step, real_forward = sched._step, sched.forward
+    real_execute, real_forward = runner.execute, runner.model_forward
 
     def step_bound(shape: dict) -> dict:
         """The planner's own formula at this step's composition: what this step may allocate."""
@@ -266,19 +266,20 @@ def main(argv: list[str] | None = None) -> int:
         }
         return real_forward(batch)
 
-    def measured_step():
-        rows_seen[0] = max(rows_seen[0], len(sched.running))
+    def measured_step(so):
+        rows_seen[0] = max(rows_seen[0], engine.snapshot().running)
         steps.append({})
         before = rss()
         readings.append(hwm())  # the high-water mark since the last reset (between steps)
         reset_hwm()
-        real_step()
+        out = real_execute(so)
         after = hwm()
         readings.append(after)
         steps[-1]["rise"] = after - before
+        return out
 
-    sched._step = measured_step
-    sched.forward = recording_forward
+    runner.execute = measured_step  # the step's tensors, forward and sampling
+    runner.model_forward = recording_forward
 
     lim = plan.limits
     long_prompt = a.long_prompt if a.long_prompt is not None else min(L, plan.kv_positions) - a.long_decode
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     readings.append(hwm())
     engine.shutdown()
 
-    c = sched.counters
+    c = engine.snapshot().counters
     serving_peak = max(readings)
     # Each step's rise above the RSS it started from is what it allocated; the rows' standing state
     # was already resident before it, so the bound leaves those two terms out.

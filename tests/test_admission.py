@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from kvgate.core.admission import predicted_ttft
+from kvgate.core.testing import set_step_hook
 from kvgate.request import Admitted, BudgetCap, GenerationRequest, Refusal, Refused, Token
 from kvgate.sampling import SamplingParams
 from tests.server_util import wait_until
@@ -35,12 +37,16 @@ def hog(e, P: int, max_tokens: int, step_sleep: float = 0.02):
     h = e.submit(req(P, max_tokens, salt=99))
     h.wait_admitted(5)
     assert isinstance(h.events.get(5), Token)  # decoding
-    e.scheduler.fault_hook = lambda rows: time.sleep(step_sleep)
+    set_step_hook(e, lambda so: time.sleep(step_sleep))
     return h
 
 
+def running_ids(e) -> set[int]:
+    return {r.request_id for r in e.snapshot().rows}
+
+
 def refusal_counters(e) -> dict:
-    c = e.scheduler.counters
+    c = e.snapshot().counters
     return {
         k: getattr(c, k)
         for k in ("rejected_context_length", "rejected_kv_budget", "rejected_kv_timeout", "queue_rejected")
@@ -59,7 +65,7 @@ def test_exact_pool_ceiling_admitted_and_one_more_refused(make_engine):
     e = make_engine(kv_cache_bytes=16 * 4 * BPT, block_size=4, max_seqs=4)
     res = e.generate(req(10, 54), timeout=20)
     assert res.finish_reason == "length" and res.completion_tokens == 54
-    assert e.scheduler.counters.kv_blocks_peak == 16
+    assert e.snapshot().counters.kv_blocks_peak == 16
     with pytest.raises(Refusal) as ei:
         e.submit(req(10, 55))
     r = ei.value
@@ -77,7 +83,7 @@ def test_exact_pool_ceiling_admitted_and_one_more_refused(make_engine):
         "rejected_kv_timeout": 0,
         "queue_rejected": 0,
     }
-    assert e.allocator.free == e.allocator.total
+    assert wait_until(lambda: e.snapshot().kv_blocks_free == e.snapshot().kv_blocks_total)
 
 
 def test_context_overflow_reported_before_budget_overflow(make_engine):
@@ -112,7 +118,7 @@ def test_context_overflow_reported_before_budget_overflow(make_engine):
         "rejected_kv_timeout": 0,
         "queue_rejected": 0,
     }
-    assert not e.scheduler.waiting and e.scheduler.counters.admitted == 0
+    assert e.snapshot().waiting == 0 and e.snapshot().counters.admitted == 0
 
 
 def test_bad_max_tokens_is_refused_before_it_can_hurt_a_neighbour(make_engine):
@@ -126,7 +132,7 @@ def test_bad_max_tokens_is_refused_before_it_can_hurt_a_neighbour(make_engine):
         with pytest.raises(ValueError, match="max_tokens"):
             e.submit(req(10, bad))
     assert a.result(20).finish_reason == "length"
-    assert not e.scheduler.waiting and e.scheduler.counters.admitted == 1
+    assert e.snapshot().waiting == 0 and e.snapshot().counters.admitted == 1
 
 
 # ---- does not fit now: wait, then 429 ---------------------------------------------------------------
@@ -166,16 +172,16 @@ def test_queue_full_exactly_max_queue_accepted_under_racing_threads(make_engine)
     assert all((r.code, r.status) == ("queue_full", 503) for r in refused)
     assert all(1 <= r.retry_after <= 60 for r in refused)
     assert "5 requests are already queued" in refused[0].message
-    assert e.scheduler.counters.queue_rejected == 27
-    assert len(e.scheduler.waiting) == 5 and h0.cancelled is False
+    assert e.snapshot().counters.queue_rejected == 27
+    assert e.inbox.queued == 5 and h0.cancelled is False
     for h in accepted:
         h.cancel()
     h0.cancel()
     for h in accepted:
         assert h.result(10).finish_reason == "cancelled"
     assert h0.result(10).finish_reason == "cancelled"
-    assert e.scheduler.counters.aborted == 6
-    assert e.allocator.free == e.allocator.total
+    assert e.snapshot().counters.aborted == 6
+    assert wait_until(lambda: e.snapshot().kv_blocks_free == e.snapshot().kv_blocks_total)
 
 
 def test_kv_memory_unavailable_after_max_queue_wait(make_engine):
@@ -202,7 +208,7 @@ def test_kv_memory_unavailable_after_max_queue_wait(make_engine):
     }
     assert "needs 12 blocks" in r.message
     assert 0.25 <= waited < 3, waited
-    assert h0.id in e.scheduler.running  # the running request is untouched by the refusal
+    assert h0.id in running_ids(e)  # the running request is untouched by the refusal
     assert refusal_counters(e) == {
         "rejected_context_length": 0,
         "rejected_kv_budget": 0,
@@ -211,7 +217,7 @@ def test_kv_memory_unavailable_after_max_queue_wait(make_engine):
     }
     h0.cancel()
     assert h0.result(10).finish_reason == "cancelled"
-    assert e.allocator.free == e.allocator.total and not e.scheduler.waiting
+    assert wait_until(lambda: e.snapshot().kv_blocks_free == e.snapshot().kv_blocks_total) and e.snapshot().idle
 
 
 def test_max_queue_wait_zero_refuses_at_once_and_admits_what_fits(make_engine):
@@ -232,7 +238,7 @@ def test_max_queue_wait_zero_refuses_at_once_and_admits_what_fits(make_engine):
     assert isinstance(ok.wait_admitted(5), Admitted)
     h0.cancel()
     assert ok.result(10).finish_reason == "length"
-    assert e.scheduler.counters.rejected_kv_timeout == 1
+    assert e.snapshot().counters.rejected_kv_timeout == 1
 
 
 # ---- budget caps: reported, never silent -------------------------------------------------------------
@@ -249,7 +255,7 @@ def test_unset_max_tokens_gets_the_remaining_context(make_engine):
     assert adm.max_tokens == 30 and adm.budget_cap is None
     res = h.result(10)
     assert res.finish_reason == "length" and res.completion_tokens == 30 and res.budget_cap is None
-    assert e.scheduler.counters.budget_caps == 0
+    assert e.snapshot().counters.budget_caps == 0
 
 
 def test_unset_max_tokens_capped_by_the_whole_pool_is_reported(make_engine):
@@ -265,7 +271,7 @@ def test_unset_max_tokens_capped_by_the_whole_pool_is_reported(make_engine):
     res = h.result(10)
     assert res.budget_cap == BudgetCap(190, 54, "kv_budget") and res.completion_tokens == 54
     assert res.budget_cap.header() == "requested=190; admitted=54; reason=kv_budget"
-    assert e.scheduler.counters.budget_caps == 1 and e.scheduler.counters.kv_blocks_peak == 16
+    assert e.snapshot().counters.budget_caps == 1 and e.snapshot().counters.kv_blocks_peak == 16
 
 
 def test_head_admitted_now_with_a_free_now_cap(make_engine):
@@ -279,11 +285,11 @@ def test_head_admitted_now_with_a_free_now_cap(make_engine):
     h = e.submit(req(8))  # ceiling 92 needs 25 blocks; 16 free -> 56 tokens fit
     adm = h.wait_admitted(5)
     assert adm.budget_cap == BudgetCap(92, 56, "kv_free_now") and adm.max_tokens == 56
-    assert h0.id in e.scheduler.running  # admitted while the hog still runs
-    e.scheduler.fault_hook = None
+    assert h0.id in running_ids(e)  # admitted while the hog still runs
+    set_step_hook(e, None)
     res = h.result(10)
     assert res.budget_cap == BudgetCap(92, 56, "kv_free_now") and res.completion_tokens == 56
-    assert e.scheduler.counters.budget_caps == 1
+    assert e.snapshot().counters.budget_caps == 1
     h0.result(10)
 
 
@@ -297,7 +303,7 @@ def test_free_now_cap_needs_min_cap_tokens(make_engine):
     h = e.submit(req(8))
     with pytest.raises(TimeoutError):
         h.events.get(0.2)
-    e.scheduler.fault_hook = None
+    set_step_hook(e, None)
     assert h0.result(10).finish_reason == "length"
     adm = h.wait_admitted(5)
     assert adm.budget_cap is None and adm.max_tokens == 92
@@ -315,13 +321,13 @@ def test_explicit_max_tokens_is_never_capped(make_engine):
     h = e.submit(req(8, 80))  # 22 blocks; only 16 free
     with pytest.raises(TimeoutError):
         h.events.get(0.2)
-    e.scheduler.fault_hook = None
+    set_step_hook(e, None)
     r0 = h0.result(10)
     adm = h.wait_admitted(5)
     assert adm.budget_cap is None and adm.max_tokens == 80
     res = h.result(10)
     assert res.completion_tokens == 80 and res.budget_cap is None and res.admitted_at >= r0.finished_at
-    assert e.scheduler.counters.budget_caps == 0
+    assert e.snapshot().counters.budget_caps == 0
 
 
 def test_refused_waiter_event_protocol(make_engine):
@@ -350,7 +356,7 @@ def test_ttft_budget_refuses_at_arrival_with_the_prediction_and_retry_after(make
     busy rows (the prediction is then only the prefill, well under budget)."""
     e = make_engine(block_size=4, max_seqs=1, max_ttft=0.5)
     e.generate(req(40, 2), timeout=20)  # times a prefill (>= 32 tokens): the prediction needs one
-    assert e.scheduler.prefill_token_time_ema is not None
+    assert e.snapshot().prefill_token_time_ema is not None
     h = hog(e, 8, 400, step_sleep=0.01)  # the only row, ~4 s of decoding left
     t0 = time.monotonic()
     with pytest.raises(Refusal) as ei:
@@ -360,11 +366,11 @@ def test_ttft_budget_refuses_at_arrival_with_the_prediction_and_retry_after(make
     assert (r.status, r.code) == (429, "ttft_budget_exceeded")
     assert "--max-ttft 0.5s" in r.message and "until rows and KV free up" in r.message
     assert 1 <= r.retry_after <= 60
-    assert e.scheduler.counters.rejected_ttft_budget == 1
-    assert not e.scheduler.waiting
+    assert e.snapshot().counters.rejected_ttft_budget == 1
+    assert e.snapshot().waiting == 0 and e.inbox.queued == 0
     h.cancel()
-    e.scheduler.fault_hook = None
-    assert wait_until(lambda: not e.scheduler.running)
+    set_step_hook(e, None)
+    assert wait_until(lambda: e.snapshot().running == 0)
     ok = e.generate(req(8, 4, salt=2), timeout=20)  # rows free: predicted prefill only, admitted
     assert ok.finish_reason == "length"
 
@@ -379,19 +385,17 @@ def test_predicted_ttft_walks_running_rows_by_remaining_steps(make_engine):
     b = e.submit(req(8, 490, salt=5))
     b.wait_admitted(5)
     assert isinstance(b.events.get(5), Token)  # decoding: its prompt is all prefilled
-    s = e.scheduler
-    with s.lock:
-        rows = sorted(s.running.values(), key=lambda r: r.max_tokens - len(r.out_ids))
-        soonest = rows[0].max_tokens - len(rows[0].out_ids)
-        admit, prefill, ahead = s.predicted_ttft(10, 4)
-        step = s.step_time_ema
-    assert (soonest + 1) * step * 0.8 <= admit <= (soonest + 4) * step * 1.25
+    snap = e.snapshot()
+    soonest = min(r.steps_left for r in snap.rows)
+    admit, prefill, ahead = predicted_ttft(e.sched_cfg, snap, [], 10, 4)
+    step = snap.step_time_ema
+    assert soonest < max(r.steps_left for r in snap.rows)
+    assert admit == (soonest + 1) * step  # one snapshot: the forecast is exact arithmetic over it
     # both rows are decoding (`computed` then counts generated tokens too): nothing of theirs is left
     # to prefill. Seen red when a decoding row's prompt - computed went negative into the sum.
     assert ahead == 10 and prefill > 0
     a.cancel()
     b.cancel()
-    assert wait_until(lambda: len(s.running) == 0)
-    with s.lock:
-        admit, _, ahead = s.predicted_ttft(10, 4)
+    assert wait_until(lambda: e.snapshot().running == 0)
+    admit, _, ahead = predicted_ttft(e.sched_cfg, e.snapshot(), [], 10, 4)
     assert admit == 0.0 and ahead == 10

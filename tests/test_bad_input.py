@@ -328,7 +328,7 @@ _COUNTERS = (
 def bad_server(tiny_dir):
     """One server for the whole catalogue: none of these requests may change engine state."""
     from kvgate.config import EngineConfig
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
 
     engine = Engine.from_model(
         str(tiny_dir), EngineConfig(memory_limit="1GiB", dtype="float32", device="cpu"), overhead_bytes=0
@@ -348,10 +348,11 @@ def send(client: httpx.Client, case: Bad, headers: dict | None = None) -> httpx.
 
 
 def engine_state(client: httpx.Client, engine) -> dict:
-    c = engine.scheduler.counters
+    snap = engine.snapshot()
+    c = snap.counters
     state = {k: getattr(c, k) for k in _COUNTERS}
-    state["waiting"] = len(engine.scheduler.waiting)
-    state["running"] = len(engine.scheduler.running)
+    state["waiting"] = snap.waiting
+    state["running"] = snap.running
     state["rejections"] = sorted(
         ln for ln in client.get("/metrics").text.splitlines() if ln.startswith("kvgate_rejections_total")
     )
@@ -395,4 +396,4 @@ def test_the_server_still_serves_after_the_catalogue(bad_server):
     client, engine = bad_server
     r = client.post(CHAT, json={"messages": MSG, "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    assert engine.allocator.free == engine.allocator.total
+    assert engine.snapshot().kv_blocks_free == engine.snapshot().kv_blocks_total

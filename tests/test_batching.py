@@ -13,8 +13,10 @@ import threading
 
 import pytest
 
+from kvgate.core.testing import set_step_hook
 from kvgate.request import Admitted, Finished, GenerationRequest, Token
 from kvgate.sampling import SamplingParams
+from tests.server_util import wait_until
 
 BPT = 512
 POOL = dict(kv_cache_bytes=256 * 4 * BPT, block_size=4, max_seqs=8)
@@ -59,27 +61,27 @@ def stops_from(base) -> list[list[str]]:
 
 
 class Gate:
-    """fault_hook that parks the worker inside its first step until opened (to build a full batch)."""
+    """A step hook that parks the worker inside its first step until opened (to build a full batch)."""
 
     def __init__(self, then=None):
         self.opened = threading.Event()
         self.then = then
         self.max_rows = 0
 
-    def __call__(self, rows):
+    def __call__(self, so):
         assert self.opened.wait(10)
-        self.max_rows = max(self.max_rows, len(rows))
+        self.max_rows = max(self.max_rows, len(so.request_ids))
         if self.then is not None:
-            self.then(rows)
+            self.then(so)
 
 
 def run_batched(e, reqs, then=None):
     gate = Gate(then)
-    e.scheduler.fault_hook = gate
+    set_step_hook(e, gate)
     handles = [e.submit(r) for r in reqs]
     gate.opened.set()
     results = [h.result(30) for h in handles]
-    e.scheduler.fault_hook = None
+    set_step_hook(e, None)
     return handles, results, gate
 
 
@@ -98,18 +100,18 @@ def test_batching_does_not_change_output(make_engine):
     victim = 5  # cancelled once it has 4 tokens, from inside a step (a cancel racing the batch)
     state = {}
 
-    def cancel_victim(rows):
-        for r in rows:
-            if r.handle.id == state["id"] and len(r.out_ids) >= 4 and not r.handle.cancelled:
-                r.handle.cancel()
+    def cancel_victim(so):  # on the worker, after this step's snapshot was published
+        for r in e.snapshot().rows:
+            if r.request_id == state["id"] and r.generated >= 4 and not state["handle"].cancelled:
+                state["handle"].cancel()
 
     gate = Gate(cancel_victim)
-    e.scheduler.fault_hook = gate
+    set_step_hook(e, gate)
     handles = []
     for i in range(8):
         handles.append(e.submit(make_req(i, stops[i])))
         if i == victim:
-            state["id"] = handles[-1].id
+            state["id"], state["handle"] = handles[-1].id, handles[-1]
     gate.opened.set()
     batched = [h.result(30) for h in handles]
     assert gate.max_rows >= 7, "the requests were not batched together"
@@ -119,7 +121,7 @@ def test_batching_does_not_change_output(make_engine):
             assert 4 <= len(b.token_ids) < len(s.token_ids) and b.token_ids == s.token_ids[: len(b.token_ids)]
         else:
             assert outcome(b) == outcome(s), f"request {i} changed when batched"
-    assert e.allocator.free == e.allocator.total
+    assert wait_until(lambda: e.snapshot().kv_blocks_free == e.snapshot().kv_blocks_total)
 
 
 _REFERENCE: dict = {}
@@ -140,12 +142,12 @@ def test_prefill_chunk_size_does_not_change_output(make_engine, chunk):
     e = make_engine(**POOL, prefill_chunk=chunk)
     alone = [outcome(e.generate(make_req(i), timeout=20)) for i in (0, 7)]
     assert alone == [want[0], want[7]]
-    before = e.scheduler.counters.prefill_chunks
+    before = e.snapshot().counters.prefill_chunks
     _, results, gate = run_batched(e, [make_req(i) for i in range(8)])
     assert [outcome(r) for r in results] == want
     lengths = [s[0] for s in SPECS]
     if chunk < 256:
-        assert e.scheduler.counters.prefill_chunks - before >= -(-sum(lengths) // chunk)
+        assert e.snapshot().counters.prefill_chunks - before >= -(-sum(lengths) // chunk)
     assert gate.max_rows >= 2
 
 
@@ -174,7 +176,7 @@ def test_rows_keyed_by_id_when_one_finishes_mid_batch(make_engine):
         assert outcome(b) == outcome(s), f"row {i} changed"
     # again, reading the event channels: each carries exactly its own tokens and text
     gate = Gate()
-    e.scheduler.fault_hook = gate
+    set_step_hook(e, gate)
     handles = [e.submit(r) for r in reqs]
     gate.opened.set()
     for h, s in zip(handles, solo, strict=True):
@@ -196,16 +198,17 @@ def test_chunked_prefill_interleaves_with_decode(make_engine):
     """
     e = make_engine(**POOL, prefill_chunk=8)
     steps = []
-    e.scheduler.fault_hook = lambda rows: steps.append(
-        ({r.handle.id for r in rows if not r.prefilling}, {r.handle.id for r in rows if r.prefilling})
+    set_step_hook(
+        e, lambda so: steps.append(({d.request_id for d in so.decodes}, {p.request_id for p in so.prefills}))
     )
     a = e.submit(GenerationRequest(prompt(4, 1), SamplingParams(temperature=0, seed=1), 120, ignore_eos=True))
     a.wait_admitted(5)
     assert isinstance(a.events.get(5), Token)
-    c = e.scheduler.counters
+    c = e.snapshot().counters
     chunks0, tokens0 = c.prefill_chunks, c.prefill_tokens
     b = e.submit(GenerationRequest(prompt(200, 2), SamplingParams(temperature=0, seed=2), 2, ignore_eos=True))
     rb = b.result(20)
+    c = e.snapshot().counters
     chunks, tokens = c.prefill_chunks - chunks0, c.prefill_tokens - tokens0
     ra = a.result(20)
     assert (chunks, tokens) == (25, 200)

@@ -1,9 +1,10 @@
 """Cancel wherever the request is (queued, prefilling, decoding, not yet seen by the worker), and a
 fault inside a step: partial output kept, blocks returned exactly once, neighbours unaffected.
 
-`BlockAudit` wraps the engine's allocator so every block handed out must come back exactly once.
-Cancels and faults are injected from `scheduler.fault_hook`, which runs on the worker inside a step,
-so "the request is prefilling right now" is a fact, not a timing guess.
+`BlockAudit` wraps the engine's KV cache manager so every block handed out must come back exactly
+once. Cancels and faults are injected from a step hook (`kvgate.core.testing.set_step_hook`), which
+runs on the worker inside a step, so "the request is prefilling right now" is a fact, not a timing
+guess.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from collections import Counter
 
 import pytest
 
+from kvgate.core.testing import set_step_hook
 from kvgate.request import Finished, GenerationRequest, Refusal, Refused, Token
 from kvgate.sampling import SamplingParams
+from tests.server_util import wait_until
 
 BPT = 512
 
@@ -33,37 +36,46 @@ def req(
 
 
 class BlockAudit:
-    """Every block the allocator hands out must be released exactly once."""
+    """Every block the KV cache manager hands out must be released exactly once (wrapped methods run on
+    the worker; `check` reads the counts once the engine is idle)."""
 
-    def __init__(self, alloc):
-        self.alloc = alloc
+    def __init__(self, engine):
+        self.engine = engine
+        kv = engine.core.state.kv
         self.taken: Counter = Counter()
         self.released: Counter = Counter()
-        allocate, release = alloc.allocate, alloc.release
+        allocate, free = kv.allocate_for, kv.free
 
-        def audited_allocate(n):
-            got = allocate(n)
-            if got:
-                self.taken.update(got)
-            return got
+        def audited_allocate(rid, n):
+            ok = allocate(rid, n)
+            if ok:
+                self.taken.update(kv.table(rid))
+            return ok
 
-        def audited_release(blocks):
-            self.released.update(blocks)
-            release(blocks)
+        def audited_free(rid):
+            if kv.holds(rid):
+                self.released.update(kv.table(rid))
+            return free(rid)
 
-        alloc.allocate = audited_allocate
-        alloc.release = audited_release
+        kv.allocate_for = audited_allocate
+        kv.free = audited_free
 
     def check(self):
+        assert wait_until(lambda: self.engine.snapshot().idle, 5)
         assert self.released == self.taken, "a block was released twice or never"
-        assert self.alloc.free == self.alloc.total
+        snap = self.engine.snapshot()
+        assert snap.kv_blocks_free == snap.kv_blocks_total
+
+
+def audited(make_engine, **kw):
+    e = make_engine(**{**dict(kv_cache_bytes=64 * 4 * BPT, block_size=4, max_seqs=4, prefill_chunk=8), **kw})
+    e.audit = BlockAudit(e)
+    return e
 
 
 @pytest.fixture
 def engine(make_engine):
-    e = make_engine(kv_cache_bytes=64 * 4 * BPT, block_size=4, max_seqs=4, prefill_chunk=8)
-    e.audit = BlockAudit(e.allocator)
-    return e
+    return audited(make_engine)
 
 
 def events(h, timeout: float = 10.0) -> list:
@@ -80,24 +92,27 @@ def solo(e, r: GenerationRequest):
 
 
 def hooks(e, *fns):
-    def hook(rows):
+    def hook(so):
         for fn in fns:
-            fn(rows)
+            fn(so)
 
-    e.scheduler.fault_hook = hook
+    set_step_hook(e, hook)
 
 
-def test_cancel_while_queued(engine):
+def counters(e):
+    return e.snapshot().counters
+
+
+def test_cancel_while_queued(make_engine):
     """A queued request cancelled while the head is running ends at the next step with no admission,
     finish_reason 'cancelled' and no tokens; the running neighbour's output is unchanged.
 
     Seen to fail when queued waiters are not checked for cancel (it is admitted once room appears).
     """
-    e = engine
+    e = audited(make_engine, max_seqs=1)  # the next request must queue behind the running one
     big = req(4, 120, salt=1, seed=1)
     want = solo(e, big)
-    e.scheduler.max_seqs = 1  # the next request must queue behind the running one
-    hooks(e, lambda rows: time.sleep(0.002))  # keep the neighbour running well past the cancel
+    hooks(e, lambda so: time.sleep(0.002))  # keep the neighbour running well past the cancel
     h0 = e.submit(big)
     h0.wait_admitted(5)
     h = e.submit(req(6, 10, salt=2))
@@ -105,10 +120,10 @@ def test_cancel_while_queued(engine):
     res = h.result(5)
     assert isinstance(h.admission, Refusal), "a cancelled waiter must end without being admitted"
     assert res.finish_reason == "cancelled" and res.token_ids == [] and res.admitted_at is None
-    assert h0.id in e.scheduler.running  # the neighbour was still running when the waiter ended
+    assert h0.id in {r.request_id for r in e.snapshot().rows}  # still running when the waiter ended
     r0 = h0.result(20)
     assert r0.token_ids == want.token_ids and r0.finish_reason == "length"
-    assert e.scheduler.counters.aborted == 1 and e.scheduler.counters.admitted == 2
+    assert counters(e).aborted == 1 and counters(e).admitted == 2
     e.audit.check()
 
 
@@ -122,7 +137,7 @@ def test_cancel_before_the_worker_sees_the_job_is_not_lost(engine):
     e = engine
     inside, release = threading.Event(), threading.Event()
 
-    def park(rows):
+    def park(so):
         inside.set()
         assert release.wait(10)
 
@@ -132,14 +147,14 @@ def test_cancel_before_the_worker_sees_the_job_is_not_lost(engine):
     h = e.submit(req(5, 10, salt=4))
     h.cancel()
     h.cancel()  # twice is harmless
-    assert len(e.scheduler.waiting) == 1  # the worker has not looked at it
-    e.scheduler.fault_hook = None
+    assert e.inbox.queued == 1 and e.snapshot().waiting == 0  # the worker has not looked at it
+    set_step_hook(e, None)
     release.set()
     evs = events(h)
     assert len(evs) == 1 and evs[0].result.finish_reason == "cancelled"
     assert evs[0].result.admitted_at is None
     assert h0.result(10).finish_reason == "length"
-    assert e.scheduler.counters.aborted == 1
+    assert counters(e).aborted == 1
     e.audit.check()
 
 
@@ -153,27 +168,29 @@ def test_cancel_while_prefilling_runs_no_more_chunks(engine):
     nb = req(4, 40, salt=5, seed=5)
     want = solo(e, nb)
     seen = []
+    victim = {}
+    known = threading.Event()
 
-    def cancel_mid_prefill(rows):
-        for r in rows:
-            if len(r.prompt) == 120:  # the victim (known by its prompt: its id is not known yet)
-                seen.append(r.computed)
-                if r.computed >= 16 and not r.handle.cancelled:
-                    r.handle.cancel()
+    def cancel_mid_prefill(so):
+        for p in so.prefills:  # the neighbour only decodes: every prompt chunk is the victim's
+            assert known.wait(5)
+            seen.append(p.start)
+            if p.start >= 16:
+                victim["h"].cancel()
 
     h0 = e.submit(nb)
     h0.wait_admitted(5)
     assert isinstance(h0.events.get(5), Token)  # its prompt is done: only h prefills from here
-    c = e.scheduler.counters
-    before = c.prefill_tokens
+    before = counters(e).prefill_tokens
     hooks(e, cancel_mid_prefill)
-    h = e.submit(req(120, 10, salt=6))
+    victim["h"] = h = e.submit(req(120, 10, salt=6))
+    known.set()
     res = h.result(10)
     assert res.finish_reason == "cancelled" and res.token_ids == [] and res.first_token_at is None
     assert seen == [0, 8, 16], seen  # cancelled during the third chunk; nothing ran after it
-    assert c.prefill_tokens - before == 24
+    assert counters(e).prefill_tokens - before == 24
     assert h0.result(10).token_ids == want.token_ids
-    assert c.aborted == 1
+    assert counters(e).aborted == 1
     e.audit.check()
 
 
@@ -204,7 +221,7 @@ def test_cancel_while_decoding_keeps_partial_output(engine):
     assert res1.text and w1.text.startswith(res1.text)
     assert h2.result(10).token_ids == w2.token_ids
     h1.cancel()  # after the end: harmless
-    assert e.scheduler.counters.aborted == 1
+    assert counters(e).aborted == 1
     e.audit.check()
 
 
@@ -223,20 +240,21 @@ def test_fault_in_a_step_fails_only_the_rows_in_that_step(engine):
     ha.wait_admitted(5)
     assert isinstance(ha.events.get(5), Token)
 
-    def fault(rows):
-        ids = {r.handle.id for r in rows}
+    def fault(so):
+        ids = set(so.request_ids)
         hb, hc = state.get("b"), state.get("c")
         if state["fired"] or hb is None or hc is None:
             return
+        running = {r.request_id for r in e.snapshot().rows}  # published just before this forward
         # a step carrying a (decoding) and b (prefilling) but not c, which is running (prefilling too)
-        if ha.id in ids and hb.id in ids and hc.id in e.scheduler.running and hc.id not in ids:
+        if ha.id in ids and hb.id in ids and hc.id in running and hc.id not in ids:
             state["fired"] = True
             state["rows"] = ids
             raise RuntimeError("boom in step")
 
     inside, release = threading.Event(), threading.Event()
 
-    def park(rows):  # hold the worker inside a step so that b and c are admitted in the same tick
+    def park(so):  # hold the worker inside a step so that b and c are admitted in the same tick
         if not release.is_set():
             inside.set()
             assert release.wait(10)
@@ -252,24 +270,23 @@ def test_fault_in_a_step_fails_only_the_rows_in_that_step(engine):
         assert r.finish_reason == "error" and "RuntimeError: boom in step" in r.error
     assert res_a.token_ids and res_a.token_ids == wa.token_ids[: len(res_a.token_ids)]
     assert res_c.finish_reason == "length" and res_c.token_ids == wc.token_ids
-    assert e.scheduler.counters.failed == 2
-    e.scheduler.fault_hook = None
+    assert counters(e).failed == 2
+    set_step_hook(e, None)
     assert e.alive
     assert e.generate(rd, timeout=10).token_ids == wd.token_ids
     e.audit.check()
 
 
-def test_every_exit_path_returns_blocks_once(engine):
+def test_every_exit_path_returns_blocks_once(make_engine):
     """Finish by length, by stop string, cancel while queued and while running, and error: afterwards
     the allocator has every block back and each was released exactly once.
 
     Seen to fail when a cancelled row's blocks are not released, and when a failed row's are not.
     """
-    e = engine
+    e = audited(make_engine, max_seqs=3)  # q waits for a row
     base = solo(e, req(5, 30, salt=13, seed=13))
     stop_req = req(5, 30, salt=13, seed=13)
     stop_req.stop = [base.text[6:8]]
-    e.scheduler.max_seqs = 3  # q waits for a row
     hs = [e.submit(req(4, 30, salt=14)), e.submit(stop_req), e.submit(req(90, 8, salt=15))]
     q = e.submit(req(4, 5, salt=16))
     q.cancel()
@@ -280,9 +297,8 @@ def test_every_exit_path_returns_blocks_once(engine):
     assert rs[2].finish_reason == "cancelled"
     evs = events(q)
     assert len(evs) == 1 and evs[0].result.finish_reason == "cancelled"
-    e.scheduler.max_seqs = 4
-    e.scheduler.fault_hook = lambda rows: (_ for _ in ()).throw(ValueError("x"))
+    set_step_hook(e, lambda so: (_ for _ in ()).throw(ValueError("x")))
     assert e.generate(req(4, 5), timeout=10).finish_reason == "error"
-    e.scheduler.fault_hook = None
+    set_step_hook(e, None)
     e.audit.check()
-    assert e.scheduler.counters.kv_blocks_held == 0
+    assert counters(e).kv_blocks_held == 0

@@ -29,6 +29,7 @@ from collections import Counter
 
 import httpx
 
+from kvgate.core.testing import set_step_hook
 from tests.server_util import running_server
 from tests.server_util import wait_until as shared_wait_until
 
@@ -40,20 +41,14 @@ MAX_SEQS = 8
 
 
 def where(engine, max_tokens: int) -> str:
-    """Where the request with this (unique) max_tokens is right now, read from the scheduler."""
-    s = engine.scheduler
-    for _ in range(20):
-        try:
-            with s.lock:
-                if any(w.max_tokens == max_tokens for w in s.waiting):
-                    return "queued"
-            for r in list(s.running.values()):
-                if r.max_tokens == max_tokens:
-                    return "prefilling" if r.prefilling else "decoding"
-            return "gone"
-        except RuntimeError:  # running changed size while copying
-            time.sleep(0.001)
-    return "unknown"
+    """Where the request with this (unique) max_tokens is right now, read from the engine's snapshot."""
+    snap = engine.snapshot()
+    if any(w.max_tokens == max_tokens for w in snap.waiters):
+        return "queued"
+    for r in snap.rows:
+        if r.max_tokens == max_tokens:
+            return "prefilling" if r.prefilling else "decoding"
+    return "gone"
 
 
 async def open_raw(port: int, body: dict):
@@ -112,10 +107,9 @@ def test_disconnect_storm_cancels_every_leaver_and_leaks_nothing(make_engine):
         max_queue=64,
         max_queue_wait=60,
     )
-    engine.scheduler.fault_hook = lambda rows: time.sleep(STEP_DELAY)
+    set_step_hook(engine, lambda so: time.sleep(STEP_DELAY))
     rng = random.Random(7)
-    sched = engine.scheduler
-    aborted0 = sched.counters.aborted
+    aborted0 = engine.snapshot().counters.aborted
     places: Counter = Counter()
     dropped_mt: list[int] = []
 
@@ -193,9 +187,9 @@ def test_disconnect_storm_cancels_every_leaver_and_leaks_nothing(make_engine):
                 tasks += [asyncio.ensure_future(decode_leaver()) for _ in range(3)]
                 stayers = [asyncio.ensure_future(stayer(client, b)) for b in stay_a]
                 end = time.monotonic() + 20
-                while len(sched.running) < MAX_SEQS and time.monotonic() < end:
+                while engine.snapshot().running < MAX_SEQS and time.monotonic() < end:
                     await asyncio.sleep(0.01)
-                assert len(sched.running) == MAX_SEQS
+                assert engine.snapshot().running == MAX_SEQS
                 # Phase B: 4 stayers first in the FIFO, then 16 leavers that wait behind them.
                 stay_b = [
                     {
@@ -211,9 +205,9 @@ def test_disconnect_storm_cancels_every_leaver_and_leaks_nothing(make_engine):
                     stayers.append(asyncio.ensure_future(stayer(client, b)))
                     await asyncio.sleep(0.02)  # keep their FIFO order
                 tasks += [asyncio.ensure_future(queued_leaver(stream=i % 4 != 0)) for i in range(16)]
-                while len(sched.waiting) < 20 and time.monotonic() < end:
+                while engine.snapshot().waiting < 20 and time.monotonic() < end:
                     await asyncio.sleep(0.01)
-                assert len(sched.waiting) == 20
+                assert engine.snapshot().waiting == 20
                 go.set()
                 await asyncio.wait_for(asyncio.gather(*tasks), 30)
                 results = await asyncio.wait_for(asyncio.gather(*stayers), 60)
@@ -223,28 +217,31 @@ def test_disconnect_storm_cancels_every_leaver_and_leaks_nothing(make_engine):
         stay_bodies, results = asyncio.run(main())
         n_left = len(dropped_mt)
         assert n_left == 22
-        assert wait_until(lambda: sched.counters.aborted - aborted0 == n_left, 10), (
-            sched.counters.aborted,
+        assert wait_until(lambda: engine.snapshot().counters.aborted - aborted0 == n_left, 10), (
+            engine.snapshot().counters.aborted,
             n_left,
         )
 
         # No leaver's request is queued or running once its abort is counted.
         left = set(dropped_mt)
-        with sched.lock:
-            assert not [w for w in sched.waiting if w.max_tokens in left]
-        assert not [r for r in list(sched.running.values()) if r.max_tokens in left]
+        snap = engine.snapshot()
+        assert not [w for w in snap.waiters if w.max_tokens in left]
+        assert not [r for r in snap.rows if r.max_tokens in left]
         # The stayers got their whole output.
         for body, res in zip(stay_bodies, results, strict=True):
             assert res == {"finish": "length", "tokens": body["max_tokens"]}, (body["max_tokens"], res)
         wall = time.monotonic() - t0
 
-        assert wait_until(lambda: not sched.running and not sched.waiting, 10)
-        assert engine.allocator.free == engine.allocator.total
-        assert sched.counters.kv_blocks_held == 0
-        assert sched.counters.aborted - aborted0 == n_left, "an abort was counted twice or missed"
-        steps, gen = sched.counters.decode_steps, sched.counters.generated_tokens
+        assert wait_until(lambda: engine.snapshot().idle, 10)
+        c = engine.snapshot().counters
+        snap = engine.snapshot()
+        assert snap.kv_blocks_free == snap.kv_blocks_total
+        assert c.kv_blocks_held == 0
+        assert c.aborted - aborted0 == n_left, "an abort was counted twice or missed"
+        steps, gen = c.decode_steps, c.generated_tokens
         time.sleep(0.3)
-        assert (sched.counters.decode_steps, sched.counters.generated_tokens) == (steps, gen), (
+        c = engine.snapshot().counters
+        assert (c.decode_steps, c.generated_tokens) == (steps, gen), (
             "generation went on after every client was gone or done"
         )
         with httpx.Client(base_url=base, timeout=20) as cl:
@@ -260,7 +257,7 @@ def test_disconnect_storm_cancels_every_leaver_and_leaks_nothing(make_engine):
     assert places["queued"] >= 8 and places["prefilling"] >= 1 and places["decoding"] >= 1, places
     print(
         f"\nDISCONNECT STORM: {n_left} leavers by place at the drop {dict(places)}, {len(results)} stayers "
-        f"complete, aborted +{n_left}, blocks free {engine.allocator.free}/{engine.allocator.total}, {wall:.1f}s"
+        f"complete, aborted +{n_left}, blocks free {snap.kv_blocks_free}/{snap.kv_blocks_total}, {wall:.1f}s"
     )
 
 

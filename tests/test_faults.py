@@ -1,8 +1,9 @@
 """Fault injection over HTTP: a failed step fails only the requests in it, a failed row fails alone,
 and a dead worker makes the server say so (503) instead of hanging anyone.
 
-`engine.scheduler.fault_hook(rows)` runs before every forward step on the worker thread; here it
-sleeps (so requests stay in flight long enough to aim at) and raises when a test arms it.
+A step hook (`kvgate.core.testing.set_step_hook`) runs before every forward on the worker thread;
+here it sleeps (so requests stay in flight long enough to aim at) and raises when a test arms it. It
+sees the step's rows as the snapshot published just before the forward shows them.
 
 Seen to fail (each break made in a copy of the tree, then restored):
 - the step's except failing the whole engine (`fail_all`) instead of the rows in the step (the
@@ -23,6 +24,7 @@ import time
 import httpx
 import pytest
 
+from kvgate.core.testing import set_step_hook
 from tests.server_util import running_server
 from tests.server_util import wait_until as shared_wait_until
 
@@ -38,37 +40,42 @@ SECRET = "injected fault at /work/kvgate/secret_module.py:42 handle 0xdeadbeefca
 
 
 class Fault:
-    """A fault_hook: every step sleeps `delay`; once armed, the next step whose rows satisfy `when`
+    """A step hook: every step sleeps `delay`; once armed, the next step whose rows satisfy `when`
     raises (once)."""
 
-    def __init__(self, delay=0.01):
+    def __init__(self, engine, delay=0.01):
+        self.engine = engine
         self.delay = delay
         self.when = None
         self.fired = threading.Event()
         self.rows_failed: list[int] = []
+        set_step_hook(engine, self)
 
     def arm(self, when):
         self.when = when
 
-    def __call__(self, rows):
+    def __call__(self, so):
         time.sleep(self.delay)
+        rows = step_rows(self.engine, so)
         if self.when is not None and not self.fired.is_set() and self.when(rows):
             self.fired.set()
             self.rows_failed = [r.max_tokens for r in rows]
             raise RuntimeError(SECRET)
 
 
+def step_rows(engine, so) -> list:
+    """The rows of this step, as the snapshot published just before its forward shows them."""
+    ids = set(so.request_ids)
+    return [r for r in engine.snapshot().rows if r.request_id in ids]
+
+
 def wait_until(pred, timeout=15.0):
     return shared_wait_until(pred, timeout)
 
 
-def rows_of(engine) -> list:
-    for _ in range(20):
-        try:
-            return list(engine.scheduler.running.values())
-        except RuntimeError:  # the dict changed size while copying it
-            time.sleep(0.001)
-    return []
+def kv_all_free(engine) -> bool:
+    snap = engine.snapshot()
+    return snap.kv_blocks_free == snap.kv_blocks_total
 
 
 class Call(threading.Thread):
@@ -123,12 +130,11 @@ def test_one_failed_step_fails_only_its_requests(make_engine):
     event then [DONE] — the third then runs to completion, blocks all come back, and the engine keeps
     serving."""
     engine = make_engine(max_seqs=2, block_size=16)
-    fault = Fault(0.01)
-    engine.scheduler.fault_hook = fault
+    fault = Fault(engine, 0.01)
     with running_server(engine) as (base, _):
         x = start(base, {"messages": MSG, "max_tokens": 101, "ignore_eos": True})
         y = start(base, {"messages": MSG, "max_tokens": 102, "ignore_eos": True, "stream": True})
-        assert wait_until(lambda: len(rows_of(engine)) == 2)
+        assert wait_until(lambda: engine.snapshot().running == 2)
         z = start(
             base,
             {
@@ -139,8 +145,8 @@ def test_one_failed_step_fails_only_its_requests(make_engine):
                 "stream_options": {"include_usage": True},
             },
         )
-        assert wait_until(lambda: len(engine.scheduler.waiting) == 1)
-        fault.arm(lambda rows: len(rows) == 2 and all(len(r.out_ids) >= 3 for r in rows))
+        assert wait_until(lambda: engine.snapshot().waiting == 1)
+        fault.arm(lambda rows: len(rows) == 2 and all(r.generated >= 3 for r in rows))
         finish(x, y, z)
         assert fault.fired.is_set() and sorted(fault.rows_failed) == [101, 102]
 
@@ -157,9 +163,9 @@ def test_one_failed_step_fails_only_its_requests(make_engine):
             ez[-2]["choices"][0]["finish_reason"] == "length" and ez[-1]["usage"]["completion_tokens"] == 20
         )
 
-        c = engine.scheduler.counters
+        assert wait_until(lambda: kv_all_free(engine))
+        c = engine.snapshot().counters
         assert c.failed == 2 and c.aborted == 0
-        assert wait_until(lambda: engine.allocator.free == engine.allocator.total)
         assert c.kv_blocks_held == 0
         with httpx.Client(base_url=base, timeout=TIMEOUT) as cl:
             assert cl.get("/health").json() == {"status": "ok"}
@@ -171,10 +177,9 @@ def test_one_failed_step_fails_only_its_requests(make_engine):
 def test_a_fault_during_prefill_fails_that_request_and_frees_its_blocks(make_engine):
     """A long prompt in small prefill chunks: the fault lands while it is still prefilling."""
     engine = make_engine(prefill_chunk=16, block_size=16)
-    fault = Fault(0.01)
-    engine.scheduler.fault_hook = fault
+    fault = Fault(engine, 0.01)
     with running_server(engine) as (base, _):
-        fault.arm(lambda rows: len(rows) == 1 and rows[0].prefilling and rows[0].computed >= 32)
+        fault.arm(lambda rows: len(rows) == 1 and rows[0].prefilling and rows[0].prompt_len - rows[0].prompt_left >= 32)
         x = start(
             base,
             {"prompt": "lorem ipsum dolor " * 20, "max_tokens": 10, "ignore_eos": True},
@@ -195,8 +200,8 @@ def test_a_fault_during_prefill_fails_that_request_and_frees_its_blocks(make_eng
             10,
             "length",
         )
-        assert wait_until(lambda: engine.allocator.free == engine.allocator.total)
-        assert engine.scheduler.counters.failed == 1
+        assert wait_until(lambda: kv_all_free(engine))
+        assert engine.snapshot().counters.failed == 1
 
 
 def test_a_row_whose_sampler_raises_fails_alone(make_engine):
@@ -204,18 +209,18 @@ def test_a_row_whose_sampler_raises_fails_alone(make_engine):
     engine = make_engine(block_size=16)
     state = {"done": False}
 
-    def hook(rows):
+    def hook(so):
         time.sleep(0.01)
-        for r in rows:
-            if r.max_tokens == 77 and len(r.out_ids) >= 2 and not state["done"]:
+        for r in step_rows(engine, so):
+            if r.max_tokens == 77 and r.generated >= 2 and not state["done"]:
                 state["done"] = True
 
                 def boom(token):
                     raise RuntimeError(SECRET)
 
-                r.sampler.record = boom  # called for every sampled row, batched or alone
+                so.samplers[r.request_id].record = boom  # called for every sampled row, batched or alone
 
-    engine.scheduler.fault_hook = hook
+    set_step_hook(engine, hook)
     with running_server(engine) as (base, _):
         bad = start(base, {"messages": MSG, "max_tokens": 77, "ignore_eos": True})
         good = start(
@@ -233,8 +238,8 @@ def test_a_row_whose_sampler_raises_fails_alone(make_engine):
         ev = events(good)
         assert ev[-1]["usage"]["completion_tokens"] == 60, ev[-1]
         assert engine.alive
-        assert engine.scheduler.counters.failed == 1
-        assert wait_until(lambda: engine.allocator.free == engine.allocator.total)
+        assert engine.snapshot().counters.failed == 1
+        assert wait_until(lambda: kv_all_free(engine))
 
 
 class WorkerDeath(BaseException):
@@ -246,26 +251,25 @@ def test_a_dead_worker_answers_everyone_and_health_turns_503(make_engine):
     """Running requests end (500 / SSE error + [DONE]), the waiting one gets a 503 with Retry-After,
     /health says dead, and a new request fails fast with 503 instead of hanging."""
     engine = make_engine(max_seqs=2, block_size=16, max_queue_wait=60)
-    engine.scheduler.fault_hook = Fault(0.01)
+    Fault(engine, 0.01)
     with running_server(engine) as (base, _):
         x = start(base, {"messages": MSG, "max_tokens": 200, "ignore_eos": True})
         y = start(base, {"messages": MSG, "max_tokens": 200, "ignore_eos": True, "stream": True})
-        assert wait_until(lambda: len(rows_of(engine)) == 2)
+        assert wait_until(lambda: engine.snapshot().running == 2)
         w = start(base, {"messages": MSG, "max_tokens": 10})
-        assert wait_until(lambda: len(engine.scheduler.waiting) == 1)
+        assert wait_until(lambda: engine.snapshot().waiting == 1)
 
         def die():
             raise WorkerDeath("simulated fatal error in the worker loop")
 
-        engine.scheduler.tick = die
-        engine._wake()
+        engine.core.tick = lambda commands: die()
         finish(x, y, w, timeout=20)
         assert not engine.alive
         assert x.status == 500 and x.json == {"error": ENGINE_ERROR}
         assert events(y)[-1] == {"error": ENGINE_ERROR}
         assert w.status == 503 and int(w.headers["retry-after"]) >= 1
         assert w.json["error"]["code"] == "engine_unavailable"
-        assert engine.allocator.free == engine.allocator.total
+        assert kv_all_free(engine)
 
         with httpx.Client(base_url=base, timeout=TIMEOUT) as cl:
             h = cl.get("/health")
@@ -304,4 +308,4 @@ def test_tiny_sampling_values_are_served_not_failed(make_engine, extra):
         with httpx.Client(base_url=base, timeout=TIMEOUT) as cl:
             r = cl.post(CHAT, json={"messages": MSG, "max_tokens": 4, "seed": 1, **extra})
             assert r.status_code == 200, (extra, r.text)
-            assert engine.scheduler.counters.failed == 0
+            assert engine.snapshot().counters.failed == 0

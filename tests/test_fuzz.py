@@ -100,10 +100,10 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(make_engine,
     assert generated >= 300, out[-3000:]
     ops = re.search(r"Tested:\s+(\d+)", out)
     assert ops and int(ops.group(1)) == 8, out[-3000:]
-    c = engine.scheduler.counters
+    snap = engine.snapshot()
+    c = snap.counters
     assert engine.alive and c.failed == 0
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.allocator.free == engine.allocator.total
+    assert snap.idle and snap.kv_blocks_free == snap.kv_blocks_total
     print(
         f"\nFUZZ: schemathesis generated {generated} cases over 8 operations ({m.group(2)} passed); "
         f"{c.admitted} reached the engine and ran, {c.finished} finished"

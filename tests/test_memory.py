@@ -281,7 +281,7 @@ def test_cuda_peak_allocated_within_plan():
     import torch
 
     from kvgate.config import EngineConfig
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest
     from kvgate.sampling import SamplingParams
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def real_server():
     from kvgate.config import EngineConfig
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
 
     engine = Engine.from_model("default", EngineConfig(memory_limit="2GiB", max_model_len=2048)).start()
     with running_server(engine, model_name="SmolLM2-135M-Instruct") as (base, app):
@@ -91,7 +91,7 @@ def test_async_client_concurrent_streams(real_server):
 
     texts = asyncio.run(main())
     assert all(texts)
-    assert engine.allocator.free == engine.allocator.total
+    assert engine.snapshot().kv_blocks_free == engine.snapshot().kv_blocks_total
 
 
 def test_openai_client_surfaces_400_and_429(real_server):

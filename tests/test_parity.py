@@ -93,7 +93,7 @@ def ours(parse_once):
 
 @pytest.fixture(scope="module")
 def engine():
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
 
     e = Engine.from_model("default", EngineConfig(dtype="float32", memory_limit="3GiB")).start()
     yield e

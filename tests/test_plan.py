@@ -21,8 +21,9 @@ import torch
 
 from kvgate.config import EngineConfig, ModelSpec
 from kvgate.memory import plan as P
-from kvgate.memory.plan import PlanError, make_plan, parse_bytes, resolve_limit
+from kvgate.memory.plan import PlanError, make_plan, resolve_limit
 from kvgate.models.linear import packs_weights
+from kvgate.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "import sys; from kvgate.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -222,7 +223,7 @@ def tiny_spec(tiny_dir):
 def test_engine_refuses_a_model_that_cannot_fit_before_loading_it(tiny_dir):
     """Engine construction raises PlanError (not an OOM, not a half-built engine) when the weights
     alone exceed the limit. Broken by: materializing the model before planning."""
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
 
     with pytest.raises(PlanError) as ei:
         Engine.from_model(
@@ -264,9 +265,9 @@ def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
         memory_limit=str(limit), block_size=16, prefill_chunk=64, max_seqs=8, max_model_len=512
     )
     assert engine.plan.limits == plan.limits
-    assert engine.scheduler.prefill_chunk == plan.limits.prefill_chunk
-    assert engine.scheduler.max_seqs == plan.limits.max_seqs
-    assert engine.scheduler.attn_token_cap == plan.limits.attn_token_cap
+    assert engine.sched_cfg.prefill_chunk == plan.limits.prefill_chunk
+    assert engine.sched_cfg.max_seqs == plan.limits.max_seqs
+    assert engine.runner.attn_token_cap == plan.limits.attn_token_cap
     from kvgate.request import GenerationRequest
     from kvgate.sampling import SamplingParams
 
@@ -274,7 +275,7 @@ def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
         GenerationRequest(list(range(10, 50)), SamplingParams(temperature=0), max_tokens=1), timeout=60
     )
     assert r.finish_reason == "length"
-    assert engine.scheduler.counters.prefill_chunks == math.ceil(40 / plan.limits.prefill_chunk)
+    assert engine.snapshot().counters.prefill_chunks == math.ceil(40 / plan.limits.prefill_chunk)
     assert engine.ledger.by_role()["workspace"] == plan.workspace_bytes
     assert engine.ledger.reserved <= plan.limit_bytes
 
@@ -311,11 +312,11 @@ def test_cli_plan_json_equals_engine_plan(default_model_cache):
     assert cli["limit_bytes"] == 1280 * MiB and cli["context_tokens"] == 1024
     assert P.OVERHEAD_SLACK + (64 << 20) < cli["overhead_bytes"] < P.OVERHEAD_SLACK + (1 << 30)
 
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
 
     engine = Engine.from_model(
         "default", EngineConfig(memory_limit="1280MiB"), overhead_bytes=cli["overhead_bytes"]
     )
     assert engine.plan.to_dict(1024) == cli
-    assert engine.scheduler.max_model_len == cli["limits"]["max_model_len"]
+    assert engine.max_model_len == cli["limits"]["max_model_len"]
     assert engine.ledger.reserved <= cli["limit_bytes"]

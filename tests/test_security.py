@@ -56,7 +56,7 @@ def leaks(text: str) -> list[str]:
 @pytest.fixture(scope="module")
 def keyed(tiny_dir):
     from kvgate.config import EngineConfig
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
 
     engine = Engine.from_model(
         str(tiny_dir), EngineConfig(memory_limit="1GiB", dtype="float32", device="cpu"), overhead_bytes=0
@@ -206,7 +206,7 @@ def test_non_loopback_bind_is_allowed_with_a_key_or_the_explicit_flag(monkeypatc
         run_mod, "threading", SimpleNamespace(Thread=lambda *a, **k: SimpleNamespace(start=lambda: None))
     )
     args = _serve_args(host="0.0.0.0", model=str(tiny_dir), **extra)
-    from kvgate.cli import ENGINE_FLAGS
+    from kvgate.config import ENGINE_FLAGS
 
     for flag, _typ, default, _help in ENGINE_FLAGS:
         setattr(args, flag.lstrip("-").replace("-", "_"), default)

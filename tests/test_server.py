@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from kvgate.core.testing import set_step_hook
 from tests.server_util import running_server
 from tests.server_util import wait_until as shared_wait_until
 
@@ -23,7 +24,7 @@ MSG = [{"role": "user", "content": "hello there"}]
 def shared_base(tiny_dir):
     """One server for the read-only validation tests (each refusal never reaches the engine)."""
     from kvgate.config import EngineConfig
-    from kvgate.engine import Engine
+    from kvgate.core.engine import Engine
 
     engine = Engine.from_model(
         str(tiny_dir), EngineConfig(memory_limit="1GiB", dtype="float32"), overhead_bytes=0
@@ -37,10 +38,7 @@ def shared_base(tiny_dir):
 def slow_steps(engine, seconds: float):
     """Make every engine step take at least `seconds`, so a running request holds its KV for a while."""
 
-    def hook(rows):
-        time.sleep(seconds)
-
-    engine.scheduler.fault_hook = hook
+    set_step_hook(engine, lambda so: time.sleep(seconds))
 
 
 def metric(base: str, name: str, labels: str = "") -> float:
@@ -107,7 +105,7 @@ def test_overload_gets_429_before_any_sse_byte_and_counts_each_once(make_engine)
             kwargs={"json": {"messages": MSG, "max_tokens": 100, "ignore_eos": True}, "timeout": 60},
         )
         holder.start()
-        assert wait_until(lambda: engine.allocator.free < engine.allocator.total)
+        assert wait_until(lambda: engine.snapshot().kv_blocks_free < engine.snapshot().kv_blocks_total)
         before = metric(base, "kvgate_rejections_total", 'reason="kv_memory_unavailable"')
         results = []
 
@@ -132,7 +130,7 @@ def test_overload_gets_429_before_any_sse_byte_and_counts_each_once(make_engine)
         after = metric(base, "kvgate_rejections_total", 'reason="kv_memory_unavailable"')
         assert after - before == 16
         holder.join()
-        engine.scheduler.fault_hook = None
+        set_step_hook(engine, None)
         r = httpx.post(base + CHAT, json={"messages": MSG, "max_tokens": 3})
         assert r.status_code == 200
 
@@ -154,7 +152,7 @@ def test_never_fits_is_400_with_numbers_and_a_waiter_streams_once_room_frees(mak
             kwargs={"json": {"messages": MSG, "max_tokens": 60, "ignore_eos": True}},
         )
         holder.start()
-        assert wait_until(lambda: engine.allocator.free < engine.allocator.total)
+        assert wait_until(lambda: engine.snapshot().kv_blocks_free < engine.snapshot().kv_blocks_total)
         with httpx.stream(
             "POST", base + CHAT, json={"messages": MSG, "max_tokens": 60, "stream": True}, timeout=30
         ) as r:
@@ -174,14 +172,14 @@ def test_queue_full_is_503_with_retry_after(make_engine):
         big = {"messages": MSG, "max_tokens": 100, "ignore_eos": True}
         t1 = threading.Thread(target=httpx.post, args=(base + CHAT,), kwargs={"json": big, "timeout": 60})
         t1.start()
-        assert wait_until(lambda: engine.scheduler.running)
+        assert wait_until(lambda: engine.snapshot().running)
         t2 = threading.Thread(target=httpx.post, args=(base + CHAT,), kwargs={"json": big, "timeout": 60})
         t2.start()
-        assert wait_until(lambda: len(engine.scheduler.waiting) == 1)
+        assert wait_until(lambda: engine.snapshot().waiting == 1)
         r = httpx.post(base + CHAT, json=big)
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
         assert int(r.headers["retry-after"]) >= 1
-        engine.scheduler.fault_hook = None
+        set_step_hook(engine, None)
         t1.join()
         t2.join()
 
@@ -209,18 +207,18 @@ def test_client_disconnect_mid_stream_frees_blocks_and_counts_one_abort(make_eng
     engine = make_engine()
     slow_steps(engine, 0.02)
     with running_server(engine) as (base, _):
-        before = engine.scheduler.counters.aborted
+        before = engine.snapshot().counters.aborted
         with httpx.stream(
             "POST", base + CHAT, json={"messages": MSG, "max_tokens": 400, "ignore_eos": True, "stream": True}
         ) as r:
             for n, _line in enumerate(r.iter_lines()):
                 if n > 4:
                     break
-        assert wait_until(lambda: engine.allocator.free == engine.allocator.total)
-        assert wait_until(lambda: engine.scheduler.counters.aborted == before + 1)
-        steps = engine.scheduler.counters.decode_steps
+        assert wait_until(lambda: engine.snapshot().kv_blocks_free == engine.snapshot().kv_blocks_total)
+        assert wait_until(lambda: engine.snapshot().counters.aborted == before + 1)
+        steps = engine.snapshot().counters.decode_steps
         time.sleep(0.2)
-        assert engine.scheduler.counters.decode_steps == steps, "decoding went on for a client that left"
+        assert engine.snapshot().counters.decode_steps == steps, "decoding went on for a client that left"
 
 
 def test_non_streaming_disconnect_cancels_the_request(make_engine):
@@ -232,8 +230,8 @@ def test_non_streaming_disconnect_cancels_the_request(make_engine):
             httpx.post(
                 base + CHAT, json={"messages": MSG, "max_tokens": 400, "ignore_eos": True}, timeout=0.5
             )
-        assert wait_until(lambda: engine.scheduler.counters.aborted == 1)
-        assert wait_until(lambda: engine.allocator.free == engine.allocator.total)
+        assert wait_until(lambda: engine.snapshot().counters.aborted == 1)
+        assert wait_until(lambda: engine.snapshot().kv_blocks_free == engine.snapshot().kv_blocks_total)
 
 
 @pytest.mark.parametrize(
@@ -321,7 +319,7 @@ def test_health_metrics_resources_tokenize(make_engine):
     with running_server(engine) as (base, _):
         assert httpx.get(base + "/health").json() == {"status": "ok"}
         res = httpx.get(base + "/v1/resources").json()
-        assert res["kv"]["blocks_free"] == res["kv"]["blocks_total"] == engine.allocator.total
+        assert res["kv"]["blocks_free"] == res["kv"]["blocks_total"] == engine.plan.kv_blocks
         assert res["ledger"]["reserved_bytes"] <= res["ledger"]["limit_bytes"]
         assert set(res["ledger"]["reserved_by_role"]) >= {"weights", "kv_cache", "workspace"}
         ids = httpx.post(base + "/v1/tokenize", json={"prompt": "hello"}).json()["tokens"]

@@ -6,7 +6,7 @@ their partial output (finish_reason "cancelled" in the final chunk, then [DONE])
 queued gets a 503; the process exits 0 within the grace plus a few seconds.
 
 The server is the real CLI (`kvgate.cli.main(["serve", ...])`) in a subprocess; the only change is a
-bootstrap that makes every engine step sleep a few milliseconds (the scheduler's fault_hook), so the
+bootstrap that makes every engine step sleep a few milliseconds (a step hook, kvgate.core.testing), so the
 tiny model's requests stay in flight long enough to be caught by the signal.
 
 Seen to fail (each break made in a copy of the tree, then restored):
@@ -41,12 +41,12 @@ MSG = [{"role": "user", "content": "hello there"}]
 BOOT = """
 import sys, time
 delay = float(sys.argv.pop(1))
-from kvgate import scheduler
-_init = scheduler.Scheduler.__init__
+from kvgate.core import engine, testing
+_init = engine.Engine.__init__
 def _slow_init(self, *a, **k):
     _init(self, *a, **k)
-    self.fault_hook = lambda rows: time.sleep(delay)
-scheduler.Scheduler.__init__ = _slow_init
+    testing.set_step_hook(self, lambda so: time.sleep(delay))
+engine.Engine.__init__ = _slow_init
 from kvgate.cli import main
 sys.exit(main(sys.argv[1:]))
 """

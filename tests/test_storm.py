@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvgate.core.testing import set_step_hook
 from tests.server_util import running_server
 from tests.server_util import wait_until as shared_wait_until
 
@@ -176,9 +177,9 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
         prefill_chunk=64,
         min_cap_tokens=10_000,
     )
-    assert engine.allocator.total == KV_BLOCKS
+    assert engine.plan.kv_blocks == KV_BLOCKS
     # Every step takes at least 4 ms, so the storm keeps the pool full on a fast machine too.
-    engine.scheduler.fault_hook = lambda rows: time.sleep(0.004)
+    set_step_hook(engine, lambda so: time.sleep(0.004))
     specs = make_specs(random.Random(20261129))
     with running_server(engine) as (base, _):
 
@@ -230,9 +231,10 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
             assert o.text == ref, f"same prompt, seed and max_tokens gave different text under load: {o.spec}"
 
         # ---- nothing leaked; counters and metrics agree with what the clients saw -------------
-        assert wait_until(lambda: not engine.scheduler.running and not engine.scheduler.waiting)
-        assert engine.allocator.free == engine.allocator.total
-        c = engine.scheduler.counters
+        assert wait_until(lambda: engine.snapshot().idle)
+        snap = engine.snapshot()
+        assert snap.kv_blocks_free == snap.kv_blocks_total
+        c = snap.counters
         assert c.kv_blocks_held == 0 and c.failed == 0 and c.aborted == 0
         assert c.admitted == by_status[200]
         assert c.rejected_kv_budget == by_code["kv_budget_exceeded"]
@@ -243,7 +245,7 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
             rej = metric_values(cl.get("/metrics").text, "kvgate_rejections_total")
             assert rej == {f'{{reason="{code}"}}': float(n) for code, n in by_code.items()}, (rej, by_code)
             assert cl.get("/health").json() == {"status": "ok"}
-            engine.scheduler.fault_hook = None
+            set_step_hook(engine, None)
             r = cl.post(
                 CHAT,
                 json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True},
@@ -254,7 +256,7 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
 
         # Which requests win a 200 in the storm is random, so pairs sharing a key may not exist: replay
         # one storm 200 on the idle server, streamed and not, so the same-seed check always compares.
-        engine.scheduler.fault_hook = None
+        set_step_hook(engine, None)
         first = next(o for o in outcomes if o.status == 200)
 
         async def replay():
@@ -277,6 +279,6 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
         f"\nSTORM {N_REQUESTS} requests, concurrency {CONCURRENCY}, {wall:.1f}s: "
         f"by status {dict(sorted(by_status.items()))}, refusals by code {dict(sorted(by_code.items()))}, "
         f"streamed 200s {sum(1 for o in outcomes if o.status == 200 and o.spec.body.get('stream'))}, "
-        f"blocks free after {engine.allocator.free}/{engine.allocator.total}, peak blocks {c.kv_blocks_peak}, "
+        f"blocks free after {snap.kv_blocks_free}/{snap.kv_blocks_total}, peak blocks {c.kv_blocks_peak}, "
         f"max RSS of the test process {rss_mib:.0f} MiB"
     )

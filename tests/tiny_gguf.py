@@ -166,12 +166,12 @@ def prompt_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
     """float32 next-token logits at every position of `ids` ([len(ids), vocab]), via the real model.
 
     `loaded`: a `LoadedModel` (a float32 `LlamaModel` is built from it) or a `LlamaModel`. Runs the
-    model over a fresh paged KV pool with one prefill built by `kvgate.step.build_step`, asking for
+    model over a fresh paged KV pool with one prefill built by `kvgate.core.step_inputs.build_step`, asking for
     logits at every position instead of only the last.
     """
-    from kvgate.kv import KVPool
+    from kvgate.core.kv_cache import KVPool
+    from kvgate.core.step_inputs import PrefillInput, build_step
     from kvgate.models.llama import LlamaModel
-    from kvgate.step import PrefillInput, build_step
 
     if isinstance(loaded, LlamaModel):
         model = loaded
@@ -182,7 +182,7 @@ def prompt_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
     kv = KVPool(spec, nblk, block_size, model.dtype, model.device)
     batch, _, _ = build_step(
         [],
-        [PrefillInput(list(ids), 0, list(range(nblk)), True)],
+        [PrefillInput(0, list(ids), 0, list(range(nblk)), True)],
         block_size,
         spec.num_heads // spec.num_kv_heads,
         1 << 20,

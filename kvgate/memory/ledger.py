@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from kvgate.units import fmt_bytes
+
 ROLES = ("weights", "kv_cache", "workspace", "overhead")
 LIFETIMES = ("model", "session", "step")
 
@@ -93,11 +95,3 @@ class MemoryLedger:
                 {"role": r.role, "lifetime": r.lifetime, "bytes": r.nbytes, "holder": r.holder}
                 for r in self._live
             ]
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"

@@ -17,8 +17,8 @@ import re
 from dataclasses import asdict, dataclass
 
 from kvgate.config import ModelSpec
-from kvgate.memory.ledger import fmt_bytes
 from kvgate.sampling import SAMPLE_ROWS
+from kvgate.units import SizeError, fmt_bytes, parse_bytes
 
 # "auto" on CPU: a quarter of MemAvailable at startup (the KV pool is zero-filled, so that is real)
 AUTO_CPU_SHARE = 0.25
@@ -26,19 +26,8 @@ AUTO_CUDA_SHARE = 0.9  # "auto" on CUDA: 90% of the free device memory at startu
 OVERHEAD_SLACK = 192 << 20  # allocator arenas, thread stacks, HTTP buffers beyond the measured baseline
 MIN_KV_POSITIONS = 512  # a model is refused at load unless one request of this many positions fits
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
-_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 10**12, "tb": 10**12})
-
-
 class PlanError(ValueError):
     pass
-
-
-def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise PlanError(f"cannot read {text!r} as a size: use bytes like 4GiB, 512MiB or 2000000000")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def device_memory(device: str) -> tuple[int, int]:
@@ -78,7 +67,7 @@ def resolve_limit(spec: str, device: str) -> tuple[int, str]:
         return int(total * share), f"{share:.0%} of {fmt_bytes(total)} device memory"
     try:
         limit = parse_bytes(text)
-    except PlanError:
+    except SizeError:
         raise PlanError(f"--memory-limit {spec!r} is not understood: {LIMIT_HELP}.") from None
     if limit <= 0:
         raise PlanError(f"--memory-limit {spec!r} must be more than zero: {LIMIT_HELP}.")
@@ -117,19 +106,26 @@ def runtime_overhead_bytes(device: str, held_tensor_bytes: int = 0) -> int:
     return max(0, process_rss_bytes() - held_tensor_bytes) + OVERHEAD_SLACK
 
 
-def weight_bytes(spec: ModelSpec, dtype_bytes: int, lm_head_copy: bool = False) -> int:
-    """Bytes of the model's weights and RoPE tables. `lm_head_copy`: the weights are prepacked
-    (`kvgate.models.llama.Linear`), so tied embeddings are held twice (plain for the lookup, packed
-    for the head)."""
-    h, layers = spec.hidden_size, spec.num_layers
-    per_layer = (
-        h * (spec.q_size + 2 * spec.kv_size)  # fused qkv
-        + spec.q_size * h  # o_proj
-        + 3 * h * spec.intermediate_size  # gate, up, down
-        + 2 * h  # two norms
-    )
-    params = spec.vocab_size * h + layers * per_layer + h
-    if not spec.tie_word_embeddings or lm_head_copy:
+def weight_bytes(
+    spec: ModelSpec, dtype_bytes: int, lm_head_copy: bool = False, params: int | None = None
+) -> int:
+    """Bytes of the model's weights and RoPE tables. `params`: the number of values in the checkpoint
+    the model is built from (every tensor counted: biases, norms, an untied head); without it they are
+    computed from the geometry of a bias-free Llama. `lm_head_copy`: the weights are prepacked
+    (`kvgate.models.linear`), so tied embeddings are held twice (plain for the lookup, packed for the
+    head)."""
+    h = spec.hidden_size
+    if params is None:
+        per_layer = (
+            h * (spec.q_size + 2 * spec.kv_size)  # fused qkv
+            + spec.q_size * h  # o_proj
+            + 3 * h * spec.intermediate_size  # gate, up, down
+            + 2 * h  # two norms
+        )
+        params = spec.vocab_size * h + spec.num_layers * per_layer + h
+        if not spec.tie_word_embeddings:
+            params += spec.vocab_size * h
+    if spec.tie_word_embeddings and lm_head_copy:
         params += spec.vocab_size * h
     rope = 2 * spec.max_position_embeddings * spec.head_dim
     return (params + rope) * dtype_bytes
@@ -331,9 +327,11 @@ def make_plan(
     kv_cache_bytes: int | None = None,
     overhead_bytes: int | None = None,
     packed_weights: bool = False,
+    weight_params: int | None = None,
 ) -> MemoryPlan:
+    """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry."""
     limit, source = resolve_limit(limit_spec, device)
-    weights = weight_bytes(spec, dtype_bytes, lm_head_copy=packed_weights)
+    weights = weight_bytes(spec, dtype_bytes, lm_head_copy=packed_weights, params=weight_params)
     overhead = runtime_overhead_bytes(device) if overhead_bytes is None else overhead_bytes
     per_token = spec.kv_bytes_per_token(dtype_bytes)
     block_bytes = per_token * block_size

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
-from kvgate.kv import KVPool
+from kvgate.core.kv_cache import KVPool
 from kvgate.models.linear import Linear, packs_weights, row_buckets
 
 

@@ -97,6 +97,8 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
                 "engine_unavailable",
                 retry_after=5,
             )
+        elif (stall := eng.stalled()) is not None:
+            err = APIError(503, f"the engine is not answering: {stall}", "engine_unavailable", retry_after=5)
         if err is not None:
             metrics.rejections.labels(err.code).inc()  # a refusal like any other: counted once
             raise err
@@ -116,6 +118,9 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         if not eng.alive:
             return JSONResponse({"status": "dead", "reason": "the engine worker stopped"}, status_code=503)
+        stall = eng.stalled()
+        if stall is not None:
+            return JSONResponse({"status": "stalled", "reason": stall}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -134,7 +139,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     async def resources():
         eng = ready_engine()
         plan = eng.plan
-        alloc = eng.allocator
+        snap = eng.snapshot()
         return {
             "plan": plan.to_dict(),
             "ledger": {
@@ -144,15 +149,17 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
                 "reservations": eng.ledger.snapshot(),
             },
             "kv": {
-                "blocks_total": alloc.total,
-                "blocks_free": alloc.free,
-                "blocks_peak": eng.scheduler.counters.kv_blocks_peak,
+                "blocks_total": snap.kv_blocks_total,
+                "blocks_free": snap.kv_blocks_free,
+                "blocks_referenced": snap.kv_blocks_held,
+                "blocks_cached": 0,
+                "blocks_peak": snap.counters.kv_blocks_peak,
                 "block_size": plan.block_size,
                 "bytes_per_token": plan.kv_bytes_per_token,
             },
             "scheduler": {
-                "running": len(eng.scheduler.running),
-                "waiting": len(eng.scheduler.waiting),
+                "running": snap.running,
+                "waiting": snap.waiting,
                 "max_seqs": plan.limits.max_seqs,
                 "prefill_chunk": plan.limits.prefill_chunk,
                 "max_model_len": eng.max_model_len,

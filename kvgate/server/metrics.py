@@ -55,9 +55,8 @@ class _EngineCollector:
         engine = self.get_engine()
         if engine is None:
             return
-        s = engine.scheduler
-        c = s.counters
-        alloc = engine.allocator
+        snap = engine.snapshot()
+        c = snap.counters
         plan = engine.plan
 
         def gauge(name, doc, value):
@@ -70,15 +69,17 @@ class _EngineCollector:
             m.add_metric([], value)
             return m
 
-        yield gauge("requests_running", "Rows holding KV blocks (prefilling or decoding)", len(s.running))
-        yield gauge("requests_waiting", "Requests in the FIFO queue", len(s.waiting))
-        yield gauge("kv_blocks_total", "KV blocks in the pool", alloc.total)
-        yield gauge("kv_blocks_free", "KV blocks not reserved by any request", alloc.free)
+        yield gauge("requests_running", "Rows holding KV blocks (prefilling or decoding)", snap.running)
+        yield gauge("requests_waiting", "Requests in the FIFO queue", snap.waiting)
+        yield gauge("kv_blocks_total", "KV blocks in the pool", snap.kv_blocks_total)
+        yield gauge("kv_blocks_free", "KV blocks not reserved by any request", snap.kv_blocks_free)
+        yield gauge("kv_blocks_referenced", "KV blocks held by running requests", snap.kv_blocks_held)
+        yield gauge("kv_blocks_cached", "KV blocks kept by the prefix cache, evictable (none yet)", 0)
         yield gauge(
             "kv_blocks_peak", "Most KV blocks ever held at once (counted from rows)", c.kv_blocks_peak
         )
         yield gauge("kv_block_size", "Tokens per KV block", plan.block_size)
-        yield gauge("kv_usage_ratio", "Reserved KV blocks / total", 1 - alloc.free / alloc.total)
+        yield gauge("kv_usage_ratio", "Reserved KV blocks / total", snap.kv_blocks_held / snap.kv_blocks_total)
         yield gauge("kv_bytes_per_token", "KV bytes per token position", plan.kv_bytes_per_token)
         yield gauge("memory_limit_bytes", "The ledger's memory limit", engine.ledger.limit)
         reserved = GaugeMetricFamily(
@@ -94,5 +95,5 @@ class _EngineCollector:
         yield counter("prefill_chunks", "Prompt chunks run", c.prefill_chunks)
         yield counter("decode_steps", "Steps that decoded at least one row", c.decode_steps)
         yield counter("failed_rows", "Rows failed by an error in their step", c.failed)
-        if s.step_time_ema is not None:
-            yield gauge("step_seconds_ema", "Smoothed engine step time", s.step_time_ema)
+        if snap.step_time_ema is not None:
+            yield gauge("step_seconds_ema", "Smoothed engine step time", snap.step_time_ema)

@@ -68,8 +68,8 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(args) -> int:
-    from kvgate.cli import engine_config
-    from kvgate.engine import Engine
+    from kvgate.config import engine_config
+    from kvgate.core.engine import Engine
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

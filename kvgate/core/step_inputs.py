@@ -14,15 +14,17 @@ import torch
 from kvgate.models.llama import DecodeGroup, PrefillSpan, StepBatch
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeInput:
+    request_id: int
     token: int
     position: int  # position of `token`; context after the step is position + 1
-    blocks: list[int]
+    blocks: list[int]  # the request's block table (read, never changed, here)
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillInput:
+    request_id: int
     tokens: list[int]
     start: int  # position of tokens[0]
     blocks: list[int]

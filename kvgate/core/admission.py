@@ -1,0 +1,208 @@
+"""Admission arithmetic: what a request reserves, every typed refusal, Retry-After, the TTFT forecast.
+
+Everything here is a pure function of the `SchedulerConfig`, a request, and (for the estimates) an
+`EngineSnapshot`: the admission gate calls it on the caller's thread and the scheduler on the worker,
+and neither reads the other's live state.
+
+Refusals, in the order a request meets them:
+- `context_length_exceeded` (400): prompt + max_tokens past the model's context. Checked first, since
+  the client can always fix it.
+- `kv_budget_exceeded` (400): it can never fit the whole KV pool (an explicit max_tokens is never
+  capped; an unset one is capped to the pool and the cap reported).
+- `engine_unavailable` / `shutting_down` (503), `queue_full` (503), `ttft_budget_exceeded` (429): the
+  gate, at arrival.
+- `kv_memory_unavailable` (429): waited `--max-queue-wait` seconds at the head of the FIFO for rows
+  and blocks.
+"""
+
+from __future__ import annotations
+
+from kvgate.config import SchedulerConfig
+from kvgate.core.kv_cache import blocks_for
+from kvgate.core.rows import WaitEntry
+from kvgate.core.snapshot import EngineSnapshot, WaiterView
+from kvgate.request import BudgetCap, Refusal, RequestHandle
+
+DEFAULT_STEP_SECONDS = 0.05  # Retry-After's step time before any step was measured
+
+
+def plan_entry(cfg: SchedulerConfig, handle: RequestHandle) -> WaitEntry:
+    """The queue entry for a request, or the 400 that says it can never fit (context first)."""
+    req = handle.request
+    P = len(req.prompt_ids)
+    explicit = req.max_tokens is not None
+    ceiling = req.max_tokens if explicit else cfg.max_model_len - P
+    if P == 0 or P + (ceiling if explicit else 1) > cfg.max_model_len:
+        raise context_refusal(cfg, P, req.max_tokens)
+    cap = None
+    requested = ceiling  # before any cap: what the caller asked for, or the context ceiling
+    limit_pos = cfg.kv_positions
+    if blocks_for(P + ceiling, cfg.block_size) > cfg.total_blocks:
+        if explicit or P + 1 > limit_pos:
+            raise budget_refusal(cfg, P, ceiling if explicit else 1)
+        cap = BudgetCap(ceiling, limit_pos - P, "kv_budget")
+        ceiling = limit_pos - P
+    return WaitEntry(handle, ceiling, explicit, requested, cap, handle.submitted_at + cfg.max_queue_wait)
+
+
+def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None) -> Refusal:
+    want = P + (max_tokens or 1)
+    if P == 0:
+        msg = "the prompt is empty: send at least one token of prompt."
+    else:
+        msg = (
+            f"this request needs {want} positions (prompt {P} + max_tokens {max_tokens or 1}) but the "
+            f"model's context is {cfg.max_model_len}. Shorten the prompt or lower max_tokens to at most "
+            f"{max(0, cfg.max_model_len - P)}."
+        )
+    return Refusal(
+        "context_length_exceeded",
+        msg,
+        400,
+        estimated_bytes=want * cfg.kv_bytes_per_token,
+        limit_bytes=cfg.max_model_len * cfg.kv_bytes_per_token,
+        positions=want,
+        positions_limit=cfg.max_model_len,
+    )
+
+
+def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int) -> Refusal:
+    want = P + max_tokens
+    limit_pos = cfg.kv_positions
+    need = blocks_for(want, cfg.block_size)
+    bpt = cfg.kv_bytes_per_token
+    return Refusal(
+        "kv_budget_exceeded",
+        f"this request can never fit: prompt {P} + max_tokens {max_tokens} = {want} positions need "
+        f"{need} KV blocks ({need * cfg.block_size * bpt:,} bytes) but the whole KV pool is "
+        f"{cfg.total_blocks} blocks ({limit_pos} positions, {limit_pos * bpt:,} bytes). Lower max_tokens "
+        f"to at most {max(0, limit_pos - P)}, shorten the prompt, or start the server with a larger "
+        "--memory-limit.",
+        400,
+        estimated_bytes=need * cfg.block_size * bpt,
+        limit_bytes=limit_pos * bpt,
+        positions=want,
+        positions_limit=limit_pos,
+    )
+
+
+def unavailable_refusal(reason: str, retry_after: int) -> Refusal:
+    return Refusal(
+        "engine_unavailable",
+        f"the server is not accepting requests: {reason}. Retry against another replica or later.",
+        503,
+        retry_after=retry_after,
+    )
+
+
+def shutting_down_refusal(retry_after: int = 5) -> Refusal:
+    return Refusal(
+        "shutting_down",
+        "the server is shutting down and did not admit this request; retry against another replica",
+        503,
+        retry_after=retry_after,
+    )
+
+
+def queue_full_refusal(cfg: SchedulerConfig, queued: int, retry_after: int) -> Refusal:
+    return Refusal(
+        "queue_full",
+        f"server is at capacity: {queued} requests are already queued (limit {cfg.max_queue}); retry "
+        "after the Retry-After interval.",
+        503,
+        retry_after=retry_after,
+    )
+
+
+def kv_timeout_refusal(
+    cfg: SchedulerConfig, w: WaitEntry, free_blocks: int, rows: int, retry: int
+) -> Refusal:
+    P = w.prompt_len
+    need = blocks_for(P + w.max_tokens, cfg.block_size)
+    if need <= free_blocks and rows >= cfg.max_seqs:
+        why = f"all {cfg.max_seqs} batch rows (--max-seqs) stayed busy"
+    else:
+        why = (
+            f"it needs {need} blocks of KV (prompt {P} + max_tokens {w.max_tokens}) and {free_blocks} of "
+            f"{cfg.total_blocks} are free"
+        )
+    bpt = cfg.kv_bytes_per_token
+    return Refusal(
+        "kv_memory_unavailable",
+        f"no room for this request right now: {why} after waiting {cfg.max_queue_wait:g}s. Retry after the "
+        "Retry-After interval, or lower max_tokens.",
+        429,
+        retry_after=retry,
+        estimated_bytes=need * cfg.block_size * bpt,
+        limit_bytes=cfg.kv_positions * bpt,
+        positions=P + w.max_tokens,
+        positions_limit=cfg.kv_positions,
+    )
+
+
+def engine_error_refusal() -> Refusal:
+    return Refusal(
+        "engine_error",
+        "the engine failed while admitting this request; the details are in the server log",
+        500,
+    )
+
+
+def retry_after(snap: EngineSnapshot, queued: int = 0) -> int:
+    """Seconds until room is likely: the soonest-finishing row's remaining steps x the step time,
+    stretched by the queue ahead; clamped to [1, 60]."""
+    if not snap.rows:
+        return 1
+    step = snap.step_time_ema or DEFAULT_STEP_SECONDS
+    soonest = min(r.steps_left for r in snap.rows)
+    est = soonest * step * (1 + queued / max(1, len(snap.rows)))
+    return int(min(60, max(1, round(est))))
+
+
+def predicted_ttft(
+    cfg: SchedulerConfig, snap: EngineSnapshot, pending: list[WaiterView], P: int, max_tokens: int
+) -> tuple[float, float, int] | None:
+    """(seconds until admission, seconds of prefill, prompt tokens to prefill) for a request arriving
+    now, or None before any prefill was timed. `pending`: requests the gate accepted that the snapshot
+    does not show yet (they are ahead of this one).
+
+    Admission: the running rows are assumed to run to their max_tokens; walking them by remaining
+    steps, the request is admitted once enough rows and blocks are free for every waiter ahead of it
+    and itself, at the tick after that step (with rows running, never before the step in flight
+    ends). Prefill: every prompt token still to prefill ahead of it plus its own, at the measured
+    seconds per prefill token -- exact with one prompt prefilling, an upper bound when chunks are
+    shared round-robin."""
+    per_token, step = snap.prefill_token_time_ema, snap.step_time_ema
+    if per_token is None or step is None:
+        return None
+    waiters = list(snap.waiters) + list(pending)
+    ahead = sum(r.prompt_left for r in snap.rows) + sum(w.prompt_len for w in waiters) + P
+    slots = len(waiters) + 1 - (cfg.max_seqs - len(snap.rows))
+    blocks = blocks_for(P + max_tokens, cfg.block_size) - snap.kv_blocks_free + sum(w.blocks for w in waiters)
+    admit = step if snap.rows else 0.0  # admitted at the worker's next tick: after the step in flight
+    if slots > 0 or blocks > 0:
+        admit = float("inf")
+        for steps, nblocks in sorted((r.steps_left, r.blocks) for r in snap.rows):
+            slots, blocks = slots - 1, blocks - nblocks
+            if slots <= 0 and blocks <= 0:
+                admit = (steps + 1) * step
+                break
+    return admit, ahead * per_token, ahead
+
+
+def ttft_refusal(
+    cfg: SchedulerConfig, estimate: tuple[float, float, int], per_token: float
+) -> Refusal | None:
+    """The 429 for a forecast over `--max-ttft`, or None when it is within the budget."""
+    admit, prefill, ahead = estimate
+    if cfg.max_ttft is None or admit + prefill <= cfg.max_ttft:
+        return None
+    wait = "no room is in sight" if admit == float("inf") else f"{admit:.1f}s until rows and KV free up"
+    return Refusal(
+        "ttft_budget_exceeded",
+        f"this request would wait about {admit + prefill:.1f}s for its first token ({wait}, then {ahead} "
+        f"prompt tokens to prefill at {1 / per_token:.0f} tokens/s), more than this server's --max-ttft "
+        f"{cfg.max_ttft:g}s. Retry after the Retry-After interval.",
+        429,
+        retry_after=int(min(60, max(1, round(min(admit + prefill, 3600) - cfg.max_ttft)))),
+    )

@@ -1,0 +1,233 @@
+"""The engine: model, KV pool, memory ledger and scheduler, owned by one worker thread.
+
+Contract between threads:
+- The worker thread alone reads and writes engine state: the queue, the rows, the blocks, the
+  counters, the step timings (`kvgate.core.state`).
+- Other threads talk to it through the `Inbox` (submit, cancel, drain, stop) and read the
+  `EngineSnapshot` it publishes after each phase (`snapshot()`). Events reach a request's handle only
+  after the snapshot that reflects them is published.
+- `submit()` runs on the caller's thread: validation and the never-fits 400s are pure; the queue
+  gate (closed, full, TTFT budget) is decided under the inbox's lock from the inbox's own count and
+  the latest snapshot. Those refusals raise `Refusal` at once; everything else arrives on the handle.
+
+One step is three typed phases (nano-vllm's and vLLM v1's shape):
+    schedule() -> SchedulerOutput;  ModelRunner.execute() -> ModelOutput;  update(ModelOutput)
+
+A watchdog needs no thread of its own: the worker records when a step starts, and `stalled()` (read
+by /health and by `submit`) reports a step running past the step timeout.
+
+NOTE: the worker is a thread, not a process. Every heavy op (matmul, attention) releases the GIL, so
+the HTTP event loop keeps running on the other core, and a thread needs no IPC or token copies between
+the scheduler and the server. On 2 cores a separate process would add a serialization hop per token
+and a second Python heap for no parallelism we do not already get.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvgate.config import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, EngineConfig, SchedulerConfig
+from kvgate.core.gate import SHUTTING_DOWN, AdmissionGate
+from kvgate.core.inbox import Cancel, CancelAll, Drain, Inbox, Stop
+from kvgate.core.kv_cache import KVPool
+from kvgate.core.placement import plan_for
+from kvgate.core.runner import ModelRunner
+from kvgate.core.snapshot import EngineSnapshot
+from kvgate.core.stepper import EngineCore
+from kvgate.memory.ledger import MemoryLedger
+from kvgate.memory.plan import MemoryPlan, PlanError
+from kvgate.models import LoadedModel, load_model
+from kvgate.models.llama import LlamaModel
+from kvgate.request import GenerationRequest, RequestHandle
+from kvgate.tokenizer import TextTokenizer
+
+log = logging.getLogger("kvgate.engine")
+
+
+@dataclass
+class EngineInfo:
+    model_name: str
+    source: str
+    device: str
+    dtype: str
+    load_seconds: float
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, *, overhead_bytes: int | None = None):
+        t0 = time.monotonic()
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        place = plan_for(loaded, cfg, overhead_bytes)
+        self.device, self.dtype, self.packed_weights = place.device, place.dtype, place.packed
+        spec = self.spec = loaded.spec
+        p: MemoryPlan = place.plan
+        self.plan = p
+        self.ledger = MemoryLedger(p.limit_bytes, str(self.device))
+        self.ledger.reserve("overhead", p.overhead_bytes, "runtime")
+        # Weights are charged before they are materialized: a model that cannot fit never allocates.
+        self.ledger.reserve("weights", p.weights_bytes, spec.name)
+        # The model pops each source tensor as it consumes it, so a loader that hands over owned
+        # tensors frees each one as soon as its copy exists (a copy of the dict would hold them all).
+        self.model = LlamaModel(spec, loaded.weights, self.dtype, self.device, pack=self.packed_weights)
+        # The plan may have shrunk the step below what was warmed: its new maximum is then one bucket
+        # that was not (a few MiB of oneDNN kernels at most, inside the overhead's slack).
+        self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_seqs)
+        loaded.weights.clear()
+        if self.model.weight_bytes > p.weights_bytes:
+            raise PlanError(
+                f"the loaded weights take {self.model.weight_bytes:,} bytes but the plan charged "
+                f"{p.weights_bytes:,}: the plan missed a tensor of this {spec.architecture} checkpoint. "
+                "This is a kvgate bug; please report it with the model file's name."
+            )
+        self.ledger.reserve("workspace", p.workspace_bytes, "step workspace", lifetime="step")
+        self.ledger.reserve("kv_cache", p.kv_pool_bytes, "KV pool")
+        self.kv = KVPool(spec, p.kv_blocks, p.block_size, self.dtype, self.device)
+        self.tokenizer = TextTokenizer(loaded.tokenizer)
+        self.sched_cfg = SchedulerConfig(
+            block_size=p.block_size,
+            total_blocks=p.kv_blocks,
+            max_seqs=p.limits.max_seqs,
+            max_queue=cfg.max_queue,
+            max_queue_wait=cfg.max_queue_wait,
+            prefill_chunk=p.limits.prefill_chunk,
+            min_cap_tokens=cfg.min_cap_tokens,
+            max_model_len=place.max_model_len,
+            kv_bytes_per_token=p.kv_bytes_per_token,
+            max_ttft=cfg.max_ttft,
+        )
+        self.inbox = Inbox()
+        self.runner = ModelRunner(
+            lambda batch: self.model.forward(batch, self.kv),
+            block_size=p.block_size,
+            group_size=spec.num_heads // spec.num_kv_heads,
+            attn_token_cap=p.limits.attn_token_cap,
+            device=self.device,
+        )
+        self.core = EngineCore(self.sched_cfg, self.tokenizer, self.runner, self.inbox)
+        self.gate = AdmissionGate(self.sched_cfg, self.inbox, lambda: self.core.snapshot, self._unavailable)
+        self.info = EngineInfo(spec.name, loaded.source, str(self.device), p.dtype, time.monotonic() - t0)
+        self._thread: threading.Thread | None = None
+        self.dead: str | None = None
+
+    @classmethod
+    def from_model(cls, model: str, cfg: EngineConfig | None = None, **kw) -> Engine:
+        t0 = time.monotonic()
+        engine = cls(load_model(model), cfg or EngineConfig(), **kw)
+        engine.info.load_seconds = time.monotonic() - t0
+        return engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.sched_cfg.max_model_len
+
+    # ---- what other threads may read ----------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """The latest published state, with the admission gate's refusal counts added in."""
+        return self.core.snapshot.with_gate(self.gate.counters())
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    def step_timeout(self) -> float:
+        if self.cfg.step_timeout is not None:
+            return self.cfg.step_timeout
+        return max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_FACTOR * self.core.snapshot.slowest_step)
+
+    def stalled(self) -> str | None:
+        """Why the engine counts as hung (a step running past the step timeout), or None."""
+        started = self.core.step_started
+        if started is None:
+            return None
+        running = time.monotonic() - started
+        limit = self.step_timeout()
+        if running <= limit:
+            return None
+        return (
+            f"an engine step has been running for {running:.1f}s, past the step timeout of {limit:.1f}s "
+            "(--step-timeout); the forward pass may be hung"
+        )
+
+    # ---- requests (any thread) ----------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Refusals that need no waiting (never fits, closed, queue full, TTFT budget) raise `Refusal`
+        here; invalid fields raise `RequestError` / `SamplingError`."""
+        request.validate(self.tokenizer.vocab_size)
+        handle = RequestHandle(request, self._send_cancel)
+        self.gate.submit(handle)
+        return handle
+
+    def _unavailable(self) -> str | None:
+        if self.dead is not None:
+            return "the engine is not running; see /health"
+        return self.stalled()
+
+    def _send_cancel(self, request_id: int) -> None:
+        self.inbox.put(Cancel(request_id))
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None):
+        return self.submit(request).result(timeout)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop_admitting(self, reason: str) -> None:
+        self.inbox.close(reason)
+
+    def shutdown(self, grace: float = 0.0) -> None:
+        """Stop admitting and refuse the queue at once (503), let running rows finish for `grace`
+        seconds, cancel the rest (they keep their partial output), stop the worker."""
+        self.stop_admitting(SHUTTING_DOWN)
+        self.inbox.put(Drain())
+        deadline = time.monotonic() + grace
+        self._wait(lambda s: s.running == 0, deadline)
+        self.inbox.put(CancelAll())
+        self._wait(lambda s: s.idle, time.monotonic() + 5)
+        self.inbox.put(Stop())
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._thread is None or not self._thread.is_alive():
+            self._release_memory()
+
+    def _wait(self, done, deadline: float) -> None:
+        while self.alive and time.monotonic() < deadline and not done(self.core.snapshot):
+            time.sleep(0.01)
+
+    def _release_memory(self) -> None:
+        """Give the pool and weights back (a stopped engine object may outlive its use)."""
+        if getattr(self, "_released", False):
+            return
+        self._released = True
+        self.kv = None
+        self.model = None
+        for r in self.ledger._live[:]:
+            r.release()
+
+    # ---- the worker ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while True:
+                commands = self.inbox.take(core.wait_time())
+                if any(isinstance(c, Stop) for c in commands):
+                    core.scheduler.apply([c for c in commands if not isinstance(c, Stop)])
+                    core.publish()
+                    return
+                core.tick(commands)
+        except BaseException as exc:  # the worker is gone for good: fail everything, loudly
+            self.dead = f"engine worker died: {type(exc).__name__}: {exc}"
+            log.exception("engine worker died")
+            self.inbox.close("the engine worker stopped after an internal error")
+            core.fail_all("the engine worker stopped after an internal error")
+            raise

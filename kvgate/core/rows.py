@@ -1,0 +1,70 @@
+"""The worker's per-request state: a queued request (`WaitEntry`) and a running one (`Row`).
+
+Both live only on the engine's worker thread. A `Row` owns everything that makes its output its own:
+its sampler (and generator), stop matcher, detokenizer and reply channel; rows are keyed by request id,
+never by batch position, so a row leaving the batch cannot hand any of these to a neighbour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgate.request import BudgetCap, RequestHandle
+from kvgate.sampling import Sampler
+from kvgate.stop import StopMatcher
+from kvgate.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class WaitEntry:
+    handle: RequestHandle
+    max_tokens: int
+    explicit: bool  # max_tokens given by the caller: never capped
+    requested: int  # what the caller asked for, or the context ceiling when unset
+    cap: BudgetCap | None
+    deadline: float
+
+    @property
+    def id(self) -> int:
+        return self.handle.id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.handle.request.prompt_ids)
+
+
+@dataclass
+class Row:
+    handle: RequestHandle
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop: StopMatcher
+    detok: IncrementalDetokenizer
+    budget_cap: BudgetCap | None
+    admitted_at: float
+    tokens: list[int] = field(default_factory=list)  # prompt, then generated tokens
+    text: list[str] = field(default_factory=list)
+    computed: int = 0  # positions whose K/V are in the cache
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def id(self) -> int:
+        return self.handle.id
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill (`computed` counts generated tokens too once decoding)."""
+        return max(0, len(self.prompt) - self.computed)
+
+    @property
+    def out_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    def steps_left(self, prefill_chunk: int) -> int:
+        """Steps until the row ends at the latest: its prefill chunks, then its remaining tokens."""
+        return self.max_tokens - len(self.out_ids) + -(-self.prompt_left // prefill_chunk)

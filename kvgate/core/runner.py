@@ -1,0 +1,76 @@
+"""The second phase of a step: `ModelRunner.execute(SchedulerOutput) -> ModelOutput`.
+
+Builds the step's tensors (`kvgate.core.step_inputs.build_step`), runs the forward pass, and samples
+one token for each row the scheduler named, in one batched call. A forward that raises fails the
+step (every row in it, nothing else); a batched sampling call that raises is redone row by row from
+the same generator states, so only the row that really fails is failed and its neighbours keep
+exactly the draws they would have had.
+
+`forward(output, batch)` is the one call into the model. Tests that need to slow, block or break a
+step replace it through `kvgate.core.testing`, so the serving path carries no test hook.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvgate.core.outputs import ModelOutput, SchedulerOutput
+from kvgate.core.step_inputs import build_step
+from kvgate.models.llama import StepBatch
+from kvgate.sampling import sample_batch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_forward: Callable[[StepBatch], torch.Tensor],
+        *,
+        block_size: int,
+        group_size: int,
+        attn_token_cap: int,
+        device: torch.device,
+    ):
+        self.model_forward = model_forward
+        self.block_size = block_size
+        self.group_size = group_size
+        self.attn_token_cap = attn_token_cap
+        self.device = device
+
+    def forward(self, so: SchedulerOutput, batch: StepBatch) -> torch.Tensor:
+        return self.model_forward(batch)
+
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        t0 = time.monotonic()
+        try:
+            batch, d_rows, p_rows = build_step(
+                so.decodes, so.prefills, self.block_size, self.group_size, self.attn_token_cap, self.device
+            )
+            logits = self.forward(so, batch).cpu()
+        except Exception as exc:  # a failed step fails only the rows in it
+            return ModelOutput(step_error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - t0)
+        picks = [(d.request_id, li) for d, li in zip(so.decodes, d_rows, strict=True)]
+        picks += [(p.request_id, li) for p, li in zip(so.prefills, p_rows, strict=True) if li >= 0]
+        out = ModelOutput()
+        if picks:
+            self._sample(so, logits, picks, out)
+        out.seconds = time.monotonic() - t0
+        return out
+
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor, picks, out: ModelOutput) -> None:
+        samplers = [so.samplers[rid] for rid, _ in picks]
+        states = [s.gen.get_state() for s in samplers]
+        try:
+            tokens = sample_batch(samplers, logits, [li for _, li in picks])
+            out.tokens.update((rid, t) for (rid, _), t in zip(picks, tokens, strict=True))
+            return
+        except Exception:  # find the row that failed: sample each alone (same draws), so it fails alone
+            for s, st in zip(samplers, states, strict=True):
+                s.gen.set_state(st)
+        for (rid, li), s in zip(picks, samplers, strict=True):
+            try:
+                out.tokens[rid] = s.sample(logits[li])
+            except Exception as exc:
+                out.errors[rid] = f"{type(exc).__name__}: {exc}"

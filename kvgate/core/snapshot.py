@@ -1,0 +1,108 @@
+"""What other threads may know about the engine: counters and an immutable snapshot of its state.
+
+The worker thread is the only writer of engine state (queue, rows, blocks, counters). After each
+phase that changes it, the worker builds an `EngineSnapshot` and publishes it by swapping one
+reference; readers (metrics, `/v1/resources`, health, Retry-After, the TTFT prediction) take that
+reference and read plain values that never change under them. No reader touches a live structure,
+so correctness does not lean on the GIL, and a request arriving while a row finishes sees the row
+either fully there or fully gone.
+
+The engine flushes a step's events to the request handles only after publishing the snapshot that
+includes them: a caller that has seen an event can trust the snapshot to reflect it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Counters:
+    """Monotone counts (except `kv_blocks_held`). The worker writes these; the admission gate counts
+    its own refusals separately (`GateCounters`) and the snapshot adds them up."""
+
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    queue_rejected: int = 0
+    rejected_context_length: int = 0
+    rejected_kv_budget: int = 0
+    rejected_kv_timeout: int = 0
+    rejected_ttft_budget: int = 0
+    rejected_unavailable: int = 0
+    budget_caps: int = 0
+    aborted: int = 0
+    failed: int = 0
+    admitted: int = 0
+    finished: int = 0
+    kv_blocks_peak: int = 0
+    kv_blocks_held: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def plus(self, other: Counters) -> Counters:
+        return Counters(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclass(frozen=True, slots=True)
+class RowView:
+    """A running row as the TTFT prediction, Retry-After and observers need it."""
+
+    request_id: int
+    steps_left: int
+    blocks: int
+    prompt_len: int
+    prompt_left: int  # prompt tokens still to prefill
+    generated: int
+    max_tokens: int
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prompt_left > 0
+
+
+@dataclass(frozen=True, slots=True)
+class WaiterView:
+    prompt_len: int
+    blocks: int
+    request_id: int = 0
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    version: int  # increases with every publish
+    published_at: float
+    counters: Counters  # a copy; never mutated after publishing
+    rows: tuple[RowView, ...]
+    waiters: tuple[WaiterView, ...]
+    absorbed: int  # the highest submission sequence number the worker has taken into its queue
+    kv_blocks_total: int
+    kv_blocks_free: int
+    step_time_ema: float | None
+    prefill_token_time_ema: float | None  # seconds per prompt token in steps that prefill
+    slowest_step: float  # seconds; 0 before the first step
+    recent_steps: tuple[float, ...] = field(default=())
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.waiters)
+
+    @property
+    def kv_blocks_held(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.waiters
+
+    def with_gate(self, gate: Counters) -> EngineSnapshot:
+        """This snapshot with the admission gate's refusal counts added in."""
+        return dataclasses.replace(self, counters=self.counters.plus(gate))

@@ -1,0 +1,161 @@
+"""The engine state the worker thread owns, and the two exits every request leaves through.
+
+`EngineState` holds the FIFO queue, the running rows (keyed by request id), the KV cache manager, the
+counters, the step timings and the outbox of events for this step. Only the worker touches it; other
+threads see it through `EngineSnapshot` (see `kvgate.core.snapshot`).
+
+Exits:
+- `leave_queue(entry, event)`: a waiter leaves without being admitted (refused, cancelled, drained).
+- `finish(row, reason)`: the single exit of every admitted request. Its blocks go back first and
+  exactly once, then the held-back text is flushed (a stop string completed in that tail makes the
+  reason `stop`); an error while flushing loses the tail, never the blocks or the final event.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvgate.core.inbox import Inbox
+from kvgate.core.kv_cache import KVCacheManager
+from kvgate.core.rows import Row, WaitEntry
+from kvgate.core.snapshot import Counters, EngineSnapshot, RowView, WaiterView
+from kvgate.request import Finished, RequestHandle, Result
+
+log = logging.getLogger("kvgate.engine")
+
+RECENT_STEPS = 32
+
+
+@dataclass
+class StepTimes:
+    ema: float | None = None  # smoothed seconds per step
+    prefill_token_ema: float | None = None  # seconds per prompt token in steps that prefill
+    slowest: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+
+    def observe(self, seconds: float, prefilled: int, prefill_chunk: int) -> None:
+        self.ema = seconds if self.ema is None else 0.8 * self.ema + 0.2 * seconds
+        self.slowest = max(self.slowest, seconds)
+        self.recent.append(seconds)
+        if prefilled >= min(32, prefill_chunk):  # tiny tail chunks would overstate the per-token time
+            t = seconds / prefilled
+            ema = self.prefill_token_ema
+            self.prefill_token_ema = t if ema is None else 0.8 * ema + 0.2 * t
+
+
+class EngineState:
+    def __init__(self, kv: KVCacheManager, inbox: Inbox, prefill_chunk: int):
+        self.kv = kv
+        self.inbox = inbox
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[WaitEntry] = deque()
+        self.running: dict[int, Row] = {}
+        self.prefill_rr: deque[int] = deque()  # rows still prefilling, in round-robin order
+        self.counters = Counters()
+        self.times = StepTimes()
+        self.outbox: list[tuple[RequestHandle, object]] = []
+        self.absorbed = 0  # highest submission sequence taken into `waiting`
+        self._version = 0
+
+    def emit(self, handle: RequestHandle, event) -> None:
+        """Queue an event; the engine delivers the outbox after publishing the snapshot."""
+        self.outbox.append((handle, event))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- exits ----------------------------------------------------------------------------------
+    def leave_queue(self, entry: WaitEntry, event) -> None:
+        """`entry` (already removed from `waiting`) ends without admission: `event` is its last."""
+        self.inbox.left_queue()
+        self.emit(entry.handle, event)
+
+    def cancelled_in_queue(self, entry: WaitEntry) -> None:
+        self.counters.aborted += 1
+        now = time.monotonic()
+        h = entry.handle
+        result = Result([], "", "cancelled", entry.prompt_len, 0, None, h.submitted_at, None, None, now, [])
+        self.leave_queue(entry, Finished(result, ""))
+
+    def finish(
+        self, row: Row, reason: str, *, error: str | None = None, stop_reason=None, flush=True
+    ) -> None:
+        """The single exit of an admitted request (see the module doc)."""
+        if self.running.pop(row.id, None) is None:
+            return  # already finished: its blocks went back then
+        released = self.kv.free(row.id)
+        self.counters.kv_blocks_held -= released
+        if row.id in self.prefill_rr:
+            self.prefill_rr.remove(row.id)
+        tail = ""
+        if flush:
+            try:
+                emit, hit = row.stop.push(row.detok.flush())
+                if hit:  # the stop string completed in the held-back tail: it ended the output
+                    tail, reason, stop_reason = emit, "stop", "string"
+                else:
+                    tail = emit + row.stop.flush()
+            except Exception:  # the tail is lost; the blocks and the final event are not
+                log.exception("flushing the held-back text of a finishing request failed")
+        if tail:
+            row.text.append(tail)
+        c = self.counters
+        c.finished += 1
+        if reason == "cancelled":
+            c.aborted += 1
+        out = row.out_ids
+        times = row.token_times
+        result = Result(
+            token_ids=list(out),
+            text="".join(row.text),
+            finish_reason=reason,
+            prompt_tokens=len(row.prompt),
+            completion_tokens=len(out),
+            budget_cap=row.budget_cap,
+            submitted_at=row.handle.submitted_at,
+            admitted_at=row.admitted_at,
+            first_token_at=times[0] if times else None,
+            finished_at=time.monotonic(),
+            token_times=list(times),
+            error=error,
+            stop_reason=stop_reason,
+        )
+        self.emit(row.handle, Finished(result, tail))
+
+    # ---- publishing -----------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        self._version += 1
+        kv = self.kv
+        chunk = self.prefill_chunk
+        t = self.times
+        return EngineSnapshot(
+            version=self._version,
+            published_at=time.monotonic(),
+            counters=Counters(*(getattr(self.counters, f) for f in Counters.__slots__)),
+            rows=tuple(
+                RowView(
+                    r.id,
+                    r.steps_left(chunk),
+                    kv.held_by(r.id),
+                    len(r.prompt),
+                    r.prompt_left,
+                    len(r.out_ids),
+                    r.max_tokens,
+                )
+                for r in self.running.values()
+            ),
+            waiters=tuple(
+                WaiterView(w.prompt_len, kv.blocks_needed(w.prompt_len + w.max_tokens), w.id, w.max_tokens)
+                for w in self.waiting
+            ),
+            absorbed=self.absorbed,
+            kv_blocks_total=kv.total,
+            kv_blocks_free=kv.free_blocks,
+            step_time_ema=t.ema,
+            prefill_token_time_ema=t.prefill_token_ema,
+            slowest_step=t.slowest,
+            recent_steps=tuple(t.recent),
+        )

@@ -1,0 +1,82 @@
+"""The third phase of a step: apply a `ModelOutput` to the rows that ran.
+
+Prompt chunks advance their row's computed positions; each sampled token is appended, checked
+against the stop ids and strings, detokenized and sent as a `Token` event; a row that is done leaves
+through `EngineState.finish`. A failed forward fails every row of the step; a failure while handling
+one row's token (a detokenizer or stop matcher that raises) fails that row alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvgate.core.outputs import ModelOutput, SchedulerOutput
+from kvgate.core.rows import Row
+from kvgate.core.state import EngineState
+from kvgate.request import Token
+
+log = logging.getLogger("kvgate.engine")
+
+
+class Updater:
+    def __init__(self, state: EngineState, max_model_len: int, prefill_chunk: int):
+        self.state = state
+        self.max_model_len = max_model_len
+        self.prefill_chunk = prefill_chunk
+
+    def update(self, so: SchedulerOutput, mo: ModelOutput) -> None:
+        s = self.state
+        c = s.counters
+        if mo.step_error is not None:
+            rows = [s.running[rid] for rid in so.request_ids if rid in s.running]
+            c.failed += len(rows)
+            for row in rows:
+                s.finish(row, "error", error=mo.step_error)
+            return
+        prefilled = sum(len(p.tokens) for p in so.prefills)
+        s.times.observe(mo.seconds, prefilled, self.prefill_chunk)
+        c.steps += 1
+        if so.decodes:
+            c.decode_steps += 1
+            c.decode_tokens += len(so.decodes)
+        c.prefill_chunks += len(so.prefills)
+        c.prefill_tokens += prefilled
+        for p in so.prefills:
+            row = s.running.get(p.request_id)
+            if row is not None:
+                row.computed += len(p.tokens)
+        now = time.monotonic()
+        for rid, token in mo.tokens.items():
+            row = s.running.get(rid)
+            if row is None:
+                continue
+            try:
+                self._append(row, token, now)
+            except Exception as exc:
+                log.exception("handling a token of request %d failed", rid)
+                c.failed += 1
+                s.finish(row, "error", error=f"{type(exc).__name__}: {exc}", flush=False)
+        for rid, error in mo.errors.items():
+            row = s.running.get(rid)
+            if row is not None:
+                c.failed += 1
+                s.finish(row, "error", error=error, flush=False)
+
+    def _append(self, row: Row, token: int, now: float) -> None:
+        s = self.state
+        row.computed = len(row.tokens)
+        row.tokens.append(token)
+        row.token_times.append(now)
+        s.counters.generated_tokens += 1
+        if row.stop.is_stop_token(token):
+            s.finish(row, "stop", stop_reason=f"token:{token}")
+            return
+        emit, hit = row.stop.push(row.detok.push(token))
+        if emit:
+            row.text.append(emit)
+        s.emit(row.handle, Token(token, emit, now))
+        if hit:
+            s.finish(row, "stop", stop_reason="string", flush=False)
+        elif len(row.out_ids) >= row.max_tokens or len(row.tokens) >= self.max_model_len:
+            s.finish(row, "length")
