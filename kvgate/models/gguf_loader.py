@@ -19,14 +19,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
+
+log = logging.getLogger("kvgate.models")
 
 # Bump when the converter's output changes. 2: Qwen2 q/k rows are no longer unpermuted; Llama q/k
 # biases are.
@@ -101,6 +106,50 @@ def _open_reader(path: Path):
         ) from exc
 
 
+class _Progress:
+    """Progress of a first conversion: a bar redrawn on stderr at most 10 times a second when stderr is
+    a terminal, otherwise a log line at the start and one every 10 s; a line ends with the tensor and
+    byte counts done. Used as a context manager so the bar's line is ended even when conversion fails."""
+
+    def __init__(self, name: str, sizes: list[int]):
+        self.name, self.total, self.total_bytes = name, len(sizes), sum(sizes)
+        self.done = self.done_bytes = 0
+        self.tty = sys.stderr.isatty()
+        self.last = time.monotonic()
+        log.info(
+            "converting %s into the cache (first use only): %d tensors, %.1f MiB",
+            name,
+            self.total,
+            self.total_bytes / 2**20,
+        )
+
+    def __enter__(self):
+        return self
+
+    def step(self, nbytes: int) -> None:
+        self.done += 1
+        self.done_bytes += nbytes
+        now = time.monotonic()
+        if now - self.last < (0.1 if self.tty else 10.0) and self.done < self.total:
+            return
+        self.last = now
+        counts = (
+            f"{self.done}/{self.total} tensors, "
+            f"{self.done_bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MiB"
+        )
+        if self.tty:
+            filled = 30 * self.done_bytes // max(self.total_bytes, 1)
+            sys.stderr.write(f"\rconverting {self.name} [{'#' * filled}{'.' * (30 - filled)}] {counts}")
+            sys.stderr.flush()
+        elif self.done < self.total:
+            log.info("converting %s: %s", self.name, counts)
+
+    def __exit__(self, *exc) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -134,29 +183,33 @@ def _convert(path: Path, out: Path) -> None:
     tensors = {t.name: t for t in reader.tensors}
     weights: dict[str, torch.Tensor] = {}
     n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    for name, t in tensors.items():
-        qtype = t.tensor_type.name
-        if qtype not in SUPPORTED_QUANTS:
-            raise ModelLoadError(
-                f"{path.name}: tensor {name} uses quantization type {qtype}, which kvgate cannot "
-                f"dequantize. Supported: {', '.join(SUPPORTED_QUANTS)}. Re-quantize the model to one of "
-                "these (for example Q8_0 or Q4_K_M) or use the original safetensors directory."
-            )
-        hf_name = _hf_name(name)
-        if hf_name is None:
-            continue
-        try:
-            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"{path.name}: tensor {name} ({qtype}) could not be decoded ({exc}); the file is "
-                "probably truncated or corrupt. Download it again."
-            ) from exc
-        if arch in PERMUTED_QK_ARCHS and name.endswith(("attn_q.weight", "attn_q.bias")):
-            arr = _unpermute(arr, n_heads)
-        elif arch in PERMUTED_QK_ARCHS and name.endswith(("attn_k.weight", "attn_k.bias")):
-            arr = _unpermute(arr, n_kv)
-        weights[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+    t0 = time.monotonic()
+    with _Progress(path.name, [t.n_bytes for t in tensors.values()]) as progress:
+        for name, t in tensors.items():
+            qtype = t.tensor_type.name
+            if qtype not in SUPPORTED_QUANTS:
+                raise ModelLoadError(
+                    f"{path.name}: tensor {name} uses quantization type {qtype}, which kvgate cannot "
+                    f"dequantize. Supported: {', '.join(SUPPORTED_QUANTS)}. Re-quantize the model to one of "
+                    "these (for example Q8_0 or Q4_K_M) or use the original safetensors directory."
+                )
+            hf_name = _hf_name(name)
+            if hf_name is None:
+                progress.step(t.n_bytes)
+                continue
+            try:
+                arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            except Exception as exc:
+                raise ModelLoadError(
+                    f"{path.name}: tensor {name} ({qtype}) could not be decoded ({exc}); the file is "
+                    "probably truncated or corrupt. Download it again."
+                ) from exc
+            if arch in PERMUTED_QK_ARCHS and name.endswith(("attn_q.weight", "attn_q.bias")):
+                arr = _unpermute(arr, n_heads)
+            elif arch in PERMUTED_QK_ARCHS and name.endswith(("attn_k.weight", "attn_k.bias")):
+                arr = _unpermute(arr, n_kv)
+            weights[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+            progress.step(t.n_bytes)
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path.name}: no token_embd.weight tensor; the file is incomplete.")
     cfg["tie_word_embeddings"] = "lm_head.weight" not in weights
@@ -172,6 +225,7 @@ def _convert(path: Path, out: Path) -> None:
     tok_json, extra = _tokenizer_from_metadata(reader, path)
     (out / "tokenizer.json").write_text(tok_json)
     (out / "kvgate_tokenizer.json").write_text(json.dumps(extra, indent=1))
+    log.info("converted %s in %.1fs; later loads read the cache", path.name, time.monotonic() - t0)
 
 
 def _config_from_metadata(reader, arch: str, path: Path) -> dict:

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvgate.request import Admitted, Finished, GenerationRequest, Refusal, Token
 from kvgate.sampling import SamplingError, SamplingParams
 from kvgate.server import protocol as P
+from kvgate.server.console import LiveStats, install_console  # issue 15: console
 from kvgate.server.errors import APIError, from_refusal, invalid
 from kvgate.server.metrics import Metrics
 from kvgate.server.openapi import install_openapi
@@ -52,6 +53,8 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     metrics = Metrics(lambda: app.state.engine)
     app.state.metrics = metrics
     install_openapi(app)
+    app.state.live = LiveStats()  # issue 15: console
+    install_console(app)  # issue 15: console
 
     # ---- cross-cutting ----------------------------------------------------------------------
     app.add_middleware(AuthAndCount, settings=settings, metrics=metrics)
@@ -101,6 +104,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
             err = APIError(503, f"the engine is not answering: {stall}", "engine_unavailable", retry_after=5)
         if err is not None:
             metrics.rejections.labels(err.code).inc()  # a refusal like any other: counted once
+            app.state.live.record_refusal(err.code, err.retry_after)  # issue 15: console
             raise err
         return eng
 
@@ -164,6 +168,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
                 "prefill_chunk": plan.limits.prefill_chunk,
                 "max_model_len": eng.max_model_len,
             },
+            "live": app.state.live.summary(),  # issue 15: console
         }
 
     @app.post("/v1/tokenize")
@@ -245,6 +250,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
             for h in handles:
                 h.cancel()
             metrics.rejections.labels(r.code).inc()
+            app.state.live.record_refusal(r.code, r.retry_after)  # issue 15: console
             return from_refusal(r).response()
         try:
             admitted = await until_disconnect(request, admit_all(handles), handles)
@@ -259,6 +265,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
                     retry_after=5,
                 )
             metrics.rejections.labels(r.code).inc()
+            app.state.live.record_refusal(r.code, r.retry_after)  # issue 15: console
             return from_refusal(r).response()
         except ClientGone:
             return Response(status_code=499)
@@ -279,6 +286,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
             return Response(status_code=499)
         for res in results:
             metrics.observe_result(res)
+            app.state.live.observe_result(res)  # issue 15: console
         failed = [r for r in results if r.finish_reason == "error"]
         if failed:
             log.error("generation failed: %s", failed[0].error)
@@ -352,6 +360,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
                 elif isinstance(ev, Finished):
                     finished[i] = ev.result
                     metrics.observe_result(ev.result)
+                    app.state.live.observe_result(ev.result)  # issue 15: console
                     if ev.tail:
                         yield chunk(i, ev.tail)
                     if ev.result.finish_reason == "error":
