@@ -309,3 +309,32 @@ def test_rewriting_a_gguf_in_place_never_serves_the_old_weights(gguf_dir, own_ca
     reloaded = load_model(str(path))
     assert len(calls) == 2
     assert torch.equal(reloaded.weights["model.norm.weight"], hf_weights(1)["model.norm.weight"])
+
+
+@pytest.mark.parametrize("packed", ["off", "on"])
+def test_a_qwen2_gguf_with_attention_biases_loads_and_serves_within_its_plan(gguf_dir, packed):
+    """A Qwen2-family GGUF with q/k/v biases builds an engine whose planned weight bytes cover every
+    tensor (the biases included) and generates.
+
+    Before the fix (a87aed9) the engine refused it at load with a bare `AssertionError: weights 497920 B
+    exceed the planned 496896 B`: the plan's formula left the biases out. Seen red here with the plan
+    computed from the geometry (`weight_params=None` in `plan_for`) again, now as a clear PlanError.
+    """
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from kvgate.request import GenerationRequest
+    from kvgate.sampling import SamplingParams
+
+    path = write_tiny_gguf(gguf_dir / "tiny-qwen2-bias-engine.gguf", arch="qwen2", biases=True)
+    cfg = EngineConfig(
+        device="cpu", dtype="float32", memory_limit="2GiB", kv_cache_bytes=1 << 20, pack_weights=packed
+    )
+    e = Engine.from_model(str(path), cfg, overhead_bytes=0).start()
+    try:
+        assert e.spec.architecture == "qwen2"
+        assert e.model.weight_bytes <= e.plan.weights_bytes
+        assert e.plan.weights_bytes - e.model.weight_bytes < 1024  # exact up to packing's own rounding
+        res = e.generate(GenerationRequest([5, 6, 7], SamplingParams(temperature=0), 4, ignore_eos=True), 10)
+        assert res.finish_reason == "length" and len(res.token_ids) == 4
+    finally:
+        e.shutdown()
