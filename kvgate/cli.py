@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvgate.request import Refusal, RequestError
         from kvgate.sampling import SamplingError
 
-        if isinstance(exc, ModelLoadError | PlanError | DeviceError | SamplingError | RequestError | Refusal | ValueError):
+        if isinstance(
+            exc,
+            ModelLoadError | PlanError | DeviceError | SamplingError | RequestError | Refusal | ValueError,
+        ):
             print(f"kvgate: error: {exc}", file=sys.stderr)
             return 2
         raise

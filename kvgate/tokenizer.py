@@ -41,7 +41,9 @@ class TextTokenizer:
         return self.tok.id_to_token(token_id)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works; encode holds it: measured on 1 MiB of text,
+        # 0.87 s with every other thread (the event loop) stalled for 0.82 s, against 0.65 s and 10 ms.
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.info.bos_token_id
         if (self.info.add_bos_token if add_bos is None else add_bos) and bos is not None:
             if not ids or ids[0] != bos:

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu["warm_up"] = time.process_time()
     can_reset = reset_hwm() and hwm() <= warm_rss + (1 << 20)
 
-    import kvgate.memory.plan as plan_mod
+    import kvgate.memory.workspace as plan_mod
 
     runner = engine.runner
     dtype_bytes = engine.kv.k.element_size()

@@ -217,7 +217,9 @@ def test_kv_memory_unavailable_after_max_queue_wait(make_engine):
     }
     h0.cancel()
     assert h0.result(10).finish_reason == "cancelled"
-    assert wait_until(lambda: e.snapshot().kv_blocks_free == e.snapshot().kv_blocks_total) and e.snapshot().idle
+    assert (
+        wait_until(lambda: e.snapshot().kv_blocks_free == e.snapshot().kv_blocks_total) and e.snapshot().idle
+    )
 
 
 def test_max_queue_wait_zero_refuses_at_once_and_admits_what_fits(make_engine):

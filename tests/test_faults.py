@@ -179,7 +179,11 @@ def test_a_fault_during_prefill_fails_that_request_and_frees_its_blocks(make_eng
     engine = make_engine(prefill_chunk=16, block_size=16)
     fault = Fault(engine, 0.01)
     with running_server(engine) as (base, _):
-        fault.arm(lambda rows: len(rows) == 1 and rows[0].prefilling and rows[0].prompt_len - rows[0].prompt_left >= 32)
+        fault.arm(
+            lambda rows: (
+                len(rows) == 1 and rows[0].prefilling and rows[0].prompt_len - rows[0].prompt_left >= 32
+            )
+        )
         x = start(
             base,
             {"prompt": "lorem ipsum dolor " * 20, "max_tokens": 10, "ignore_eos": True},

@@ -50,6 +50,20 @@ def test_unpacked_linear_is_plain_f_linear_and_bytes_count_weight_and_bias():
     assert Linear(w.clone(), b, pack=True).nbytes == lin.nbytes  # packing never adds bytes
 
 
-def test_warm_kernels_runs_every_bucket_once():
-    """Smoke: the warm-up accepts the model's shape list and touches nothing it returns."""
-    assert warm_kernels([(16, 8, 5), (32, 8, 2)], torch.float32) is None
+def test_warm_kernels_runs_every_bucket_once(monkeypatch):
+    """Every (out, in) shape runs once at each of its row buckets, in order, on the packed path: the
+    kernels serving will use all exist before the overhead is measured. Seen red with the warm-up
+    running only the largest bucket, and with it skipping the first."""
+    import kvgate.models.linear as L
+
+    ran = []
+    real = L._run_packed
+
+    def spy(x, packed, bias):
+        ran.append((x.shape[0], x.shape[1]))
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(L, "_run_packed", spy)
+    warm_kernels([(16, 8, 5), (32, 12, 2), (24, 8, 1)], torch.float32)
+    assert ran == [(1, 8), (2, 8), (4, 8), (5, 8), (1, 12), (2, 12), (1, 8)]
+    assert [r for r, _ in ran[:4]] == L.row_buckets(5)

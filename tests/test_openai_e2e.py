@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from kvgate.request import GenerationRequest
+from kvgate.sampling import SamplingParams
 from tests.server_util import running_server
 
 pytestmark = pytest.mark.slow
@@ -95,6 +97,9 @@ def test_async_client_concurrent_streams(real_server):
 
 
 def test_openai_client_surfaces_400_and_429(real_server):
+    """The SDK raises BadRequestError for a never-fits 400 and RateLimitError for a 429, with kvgate's
+    code and Retry-After. Before, this test never provoked a 429; seen red with the 429 answered as a
+    200 stream (the SDK then raises nothing)."""
     base, engine = real_server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
@@ -102,5 +107,75 @@ def test_openai_client_surfaces_400_and_429(real_server):
             model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=100_000
         )
     assert e.value.code == "context_length_exceeded"
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+
+    cfg = EngineConfig(
+        memory_limit="2GiB", max_model_len=2048, kv_cache_bytes=24 * 16 * 46080, max_queue_wait=0
+    )
+    # overhead 0: this process already holds the module's other engine, which a measured baseline counts
+    small = Engine.from_model("default", cfg, overhead_bytes=0).start()
+    try:
+        with running_server(small, model_name="SmolLM2-135M-Instruct") as (base2, _):
+            hog = small.submit(
+                GenerationRequest(list(range(100, 120)), SamplingParams(temperature=0), 300, ignore_eos=True)
+            )
+            hog.wait_admitted(10)  # 20 of 24 blocks
+            c2 = openai.OpenAI(base_url=base2 + "/v1", api_key="unused", max_retries=0)
+            for stream in (False, True):
+                with pytest.raises(openai.RateLimitError) as e:
+                    c2.chat.completions.create(
+                        model="SmolLM2-135M-Instruct",
+                        messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=200,
+                        stream=stream,
+                    )
+                assert e.value.code == "kv_memory_unavailable"
+                assert int(e.value.response.headers["retry-after"]) >= 1
+            hog.cancel()
+    finally:
+        small.shutdown()
     r = httpx.get(base + "/v1/models").json()
     assert r["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_a_1_mib_request_delays_running_streams_by_at_most_a_step(real_server):
+    """A 1 MiB chat body (refused: too long) is parsed, templated and tokenized (about a second) while a
+    stream decodes: every gap of that stream meanwhile stays within about one extra step (3 x its
+    median, which also covers the steps slowed by the tokenizer sharing the 2 cores).
+
+    Before the fix (a87aed9) the same measurement gave one gap of 1637 ms (median 67 ms): the event
+    loop was tokenizing. After: max 177 ms and 153 ms against medians of 70 and 78 ms. Seen red with
+    `prepare_generation` run on the loop."""
+    import threading
+    import time
+
+    base, _ = real_server
+    big = ("the quick brown fox jumps over the lazy dog " * 30000)[: 1 << 20]
+    times: list[float] = []
+
+    def stream():
+        body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 60}
+        body.update(ignore_eos=True, stream=True, temperature=0)
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 30
+    while len(times) < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    r = httpx.post(
+        base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": big}]}, timeout=60
+    )
+    t1 = time.monotonic()
+    t.join(60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    median = sorted(gaps)[len(gaps) // 2]
+    during = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
+    assert t1 - t0 > 0.3 and during
+    assert max(during) <= 3 * median, (max(during), median, t1 - t0)

@@ -21,6 +21,7 @@ import torch
 
 from kvgate.config import EngineConfig, ModelSpec
 from kvgate.memory import plan as P
+from kvgate.memory import workspace as W
 from kvgate.memory.plan import PlanError, make_plan, resolve_limit
 from kvgate.models.linear import packs_weights
 from kvgate.units import parse_bytes
@@ -156,17 +157,17 @@ def test_workspace_terms_cover_the_tensors_they_name():
     assert bd["layer_activations"] >= 2 * L.attn_token_cap * 3 * 64 * 4 + T * (2 * 576 + 960 + 2 * 1536) * 4
     assert bd["mlp"] >= 2 * T * 1536 * 4
     assert bd["penalty_state"] == S * 49152 * 5
-    standing = sum(bd[k] for k in P.STANDING_TERMS)
-    assert plan.workspace_bytes == standing + max(bd[k] for k in P.TRANSIENT_TERMS)
-    assert set(bd) == set(P.STANDING_TERMS) | set(P.TRANSIENT_TERMS)
+    standing = sum(bd[k] for k in W.STANDING_TERMS)
+    assert plan.workspace_bytes == standing + max(bd[k] for k in W.TRANSIENT_TERMS)
+    assert set(bd) == set(W.STANDING_TERMS) | set(W.TRANSIENT_TERMS)
 
 
 def test_attention_cap_never_below_one_padded_row():
     """A decode group is padded to whole blocks: with a context that is not a block multiple the cap
     must still hold one full row. Broken by: cap = max_model_len (1000 < 1008 gathered)."""
-    assert P._attn_cap(1, 1000, 16) == 1008
-    assert P._attn_cap(4, 64, 16) == 4 * 64  # never more than every row at full context
-    assert P._attn_cap(32, 8192, 16) == 32 * 512
+    assert W.attn_cap(1, 1000, 16) == 1008
+    assert W.attn_cap(4, 64, 16) == 4 * 64  # never more than every row at full context
+    assert W.attn_cap(32, 8192, 16) == 32 * 512
 
 
 # ---- refusal and shrinking ----------------------------------------------------------------------------
@@ -248,8 +249,8 @@ def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
         **kw,
     )
     min_kv = P.MIN_KV_POSITIONS * full.kv_bytes_per_token
-    small = P.StepLimits(16, 1, P._attn_cap(1, 512), 512, packed_weights=kw["packed_weights"])
-    lo = full.weights_bytes + min_kv + P._ws(tiny_spec, 4, small)
+    small = W.StepLimits(16, 1, W.attn_cap(1, 512), 512, packed_weights=kw["packed_weights"])
+    lo = full.weights_bytes + min_kv + W.workspace_bytes(tiny_spec, 4, small)
     limit = lo + (full.weights_bytes + min_kv + full.workspace_bytes - lo) // 3
     plan = make_plan(
         tiny_spec,

@@ -308,3 +308,38 @@ def test_top_p_counts_the_mass_of_the_whole_vocabulary_not_just_the_candidates()
     logits[:3] = math.log(0.3)
     got = draws(SamplingParams(temperature=1.0, top_p=0.95, seed=11), logits, 300)
     assert sum(t >= 3 for t in got) >= 3
+
+
+# ---- drawn frequencies match the target distribution ------------------------------------------------
+
+CHI2_CRITICAL_P001 = {7: 24.32, 3: 16.27}  # chi-square critical values at p = 0.001 for these df
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True))
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_drawn_frequencies_match_the_target_distribution_chi_square(top_k):
+    """20,000 draws (16 rows with their own seeds, batched) from softmax(logits), plain and top-k=4
+    (renormalized over the 4 most likely): the chi-square statistic stays under the p = 0.001 critical
+    value (24.3 for 7 degrees of freedom, 16.3 for 3). At these fixed seeds the statistics are 13.4
+    (plain) and 2.1 (top-k). Seen red (171.8 and 148.4) with a biased inverse CDF, `u ** 1.1` in place
+    of `u` in `_inverse_cdf`."""
+    from kvgate.sampling import sample_batch
+
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.11, 0.09, 0.08, 0.05, 0.02])
+    logits = probs.log().unsqueeze(0).repeat(16, 1)
+    samplers = [Sampler(SamplingParams(temperature=1.0, top_k=top_k, seed=100 + i), [], 8) for i in range(16)]
+    counts = [0] * 8
+    for _ in range(1250):
+        for t in sample_batch(samplers, logits):
+            counts[t] += 1
+    target = probs.tolist()
+    if top_k:
+        assert sum(counts[top_k:]) == 0, "top-k drew a token outside the k most likely"
+        kept = sum(target[:top_k])
+        counts, target = counts[:top_k], [p / kept for p in target[:top_k]]
+    stat = chi_square(counts, target)
+    assert stat < CHI2_CRITICAL_P001[len(target) - 1], (stat, counts)

@@ -543,6 +543,7 @@ def test_threads_random_submit_cancel_keep_invariants(make_engine, plan, nthread
     time.sleep(0.002)
     for h in later:
         h.cancel()
+
     def leaked() -> bool:  # no row runs, yet blocks are held: nothing will ever give them back
         snap = e.snapshot()
         return snap.running == 0 and snap.kv_blocks_free < snap.kv_blocks_total

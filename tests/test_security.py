@@ -126,7 +126,7 @@ def test_every_v1_route_needs_the_key_and_health_metrics_stay_open(keyed):
 def test_the_key_is_compared_in_constant_time(keyed, monkeypatch):
     """The compare goes through hmac.compare_digest (spied), for right and wrong keys alike."""
     client, _, _ = keyed
-    import kvgate.server.app as app_mod
+    import kvgate.server.auth as app_mod
 
     calls = []
     real = hmac.compare_digest

@@ -282,3 +282,59 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
         f"blocks free after {snap.kv_blocks_free}/{snap.kv_blocks_total}, peak blocks {c.kv_blocks_peak}, "
         f"max RSS of the test process {rss_mib:.0f} MiB"
     )
+
+
+def test_a_storm_against_a_ttft_budget_never_answers_500(make_engine):
+    """Issue 11's check: with --max-ttft 1 and a 32 MiB KV pool, 200 requests at concurrency 48 end as
+    200s, 400s, 429s and 503s only -- many of them 429 ttft_budget_exceeded decided at arrival while
+    rows finish around them -- and every refusal is counted once.
+
+    Before the fix (a87aed9) the forecast read the live rows from the HTTP thread, and one arriving
+    as a row finished got a TypeError and a 500 (reproduced deterministically in
+    tests/test_engine_contract.py). Seen red here when the gate counts a TTFT refusal twice."""
+    engine = make_engine(
+        kv_cache_bytes=32 << 20,
+        block_size=BLOCK,
+        max_seqs=8,
+        max_queue=MAX_QUEUE,
+        max_ttft=1.0,
+        prefill_chunk=64,
+    )
+    set_step_hook(engine, lambda so: time.sleep(0.01))
+    specs = make_specs(random.Random(11))[:200]
+    with running_server(engine) as (base, _):
+        httpx.post(base + COMP, json={"prompt": "warm " * 40, "max_tokens": 2}, timeout=30)  # times a prefill
+
+        async def storm():
+            limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
+            async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(60.0), limits=limits) as client:
+                sem = asyncio.Semaphore(CONCURRENCY)
+
+                async def guarded(s):
+                    async with sem:
+                        return await run_one(client, s)
+
+                return await asyncio.wait_for(asyncio.gather(*(guarded(s) for s in specs)), timeout=150)
+
+        outcomes = asyncio.run(storm())
+        broken = [(o.spec.i, o.error, o.problems) for o in outcomes if o.error or o.problems]
+        assert not broken, broken[:5]
+        by_status = Counter(o.status for o in outcomes)
+        by_code = Counter(o.code for o in outcomes if o.status != 200)
+        assert set(by_status) <= {200, 400, 429, 503}, by_status
+        assert by_status[200] > 0 and by_code["ttft_budget_exceeded"] > 0, (by_status, by_code)
+        for o in outcomes:
+            if o.status == 200:
+                assert o.finish == "length" and o.completion_tokens == o.spec.body["max_tokens"], o
+            elif o.status in (429, 503):
+                assert o.retry_after and 1 <= int(o.retry_after) <= 60
+        assert wait_until(lambda: engine.snapshot().idle)
+        with httpx.Client(base_url=base, timeout=20) as cl:
+            rej = metric_values(cl.get("/metrics").text, "kvgate_rejections_total")
+        assert rej == {f'{{reason="{code}"}}': float(n) for code, n in by_code.items()}, (rej, by_code)
+        snap = engine.snapshot()
+        assert snap.counters.rejected_ttft_budget == by_code["ttft_budget_exceeded"]
+        assert snap.kv_blocks_free == snap.kv_blocks_total
+    print(
+        f"\nTTFT STORM: by status {dict(sorted(by_status.items()))}, refusals {dict(sorted(by_code.items()))}"
+    )

@@ -164,6 +164,21 @@ class Engine:
         self.gate.submit(handle)
         return handle
 
+    def submit_many(self, requests: list[GenerationRequest]) -> list[RequestHandle]:
+        """Several requests as one: all are validated before any is submitted, and a refusal of one
+        cancels those submitted before it, so a bad or refused prompt leaves nothing running."""
+        for r in requests:
+            r.validate(self.tokenizer.vocab_size)
+        handles: list[RequestHandle] = []
+        try:
+            for r in requests:
+                handles.append(self.submit(r))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
     def _unavailable(self) -> str | None:
         if self.dead is not None:
             return "the engine is not running; see /health"

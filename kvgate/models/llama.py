@@ -17,13 +17,16 @@ faster batched matmuls, and a row's matmul results no longer depend on how many 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
-from kvgate.core.kv_cache import KVPool
 from kvgate.models.linear import Linear, packs_weights, row_buckets
+
+if TYPE_CHECKING:
+    from kvgate.core.kv_cache import KVPool
 
 
 @dataclass

@@ -7,7 +7,6 @@ the same reason: "5" is not an integer, "yes" is not a boolean, true is not a ma
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -144,19 +143,6 @@ def check_common(req: _Common) -> None:
         raise unsupported("tools", "tool calling is not implemented")
     if req.tool_choice not in (None, "none"):
         raise unsupported("tool_choice", "tool calling is not implemented")
-    for name in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    ):
-        v = getattr(req, name)
-        if v is not None and not math.isfinite(v):
-            raise invalid(f"{name}={v} is not a finite number", param=name)
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise invalid(f"max_tokens={req.max_tokens} must be at least 1", param="max_tokens")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP:
         raise invalid(f"stop has {len(stops)} entries; at most {MAX_STOP} are allowed", param="stop")
@@ -197,17 +183,20 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             content = "".join(texts)
         else:
             content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:  # the template decides what a name means (most ignore it)
+            msg["name"] = m.name
+        out.append(msg)
     return out
 
 
-def max_tokens_of(req: _Common) -> int | None:
+def max_tokens_of(req: _Common) -> tuple[int | None, str]:
+    """The output limit and the field it came from (`max_completion_tokens` wins over `max_tokens`);
+    its range is checked by `kvgate.request.check_max_tokens`, the rule's one owner."""
     mct = getattr(req, "max_completion_tokens", None)
     if mct is not None:
-        if mct < 1:
-            raise invalid(f"max_completion_tokens={mct} must be at least 1", param="max_completion_tokens")
-        return mct
-    return req.max_tokens
+        return mct, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
 
 
 def request_kind(req) -> Literal["chat", "completion"]:

@@ -95,12 +95,13 @@ def serve(args) -> int:
             print(engine.plan.describe(1024), file=sys.stderr, flush=True)
             app.state.engine = engine.start()
             app.state.status = "ready"
-            log.info(
-                "ready: %s on %s (%s), loaded in %.1fs",
-                settings.model_name,
-                engine.info.device,
-                engine.info.dtype,
-                engine.info.load_seconds,
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            print(
+                f"kvgate: ready: {settings.model_name} on {engine.info.device} ({engine.info.dtype}), loaded in "
+                f"{engine.info.load_seconds:.1f}s; console http://{host}:{args.port}/ , API "
+                f"http://{host}:{args.port}/v1",
+                file=sys.stderr,
+                flush=True,
             )
         except Exception as exc:  # the server stays up to say why on /health
             app.state.load_error = str(exc)

@@ -1,0 +1,155 @@
+"""The step workspace: the peak bytes one engine step can allocate, term by term, from its limits.
+
+`step_workspace(spec, dtype_bytes, limits)` is the formula the memory plan reserves and the memory
+probes check a real step against (tests/test_memory.py, tests/memory_probe.py). A term is either
+standing (alive for the whole step, summed) or transient (one at a time on top, the largest taken).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.config import ModelSpec
+from kvgate.sampling import SAMPLE_ROWS
+
+
+@dataclass
+class StepLimits:
+    prefill_chunk: int
+    max_seqs: int
+    attn_token_cap: int  # padded decode-attention tokens per group (rows x longest context)
+    max_model_len: int
+    # The longest context a row can reach: max_model_len, or the whole KV pool when that is smaller
+    # (a row never holds more positions than the pool has). The attention terms are sized for it.
+    attn_context: int | None = None
+    # Weights prepacked for oneDNN (kvgate.models.linear): no MKL sgemm packing buffers, but a padded
+    # copy of a matmul's input; oneDNN's own kernel memory is warmed up into the measured overhead.
+    packed_weights: bool = False
+
+    @property
+    def context(self) -> int:
+        return self.attn_context or self.max_model_len
+
+    @property
+    def max_step_tokens(self) -> int:
+        return self.prefill_chunk + self.max_seqs
+
+
+# Terms of `step_workspace` that stay allocated together for a whole step (summed), and the
+# transients of which only one is alive at a time on top of them (the largest is taken).
+STANDING_TERMS = ("step_inputs", "layer_activations", "kernel_scratch", "row_state", "penalty_state")
+TRANSIENT_TERMS = ("rms_norm", "residual", "rope", "decode_attention", "prefill_attention", "mlp", "logits")
+
+GEMM_PANEL_COLUMNS = 4096  # MKL sgemm packs at most K x 4096 float32 of a weight per call (measured)
+KERNEL_SLACK = 1 << 20  # flash-attention per-thread blocks, small index temporaries, page rounding
+# vocab-sized float32 temporaries per row of a sampling group (kvgate.sampling.sample_batch); measured
+# at most 3.6 (4 rows, top-p with the full-sort fallback and penalties), rounded up
+SAMPLING_TEMPS = 5
+ROW_FIXED_BYTES = 16 << 10  # per running row: Row, sampler + torch.Generator, stop matcher, detokenizer
+# per position of a row: prompt ids / prompt / tokens list slots (3 x 8 B) and the int (28 B); for a
+# generated token also its time (24 B + a slot), text piece and the Token event until it is read
+ROW_BYTES_PER_POSITION = 256
+
+
+def padded_len(max_model_len: int, block_size: int) -> int:
+    """A row's context rounded up to whole KV blocks: what one row's attention gathers at most."""
+    return -(-max_model_len // block_size) * block_size
+
+
+def step_workspace(
+    spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_size: int = 16
+) -> dict[str, int]:
+    """Peak bytes of one engine step, by term, from the step limits the engine enforces.
+
+    The forward (`kvgate.models.llama`) keeps its per-layer tensors in Python locals, so the newest
+    of each (hidden states, fused qkv, rotated q/k, attention output, gate/up output, the last decode
+    group's gathered K/V and the last prefill span's) stay alive together until the next layer
+    rebinds them: those are `layer_activations`, counted in full. On top of them one transient at a
+    time is alive: RMSNorm's float32 temporaries, a residual add, RoPE, one decode group's attention,
+    one prefill chunk's attention (CPU math SDPA: float32 scores, softmax, a -inf mask and scaled
+    copies), the MLP, or the logits of the batch with one row's sampling. `workspace_total` adds the
+    standing terms and the largest transient; every term was checked against a measured step
+    (tests/test_memory.py, tests/memory_probe.py).
+    """
+    b, f = dtype_bytes, 4
+    C, S = limits.prefill_chunk, limits.max_seqs
+    T = C + S
+    H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    g = H // KVH
+    h, inter, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    Lp = padded_len(limits.context, block_size)
+    cap = limits.attn_token_cap
+    QK = T * (H + KVH) * D * b  # rotated q and k of the step
+    kv_tok = KVH * D * b  # one position's K (or V) across the KV heads
+    upcast = b != 4  # float16/bfloat16: math SDPA and RMSNorm work in float32, logits are cast
+    gemms = [(h, (H + 2 * KVH) * D), (H * D, h), (h, 2 * inter), (inter, h), (h, V)]
+    return {
+        # ids, positions, slots; logits index; decode block tables and masks; prefill masks (and the
+        # causal temporary build_step makes them from); per-span block tables; gathered cos/sin
+        "step_inputs": 3 * T * 8
+        + S * 8
+        + cap // block_size * 8
+        + cap
+        + (g + 1) * C * Lp
+        + S * (Lp // block_size) * 8
+        + 2 * T * D * b,
+        # x, h, fused qkv, rotated qk and its rotate-half copy, attention output, gate/up output,
+        # a decode group's gathered K and V and its output, a prefill span's q, gathered K/V and output
+        "layer_activations": T * (2 * h + (H + 2 * KVH) * D + 2 * (H + KVH) * D + H * D + 2 * inter) * b
+        + 2 * cap * kv_tok
+        + S * H * D * b
+        + 2 * C * H * D * b
+        + 2 * Lp * kv_tok,
+        # sgemm packing buffers (kept by MKL's allocator after first use), or with prepacked weights a
+        # matmul input padded to its row bucket; + attention kernel blocks
+        "kernel_scratch": (
+            T * max(k for k, _ in gemms) * b
+            if limits.packed_weights
+            else max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * f
+        )
+        + KERNEL_SLACK,
+        # what every running row holds between steps: its objects and token lists at full context
+        "row_state": S * (Lp * ROW_BYTES_PER_POSITION + ROW_FIXED_BYTES),
+        # a row with repetition/presence/frequency penalties: a bool seen-mask and float32 counts over
+        # the vocabulary (zero pages until written: a row reaches this after touching most of the vocab)
+        "penalty_state": S * V * 5,
+        # transients, one at a time:
+        "rms_norm": 3 * T * h * f + T * h * b,
+        "residual": 2 * T * h * b,
+        "rope": 2 * QK,
+        # the next group's K (or V) gathered while this one's is alive, its output, the float mask
+        "decode_attention": cap * kv_tok + S * H * D * b + cap * f,
+        # scores and softmax in float32 (+ a quarter for the -inf test), bool and float masks, scaled
+        # q and k in float32 (upcast q/k/v first for 16-bit dtypes), the output, the next span's gather
+        "prefill_attention": (9 * H * C * Lp * f) // 4
+        + g * C * Lp * (f + 1)
+        + (2 * C * H * D + Lp * KVH * D) * f
+        + ((C * H * D + 2 * Lp * KVH * D) * f if upcast else 0)
+        + 2 * C * H * D * b
+        + Lp * kv_tok,
+        # gate/up output while the previous layer's is alive; SiLU and the product
+        "mlp": 2 * T * inter * b,
+        # the sampled rows' hidden states and norm, logits in the model dtype and as float32, and the
+        # sampling temporaries of one group of rows drawn together (kvgate.sampling.SAMPLE_ROWS)
+        "logits": S * h * (2 * b + 3 * f)
+        + S * V * b
+        + (S * V * f if upcast else 0)
+        + SAMPLING_TEMPS * min(S, SAMPLE_ROWS) * V * f,
+    }
+
+
+def workspace_total(breakdown: dict[str, int]) -> int:
+    """Standing terms plus the largest transient (transients never overlap)."""
+    return sum(breakdown[k] for k in STANDING_TERMS) + max(breakdown[k] for k in TRANSIENT_TERMS)
+
+
+def attn_cap(max_seqs: int, max_model_len: int, block_size: int = 16) -> int:
+    """Padded decode-attention tokens per group: room for every row at 512 tokens, never less than one
+    row at full context (padded to whole blocks, which is what a group gathers), and never more than
+    every row at full context (no step can gather more)."""
+    full = padded_len(max_model_len, block_size)
+    return min(max_seqs * full, max(full, max_seqs * 512))
+
+
+def workspace_bytes(spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_size: int = 16) -> int:
+    return workspace_total(step_workspace(spec, dtype_bytes, limits, block_size))

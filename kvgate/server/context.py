@@ -1,0 +1,61 @@
+"""What every route shares: the server's settings, and the rules for "can this engine take work".
+
+The app keeps its state on `app.state`: `settings`, `engine` (None while loading), `status`
+(`loading` | `ready` | `shutting_down`), `load_error`, `metrics` and `live` (the console's window).
+`ready_engine` is the one place that decides whether a request may reach the engine; `refused` is the
+one place a refusal is counted (each exactly once, in the metrics and in the console's window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.server.errors import APIError
+
+
+@dataclass
+class ServerSettings:
+    model_name: str = "kvgate-model"
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    default_temperature: float = 1.0
+
+
+def refused(state, code: str, retry_after: int | None = None) -> None:
+    state.metrics.rejections.labels(code).inc()
+    state.live.record_refusal(code, retry_after)
+
+
+def ready_engine(state):
+    """The engine, or the 503 that says why it cannot serve (counted as a refusal)."""
+    eng = state.engine
+    err = None
+    if state.status == "shutting_down":
+        err = APIError(
+            503, "the server is shutting down; retry against another replica", "shutting_down", retry_after=5
+        )
+    elif eng is None:
+        err = APIError(503, "the model is still loading; retry shortly", "not_ready", retry_after=5)
+    elif not eng.alive:
+        err = APIError(
+            503,
+            "the engine is not running (see /health); requests cannot be served",
+            "engine_unavailable",
+            retry_after=5,
+        )
+    elif (stall := eng.stalled()) is not None:
+        err = APIError(503, f"the engine is not answering: {stall}", "engine_unavailable", retry_after=5)
+    if err is not None:
+        refused(state, err.code, err.retry_after)
+        raise err
+    return eng
+
+
+def check_model(settings: ServerSettings, name: str | None) -> None:
+    if name not in (None, "", settings.model_name, "default"):
+        raise APIError(
+            404,
+            f"model {name!r} is not served here; this server serves {settings.model_name!r} (see /v1/models)",
+            "model_not_found",
+            param="model",
+        )

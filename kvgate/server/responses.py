@@ -1,0 +1,92 @@
+"""OpenAI response bodies: whole completions, stream chunks, usage, and the finish reasons clients see.
+
+kvgate's engine ends a request with `stop`, `length`, `cancelled` or `error`. Clients only know
+OpenAI's reasons, so `cancelled` (output cut short by a shutdown's grace running out) is reported as
+`length`, OpenAI's "the output was truncated"; `error` never appears in a body: a failed request is a
+500 with the stable error body, or an SSE error event, instead.
+"""
+
+from __future__ import annotations
+
+from kvgate.request import Result
+
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "length"}
+
+
+def finish_reason(reason: str) -> str:
+    return _FINISH[reason]
+
+
+def usage(results: list[Result]) -> dict:
+    prompt = sum(r.prompt_tokens for r in results)
+    completion = sum(r.completion_tokens for r in results)
+    cap = next((r.budget_cap for r in results if r.budget_cap is not None), None)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "budget_cap": None
+        if cap is None
+        else {
+            "requested_max_tokens": cap.requested_max_tokens,
+            "admitted_max_tokens": cap.admitted_max_tokens,
+            "reason": cap.reason,
+        },
+    }
+
+
+def completion_body(kind: str, rid: str, created: int, model: str, results: list[Result]) -> dict:
+    if kind == "chat":
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "finish_reason": finish_reason(r.finish_reason),
+                "logprobs": None,
+            }
+            for i, r in enumerate(results)
+        ]
+    else:
+        choices = [
+            {"index": i, "text": r.text, "finish_reason": finish_reason(r.finish_reason), "logprobs": None}
+            for i, r in enumerate(results)
+        ]
+    return {
+        "id": rid,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(results),
+    }
+
+
+class ChunkMaker:
+    """The `data:` objects of one stream (same id, object, created and model on every chunk)."""
+
+    def __init__(self, kind: str, rid: str, created: int, model: str):
+        self.kind = kind
+        self.base = {
+            "id": rid,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created,
+            "model": model,
+        }
+
+    def choice(self, i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+        if self.kind == "chat":
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": i, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {**self.base, "choices": [choice]}
+
+    def finish(self, i: int, reason: str) -> dict:
+        return self.choice(i, None if self.kind == "chat" else "", finish=finish_reason(reason))
+
+    def usage(self, results: list[Result]) -> dict:
+        return {**self.base, "choices": [], "usage": usage(results)}

@@ -1,0 +1,121 @@
+"""The HTTP routes. Each is short: readiness, then a plain function from another module.
+
+Generation lives in `serving.py`, request building in `prepare.py`, bodies in `bodies.py`; anything
+heavier than a dictionary lookup (JSON parsing, templating, tokenizing) runs off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgate.server import protocol as P
+from kvgate.server.bodies import read_body
+from kvgate.server.context import ready_engine
+from kvgate.server.prepare import prepare_detokenize, prepare_tokenize
+from kvgate.server.serving import generate
+
+
+async def health(request: Request):
+    state = request.app.state
+    eng = state.engine
+    if state.status == "shutting_down":
+        return JSONResponse({"status": "shutting_down"}, status_code=503, headers={"Retry-After": "5"})
+    if eng is None:
+        body = {"status": "loading" if state.load_error is None else "failed", "reason": state.load_error}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+    if not eng.alive:
+        return JSONResponse({"status": "dead", "reason": "the engine worker stopped"}, status_code=503)
+    stall = eng.stalled()
+    if stall is not None:
+        return JSONResponse({"status": "stalled", "reason": stall}, status_code=503)
+    return {"status": "ok"}
+
+
+async def prometheus_metrics(request: Request):
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request):
+    state = request.app.state
+    card = {"id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "kvgate"}
+    if state.engine is not None:
+        card["max_model_len"] = state.engine.max_model_len
+    return {"object": "list", "data": [card]}
+
+
+async def resources(request: Request):
+    state = request.app.state
+    eng = ready_engine(state)
+    plan = eng.plan
+    snap = eng.snapshot()
+    return {
+        "plan": plan.to_dict(),
+        "ledger": {
+            "limit_bytes": eng.ledger.limit,
+            "reserved_bytes": eng.ledger.reserved,
+            "reserved_by_role": eng.ledger.by_role(),
+            "reservations": eng.ledger.snapshot(),
+        },
+        "kv": {
+            "blocks_total": snap.kv_blocks_total,
+            "blocks_free": snap.kv_blocks_free,
+            "blocks_referenced": snap.kv_blocks_held,
+            "blocks_cached": 0,
+            "blocks_peak": snap.counters.kv_blocks_peak,
+            "block_size": plan.block_size,
+            "bytes_per_token": plan.kv_bytes_per_token,
+        },
+        "scheduler": {
+            "running": snap.running,
+            "waiting": snap.waiting,
+            "max_seqs": plan.limits.max_seqs,
+            "prefill_chunk": plan.limits.prefill_chunk,
+            "max_model_len": eng.max_model_len,
+        },
+        "live": state.live.summary(),
+    }
+
+
+async def tokenize(request: Request):
+    state = request.app.state
+    eng = ready_engine(state)
+    raw = await read_body(request, state.settings.max_body_bytes)
+    return await asyncio.to_thread(prepare_tokenize, raw, eng, state.settings)
+
+
+async def detokenize(request: Request):
+    state = request.app.state
+    eng = ready_engine(state)
+    raw = await read_body(request, state.settings.max_body_bytes)
+    return await asyncio.to_thread(prepare_detokenize, raw, eng, state.settings)
+
+
+async def chat_completions(request: Request):
+    return await generate(request, P.ChatCompletionRequest)
+
+
+async def completions(request: Request):
+    return await generate(request, P.CompletionRequest)
+
+
+ROUTES = [
+    ("GET", "/health", health),
+    ("GET", "/metrics", prometheus_metrics),
+    ("GET", "/v1/models", models),
+    ("GET", "/v1/resources", resources),
+    ("POST", "/v1/tokenize", tokenize),
+    ("POST", "/v1/detokenize", detokenize),
+    ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/v1/completions", completions),
+]
+
+
+def install_routes(app: FastAPI) -> None:
+    # Registered on the app itself (not an APIRouter): FastAPI 0.165 keeps an included router as one
+    # opaque route, which would hide the paths from anything that lists `app.routes`.
+    for method, path, endpoint in ROUTES:
+        app.add_api_route(path, endpoint, methods=[method])

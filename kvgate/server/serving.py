@@ -1,0 +1,158 @@
+"""One generating request, from body to response, with admission decided before any header.
+
+    read the body (413 past the limit, on the loop)
+    -> prepare off the loop: parse, validate, template, tokenize (400 naming the field)
+    -> engine.submit per prompt, off the loop too (400 invalid or never fits, 503 closed or queue
+       full, 429 TTFT budget)
+    -> await every admission, watching for a disconnect (429 after the bounded wait)
+    -> only then headers: 200 JSON, or SSE
+
+A refusal of any prompt of a multi-prompt request cancels the prompts already submitted at once, so
+none of them runs on with no one to read it. A client that leaves at any point cancels its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvgate.request import Admitted, Finished, Refusal
+from kvgate.server.bodies import read_body
+from kvgate.server.context import ready_engine, refused
+from kvgate.server.errors import APIError, from_refusal
+from kvgate.server.prepare import prepare_generation, submit_all
+from kvgate.server.responses import ChunkMaker, completion_body
+from kvgate.server.sse import ENGINE_ERROR, sse_stream
+
+log = logging.getLogger("kvgate.server")
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def generate(request: Request, cls) -> Response:
+    state = request.app.state
+    settings = state.settings
+    eng = ready_engine(state)
+    raw = await read_body(request, settings.max_body_bytes)
+    prepared = await asyncio.to_thread(prepare_generation, raw, cls, eng, settings)
+    try:
+        handles = await submitted(eng, prepared.generations)
+    except Refusal as r:
+        refused(state, r.code, r.retry_after)
+        return from_refusal(r).response()
+    try:
+        admitted = await until_disconnect(request, admit_all(handles), handles)
+    except Refusal as r:
+        if r.status == 499:  # cancelled while queued, and not by this client (that is ClientGone)
+            r = Refusal(
+                "shutting_down",
+                "the server is shutting down and did not admit this request; retry against another replica",
+                503,
+                retry_after=5,
+            )
+        refused(state, r.code, r.retry_after)
+        return from_refusal(r).response()
+    except ClientGone:
+        return Response(status_code=499)
+    headers = {}
+    caps = [a.budget_cap for a in admitted if a.budget_cap is not None]
+    if caps:
+        headers["X-KVGate-Budget-Cap"] = caps[0].header()
+    kind = prepared.kind
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+
+    def on_result(res) -> None:
+        state.metrics.observe_result(res)
+        state.live.observe_result(res)
+
+    if prepared.stream:
+        chunks = ChunkMaker(kind, rid, created, settings.model_name)
+        stream = sse_stream(chunks, handles, prepared.include_usage, on_result)
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+    try:
+        results = await until_disconnect(request, finish_all(handles), handles)
+    except ClientGone:
+        return Response(status_code=499)
+    for res in results:
+        on_result(res)
+    failed = [r for r in results if r.finish_reason == "error"]
+    if failed:
+        log.error("generation failed: %s", failed[0].error)
+        return APIError(500, ENGINE_ERROR, "engine_error").response()
+    return JSONResponse(completion_body(kind, rid, created, settings.model_name, results), headers=headers)
+
+
+async def submitted(eng, generations) -> list:
+    """`submit_all` on a worker thread (validation walks every token id). If this coroutine is
+    cancelled meanwhile, whatever the thread submits is cancelled when it is done: nobody will read it."""
+    fut = asyncio.get_running_loop().run_in_executor(None, submit_all, eng, generations)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(_cancel_submitted)
+        raise
+
+
+def _cancel_submitted(fut) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        for h in fut.result():
+            h.cancel()
+
+
+async def admit_all(handles) -> list[Admitted]:
+    """Every handle's admission; the first refusal cancels all the others at once and is raised."""
+    tasks = [asyncio.ensure_future(h.await_admitted()) for h in handles]
+    try:
+        for next_done in asyncio.as_completed(tasks):
+            await next_done  # raises the first refusal as soon as it comes
+    except BaseException:
+        for h in handles:
+            h.cancel()
+        for t in tasks:
+            t.cancel()
+        raise
+    return [t.result() for t in tasks]
+
+
+async def finish_all(handles):
+    async def one(h):
+        async for ev in h.aevents():
+            if isinstance(ev, Finished):
+                return ev.result
+
+    return await asyncio.gather(*(one(h) for h in handles))
+
+
+async def until_disconnect(request: Request, coro, handles):
+    """Await `coro`; if the client disconnects first, cancel the requests and raise ClientGone."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_watch_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        for h in handles:
+            h.cancel()
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    for h in handles:
+        h.cancel()
+    task.cancel()
+    raise ClientGone()
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)

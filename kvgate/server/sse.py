@@ -1,0 +1,86 @@
+"""Server-sent events for one generation: OpenAI's chunk stream over one or more engine handles.
+
+Order: a role chunk per choice (chat), then text chunks as tokens release text, a finish chunk per
+choice, an optional usage chunk, then `data: [DONE]`. A choice that fails inside the engine ends the
+stream with one error event (the stable 500 body) and `[DONE]`, and cancels the other choices. When the
+stream ends early for any reason (the client left), every handle still running is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from kvgate.request import Finished, Token
+from kvgate.server.errors import APIError
+from kvgate.server.responses import ChunkMaker
+
+log = logging.getLogger("kvgate.server")
+
+DONE = "data: [DONE]\n\n"
+ENGINE_ERROR = "generation failed inside the engine; the details are in the server log"
+
+
+def event(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+
+async def sse_stream(chunks: ChunkMaker, handles, include_usage: bool, on_result):
+    """`on_result(result)` is called once per finished choice (metrics)."""
+    finished: dict[int, object] = {}
+    try:
+        if chunks.kind == "chat":
+            for i in range(len(handles)):
+                yield event(chunks.choice(i, "", role=True))
+        async for i, ev in merged_events(handles):
+            if isinstance(ev, Token):
+                if ev.text:
+                    yield event(chunks.choice(i, ev.text))
+                continue
+            if not isinstance(ev, Finished):
+                continue
+            finished[i] = ev.result
+            on_result(ev.result)
+            if ev.tail:
+                yield event(chunks.choice(i, ev.tail))
+            if ev.result.finish_reason == "error":
+                log.error("generation failed mid-stream: %s", ev.result.error)
+                yield event(APIError(500, ENGINE_ERROR, "engine_error").body())
+                for h in handles:
+                    h.cancel()
+                yield DONE
+                return
+            yield event(chunks.finish(i, ev.result.finish_reason))
+        if include_usage:
+            yield event(chunks.usage([finished[i] for i in sorted(finished)]))
+        yield DONE
+    finally:
+        if len(finished) < len(handles):  # the client left (or the stream broke): stop the work
+            for h in handles:
+                h.cancel()
+
+
+async def merged_events(handles):
+    """(choice index, event) from every handle, in arrival order, until each has finished."""
+    if len(handles) == 1:
+        async for ev in handles[0].aevents():
+            yield 0, ev
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, h):
+        async for ev in h.aevents():
+            await q.put((i, ev))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        done = 0
+        while done < len(handles):
+            i, ev = await q.get()
+            yield i, ev
+            if isinstance(ev, Finished):
+                done += 1
+    finally:
+        for t in tasks:
+            t.cancel()
