@@ -9,6 +9,7 @@ import sys
 import time
 
 from kvgate.config import add_engine_flags, engine_config
+from kvgate.server.cors import add_cors_flag
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-body-bytes", type=int, default=4 << 20)
     s.add_argument("--shutdown-grace", type=float, default=30.0)
+    add_cors_flag(s)
     s.add_argument("--log-level", default="info")
 
     b = sub.add_parser("bench", help="drive an OpenAI-compatible endpoint and report latency/throughput")

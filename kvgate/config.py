@@ -69,6 +69,7 @@ class EngineConfig:
     # a step running longer than this turns /health to 503 and fails new requests fast;
     # None = auto: max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_FACTOR x the slowest step measured so far)
     step_timeout: float | None = None
+    prefix_cache: str = "on"  # on | off: share the KV of prompt prefixes already computed
     extra: dict = field(default_factory=dict)
 
 
@@ -90,6 +91,8 @@ class SchedulerConfig:
     max_model_len: int
     kv_bytes_per_token: int
     max_ttft: float | None = None
+    prefix_cache: bool = True
+    cache_root: bytes = b""  # the model's identity: the root of every prompt-block hash
 
     @property
     def kv_positions(self) -> int:
@@ -123,6 +126,12 @@ ENGINE_FLAGS = [
         None,
         f"seconds one engine step may run before /health turns 503 (default: max({STEP_TIMEOUT_FLOOR:g}, "
         f"{STEP_TIMEOUT_FACTOR:g} x the slowest step measured))",
+    ),
+    (
+        "--prefix-cache",
+        str,
+        "on",
+        "on | off: reuse the KV of prompt prefixes already computed (inside the pool)",
     ),
 ]
 
@@ -160,4 +169,5 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         threads=a.threads,
         pack_weights=a.pack_weights,
         step_timeout=a.step_timeout,
+        prefix_cache=a.prefix_cache,
     )

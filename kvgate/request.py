@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvgate.sampling import SamplingParams
+from kvgate.sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count(1)
 
@@ -114,6 +114,7 @@ class Admitted:
     max_tokens: int
     budget_cap: BudgetCap | None
     prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V it shares instead of computing
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Token:
     token_id: int
     text: str  # text released by this token (may be "" while held back by detokenizer or stop matcher)
     t: float
+    logprobs: TokenLogprobs | None = None  # when the request asked for log-probabilities
 
 
 @dataclass
@@ -143,6 +145,7 @@ class Result:
     token_times: list[float]
     error: str | None = None
     stop_reason: str | None = None  # the stop string or "token:<id>" that ended generation
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (or a sibling choice)
 
 
 @dataclass

@@ -3,6 +3,13 @@
 A request's tokens depend only on its own logits and its own `torch.Generator`, never on which other
 requests share the step: that is half of "batching does not change output" (the model's row-wise
 math is the other half).
+
+The logits a row samples from are, in order: the model's, plus its `logit_bias`, with its repetition /
+presence / frequency penalties, with its grammar's mask (-inf on the tokens the grammar forbids; the
+masks of all grammar rows are computed in one batched call, and a row without a grammar pays
+nothing). Log-probabilities, for the rows that ask, are the log-softmax of exactly those logits:
+after bias, penalties and mask, before temperature, top-k, top-p and min-p (vLLM's "processed"
+logprobs less its temperature), so they describe the distribution the sampler truncated and scaled.
 """
 
 from __future__ import annotations
@@ -13,7 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgate.structured import masks
+
 GREEDY_BELOW = 1e-5
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class SamplingError(ValueError):
@@ -32,8 +43,19 @@ _RANGES = {
     "repetition_penalty": "0 < repetition_penalty <= 2",
     "presence_penalty": "-2 <= presence_penalty <= 2",
     "frequency_penalty": "-2 <= frequency_penalty <= 2",
-    "seed": "an integer 0 <= seed < 2**63",
+    "seed": "a 64-bit integer, -2**63 <= seed < 2**64 (a negative seed is used as its two's complement)",
+    "logprobs": f"an integer 0 <= top logprobs <= {MAX_TOP_LOGPROBS}",
+    "logit_bias": f"token ids in the vocabulary with biases -{LOGIT_BIAS_LIMIT:g} <= bias <= {LOGIT_BIAS_LIMIT:g}",
 }
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One position's log-probabilities: the chosen token's and the `top` most likely (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
@@ -46,6 +68,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
+    grammar: object | None = None  # kvgate.structured.compiler.Grammar: every token must keep it valid
 
     def validate(self) -> SamplingParams:
         def finite(name, v):
@@ -69,10 +94,28 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise SamplingError(name, getattr(self, name), _RANGES[name])
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
         ):
             raise SamplingError("seed", self.seed, _RANGES["seed"])
+        lp = self.logprobs
+        if lp is not None and (
+            isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS
+        ):
+            raise SamplingError("logprobs", lp, _RANGES["logprobs"])
+        for t, b in (self.logit_bias or {}).items():
+            if (
+                isinstance(b, bool)
+                or not isinstance(b, int | float)
+                or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
+            ):
+                raise SamplingError("logit_bias", {t: b}, _RANGES["logit_bias"])
         return self
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """logit_bias keys must be token ids of this model."""
+        for t in self.logit_bias or {}:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise SamplingError("logit_bias", t, f"token ids 0 <= id < {vocab_size}")
 
 
 class Sampler:
@@ -81,13 +124,18 @@ class Sampler:
         # Below 1e-5 a temperature only overflows logits / T to inf (NaN after softmax); it means greedy.
         self.greedy = params.temperature < GREEDY_BELOW
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator().manual_seed(seed % 2**64)
         self.vocab_size = vocab_size
         self.penalized = (
             params.repetition_penalty != 1.0
             or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
         )
+        self.bias = _bias_tensors(params.logit_bias)
+        # the row's own grammar state (a copy of the shared compiled grammar), advanced only here
+        self.matcher = params.grammar.matcher() if params.grammar is not None else None
+        self.grammar_error: str | None = None
+        self.last_logprobs: TokenLogprobs | None = None
         self._prompt_ids = list(prompt_ids) if self.penalized else []
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
@@ -113,11 +161,36 @@ class Sampler:
             logits -= self.counts * p.frequency_penalty + (self.counts > 0).float() * p.presence_penalty
         return logits
 
+    @property
+    def processed(self) -> bool:
+        """Whether this row's logits change before sampling (bias or penalties; masks aside)."""
+        return self.penalized or self.bias is not None
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the bias and penalties applied (a copy), or `logits` itself."""
+        if self.penalized:
+            logits = self.penalize(logits)
+        if self.bias is not None:
+            ids, values = self.bias
+            ok = ids < logits.shape[-1]
+            logits = logits.clone() if not self.penalized else logits
+            logits[ids[ok]] += values[ok]
+        return logits
+
+    @property
+    def grammar_done(self) -> bool:
+        """The grammar accepted its end: nothing more may be generated."""
+        m = self.matcher
+        return m is not None and self.grammar_error is None and not m.is_error() and m.is_stopped()
+
     def record(self, token: int) -> None:
-        """Remember a generated token for the penalties."""
+        """Remember a generated token for the penalties and advance the grammar (never raises: a token
+        the grammar refuses marks the row, whose next draw then fails)."""
         if self.penalized:
             self.seen[token] = True
             self.counts[token] += 1
+        if self.matcher is not None and self.grammar_error is None and not self.matcher.consume_token(token):
+            self.grammar_error = self.matcher.get_error() or f"token {token} is not allowed by the grammar"
 
     def sample(self, logits: torch.Tensor) -> int:
         """`logits`: float32 `[vocab]` (may be a view into the batch's logits; it is not modified)."""
@@ -144,10 +217,16 @@ def sample_batch(samplers: list[Sampler], logits: torch.Tensor, rows: list[int] 
     """
     rows = list(range(len(samplers))) if rows is None else rows
     vocab = logits.shape[-1]
+    bitmasks = _grammar_masks(samplers)
 
     def row_logits(i: int) -> torch.Tensor:
         s = samplers[i]
-        return s.penalize(logits[rows[i]]) if s.penalized else logits[rows[i]]
+        x = s.process(logits[rows[i]]) if s.processed else logits[rows[i]]
+        m = bitmasks.get(i)
+        if m is not None:
+            x = x.clone() if not s.processed else x
+            masks.apply_bitmask(x.unsqueeze(0), m.unsqueeze(0))
+        return x
 
     tokens = [0] * len(samplers)
     groups: dict[int, list[int]] = {}
@@ -162,9 +241,57 @@ def sample_batch(samplers: list[Sampler], logits: torch.Tensor, rows: list[int] 
             x = torch.stack([row_logits(i) for i in chunk])
             for i, t in zip(chunk, _draw_rows([samplers[i] for i in chunk], x, k), strict=True):
                 tokens[i] = t
+    for i, m in bitmasks.items():  # checked before any row's state moves: a failure redoes the batch
+        if not masks.allows(m, tokens[i]):
+            raise ValueError(f"the grammar allows no token here (drew {tokens[i]}); the output cannot go on")
+    for i, s in enumerate(samplers):
+        k = s.p.logprobs
+        s.last_logprobs = None if k is None else token_logprobs(row_logits(i), tokens[i], k)
     for s, t in zip(samplers, tokens, strict=True):
         s.record(t)
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The chosen token's log-probability under `logits` and the `k` most likely tokens' (finite ones)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top: list[tuple[int, float]] = []
+    if k:
+        vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
+        top = [(i, v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True) if math.isfinite(v)]
+    return TokenLogprobs(token, float(lp[token]), top)
+
+
+_executor = None
+
+
+def _grammar_masks(samplers: list[Sampler]) -> dict[int, torch.Tensor]:
+    """The packed masks of the grammar rows, by sampler index: one batched fill per compiler."""
+    global _executor
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(samplers):
+        if s.matcher is not None:
+            if s.grammar_error is not None:
+                raise ValueError(f"grammar: {s.grammar_error}")
+            groups.setdefault(id(s.p.grammar.compiler), []).append(i)
+    out: dict[int, torch.Tensor] = {}
+    for members in groups.values():
+        if _executor is None:
+            _executor = masks.new_executor()
+        vocab = samplers[members[0]].p.grammar.compiler.vocab
+        filled = masks.fill_bitmasks([samplers[i].matcher for i in members], vocab, _executor)
+        for j, i in enumerate(members):
+            if samplers[i].matcher.is_error():
+                raise ValueError(f"grammar: {samplers[i].matcher.get_error()}")
+            out[i] = filled[j]
+    return out
+
+
+def _bias_tensors(bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not bias:
+        return None
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    return ids, torch.tensor(list(bias.values()), dtype=torch.float32)
 
 
 def _candidates(p: SamplingParams, vocab: int) -> int:

@@ -3,10 +3,15 @@
 `IncrementalDetokenizer` emits text only once it is final: it decodes a short window of recent tokens
 and releases the new part only when it does not end in U+FFFD, so a multibyte character split across
 tokens is never emitted half-way. Whatever is still pending at the end is flushed.
+
+`token_bytes(id)` is a token's exact bytes (what OpenAI's logprobs report), which a text decode of
+one token cannot give when the token is part of a multibyte character: byte-level vocabularies map
+their symbols back through GPT-2's byte alphabet, SentencePiece ones read `<0xNN>` and `▁`.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 import jinja2
@@ -36,6 +41,9 @@ class TextTokenizer:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(info.chat_template or FALLBACK_TEMPLATE)
+        # a template that reads `tools` renders tool definitions itself (kvgate.server.tools)
+        self.supports_tools = "tools" in (info.chat_template or "")
+        self._bytes: list[bytes] | None = None
 
     def token_text(self, token_id: int) -> str | None:
         return self.tok.id_to_token(token_id)
@@ -53,29 +61,72 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
         def name(i):
             return None if i is None else self.tok.id_to_token(i)
 
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=name(self.info.bos_token_id) or "",
                 eos_token=name(self.info.eos_token_id) or "",
+                **extra,
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template rejected these messages: {exc}") from exc
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (the table is built on first use: call it off the event loop)."""
+        if self._bytes is None:
+            self._bytes = _byte_table(self)
+        return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
+    def chat_ids(self, messages: list[dict], tools=None) -> list[int]:
         # The template writes BOS itself when the model wants one; never add a second.
-        text = self.render_chat(messages)
+        text = self.render_chat(messages, tools=tools)
         bos = self.token_text(self.info.bos_token_id) if self.info.bos_token_id is not None else None
         return self.encode(text, add_bos=False if bos and text.startswith(bos) else None)
 
 
 def _raise(message: str):
     raise jinja2.TemplateError(message)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (what byte-level BPE vocabularies are written in)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+def _byte_table(tokenizer: TextTokenizer) -> list[bytes]:
+    tok = tokenizer.tok
+    spec = json.loads(tokenizer.info.tokenizer_json)
+    special = {a["id"]: a["content"] for a in spec.get("added_tokens", [])}
+    byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
+    decoder = _gpt2_byte_decoder()
+    table = []
+    for i in range(tokenizer.vocab_size):
+        piece = tok.id_to_token(i)
+        if piece is None:
+            table.append(b"")
+        elif i in special:
+            table.append(special[i].encode())
+        elif byte_level and all(c in decoder for c in piece):
+            table.append(bytes(decoder[c] for c in piece))
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            table.append(bytes([int(piece[3:5], 16)]))
+        else:
+            table.append(piece.replace("\u2581", " ").encode())
+    return table
 
 
 class IncrementalDetokenizer:

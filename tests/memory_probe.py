@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         "--top-p-rows", type=int, default=2, help="rows that sample with top-p (the rest: greedy)"
     )
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--grammar-rows", type=int, default=0, help="rows that generate under a JSON schema, each its own"
+    )
     ap.add_argument("--exact", action="store_true", help="pin the allocators so RSS tracks live bytes")
     a = ap.parse_args(argv)
     if a.exact and any(os.environ.get(k) != v for k, v in EXACT_ENV.items()):
@@ -220,7 +223,22 @@ def main(argv: list[str] | None = None) -> int:
         # Every row carries penalty state (a vocab-sized mask and counts); a few also sample with
         # top-p (the largest per-row sampling temporaries), the rest are greedy (cheap).
         t, p = (0.8, 0.9) if i < a.top_p_rows else (0.0, 1.0)
-        return SamplingParams(temperature=t, top_p=p, repetition_penalty=1.1, frequency_penalty=0.1, seed=i)
+        g = grammars[i] if i < len(grammars) else None
+        return SamplingParams(
+            temperature=t, top_p=p, repetition_penalty=1.1, frequency_penalty=0.1, seed=i, grammar=g
+        )
+
+    grammars = []
+    if a.grammar_rows:  # compiled here, as the server's prepare would (the plan's `grammar` term)
+        import json as _json
+
+        from kvgate.structured.compiler import compiler_for
+
+        comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+        for i in range(a.grammar_rows):  # distinct schemas that cannot end within a few tokens
+            schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "minLength": 64}}}
+            schema["required"] = [f"k{i}"]
+            grammars.append(comp.check("start: %json " + _json.dumps(schema)))
 
     L = engine.max_model_len
     engine.start()
@@ -308,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if "shape" not in st:
             continue
         bd = step_bound(st["shape"])
-        bound = plan_mod.workspace_total(bd) - bd["row_state"] - bd["penalty_state"]
+        bound = plan_mod.workspace_total(bd) - bd["row_state"] - bd["penalty_state"] - bd["grammar"]
         top, second = sorted(plan_mod.TRANSIENT_TERMS, key=lambda k: -bd[k])[:2]
         checked.append(
             {

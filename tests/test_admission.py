@@ -83,7 +83,7 @@ def test_exact_pool_ceiling_admitted_and_one_more_refused(make_engine):
         "rejected_kv_timeout": 0,
         "queue_rejected": 0,
     }
-    assert wait_until(lambda: e.snapshot().kv_blocks_free == e.snapshot().kv_blocks_total)
+    assert wait_until(lambda: e.snapshot().kv_blocks_available == e.snapshot().kv_blocks_total)
 
 
 def test_context_overflow_reported_before_budget_overflow(make_engine):
@@ -181,7 +181,7 @@ def test_queue_full_exactly_max_queue_accepted_under_racing_threads(make_engine)
         assert h.result(10).finish_reason == "cancelled"
     assert h0.result(10).finish_reason == "cancelled"
     assert e.snapshot().counters.aborted == 6
-    assert wait_until(lambda: e.snapshot().kv_blocks_free == e.snapshot().kv_blocks_total)
+    assert wait_until(lambda: e.snapshot().kv_blocks_available == e.snapshot().kv_blocks_total)
 
 
 def test_kv_memory_unavailable_after_max_queue_wait(make_engine):
@@ -218,7 +218,8 @@ def test_kv_memory_unavailable_after_max_queue_wait(make_engine):
     h0.cancel()
     assert h0.result(10).finish_reason == "cancelled"
     assert (
-        wait_until(lambda: e.snapshot().kv_blocks_free == e.snapshot().kv_blocks_total) and e.snapshot().idle
+        wait_until(lambda: e.snapshot().kv_blocks_available == e.snapshot().kv_blocks_total)
+        and e.snapshot().idle
     )
 
 

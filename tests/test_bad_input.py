@@ -210,8 +210,9 @@ CATALOGUE: list[Bad] = [
     ),
     Bad("presence-penalty-high", CHAT, chat(presence_penalty=3), 400, "invalid_value", "presence_penalty"),
     Bad("frequency-penalty-low", CHAT, chat(frequency_penalty=-3), 400, "invalid_value", "frequency_penalty"),
-    Bad("seed-negative", CHAT, chat(seed=-1), 400, "invalid_value", "seed"),
-    Bad("seed-too-big", CHAT, chat(seed=2**63), 400, "invalid_value", "seed"),
+    # any 64-bit seed is accepted (issue 13: clients send -1); past 64 bits is refused
+    Bad("seed-too-small", CHAT, chat(seed=-(2**63) - 1), 400, "invalid_value", "seed"),
+    Bad("seed-too-big", CHAT, chat(seed=2**64), 400, "invalid_value", "seed"),
     # --- stop strings ---
     Bad("too-many-stops", CHAT, chat(stop=[f"s{i}" for i in range(9)]), 400, "invalid_value", "stop"),
     Bad("empty-stop-string", CHAT, chat(stop=""), 400, "invalid_value", "stop"),
@@ -283,27 +284,41 @@ CATALOGUE: list[Bad] = [
         "model",
     ),
     # --- fields kvgate does not implement: refused by name, never dropped ---
-    Bad("n-two", CHAT, chat(n=2), 400, "unsupported_parameter", "n"),
+    Bad("n-zero", CHAT, chat(n=0), 400, "invalid_value", "n"),
     Bad("best-of", COMP, {"prompt": "x", "best_of": 3}, 400, "unsupported_parameter", "best_of"),
-    Bad("logprobs", CHAT, chat(logprobs=True), 400, "unsupported_parameter", "logprobs"),
-    Bad("top-logprobs", CHAT, chat(top_logprobs=2), 400, "unsupported_parameter", "top_logprobs"),
-    Bad("logit-bias", CHAT, chat(logit_bias={"5": 10}), 400, "unsupported_parameter", "logit_bias"),
+    # issue 13 made logprobs, logit_bias, tools and response_format supported: what is refused now
+    Bad("logprobs-int-on-chat", CHAT, chat(logprobs=3), 400, "invalid_value", "logprobs"),
+    Bad("top-logprobs-alone", CHAT, chat(top_logprobs=2), 400, "invalid_value", "top_logprobs"),
     Bad(
-        "tools",
-        CHAT,
-        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-        400,
-        "unsupported_parameter",
-        "tools",
+        "top-logprobs-high", CHAT, chat(logprobs=True, top_logprobs=21), 400, "invalid_value", "top_logprobs"
     ),
-    Bad("tool-choice", CHAT, chat(tool_choice="required"), 400, "unsupported_parameter", "tool_choice"),
+    Bad("logit-bias-key", CHAT, chat(logit_bias={"five": 10}), 400, "invalid_value", "logit_bias"),
+    Bad("logit-bias-range", CHAT, chat(logit_bias={"5": 500}), 400, "invalid_value", "logit_bias"),
+    Bad("functions", CHAT, chat(functions=[{"name": "f"}]), 400, "unsupported_parameter", "functions"),
+    Bad("tool-choice-without-tools", CHAT, chat(tool_choice="required"), 400, "invalid_value", "tool_choice"),
     Bad(
-        "json-mode",
+        "json-schema-without-schema",
         CHAT,
-        chat(response_format={"type": "json_object"}),
+        chat(response_format={"type": "json_schema"}),
+        400,
+        "invalid_value",
+        "response_format",
+    ),
+    Bad(
+        "schema-not-enforceable",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}),
+        400,
+        "unsupported_schema",
+        "response_format",
+    ),
+    Bad(
+        "echo-with-logprobs",
+        COMP,
+        {"prompt": "x", "echo": True, "logprobs": 1},
         400,
         "unsupported_parameter",
-        "response_format",
+        "echo",
     ),
     Bad("unknown-field", CHAT, chat(frobnicate=1), 400, "unsupported_parameter", "frobnicate"),
     Bad("tokenize-unknown-field", TOK, {"prompt": "x", "frobnicate": 1}, 400, "invalid_schema", "frobnicate"),
@@ -396,4 +411,4 @@ def test_the_server_still_serves_after_the_catalogue(bad_server):
     client, engine = bad_server
     r = client.post(CHAT, json={"messages": MSG, "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    assert engine.snapshot().kv_blocks_free == engine.snapshot().kv_blocks_total
+    assert engine.snapshot().kv_blocks_available == engine.snapshot().kv_blocks_total

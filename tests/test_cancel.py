@@ -46,8 +46,8 @@ class BlockAudit:
         self.released: Counter = Counter()
         allocate, free = kv.allocate_for, kv.free
 
-        def audited_allocate(rid, n):
-            ok = allocate(rid, n)
+        def audited_allocate(rid, *a, **k):
+            ok = allocate(rid, *a, **k)
             if ok:
                 self.taken.update(kv.table(rid))
             return ok
@@ -64,7 +64,7 @@ class BlockAudit:
         assert wait_until(lambda: self.engine.snapshot().idle, 5)
         assert self.released == self.taken, "a block was released twice or never"
         snap = self.engine.snapshot()
-        assert snap.kv_blocks_free == snap.kv_blocks_total
+        assert snap.kv_blocks_available == snap.kv_blocks_total
 
 
 def audited(make_engine, **kw):

@@ -235,7 +235,7 @@ def test_disconnect_storm_cancels_every_leaver_and_leaks_nothing(make_engine):
         assert wait_until(lambda: engine.snapshot().idle, 10)
         c = engine.snapshot().counters
         snap = engine.snapshot()
-        assert snap.kv_blocks_free == snap.kv_blocks_total
+        assert snap.kv_blocks_available == snap.kv_blocks_total
         assert c.kv_blocks_held == 0
         assert c.aborted - aborted0 == n_left, "an abort was counted twice or missed"
         steps, gen = c.decode_steps, c.generated_tokens

@@ -33,7 +33,7 @@ def req(P: int, max_tokens: int, salt: int = 0) -> GenerationRequest:
 
 def all_free(e) -> bool:
     s = e.snapshot()
-    return s.idle and s.kv_blocks_free == s.kv_blocks_total
+    return s.idle and s.kv_blocks_available == s.kv_blocks_total
 
 
 def test_a_request_arriving_while_a_row_finishes_gets_an_answer_not_an_error(make_engine):
@@ -115,10 +115,10 @@ def test_a_failure_while_admitting_fails_that_request_alone(make_engine, monkeyp
     e = make_engine(block_size=4)
     make_row = Scheduler._make_row
 
-    def flaky(self, w, max_tokens, cap):
-        if w.prompt_len == 13:
+    def flaky(self, handle, max_tokens, cap):
+        if len(handle.request.prompt_ids) == 13:
             raise RuntimeError("boom while admitting")
-        return make_row(self, w, max_tokens, cap)
+        return make_row(self, handle, max_tokens, cap)
 
     monkeypatch.setattr(Scheduler, "_make_row", flaky)
     good = e.submit(req(4, 20))
@@ -185,7 +185,7 @@ def test_the_kv_manager_detects_a_double_release_by_block_identity():
     Before the fix (a87aed9): `releasing the same 2 blocks twice raised nothing; free = 8 (4 held by
     b2)`. Seen red when `free` checks only the count of free blocks."""
     kv = KVCacheManager(8, 4)
-    assert kv.allocate_for(1, 2) and kv.allocate_for(2, 2)
+    assert kv.allocate_for(1, 8) and kv.allocate_for(2, 8)  # 8 positions: 2 blocks each
     table = list(kv.table(1))
     assert kv.free(1) == 2
     kv._tables[1] = table  # a second owner of the same blocks, as a bug would make one

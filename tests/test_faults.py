@@ -75,7 +75,7 @@ def wait_until(pred, timeout=15.0):
 
 def kv_all_free(engine) -> bool:
     snap = engine.snapshot()
-    return snap.kv_blocks_free == snap.kv_blocks_total
+    return snap.kv_blocks_available == snap.kv_blocks_total
 
 
 class Call(threading.Thread):

@@ -44,20 +44,22 @@ def test_top_p_stops_at_the_token_that_reaches_it():
 
 
 def test_completion_echo_suffix_and_unknown_message_keys_are_refused_by_name(make_engine):
-    """Seen to fail when echo/suffix were accepted and ignored, and message extras dropped silently."""
+    """Seen to fail when echo/suffix were accepted and ignored, and message extras dropped silently.
+    Since issue 13, `echo` alone and `tool_calls` messages are supported; echo with logprobs (the
+    prompt's log-probabilities) is still refused by name."""
     import httpx
 
     from tests.server_util import running_server
 
     with running_server(make_engine()) as (base, _):
         for body, param in (
-            ({"prompt": "hi", "echo": True}, "echo"),
+            ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
             ({"prompt": "hi", "suffix": "end"}, "suffix"),
         ):
             r = httpx.post(base + "/v1/completions", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param
-        msg = {"role": "assistant", "content": "x", "tool_calls": []}
+        msg = {"role": "assistant", "content": "x", "frobnicate": []}
         r = httpx.post(base + "/v1/chat/completions", json={"messages": [msg]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.tool_calls"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.frobnicate"
         before = httpx.get(base + "/metrics").text.count('reason="shutting_down"')
         assert before == 0

@@ -93,7 +93,7 @@ def test_async_client_concurrent_streams(real_server):
 
     texts = asyncio.run(main())
     assert all(texts)
-    assert engine.snapshot().kv_blocks_free == engine.snapshot().kv_blocks_total
+    assert engine.snapshot().kv_blocks_available == engine.snapshot().kv_blocks_total
 
 
 def test_openai_client_surfaces_400_and_429(real_server):

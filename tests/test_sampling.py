@@ -41,8 +41,12 @@ BAD = [
     ("presence_penalty", 3.0, "-2 <= presence_penalty <= 2"),
     ("frequency_penalty", 2.1, "-2 <= frequency_penalty <= 2"),
     ("frequency_penalty", -math.inf, "-2 <= frequency_penalty <= 2"),
-    ("seed", -1, "0 <= seed < 2**63"),
-    ("seed", 2**63, "0 <= seed < 2**63"),
+    ("seed", -(2**63) - 1, "-2**63 <= seed < 2**64"),
+    ("seed", 2**64, "-2**63 <= seed < 2**64"),
+    ("seed", 1.5, "-2**63 <= seed < 2**64"),
+    ("logprobs", 21, "0 <= top logprobs <= 20"),
+    ("logprobs", -1, "0 <= top logprobs <= 20"),
+    ("logit_bias", {5: 101.0}, "-100 <= bias <= 100"),
 ]
 
 
@@ -66,6 +70,11 @@ def test_out_of_range_values_raise_an_error_naming_parameter_value_and_allowed_r
         dict(top_k=0, repetition_penalty=2, presence_penalty=-2, frequency_penalty=2),
         dict(seed=0),
         dict(seed=2**63 - 1),
+        dict(seed=-1),  # any 64-bit seed: issue 13 (clients send -1)
+        dict(seed=-(2**63)),
+        dict(seed=2**64 - 1),
+        dict(logprobs=0, logit_bias={3: -100, 4: 100.0}),
+        dict(logprobs=20),
     ],
 )
 def test_values_at_the_edges_of_each_range_are_accepted(kw):

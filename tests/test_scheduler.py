@@ -70,7 +70,10 @@ class Harness:
         prefill_chunk=8,
         min_cap_tokens=4,
         max_model_len=64,
+        prefix_cache=False,
     ):
+        """`prefix_cache` is off by default: these tests reuse prompts, and count blocks without it
+        (tests/test_prefix_cache.py covers it)."""
         self.batches = []
         cfg = SchedulerConfig(
             block_size=block_size,
@@ -82,6 +85,7 @@ class Harness:
             min_cap_tokens=min_cap_tokens,
             max_model_len=max_model_len,
             kv_bytes_per_token=512,
+            prefix_cache=prefix_cache,
         )
         self.inbox = Inbox()
         runner = ModelRunner(
@@ -96,10 +100,10 @@ class Harness:
         sched = self.core.scheduler
         start_row = sched._start_row
 
-        def recording_start_row(row, blocks):
+        def recording_start_row(row):
             self.order.append(row.id)
             self.skipped += [(row.id, w.id) for w in self.state.waiting if w.id < row.id]
-            start_row(row, blocks)
+            start_row(row)
 
         sched._start_row = recording_start_row
 
@@ -132,7 +136,7 @@ class Harness:
         return [w.id for w in self.state.waiting]
 
     def held(self) -> int:
-        return self.kv.held_blocks
+        return self.kv.referenced_blocks
 
 
 def drain(h: RequestHandle) -> list:
@@ -184,7 +188,7 @@ def test_exact_fit_is_admitted_now_and_one_block_more_waits():
     hx.tick()
     b = hx.submit(4, 12)  # exactly the 4 free blocks
     hx.tick()
-    assert hx.order == [a.id, b.id] and hx.kv.free_blocks == 0
+    assert hx.order == [a.id, b.id] and hx.kv.available_blocks == 0
     hx.run()
     hx2 = Harness(blocks=8, block_size=4)
     hx2.submit(4, 12)
@@ -213,7 +217,7 @@ def test_whole_pool_exactly_is_admitted_and_one_position_more_is_refused():
     assert (r.code, r.status, r.positions, r.positions_limit) == ("kv_budget_exceeded", 400, 33, 32)
     assert r.estimated_bytes == 9 * 4 * 512 and r.limit_bytes == 32 * 512
     assert hx.counters.rejected_kv_budget == 1
-    assert hx.kv.free_blocks == hx.kv.total
+    assert hx.kv.available_blocks == hx.kv.total
 
 
 def test_free_now_cap_and_kv_budget_cap_report_what_was_asked():
@@ -391,7 +395,7 @@ def test_random_operations_keep_the_invariants(ops, wait, max_seqs, chunk):
                 check()
     hx.run()
     check()
-    assert hx.kv.free_blocks == hx.kv.total and hx.counters.kv_blocks_held == 0
+    assert hx.kv.available_blocks == hx.kv.total and hx.counters.kv_blocks_held == 0
     assert hx.counters.kv_blocks_peak <= hx.kv.total
     admitted = 0
     for h in handles:
@@ -481,12 +485,12 @@ def test_threads_random_submit_cancel_keep_invariants(make_engine, plan, nthread
     sched = e.core.scheduler
     start_row = sched._start_row
 
-    def recording_start_row(row, blocks):
+    def recording_start_row(row):
         admit_order.append(row.id)
         mine = queue_order.index(row.id)
         if any(queue_order.index(x.id) < mine for x in state.waiting):
             violations.append(f"{row.id} admitted past an earlier waiter")
-        start_row(row, blocks)
+        start_row(row)
 
     sched._start_row = recording_start_row
 
@@ -546,7 +550,7 @@ def test_threads_random_submit_cancel_keep_invariants(make_engine, plan, nthread
 
     def leaked() -> bool:  # no row runs, yet blocks are held: nothing will ever give them back
         snap = e.snapshot()
-        return snap.running == 0 and snap.kv_blocks_free < snap.kv_blocks_total
+        return snap.running == 0 and snap.kv_blocks_held > 0
 
     end = time.monotonic() + 10  # for all of them together: a lost terminal event fails in 10 s
     for h in handles:
@@ -561,7 +565,7 @@ def test_threads_random_submit_cancel_keep_invariants(make_engine, plan, nthread
     assert wait_until(lambda: e.snapshot().idle, 5)
     assert not violations, violations
     snap = e.snapshot()
-    assert snap.kv_blocks_free == snap.kv_blocks_total and snap.counters.kv_blocks_held == 0
+    assert snap.kv_blocks_available == snap.kv_blocks_total and snap.counters.kv_blocks_held == 0
     assert snap.counters.kv_blocks_peak <= snap.kv_blocks_total
     for h in handles:
         assert not drain(h), "an event after the terminal one"

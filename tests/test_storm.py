@@ -233,7 +233,7 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
         # ---- nothing leaked; counters and metrics agree with what the clients saw -------------
         assert wait_until(lambda: engine.snapshot().idle)
         snap = engine.snapshot()
-        assert snap.kv_blocks_free == snap.kv_blocks_total
+        assert snap.kv_blocks_available == snap.kv_blocks_total
         c = snap.counters
         assert c.kv_blocks_held == 0 and c.failed == 0 and c.aborted == 0
         assert c.admitted == by_status[200]
@@ -252,7 +252,8 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
             )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
             res = cl.get("/v1/resources").json()["kv"]
-            assert res["blocks_free"] == res["blocks_total"] == KV_BLOCKS
+            assert res["blocks_free"] + res["blocks_cached"] == res["blocks_total"] == KV_BLOCKS
+            assert res["blocks_referenced"] == 0
 
         # Which requests win a 200 in the storm is random, so pairs sharing a key may not exist: replay
         # one storm 200 on the idle server, streamed and not, so the same-seed check always compares.
@@ -334,7 +335,7 @@ def test_a_storm_against_a_ttft_budget_never_answers_500(make_engine):
         assert rej == {f'{{reason="{code}"}}': float(n) for code, n in by_code.items()}, (rej, by_code)
         snap = engine.snapshot()
         assert snap.counters.rejected_ttft_budget == by_code["ttft_budget_exceeded"]
-        assert snap.kv_blocks_free == snap.kv_blocks_total
+        assert snap.kv_blocks_available == snap.kv_blocks_total
     print(
         f"\nTTFT STORM: by status {dict(sorted(by_status.items()))}, refusals {dict(sorted(by_code.items()))}"
     )

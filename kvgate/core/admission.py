@@ -18,7 +18,7 @@ Refusals, in the order a request meets them:
 from __future__ import annotations
 
 from kvgate.config import SchedulerConfig
-from kvgate.core.kv_cache import blocks_for
+from kvgate.core.kv_cache import blocks_for, cacheable_blocks, prompt_block_hashes
 from kvgate.core.rows import WaitEntry
 from kvgate.core.snapshot import EngineSnapshot, WaiterView
 from kvgate.request import BudgetCap, Refusal, RequestHandle
@@ -26,23 +26,54 @@ from kvgate.request import BudgetCap, Refusal, RequestHandle
 DEFAULT_STEP_SECONDS = 0.05  # Retry-After's step time before any step was measured
 
 
-def plan_entry(cfg: SchedulerConfig, handle: RequestHandle) -> WaitEntry:
-    """The queue entry for a request, or the 400 that says it can never fit (context first)."""
+def group_blocks(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, hits: int = 0) -> int:
+    """New blocks a request of `n` choices needs: every choice holds `ceil((P + max_tokens) / bs)`
+    blocks, the choices share the prompt's cacheable blocks (referenced once), and `hits` of those
+    come from the prefix cache already."""
+    per = blocks_for(P + max_tokens, cfg.block_size)
+    shared = cacheable_blocks(P, cfg.block_size) if n > 1 else 0
+    return per + (n - 1) * (per - shared) - hits
+
+
+def max_choice_positions(cfg: SchedulerConfig, P: int, n: int, blocks: int, hits: int = 0) -> int:
+    """The most positions each of `n` choices can have when `blocks` new blocks are available."""
+    shared = cacheable_blocks(P, cfg.block_size) if n > 1 else 0
+    return (blocks + hits + (n - 1) * shared) // n * cfg.block_size
+
+
+def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[RequestHandle] = ()) -> WaitEntry:
+    """The queue entry for a request (and the other choices of an n > 1 request), or the 400 that says
+    it can never fit (context first). The prompt-block hashes are computed here, on the caller's
+    thread, once."""
     req = handle.request
     P = len(req.prompt_ids)
+    n = 1 + len(followers)
     explicit = req.max_tokens is not None
     ceiling = req.max_tokens if explicit else cfg.max_model_len - P
     if P == 0 or P + (ceiling if explicit else 1) > cfg.max_model_len:
         raise context_refusal(cfg, P, req.max_tokens)
+    if n > cfg.max_seqs:
+        raise Refusal(
+            "too_many_choices",
+            f"n={n} choices run as {n} batch rows at once, and this server runs at most {cfg.max_seqs} "
+            f"(--max-seqs). Ask for at most n={cfg.max_seqs}, or send several requests.",
+            400,
+        )
     cap = None
     requested = ceiling  # before any cap: what the caller asked for, or the context ceiling
-    limit_pos = cfg.kv_positions
-    if blocks_for(P + ceiling, cfg.block_size) > cfg.total_blocks:
-        if explicit or P + 1 > limit_pos:
-            raise budget_refusal(cfg, P, ceiling if explicit else 1)
-        cap = BudgetCap(ceiling, limit_pos - P, "kv_budget")
-        ceiling = limit_pos - P
-    return WaitEntry(handle, ceiling, explicit, requested, cap, handle.submitted_at + cfg.max_queue_wait)
+    if group_blocks(cfg, P, ceiling, n) > cfg.total_blocks:
+        best = max_choice_positions(cfg, P, n, cfg.total_blocks) - P
+        if explicit or best < 1:
+            raise budget_refusal(cfg, P, ceiling if explicit else 1, n)
+        cap = BudgetCap(ceiling, best, "kv_budget")
+        ceiling = best
+    hashes = (
+        prompt_block_hashes(req.prompt_ids, cfg.block_size, cfg.cache_root)
+        if cfg.prefix_cache or n > 1
+        else []
+    )
+    deadline = handle.submitted_at + cfg.max_queue_wait
+    return WaitEntry(handle, ceiling, explicit, requested, cap, deadline, hashes, list(followers))
 
 
 def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None) -> Refusal:
@@ -66,20 +97,22 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None) -> Ref
     )
 
 
-def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int) -> Refusal:
+def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1) -> Refusal:
     want = P + max_tokens
     limit_pos = cfg.kv_positions
-    need = blocks_for(want, cfg.block_size)
-    bpt = cfg.kv_bytes_per_token
+    need = group_blocks(cfg, P, max_tokens, n)
+    bpt, bs = cfg.kv_bytes_per_token, cfg.block_size
+    what = f"{need} KV blocks" if n == 1 else f"{need} KV blocks for {n} choices sharing the prompt's blocks"
+    most = max(0, max_choice_positions(cfg, P, n, cfg.total_blocks) - P)
     return Refusal(
         "kv_budget_exceeded",
-        f"this request can never fit: prompt {P} + max_tokens {max_tokens} = {want} positions need "
-        f"{need} KV blocks ({need * cfg.block_size * bpt:,} bytes) but the whole KV pool is "
-        f"{cfg.total_blocks} blocks ({limit_pos} positions, {limit_pos * bpt:,} bytes). Lower max_tokens "
-        f"to at most {max(0, limit_pos - P)}, shorten the prompt, or start the server with a larger "
-        "--memory-limit.",
+        f"this request can never fit: prompt {P} + max_tokens {max_tokens} = {want} positions need {what} "
+        f"({need * bs * bpt:,} bytes) but the whole KV pool is {cfg.total_blocks} blocks ({limit_pos} "
+        f"positions, {limit_pos * bpt:,} bytes). Lower max_tokens to at most {most}"
+        + (", or ask for fewer choices (n)" if n > 1 else "")
+        + ", shorten the prompt, or start the server with a larger --memory-limit.",
         400,
-        estimated_bytes=need * cfg.block_size * bpt,
+        estimated_bytes=need * bs * bpt,
         limit_bytes=limit_pos * bpt,
         positions=want,
         positions_limit=limit_pos,
@@ -117,9 +150,10 @@ def queue_full_refusal(cfg: SchedulerConfig, queued: int, retry_after: int) -> R
 def kv_timeout_refusal(
     cfg: SchedulerConfig, w: WaitEntry, free_blocks: int, rows: int, retry: int
 ) -> Refusal:
+    """`free_blocks`: what admission could hand out (free plus evictable cached blocks)."""
     P = w.prompt_len
-    need = blocks_for(P + w.max_tokens, cfg.block_size)
-    if need <= free_blocks and rows >= cfg.max_seqs:
+    need = group_blocks(cfg, P, w.max_tokens, w.choices)
+    if need <= free_blocks and rows + w.choices > cfg.max_seqs:
         why = f"all {cfg.max_seqs} batch rows (--max-seqs) stayed busy"
     else:
         why = (
@@ -160,7 +194,13 @@ def retry_after(snap: EngineSnapshot, queued: int = 0) -> int:
 
 
 def predicted_ttft(
-    cfg: SchedulerConfig, snap: EngineSnapshot, pending: list[WaiterView], P: int, max_tokens: int
+    cfg: SchedulerConfig,
+    snap: EngineSnapshot,
+    pending: list[WaiterView],
+    P: int,
+    max_tokens: int,
+    cached: int = 0,
+    n: int = 1,
 ) -> tuple[float, float, int] | None:
     """(seconds until admission, seconds of prefill, prompt tokens to prefill) for a request arriving
     now, or None before any prefill was timed. `pending`: requests the gate accepted that the snapshot
@@ -171,14 +211,16 @@ def predicted_ttft(
     and itself, at the tick after that step (with rows running, never before the step in flight
     ends). Prefill: every prompt token still to prefill ahead of it plus its own, at the measured
     seconds per prefill token -- exact with one prompt prefilling, an upper bound when chunks are
-    shared round-robin."""
+    shared round-robin. `cached`: the newcomer's prompt tokens the prefix cache holds (not
+    prefilled, not allocated); `n`: its choices."""
     per_token, step = snap.prefill_token_time_ema, snap.step_time_ema
     if per_token is None or step is None:
         return None
     waiters = list(snap.waiters) + list(pending)
-    ahead = sum(r.prompt_left for r in snap.rows) + sum(w.prompt_len for w in waiters) + P
-    slots = len(waiters) + 1 - (cfg.max_seqs - len(snap.rows))
-    blocks = blocks_for(P + max_tokens, cfg.block_size) - snap.kv_blocks_free + sum(w.blocks for w in waiters)
+    ahead = sum(r.prompt_left for r in snap.rows) + sum(w.prompt_len for w in waiters) + P - cached
+    slots = len(waiters) + n - (cfg.max_seqs - len(snap.rows))
+    need = group_blocks(cfg, P, max_tokens, n, cached // cfg.block_size)
+    blocks = need - snap.kv_blocks_available + sum(w.blocks for w in waiters)
     admit = step if snap.rows else 0.0  # admitted at the worker's next tick: after the step in flight
     if slots > 0 or blocks > 0:
         admit = float("inf")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,6 +56,12 @@ class EngineInfo:
     device: str
     dtype: str
     load_seconds: float
+
+
+def prefix_cache_flag(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise PlanError(f"--prefix-cache {value!r} is not one of on, off")
+    return value == "on"
 
 
 class Engine:
@@ -101,6 +107,8 @@ class Engine:
             max_model_len=place.max_model_len,
             kv_bytes_per_token=p.kv_bytes_per_token,
             max_ttft=cfg.max_ttft,
+            prefix_cache=prefix_cache_flag(cfg.prefix_cache),
+            cache_root=f"{spec.architecture}|{spec.name}|{p.dtype}|{loaded.source}".encode(),
         )
         self.inbox = Inbox()
         self.runner = ModelRunner(
@@ -164,15 +172,31 @@ class Engine:
         self.gate.submit(handle)
         return handle
 
-    def submit_many(self, requests: list[GenerationRequest]) -> list[RequestHandle]:
-        """Several requests as one: all are validated before any is submitted, and a refusal of one
-        cancels those submitted before it, so a bad or refused prompt leaves nothing running."""
+    def submit_choices(self, request: GenerationRequest, n: int) -> list[RequestHandle]:
+        """`n` answers to one prompt, admitted together or not at all: they share the prompt's blocks
+        (computed once) and each holds its own output blocks. With a seed, choice i samples with
+        seed + i, so the same request gives the same n answers (choice 0 = the request alone)."""
+        if n == 1:
+            return [self.submit(request)]
+        request.validate(self.tokenizer.vocab_size)
+        handles = [RequestHandle(request, self._send_cancel)]
+        for i in range(1, n):
+            seed = request.sampling.seed
+            sampling = replace(request.sampling, seed=None if seed is None else (seed + i) % (1 << 63))
+            handles.append(RequestHandle(replace(request, sampling=sampling), self._send_cancel))
+        self.gate.submit(handles[0], handles[1:])
+        return handles
+
+    def submit_many(self, requests: list[GenerationRequest], n: int = 1) -> list[RequestHandle]:
+        """Several requests as one (`n` choices each, see `submit_choices`): all are validated before
+        any is submitted, and a refusal of one cancels those submitted before it, so a bad or refused
+        prompt leaves nothing running. Handles come prompt by prompt, choice by choice."""
         for r in requests:
             r.validate(self.tokenizer.vocab_size)
         handles: list[RequestHandle] = []
         try:
             for r in requests:
-                handles.append(self.submit(r))
+                handles.extend(self.submit_choices(r, n))
         except BaseException:
             for h in handles:
                 h.cancel()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from kvgate.config import SchedulerConfig
 from kvgate.core import admission
 from kvgate.core.inbox import Inbox
-from kvgate.core.kv_cache import blocks_for
+from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.snapshot import Counters, EngineSnapshot
 from kvgate.request import Refusal, RequestHandle
 
@@ -38,42 +38,56 @@ class AdmissionGate:
         self._unavailable = unavailable
         self.counts = Counters()  # guarded by inbox.lock
 
-    def submit(self, handle: RequestHandle) -> None:
+    def submit(self, handle: RequestHandle, followers: list[RequestHandle] = ()) -> None:
+        """Queue `handle` (with the other choices of an n > 1 request, admitted together), or raise."""
         cfg, inbox, c = self.cfg, self.inbox, self.counts
+        n = 1 + len(followers)
         try:
-            entry = admission.plan_entry(cfg, handle)
+            entry = admission.plan_entry(cfg, handle, list(followers))
         except Refusal as r:
             with inbox.lock:
                 if r.code == "context_length_exceeded":
-                    c.rejected_context_length += 1
-                else:
-                    c.rejected_kv_budget += 1
+                    c.rejected_context_length += n
+                elif r.code == "kv_budget_exceeded":
+                    c.rejected_kv_budget += n
             raise
         snap = self._snapshot()
         with inbox.lock:
             closed = inbox.closed_reason
             if closed == SHUTTING_DOWN:
-                c.rejected_unavailable += 1
+                c.rejected_unavailable += n
                 raise admission.shutting_down_refusal()
             why = closed or self._unavailable()
             if why is not None:
-                c.rejected_unavailable += 1
+                c.rejected_unavailable += n
                 raise admission.unavailable_refusal(why, 5)
-            if inbox.queued >= cfg.max_queue:
-                c.queue_rejected += 1
+            if inbox.queued + n > cfg.max_queue:
+                c.queue_rejected += n
                 retry = admission.retry_after(snap, inbox.queued)
                 raise admission.queue_full_refusal(cfg, inbox.queued, retry)
             if cfg.max_ttft is not None:
                 ahead = inbox.pending(snap.absorbed)
-                est = admission.predicted_ttft(cfg, snap, ahead, entry.prompt_len, entry.max_tokens)
-                refusal = (
-                    None if est is None else admission.ttft_refusal(cfg, est, snap.prefill_token_time_ema)
+                cached = cached_prefix(entry.hashes, snap.cached_hashes, entry.prompt_len, cfg.block_size)
+                est = admission.predicted_ttft(
+                    cfg, snap, ahead, entry.prompt_len, entry.max_tokens, cached, n
                 )
+                per_token = snap.prefill_token_time_ema
+                refusal = None if est is None else admission.ttft_refusal(cfg, est, per_token)
                 if refusal is not None:
-                    c.rejected_ttft_budget += 1
+                    c.rejected_ttft_budget += n
                     raise refusal
-            inbox.accept(entry, blocks_for(entry.prompt_len + entry.max_tokens, cfg.block_size))
+            inbox.accept(entry, admission.group_blocks(cfg, entry.prompt_len, entry.max_tokens, n))
 
     def counters(self) -> Counters:
         with self.inbox.lock:
             return Counters(*(getattr(self.counts, f) for f in Counters.__slots__))
+
+
+def cached_prefix(hashes: list[bytes], cached: frozenset, prompt_len: int, block_size: int) -> int:
+    """Prompt tokens the prefix cache held when the snapshot was taken (an estimate for the forecast)."""
+    hits = 0
+    for h in hashes[: cacheable_blocks(prompt_len, block_size)]:
+        if h not in cached:
+            break
+        hits += 1
+    return hits * block_size

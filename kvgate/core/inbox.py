@@ -63,7 +63,7 @@ class Inbox:
     def accept(self, entry: WaitEntry, blocks: int) -> None:
         """Queue a submission the gate has approved. Call with `lock` held."""
         self._seq += 1
-        self.queued += 1
+        self.queued += entry.choices
         self._pending.append((self._seq, WaiterView(entry.prompt_len, blocks, entry.id, entry.max_tokens)))
         self._commands.append(Submit(entry, self._seq))
         self.lock.notify_all()

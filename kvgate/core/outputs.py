@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgate.core.step_inputs import DecodeInput, PrefillInput
-from kvgate.sampling import Sampler
+from kvgate.sampling import Sampler, TokenLogprobs
 
 
 @dataclass
@@ -37,5 +37,6 @@ class SchedulerOutput:
 class ModelOutput:
     tokens: dict[int, int] = field(default_factory=dict)  # request id -> sampled token
     errors: dict[int, str] = field(default_factory=dict)  # request id -> why its sampling failed
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # rows that asked for them
     step_error: str | None = None  # the forward failed: every row in the step fails with this
     seconds: float = 0.0  # wall time of the forward and sampling

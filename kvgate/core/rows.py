@@ -23,10 +23,16 @@ class WaitEntry:
     requested: int  # what the caller asked for, or the context ceiling when unset
     cap: BudgetCap | None
     deadline: float
+    hashes: list[bytes] = field(default_factory=list)  # full prompt-block hashes (prefix cache)
+    followers: list[RequestHandle] = field(default_factory=list)  # the other choices of an n > 1 request
 
     @property
     def id(self) -> int:
         return self.handle.id
+
+    @property
+    def choices(self) -> int:
+        return 1 + len(self.followers)
 
     @property
     def prompt_len(self) -> int:
@@ -47,6 +53,12 @@ class Row:
     text: list[str] = field(default_factory=list)
     computed: int = 0  # positions whose K/V are in the cache
     token_times: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # a choice of an n > 1 request shares the first `shared_positions` of its leader's prompt: it may
+    # not prefill until the leader has computed them
+    leader: int | None = None
+    shared_positions: int = 0
+    followers: list[int] = field(default_factory=list)
 
     @property
     def id(self) -> int:

@@ -65,6 +65,7 @@ class ModelRunner:
         try:
             tokens = sample_batch(samplers, logits, [li for _, li in picks])
             out.tokens.update((rid, t) for (rid, _), t in zip(picks, tokens, strict=True))
+            self._logprobs([(rid, s) for (rid, _), s in zip(picks, samplers, strict=True)], out)
             return
         except Exception:  # find the row that failed: sample each alone (same draws), so it fails alone
             for s, st in zip(samplers, states, strict=True):
@@ -74,3 +75,11 @@ class ModelRunner:
                 out.tokens[rid] = s.sample(logits[li])
             except Exception as exc:
                 out.errors[rid] = f"{type(exc).__name__}: {exc}"
+        self._logprobs([(rid, so.samplers[rid]) for rid, _ in picks if rid in out.tokens], out)
+
+    @staticmethod
+    def _logprobs(sampled, out: ModelOutput) -> None:
+        """The log-probabilities of the rows that asked (the sampler left them with its last draw)."""
+        for rid, s in sampled:
+            if s.last_logprobs is not None:
+                out.logprobs[rid] = s.last_logprobs

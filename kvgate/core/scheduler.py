@@ -25,11 +25,12 @@ import time
 from kvgate.config import SchedulerConfig
 from kvgate.core import admission
 from kvgate.core.inbox import Cancel, CancelAll, Command, Drain, Submit
+from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.outputs import SchedulerOutput
 from kvgate.core.rows import Row, WaitEntry
 from kvgate.core.state import EngineState
 from kvgate.core.step_inputs import DecodeInput, PrefillInput
-from kvgate.request import Admitted, BudgetCap, Refused
+from kvgate.request import Admitted, BudgetCap, Refused, RequestHandle
 from kvgate.sampling import Sampler
 from kvgate.stop import StopMatcher
 from kvgate.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -51,7 +52,7 @@ class Scheduler:
             if isinstance(cmd, Submit):
                 s.absorbed = max(s.absorbed, cmd.seq)
                 if self.draining:
-                    s.counters.rejected_unavailable += 1
+                    s.counters.rejected_unavailable += cmd.entry.choices
                     s.leave_queue(cmd.entry, Refused(admission.shutting_down_refusal()))
                 else:
                     s.waiting.append(cmd.entry)
@@ -71,10 +72,15 @@ class Scheduler:
             s.finish(row, "cancelled")
             return
         for w in s.waiting:
-            if w.id == request_id:
+            if w.id == request_id:  # the request, and with it every choice still queued
                 s.waiting.remove(w)
                 s.cancelled_in_queue(w)
                 return
+            for f in w.followers:
+                if f.id == request_id:  # one choice of an n > 1 request
+                    w.followers.remove(f)
+                    s.cancelled_in_queue(w, [f])
+                    return
 
     def drain(self) -> None:
         """Refuse every queued request now (503 with Retry-After); running rows go on to their end."""
@@ -82,7 +88,7 @@ class Scheduler:
         s = self.state
         while s.waiting:
             w = s.waiting.popleft()
-            s.counters.rejected_unavailable += 1
+            s.counters.rejected_unavailable += w.choices
             s.leave_queue(w, Refused(admission.shutting_down_refusal()))
 
     def fail_all(self, reason: str) -> None:
@@ -90,7 +96,7 @@ class Scheduler:
         s = self.state
         while s.waiting:
             w = s.waiting.popleft()
-            s.counters.rejected_unavailable += 1
+            s.counters.rejected_unavailable += w.choices
             s.leave_queue(w, Refused(admission.unavailable_refusal(reason, 1)))
         for row in list(s.running.values()):
             s.finish(row, "error", error=reason, flush=False)
@@ -108,39 +114,70 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput) -> None:
         s, cfg, kv = self.state, self.cfg, self.state.kv
-        while s.waiting and len(s.running) < cfg.max_seqs:
+        bs = cfg.block_size
+        while s.waiting and len(s.running) + s.waiting[0].choices <= cfg.max_seqs:
             head = s.waiting[0]
-            P = head.prompt_len
+            P, n = head.prompt_len, head.choices
+            hits = kv.lookup(head.hashes[: cacheable_blocks(P, bs)])
             mt, cap = head.max_tokens, head.cap
-            need = kv.blocks_needed(P + mt)
-            if not kv.can_allocate(need):
-                fits = kv.free_blocks * cfg.block_size - P
+            room = kv.available_with(hits)
+            if admission.group_blocks(cfg, P, mt, n, len(hits)) > room:
+                fits = admission.max_choice_positions(cfg, P, n, room, len(hits)) - P
                 if head.explicit or fits < max(1, cfg.min_cap_tokens):
                     return  # the head blocks the line (strict FIFO)
                 cap = BudgetCap(head.requested, fits, "kv_free_now")
                 mt = fits
-                need = kv.blocks_needed(P + mt)
             s.waiting.popleft()
             try:
-                if not kv.allocate_for(head.id, need):
-                    raise AssertionError(f"{need} blocks were free a moment ago and are not now")
-                row = self._make_row(head, mt, cap)
+                rows = self._allocate_rows(head, mt, cap, hits)
             except Exception:
                 log.exception("admitting request %d failed", head.id)
-                s.counters.kv_blocks_held -= kv.free(head.id)
-                s.counters.failed += 1
+                for h in [head.handle, *head.followers]:
+                    kv.free(h.id)
+                s.counters.kv_blocks_held = kv.referenced_blocks
+                s.counters.failed += n
                 s.leave_queue(head, Refused(admission.engine_error_refusal()))
                 continue
-            self._start_row(row, need)
-            out.admitted.append(row.id)
+            c = s.counters
+            c.prefix_cache_queries_tokens += P if kv.prefix_cache else 0
+            c.prefix_cache_hits_tokens += len(hits) * bs
+            s.inbox.left_queue(n)
+            for row in rows:
+                self._start_row(row)
+                out.admitted.append(row.id)
 
-    def _make_row(self, w: WaitEntry, max_tokens: int, cap: BudgetCap | None) -> Row:
-        req = w.handle.request
+    def _allocate_rows(
+        self, head: WaitEntry, max_tokens: int, cap: BudgetCap | None, hits: list[int]
+    ) -> list[Row]:
+        """The blocks and rows of an admitted request: the leader takes the cache hits and its own
+        blocks; each other choice shares the leader's cacheable prompt blocks (waiting for the leader
+        to compute them) and holds its own tail and output blocks."""
+        kv, bs = self.state.kv, self.cfg.block_size
+        P = head.prompt_len
+        if not kv.allocate_for(head.id, P + max_tokens, hits, head.hashes):
+            raise AssertionError("blocks that were available a moment ago are not")
+        leader = self._make_row(head.handle, max_tokens, cap)
+        leader.computed = leader.cached_tokens = len(hits) * bs
+        rows = [leader]
+        shared = cacheable_blocks(P, bs)
+        for f in head.followers:
+            if not kv.allocate_for(f.id, P + max_tokens, kv.table(head.id)[:shared]):
+                raise AssertionError("blocks that were available a moment ago are not")
+            row = self._make_row(f, max_tokens, cap)
+            row.computed = row.shared_positions = shared * bs
+            row.cached_tokens = len(hits) * bs
+            row.leader = leader.id
+            leader.followers.append(row.id)
+            rows.append(row)
+        return rows
+
+    def _make_row(self, handle: RequestHandle, max_tokens: int, cap: BudgetCap | None) -> Row:
+        req = handle.request
         stop_ids = set(req.stop_token_ids)
         if not req.ignore_eos:
             stop_ids |= self.tok.eog_ids
         return Row(
-            handle=w.handle,
+            handle=handle,
             prompt=list(req.prompt_ids),
             max_tokens=max_tokens,
             sampler=Sampler(req.sampling, req.prompt_ids, self.tok.vocab_size),
@@ -151,7 +188,7 @@ class Scheduler:
             tokens=list(req.prompt_ids),
         )
 
-    def _start_row(self, row: Row, blocks: int) -> None:
+    def _start_row(self, row: Row) -> None:
         s = self.state
         s.running[row.id] = row
         s.prefill_rr.append(row.id)
@@ -160,10 +197,9 @@ class Scheduler:
         c.prompt_tokens += len(row.prompt)
         if row.budget_cap is not None:
             c.budget_caps += 1
-        c.kv_blocks_held += blocks
+        c.kv_blocks_held = s.kv.referenced_blocks
         c.kv_blocks_peak = max(c.kv_blocks_peak, c.kv_blocks_held)
-        s.inbox.left_queue()
-        s.emit(row.handle, Admitted(row.max_tokens, row.budget_cap, len(row.prompt)))
+        s.emit(row.handle, Admitted(row.max_tokens, row.budget_cap, len(row.prompt), row.cached_tokens))
 
     def _expire(self, now: float) -> None:
         s = self.state
@@ -173,8 +209,8 @@ class Scheduler:
         retry = admission.retry_after(s.snapshot())
         for w in late:
             s.waiting.remove(w)
-            s.counters.rejected_kv_timeout += 1
-            refusal = admission.kv_timeout_refusal(self.cfg, w, s.kv.free_blocks, len(s.running), retry)
+            s.counters.rejected_kv_timeout += w.choices
+            refusal = admission.kv_timeout_refusal(self.cfg, w, s.kv.available_blocks, len(s.running), retry)
             s.leave_queue(w, Refused(refusal))
 
     def _pick_step(self, out: SchedulerOutput) -> None:
@@ -184,24 +220,27 @@ class Scheduler:
                 out.decodes.append(DecodeInput(r.id, r.tokens[-1], len(r.tokens) - 1, kv.table(r.id)))
                 out.samplers[r.id] = r.sampler
         budget = self.cfg.prefill_chunk
-        served: set[int] = set()
         rr = s.prefill_rr
-        while budget > 0 and rr:
-            rid = rr[0]
+        for rid in list(rr):  # each prefilling row at most once, in round-robin order
+            if budget <= 0:
+                break
             row = s.running.get(rid)
             if row is None or not row.prefilling:
-                rr.popleft()
+                rr.remove(rid)
                 continue
-            if rid in served:
-                break
-            served.add(rid)
+            if row.leader is not None and self._leader_behind(row):
+                continue  # its shared prompt blocks are not computed yet
             n = min(budget, len(row.prompt) - row.computed)
             ends = row.computed + n == len(row.prompt)
             chunk = row.prompt[row.computed : row.computed + n]
             out.prefills.append(PrefillInput(rid, chunk, row.computed, kv.table(rid), ends))
+            budget -= n
+            rr.remove(rid)
             if ends:
                 out.samplers[rid] = row.sampler
-            budget -= n
-            rr.rotate(-1)
-            if ends:
-                rr.remove(rid)
+            else:
+                rr.append(rid)
+
+    def _leader_behind(self, row: Row) -> bool:
+        leader = self.state.running.get(row.leader)
+        return leader is not None and leader.computed < row.shared_positions

@@ -42,6 +42,8 @@ class Counters:
     kv_blocks_held: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    prefix_cache_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits_tokens: int = 0  # of those, tokens whose K/V came from the cache
 
     def plus(self, other: Counters) -> Counters:
         return Counters(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -82,10 +84,12 @@ class EngineSnapshot:
     absorbed: int  # the highest submission sequence number the worker has taken into its queue
     kv_blocks_total: int
     kv_blocks_free: int
+    kv_blocks_cached: int  # evictable: in the prefix cache, referenced by no request
     step_time_ema: float | None
     prefill_token_time_ema: float | None  # seconds per prompt token in steps that prefill
     slowest_step: float  # seconds; 0 before the first step
     recent_steps: tuple[float, ...] = field(default=())
+    cached_hashes: frozenset = frozenset()  # prompt-block hashes the prefix cache holds
 
     @property
     def running(self) -> int:
@@ -97,7 +101,13 @@ class EngineSnapshot:
 
     @property
     def kv_blocks_held(self) -> int:
-        return self.kv_blocks_total - self.kv_blocks_free
+        """Referenced by at least one running request (each counted once)."""
+        return self.kv_blocks_total - self.kv_blocks_free - self.kv_blocks_cached
+
+    @property
+    def kv_blocks_available(self) -> int:
+        """What admission can hand out now: free plus evictable cached blocks."""
+        return self.kv_blocks_free + self.kv_blocks_cached
 
     @property
     def idle(self) -> bool:

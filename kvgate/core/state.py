@@ -59,6 +59,8 @@ class EngineState:
         self.outbox: list[tuple[RequestHandle, object]] = []
         self.absorbed = 0  # highest submission sequence taken into `waiting`
         self._version = 0
+        self._hashes_version = -1
+        self._hashes: frozenset = frozenset()
 
     def emit(self, handle: RequestHandle, event) -> None:
         """Queue an event; the engine delivers the outbox after publishing the snapshot."""
@@ -69,16 +71,24 @@ class EngineState:
 
     # ---- exits ----------------------------------------------------------------------------------
     def leave_queue(self, entry: WaitEntry, event) -> None:
-        """`entry` (already removed from `waiting`) ends without admission: `event` is its last."""
-        self.inbox.left_queue()
-        self.emit(entry.handle, event)
+        """`entry` (already removed from `waiting`) ends without admission: `event` is the last event
+        of each of its choices."""
+        self.inbox.left_queue(entry.choices)
+        for h in [entry.handle, *entry.followers]:
+            self.emit(h, event)
 
-    def cancelled_in_queue(self, entry: WaitEntry) -> None:
-        self.counters.aborted += 1
+    def cancelled_in_queue(self, entry: WaitEntry, handles: list[RequestHandle] | None = None) -> None:
+        """`handles` (default: every choice of `entry`, already out of `waiting`) were cancelled while
+        queued: each gets a final, empty, `cancelled` result."""
+        handles = [entry.handle, *entry.followers] if handles is None else handles
         now = time.monotonic()
-        h = entry.handle
-        result = Result([], "", "cancelled", entry.prompt_len, 0, None, h.submitted_at, None, None, now, [])
-        self.leave_queue(entry, Finished(result, ""))
+        self.inbox.left_queue(len(handles))
+        for h in handles:
+            self.counters.aborted += 1
+            result = Result(
+                [], "", "cancelled", entry.prompt_len, 0, None, h.submitted_at, None, None, now, []
+            )
+            self.emit(h, Finished(result, ""))
 
     def finish(
         self, row: Row, reason: str, *, error: str | None = None, stop_reason=None, flush=True
@@ -86,10 +96,14 @@ class EngineState:
         """The single exit of an admitted request (see the module doc)."""
         if self.running.pop(row.id, None) is None:
             return  # already finished: its blocks went back then
-        released = self.kv.free(row.id)
-        self.counters.kv_blocks_held -= released
+        self.kv.free(row.id)
+        self.counters.kv_blocks_held = self.kv.referenced_blocks
         if row.id in self.prefill_rr:
             self.prefill_rr.remove(row.id)
+        for fid in row.followers:  # choices still waiting for prompt blocks this row never computed
+            f = self.running.get(fid)
+            if f is not None and row.computed < f.shared_positions:
+                self.finish(f, "cancelled" if reason == "cancelled" else "error", error=error, flush=False)
         tail = ""
         if flush:
             try:
@@ -122,10 +136,18 @@ class EngineState:
             token_times=list(times),
             error=error,
             stop_reason=stop_reason,
+            cached_tokens=row.cached_tokens,
         )
         self.emit(row.handle, Finished(result, tail))
 
     # ---- publishing -----------------------------------------------------------------------------
+    def _cached_hashes(self) -> frozenset:
+        """The registered prompt-block hashes, rebuilt only when they changed."""
+        if self._hashes_version != self.kv.version:
+            self._hashes_version = self.kv.version
+            self._hashes = self.kv.registered_hashes()
+        return self._hashes
+
     def snapshot(self) -> EngineSnapshot:
         self._version += 1
         kv = self.kv
@@ -148,12 +170,19 @@ class EngineState:
                 for r in self.running.values()
             ),
             waiters=tuple(
-                WaiterView(w.prompt_len, kv.blocks_needed(w.prompt_len + w.max_tokens), w.id, w.max_tokens)
+                WaiterView(
+                    w.prompt_len,
+                    kv.blocks_needed(w.prompt_len + w.max_tokens) * w.choices,
+                    w.id,
+                    w.max_tokens,
+                )
                 for w in self.waiting
             ),
             absorbed=self.absorbed,
             kv_blocks_total=kv.total,
             kv_blocks_free=kv.free_blocks,
+            kv_blocks_cached=kv.cached_blocks,
+            cached_hashes=self._cached_hashes(),
             step_time_ema=t.ema,
             prefill_token_time_ema=t.prefill_token_ema,
             slowest_step=t.slowest,

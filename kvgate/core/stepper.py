@@ -38,7 +38,8 @@ class EngineCore:
         self.cfg = cfg
         self.inbox = inbox
         self.runner = runner
-        self.state = EngineState(KVCacheManager(cfg.total_blocks, cfg.block_size), inbox, cfg.prefill_chunk)
+        kv = KVCacheManager(cfg.total_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
+        self.state = EngineState(kv, inbox, cfg.prefill_chunk)
         self.scheduler = Scheduler(self.state, cfg, tokenizer)
         self.updater = Updater(self.state, cfg.max_model_len, cfg.prefill_chunk)
         self.snapshot: EngineSnapshot = self.state.snapshot()

@@ -2,7 +2,8 @@
 
 Prompt chunks advance their row's computed positions; each sampled token is appended, checked
 against the stop ids and strings, detokenized and sent as a `Token` event; a row that is done leaves
-through `EngineState.finish`. A failed forward fails every row of the step; a failure while handling
+through `EngineState.finish` (also when its grammar is complete: nothing else may follow). A token's
+log-probabilities, when its row asked for them, ride on its `Token` event. A failed forward fails every row of the step; a failure while handling
 one row's token (a detokenizer or stop matcher that raises) fails that row alone.
 """
 
@@ -46,13 +47,14 @@ class Updater:
             row = s.running.get(p.request_id)
             if row is not None:
                 row.computed += len(p.tokens)
+                s.kv.commit(row.id, row.computed)  # full prompt blocks computed: now shareable
         now = time.monotonic()
         for rid, token in mo.tokens.items():
             row = s.running.get(rid)
             if row is None:
                 continue
             try:
-                self._append(row, token, now)
+                self._append(row, token, now, mo.logprobs.get(rid))
             except Exception as exc:
                 log.exception("handling a token of request %d failed", rid)
                 c.failed += 1
@@ -63,7 +65,7 @@ class Updater:
                 c.failed += 1
                 s.finish(row, "error", error=error, flush=False)
 
-    def _append(self, row: Row, token: int, now: float) -> None:
+    def _append(self, row: Row, token: int, now: float, logprobs=None) -> None:
         s = self.state
         row.computed = len(row.tokens)
         row.tokens.append(token)
@@ -75,8 +77,10 @@ class Updater:
         emit, hit = row.stop.push(row.detok.push(token))
         if emit:
             row.text.append(emit)
-        s.emit(row.handle, Token(token, emit, now))
+        s.emit(row.handle, Token(token, emit, now, logprobs))
         if hit:
             s.finish(row, "stop", stop_reason="string", flush=False)
+        elif row.sampler.grammar_done:  # the grammar is complete: nothing else may follow
+            s.finish(row, "stop", stop_reason="grammar")
         elif len(row.out_ids) >= row.max_tokens or len(row.tokens) >= self.max_model_len:
             s.finish(row, "length")

@@ -166,6 +166,7 @@ class MemoryPlan:
     def to_dict(self, context: int | None = None) -> dict:
         d = asdict(self)
         d["kv_positions"] = self.kv_positions
+        d["kv_blocks_at_start"] = {"free": self.kv_blocks, "cached": 0, "referenced": 0}
         d["max_step_tokens"] = self.limits.max_step_tokens
         ctx = context or self.limits.max_model_len
         d["context_tokens"] = ctx
@@ -182,9 +183,13 @@ class MemoryPlan:
             f"  runtime overhead {fmt_bytes(self.overhead_bytes):>12}  (measured baseline + slack)",
             f"  step workspace   {fmt_bytes(self.workspace_bytes):>12}  (prefill chunk {L.prefill_chunk}, "
             f"max rows {L.max_seqs}, attention cap {L.attn_token_cap} tokens, context {L.context})",
+            f"    of which grammar {fmt_bytes(self.workspace_breakdown.get('grammar', 0)):>10}  (structured output: "
+            f"token trie, compiled-grammar cache and one per row, masks)",
             f"  KV pool          {fmt_bytes(self.kv_pool_bytes):>12}  = {self.kv_blocks} blocks x "
             f"{self.block_size} tokens x {self.kv_bytes_per_token:,} B/token",
             f"  KV capacity      {self.kv_positions:>12,} tokens",
+            f"  KV blocks        {self.kv_blocks:>12,} free at start (0 cached, 0 referenced); the prefix cache keeps "
+            "its blocks inside this pool, at no extra memory: they are evicted, oldest first, when admission needs room",
             f"  max concurrent requests at {ctx} tokens each: {self.max_concurrent(ctx)}",
         ]
         lines += [f"  note: {n}" for n in self.notes]

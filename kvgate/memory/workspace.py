@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvgate.config import ModelSpec
 from kvgate.sampling import SAMPLE_ROWS
+from kvgate.structured import compiler as grammar
 
 
 @dataclass
@@ -37,7 +38,14 @@ class StepLimits:
 
 # Terms of `step_workspace` that stay allocated together for a whole step (summed), and the
 # transients of which only one is alive at a time on top of them (the largest is taken).
-STANDING_TERMS = ("step_inputs", "layer_activations", "kernel_scratch", "row_state", "penalty_state")
+STANDING_TERMS = (
+    "step_inputs",
+    "layer_activations",
+    "kernel_scratch",
+    "row_state",
+    "penalty_state",
+    "grammar",
+)
 TRANSIENT_TERMS = ("rms_norm", "residual", "rope", "decode_attention", "prefill_attention", "mlp", "logits")
 
 GEMM_PANEL_COLUMNS = 4096  # MKL sgemm packs at most K x 4096 float32 of a weight per call (measured)
@@ -113,6 +121,13 @@ def step_workspace(
         # a row with repetition/presence/frequency penalties: a bool seen-mask and float32 counts over
         # the vocabulary (zero pages until written: a row reaches this after touching most of the vocab)
         "penalty_state": S * V * 5,
+        # structured output (kvgate.structured): the grammar engine's token trie, the compiled grammars
+        # (the cache, sized from max_seqs, plus one per row whose grammar left it), each row's matcher
+        # and packed mask, and one row's unpacked mask
+        "grammar": V * grammar.TOKENIZER_BYTES_PER_TOKEN
+        + (grammar.cache_entries(S) + S) * grammar.GRAMMAR_BYTES
+        + S * (4 * ((V + 31) // 32) + grammar.MATCHER_ROW_BYTES)
+        + V,
         # transients, one at a time:
         "rms_norm": 3 * T * h * f + T * h * b,
         "residual": 2 * T * h * b,

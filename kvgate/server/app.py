@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvgate.server.auth import AuthAndCount
 from kvgate.server.console import LiveStats, install_console
 from kvgate.server.context import ServerSettings
+from kvgate.server.cors import install_cors
 from kvgate.server.errors import APIError
 from kvgate.server.metrics import Metrics
 from kvgate.server.openapi import install_openapi
@@ -38,6 +39,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     install_console(app)
     install_routes(app)
     app.add_middleware(AuthAndCount, settings=settings, metrics=metrics)
+    install_cors(app, settings.cors_origins)  # after: the outermost, so a preflight needs no key
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):

@@ -19,6 +19,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     default_temperature: float = 1.0
+    cors_origins: list[str] | None = None  # browser origins allowed (kvgate.server.cors); None = no CORS
 
 
 def refused(state, code: str, retry_after: int | None = None) -> None:

@@ -75,9 +75,17 @@ class _EngineCollector:
         yield gauge("requests_running", "Rows holding KV blocks (prefilling or decoding)", snap.running)
         yield gauge("requests_waiting", "Requests in the FIFO queue", snap.waiting)
         yield gauge("kv_blocks_total", "KV blocks in the pool", snap.kv_blocks_total)
-        yield gauge("kv_blocks_free", "KV blocks not reserved by any request", snap.kv_blocks_free)
-        yield gauge("kv_blocks_referenced", "KV blocks held by running requests", snap.kv_blocks_held)
-        yield gauge("kv_blocks_cached", "KV blocks kept by the prefix cache, evictable (none yet)", 0)
+        yield gauge("kv_blocks_free", "KV blocks neither referenced nor cached", snap.kv_blocks_free)
+        yield gauge(
+            "kv_blocks_referenced",
+            "KV blocks held by running requests (a shared one counted once)",
+            snap.kv_blocks_held,
+        )
+        yield gauge(
+            "kv_blocks_cached",
+            "KV blocks kept by the prefix cache, referenced by none, evictable",
+            snap.kv_blocks_cached,
+        )
         yield gauge(
             "kv_blocks_peak", "Most KV blocks ever held at once (counted from rows)", c.kv_blocks_peak
         )
@@ -95,6 +103,16 @@ class _EngineCollector:
         yield reserved
         yield counter("budget_caps", "Requests admitted with a capped max_tokens", c.budget_caps)
         yield counter("prompt_tokens", "Prompt tokens admitted", c.prompt_tokens)
+        yield counter(
+            "prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            c.prefix_cache_queries_tokens,
+        )
+        yield counter(
+            "prefix_cache_hits_tokens",
+            "Prompt tokens whose KV came from the prefix cache",
+            c.prefix_cache_hits_tokens,
+        )
         yield counter("generation_tokens", "Tokens generated", c.generated_tokens)
         yield counter("aborted", "Requests cancelled (client disconnect or shutdown)", c.aborted)
         yield counter("prefill_chunks", "Prompt chunks run", c.prefill_chunks)

@@ -20,6 +20,8 @@ import copy
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from kvgate.server.openapi_fields import tighten_features
+
 _BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
@@ -42,7 +44,7 @@ _RANGES = {
     "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
     "presence_penalty": {"minimum": -2, "maximum": 2},
     "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "seed": {"minimum": 0, "maximum": 2**63 - 1},
+    "seed": {"minimum": -(2**63), "maximum": 2**64 - 1},
 }
 
 _ERROR_TYPES = sorted(
@@ -75,7 +77,8 @@ _USAGE = {
         },
     },
 }
-_FINISH = {"enum": ["stop", "length", "cancelled"]}
+_FINISH = {"enum": ["stop", "length", "tool_calls"]}
+_LOGPROBS = {"anyOf": [_NULL, {"type": "object"}]}  # OpenAI's chat or completions shape (logprobs.py)
 
 
 def _completion_schema(obj: str, payload: dict) -> dict:
@@ -94,7 +97,7 @@ def _completion_schema(obj: str, payload: dict) -> dict:
                 "items": {
                     "type": "object",
                     "required": ["index", *payload, "finish_reason"],
-                    "properties": {"index": _INT, **payload, "finish_reason": _FINISH, "logprobs": _NULL},
+                    "properties": {"index": _INT, **payload, "finish_reason": _FINISH, "logprobs": _LOGPROBS},
                 },
             },
             "usage": _USAGE,
@@ -132,7 +135,11 @@ _RESPONSES = {
             "message": {
                 "type": "object",
                 "required": ["role", "content"],
-                "properties": {"role": {"const": "assistant"}, "content": _STR},
+                "properties": {
+                    "role": {"const": "assistant"},
+                    "content": {"anyOf": [_STR, _NULL]},  # null when the answer is tool calls
+                    "tool_calls": {"type": "array", "items": {"type": "object"}},
+                },
             }
         },
     ),
@@ -157,6 +164,11 @@ _RESPONSES = {
                 },
             },
         },
+    },
+    "Model": {
+        "type": "object",
+        "required": ["id", "object", "owned_by"],
+        "properties": {"id": _STR, "object": {"const": "model"}, "owned_by": _STR, "created": _INT},
     },
     "TokenizeResponse": {
         "type": "object",
@@ -235,6 +247,8 @@ def _route_responses(path: str) -> dict:
         return {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": _STR}}}}
     if path == "/v1/models":
         return {"200": _ok("ModelList"), "401": _error(401)}
+    if path.startswith("/v1/models/"):
+        return {"200": _ok("Model"), "401": _error(401), "404": _error(404)}
     if path == "/v1/resources":
         return {"200": _ok("Resources"), "401": _error(401), "503": _error(503)}
     if path in ("/v1/tokenize", "/v1/detokenize"):
@@ -260,8 +274,8 @@ def _non_null(prop: dict) -> list[dict]:
     return [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
 
 
-def _tighten_common(js: dict, vocab: int | None) -> None:
-    from kvgate.server.protocol import _KNOWN_EXTRA, MAX_STOP, MAX_STOP_LEN
+def _tighten_common(js: dict, vocab: int | None, chat: bool) -> None:
+    from kvgate.server.protocol import MAX_STOP, MAX_STOP_LEN
 
     props = js["properties"]
     for name, rng in _RANGES.items():
@@ -275,17 +289,8 @@ def _tighten_common(js: dict, vocab: int | None) -> None:
     # Fields kvgate refuses unless they ask for what it does anyway.
     props["n"] = {"enum": [1, None]}
     props["best_of"] = {"enum": [1, None]}
-    props["logprobs"] = {"enum": [False, 0, None]}
-    props["top_logprobs"] = {"enum": [0, None]}
-    props["logit_bias"] = {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]}
-    props["response_format"] = {
-        "anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, _NULL]
-    }
-    props["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}
-    props["tool_choice"] = {"enum": ["none", None]}
-    for name in sorted(_KNOWN_EXTRA):  # accepted and ignored: they change no output
-        props[name] = {}
     js["additionalProperties"] = False
+    tighten_features(js, vocab, chat)
     if "prompt" in props:
         ids = {"type": "array", "minItems": 1, "items": token}
         nonempty = {"type": "string", "minLength": 1}
@@ -331,7 +336,7 @@ def install_openapi(app: FastAPI) -> None:
             }
         _tighten_messages(schemas)
         for name in ("ChatCompletionRequest", "CompletionRequest"):
-            _tighten_common(schemas[name], vocab)
+            _tighten_common(schemas[name], vocab, name.startswith("Chat"))
         schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1
         tok = schemas["TokenizeRequest"]
         tok["properties"]["messages"] = {
@@ -344,6 +349,9 @@ def install_openapi(app: FastAPI) -> None:
             {"required": ["prompt"], "properties": {"prompt": _STR}},
             {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
         ]
+        for op in doc["paths"].get("/v1/models/{model_id}", {}).values():
+            for prm in op.get("parameters", []):  # the one model served (an unknown id is a 404)
+                prm["schema"] = {"enum": [app.state.settings.model_name, "default"]}
         token = {"type": "integer", "minimum": 0, **({"maximum": vocab - 1} if vocab else {})}
         schemas["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token}
         schemas.update(copy.deepcopy(_RESPONSES))

@@ -12,7 +12,7 @@ engine's `Refusal`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgate.request import GenerationRequest, RequestError, check_max_tokens, check_token_ids
 from kvgate.sampling import SamplingError, SamplingParams
@@ -20,6 +20,7 @@ from kvgate.server import protocol as P
 from kvgate.server.bodies import parse_json
 from kvgate.server.context import ServerSettings, check_model
 from kvgate.server.errors import invalid
+from kvgate.server.features import Features, features_of, render_chat
 from kvgate.tokenizer import ChatTemplateError
 
 
@@ -28,6 +29,12 @@ class Prepared:
     kind: str  # "chat" | "completion"
     request: P.ChatCompletionRequest | P.CompletionRequest
     generations: list[GenerationRequest]
+    features: Features = field(default_factory=Features)  # structured output, tools, logprobs, echo
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt (OpenAI's `n`)."""
+        return self.request.n or 1
 
     @property
     def stream(self) -> bool:
@@ -45,7 +52,8 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
     if isinstance(req, P.CompletionRequest):
         P.check_completion(req)
     check_model(settings, req.model)
-    prompts = prompt_ids(engine, req)
+    feats = features_of(engine, req)
+    prompts = prompt_ids(engine, req, feats)
     sampling = SamplingParams(
         temperature=settings.default_temperature if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -55,7 +63,16 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=req.seed,
+        logit_bias=feats.logit_bias,
+        logprobs=feats.logprobs,
+        grammar=feats.grammar,
     )
+    try:
+        sampling.check_vocab(engine.spec.vocab_size)
+    except SamplingError as exc:
+        raise invalid(str(exc), param=exc.param) from None
+    if feats.logprobs is not None:
+        engine.tokenizer.token_bytes(0)  # builds the token-bytes table here, off the event loop
     max_tokens, param = P.max_tokens_of(req)
     gens = [
         GenerationRequest(
@@ -67,21 +84,22 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
         check_max_tokens(max_tokens, param)
     except RequestError as exc:
         raise invalid(str(exc), param=exc.param) from None
-    return Prepared(P.request_kind(req), req, gens)
+    return Prepared(P.request_kind(req), req, gens, feats)
 
 
-def submit_all(engine, generations: list[GenerationRequest]) -> list:
-    """Submit every prompt or none (`Engine.submit_many`); an invalid field is a 400 naming it."""
+def submit_all(engine, generations: list[GenerationRequest], n: int = 1) -> list:
+    """Submit every prompt (`n` choices each) or none (`Engine.submit_many`); an invalid field is a
+    400 naming it. Handles come prompt by prompt, choice by choice: OpenAI's choice index order."""
     try:
-        return engine.submit_many(generations)
+        return engine.submit_many(generations, n)
     except (RequestError, SamplingError) as exc:
         raise invalid(str(exc), param=exc.param) from None
 
 
-def prompt_ids(engine, req) -> list[list[int]]:
+def prompt_ids(engine, req, feats: Features | None = None) -> list[list[int]]:
     tok = engine.tokenizer
     if isinstance(req, P.ChatCompletionRequest):
-        return [chat_ids(engine, P.chat_messages(req))]
+        return [chat_ids(engine, *render_chat(engine, req, feats.tools if feats else None))]
     p = req.prompt
     if isinstance(p, str):
         out = [tok.encode(p)]
@@ -98,9 +116,9 @@ def prompt_ids(engine, req) -> list[list[int]]:
     return out
 
 
-def chat_ids(engine, messages: list[dict]) -> list[int]:
+def chat_ids(engine, messages: list[dict], tools=None) -> list[int]:
     try:
-        return engine.tokenizer.chat_ids(messages)
+        return engine.tokenizer.chat_ids(messages, tools=tools)
     except ChatTemplateError as exc:
         raise invalid(str(exc), param="messages") from None
 

@@ -1,8 +1,13 @@
 """OpenAI request bodies: schemas, strict validation, and refusal of unimplemented fields by name.
 
-Unknown fields are refused, not dropped: a client that sends `logprobs: true` or `tools` must learn
-that kvgate did not honour them instead of silently getting a different answer. Types are strict for
-the same reason: "5" is not an integer, "yes" is not a boolean, true is not a max_tokens.
+Every field is supported, accepted-and-ignored, or refused by name (the README's field table is the
+list). A field is accepted and ignored only when honouring it could not change this model's output:
+`reasoning_effort` and `verbosity` steer reasoning models (this one has no reasoning), `prompt_cache_key`
+is a routing hint (kvgate's prefix cache needs no key), `store`, `metadata`, `service_tier`, `user` and
+`safety_identifier` are bookkeeping, a replayed assistant message's `refusal` and `reasoning_content`
+are not part of what the model is shown. Unknown fields and fields that would change the output if
+dropped are refused: a client must learn that kvgate did not honour them instead of silently getting a
+different answer. Types are strict for the same reason: "5" is not an integer, "yes" is not a boolean.
 """
 
 from __future__ import annotations
@@ -20,6 +25,59 @@ MAX_STOP_LEN = 256
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class _Common(BaseModel):
@@ -41,14 +99,19 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
     n: int | None = None
-    logprobs: Any = None
+    logprobs: bool | int | None = None  # chat: a boolean; completions: how many top logprobs
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     best_of: int | None = None
+    # accepted and ignored: they cannot change this model's output (see the module doc)
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
 
 class ContentPart(BaseModel):
@@ -62,11 +125,19 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer to that call
+    # accepted and ignored on a replayed assistant turn: not part of what the model is shown
+    refusal: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common):
@@ -89,7 +160,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-_KNOWN_EXTRA = {"metadata", "store", "service_tier"}  # accepted and ignored: they change no output
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
@@ -116,33 +186,22 @@ def _is_type_tag(part) -> bool:
 
 
 def check_completion(req: CompletionRequest) -> None:
-    if req.echo:
-        raise unsupported("echo", "the prompt is not echoed back; send echo=false")
     if req.suffix:
         raise unsupported("suffix", "fill-in-the-middle is not implemented")
 
 
 def check_common(req: _Common) -> None:
-    extra = set(req.model_extra or {}) - _KNOWN_EXTRA
+    extra = set(req.model_extra or {})
     if extra:
         name = sorted(extra)[0]
         raise unsupported(name, "unknown field; remove it (kvgate refuses fields it would otherwise ignore)")
-    if req.n not in (None, 1):
-        raise unsupported("n", f"n={req.n}: only one choice per request (n=1)")
-    if req.best_of not in (None, 1):
-        raise unsupported("best_of", f"best_of={req.best_of}: only 1")
-    if req.logprobs not in (None, False, 0):
-        raise unsupported("logprobs", "log-probabilities are not returned")
-    if req.top_logprobs:
-        raise unsupported("top_logprobs", "log-probabilities are not returned")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "logit biasing is not implemented")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", f"type {req.response_format.get('type')!r}: only 'text'")
-    if req.tools:
-        raise unsupported("tools", "tool calling is not implemented")
-    if req.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "tool calling is not implemented")
+    if req.n is not None and req.n < 1:
+        raise invalid(f"n={req.n} must be at least 1", param="n")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise unsupported(
+            "best_of",
+            f"best_of={req.best_of} with n={req.n or 1}: choosing the best of more candidates than n is not implemented",
+        )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP:
         raise invalid(f"stop has {len(stops)} entries; at most {MAX_STOP} are allowed", param="stop")
@@ -164,9 +223,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         extra = sorted(m.model_extra or {})
         if extra:
-            raise unsupported(
-                f"messages.{i}.{extra[0]}", "unknown message field (tool calls are not implemented)"
-            )
+            raise unsupported(f"messages.{i}.{extra[0]}", "unknown message field")
         if m.role not in ROLES:
             raise invalid(
                 f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(ROLES))}",
@@ -186,6 +243,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:  # the template decides what a name means (most ignore it)
             msg["name"] = m.name
+        if m.tool_calls:  # rendered by kvgate.server.tools
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 

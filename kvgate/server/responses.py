@@ -17,14 +17,18 @@ def finish_reason(reason: str) -> str:
     return _FINISH[reason]
 
 
-def usage(results: list[Result]) -> dict:
-    prompt = sum(r.prompt_tokens for r in results)
+def usage(results: list[Result], n: int = 1) -> dict:
+    """Usage of one response. `results` come prompt by prompt, `n` choices each: a prompt (and the
+    part of it the prefix cache held, OpenAI's `prompt_tokens_details.cached_tokens`) counts once."""
+    prompts = results[::n]
+    prompt = sum(r.prompt_tokens for r in prompts)
     completion = sum(r.completion_tokens for r in results)
     cap = next((r.budget_cap for r in results if r.budget_cap is not None), None)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in prompts)},
         "budget_cap": None
         if cap is None
         else {
@@ -35,7 +39,7 @@ def usage(results: list[Result]) -> dict:
     }
 
 
-def completion_body(kind: str, rid: str, created: int, model: str, results: list[Result]) -> dict:
+def completion_body(kind: str, rid: str, created: int, model: str, results: list[Result], n: int = 1) -> dict:
     if kind == "chat":
         choices = [
             {
@@ -57,15 +61,16 @@ def completion_body(kind: str, rid: str, created: int, model: str, results: list
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(results),
+        "usage": usage(results, n),
     }
 
 
 class ChunkMaker:
     """The `data:` objects of one stream (same id, object, created and model on every chunk)."""
 
-    def __init__(self, kind: str, rid: str, created: int, model: str):
+    def __init__(self, kind: str, rid: str, created: int, model: str, n: int = 1):
         self.kind = kind
+        self.n = n
         self.base = {
             "id": rid,
             "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -89,4 +94,4 @@ class ChunkMaker:
         return self.choice(i, None if self.kind == "chat" else "", finish=finish_reason(reason))
 
     def usage(self, results: list[Result]) -> dict:
-        return {**self.base, "choices": [], "usage": usage(results)}
+        return {**self.base, "choices": [], "usage": usage(results, self.n)}

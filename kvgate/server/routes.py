@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.server import protocol as P
 from kvgate.server.bodies import read_body
-from kvgate.server.context import ready_engine
+from kvgate.server.context import check_model, ready_engine
 from kvgate.server.prepare import prepare_detokenize, prepare_tokenize
 from kvgate.server.serving import generate
 
@@ -39,12 +39,22 @@ async def prometheus_metrics(request: Request):
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def models(request: Request):
-    state = request.app.state
+def _model_card(state) -> dict:
     card = {"id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "kvgate"}
     if state.engine is not None:
         card["max_model_len"] = state.engine.max_model_len
-    return {"object": "list", "data": [card]}
+    return card
+
+
+async def models(request: Request):
+    return {"object": "list", "data": [_model_card(request.app.state)]}
+
+
+async def model(request: Request, model_id: str):
+    """OpenAI's retrieve-model: the served model's card, or 404 for any other id."""
+    state = request.app.state
+    check_model(state.settings, model_id or None)
+    return _model_card(state)
 
 
 async def resources(request: Request):
@@ -64,10 +74,13 @@ async def resources(request: Request):
             "blocks_total": snap.kv_blocks_total,
             "blocks_free": snap.kv_blocks_free,
             "blocks_referenced": snap.kv_blocks_held,
-            "blocks_cached": 0,
+            "blocks_cached": snap.kv_blocks_cached,
             "blocks_peak": snap.counters.kv_blocks_peak,
             "block_size": plan.block_size,
             "bytes_per_token": plan.kv_bytes_per_token,
+            "prefix_cache": eng.sched_cfg.prefix_cache,
+            "prefix_cache_queries_tokens": snap.counters.prefix_cache_queries_tokens,
+            "prefix_cache_hits_tokens": snap.counters.prefix_cache_hits_tokens,
         },
         "scheduler": {
             "running": snap.running,
@@ -106,6 +119,7 @@ ROUTES = [
     ("GET", "/health", health),
     ("GET", "/metrics", prometheus_metrics),
     ("GET", "/v1/models", models),
+    ("GET", "/v1/models/{model_id:path}", model),
     ("GET", "/v1/resources", resources),
     ("POST", "/v1/tokenize", tokenize),
     ("POST", "/v1/detokenize", detokenize),

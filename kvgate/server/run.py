@@ -17,6 +17,7 @@ import time
 import uvicorn
 
 from kvgate.server.app import ServerSettings, create_app
+from kvgate.server.cors import cors_origins
 
 log = logging.getLogger("kvgate.serve")
 
@@ -86,6 +87,7 @@ def serve(args) -> int:
         model_name=served_name(args.model, args.served_model_name),
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
+        cors_origins=cors_origins(args),
     )
     app = create_app(settings)
 

@@ -21,13 +21,15 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvgate.request import Admitted, Finished, Refusal
+from kvgate.request import Admitted, Finished, Refusal, Token
 from kvgate.server.bodies import read_body
 from kvgate.server.context import ready_engine, refused
 from kvgate.server.errors import APIError, from_refusal
+from kvgate.server.logprobs import decorate_body
 from kvgate.server.prepare import prepare_generation, submit_all
 from kvgate.server.responses import ChunkMaker, completion_body
 from kvgate.server.sse import ENGINE_ERROR, sse_stream
+from kvgate.server.stream_shape import StreamShaper
 
 log = logging.getLogger("kvgate.server")
 
@@ -43,7 +45,7 @@ async def generate(request: Request, cls) -> Response:
     raw = await read_body(request, settings.max_body_bytes)
     prepared = await asyncio.to_thread(prepare_generation, raw, cls, eng, settings)
     try:
-        handles = await submitted(eng, prepared.generations)
+        handles = await submitted(eng, prepared.generations, prepared.n)
     except Refusal as r:
         refused(state, r.code, r.retry_after)
         return from_refusal(r).response()
@@ -74,12 +76,14 @@ async def generate(request: Request, cls) -> Response:
         state.live.observe_result(res)
 
     if prepared.stream:
-        chunks = ChunkMaker(kind, rid, created, settings.model_name)
-        stream = sse_stream(chunks, handles, prepared.include_usage, on_result)
+        chunks = ChunkMaker(kind, rid, created, settings.model_name, prepared.n)
+        shaper = StreamShaper(chunks, prepared, eng.tokenizer, handles)
+        stream = sse_stream(chunks, handles, prepared.include_usage, on_result, shaper)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
     try:
-        results = await until_disconnect(request, finish_all(handles), handles)
+        token_logprobs: list[list] = [[] for _ in handles]
+        results = await until_disconnect(request, finish_all(handles, token_logprobs), handles)
     except ClientGone:
         return Response(status_code=499)
     for res in results:
@@ -88,13 +92,15 @@ async def generate(request: Request, cls) -> Response:
     if failed:
         log.error("generation failed: %s", failed[0].error)
         return APIError(500, ENGINE_ERROR, "engine_error").response()
-    return JSONResponse(completion_body(kind, rid, created, settings.model_name, results), headers=headers)
+    body = completion_body(kind, rid, created, settings.model_name, results, prepared.n)
+    await asyncio.to_thread(decorate_body, body, prepared, eng.tokenizer, token_logprobs)
+    return JSONResponse(body, headers=headers)
 
 
-async def submitted(eng, generations) -> list:
+async def submitted(eng, generations, n: int = 1) -> list:
     """`submit_all` on a worker thread (validation walks every token id). If this coroutine is
     cancelled meanwhile, whatever the thread submits is cancelled when it is done: nobody will read it."""
-    fut = asyncio.get_running_loop().run_in_executor(None, submit_all, eng, generations)
+    fut = asyncio.get_running_loop().run_in_executor(None, submit_all, eng, generations, n)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -123,13 +129,17 @@ async def admit_all(handles) -> list[Admitted]:
     return [t.result() for t in tasks]
 
 
-async def finish_all(handles):
-    async def one(h):
+async def finish_all(handles, token_logprobs: list[list] | None = None):
+    """Each handle's result; `token_logprobs[i]` collects choice i's per-token logprobs, if any."""
+
+    async def one(i, h):
         async for ev in h.aevents():
             if isinstance(ev, Finished):
                 return ev.result
+            if token_logprobs is not None and isinstance(ev, Token) and ev.logprobs is not None:
+                token_logprobs[i].append(ev.logprobs)
 
-    return await asyncio.gather(*(one(h) for h in handles))
+    return await asyncio.gather(*(one(i, h) for i, h in enumerate(handles)))
 
 
 async def until_disconnect(request: Request, coro, handles):

@@ -1,7 +1,7 @@
 """Server-sent events for one generation: OpenAI's chunk stream over one or more engine handles.
 
 Order: a role chunk per choice (chat), then text chunks as tokens release text, a finish chunk per
-choice, an optional usage chunk, then `data: [DONE]`. A choice that fails inside the engine ends the
+choice, an optional usage chunk, then `data: [DONE]` (what each chunk holds: `stream_shape.py`). A choice that fails inside the engine ends the
 stream with one error event (the stable 500 body) and `[DONE]`, and cancels the other choices. When the
 stream ends early for any reason (the client left), every handle still running is cancelled.
 """
@@ -15,6 +15,7 @@ import logging
 from kvgate.request import Finished, Token
 from kvgate.server.errors import APIError
 from kvgate.server.responses import ChunkMaker
+from kvgate.server.stream_shape import StreamShaper
 
 log = logging.getLogger("kvgate.server")
 
@@ -26,24 +27,26 @@ def event(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
-async def sse_stream(chunks: ChunkMaker, handles, include_usage: bool, on_result):
-    """`on_result(result)` is called once per finished choice (metrics)."""
+async def sse_stream(chunks: ChunkMaker, handles, include_usage: bool, on_result, shaper=None):
+    """`on_result(result)` is called once per finished choice (metrics). `shaper` turns events into
+    chunks (`StreamShaper`: logprobs, tool calls, echo, running usage); the default is plain text."""
     finished: dict[int, object] = {}
+    shape = shaper or StreamShaper(chunks)
     try:
-        if chunks.kind == "chat":
-            for i in range(len(handles)):
-                yield event(chunks.choice(i, "", role=True))
+        for c in shape.start(len(handles)):
+            yield event(c)
         async for i, ev in merged_events(handles):
             if isinstance(ev, Token):
-                if ev.text:
-                    yield event(chunks.choice(i, ev.text))
+                for c in shape.token(i, ev):
+                    yield event(c)
                 continue
             if not isinstance(ev, Finished):
                 continue
             finished[i] = ev.result
             on_result(ev.result)
             if ev.tail:
-                yield event(chunks.choice(i, ev.tail))
+                for c in shape.tail(i, ev.tail):
+                    yield event(c)
             if ev.result.finish_reason == "error":
                 log.error("generation failed mid-stream: %s", ev.result.error)
                 yield event(APIError(500, ENGINE_ERROR, "engine_error").body())
@@ -51,7 +54,8 @@ async def sse_stream(chunks: ChunkMaker, handles, include_usage: bool, on_result
                     h.cancel()
                 yield DONE
                 return
-            yield event(chunks.finish(i, ev.result.finish_reason))
+            for c in shape.finish(i, ev.result):
+                yield event(c)
         if include_usage:
             yield event(chunks.usage([finished[i] for i in sorted(finished)]))
         yield DONE

@@ -1,0 +1,135 @@
+"""Where a decode step's time goes: matmuls, attention, K/V gathers, small ops, Python, sampling.
+
+    python -m bench.profile_step [--rows 1 4 16] [--context 300] [--dtype float32] [--steps 20]
+
+Builds the real engine (no server), puts `rows` requests in decode at `context` positions, then times
+`--steps` engine steps on the worker's own code path (`EngineCore.tick`), once plainly (wall time per
+step) and once under torch.profiler (time per op family). "python and glue" is the step's wall time
+minus everything the profiler attributes to ops and to sampling. Prints a markdown table with the CPU
+model and flags; docs/DESIGN_NOTES.md quotes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+FAMILIES = [
+    ("matmul", ("mkldnn", "linear", "addmm", "mm", "matmul", "_linear_pointwise")),
+    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax", "bmm")),
+    ("K/V gather + write", ("index_select", "index_copy", "index")),
+    ("norm, rope, silu, adds", ("rms_norm", "mul", "add", "silu", "cat", "neg", "sub", "copy_", "embedding")),
+]
+
+
+def family(name: str) -> str:
+    n = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in n for k in keys):
+            return fam
+    return "other ops"
+
+
+def setup(rows: int, context: int, dtype: str):
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from kvgate.request import GenerationRequest, RequestHandle
+    from kvgate.sampling import SamplingParams
+
+    e = Engine.from_model("default", EngineConfig(dtype=dtype, memory_limit="4GiB", max_seqs=max(rows, 1)))
+    core = e.core
+    for i in range(rows):
+        prompt = [100 + (i * 13 + k) % 40000 for k in range(context)]
+        req = GenerationRequest(
+            prompt, SamplingParams(temperature=0.7, top_p=0.9, seed=i), 2048, ignore_eos=True
+        )
+        e.gate.submit(RequestHandle(req, lambda rid: None))  # driven below without a worker thread
+    while any(r.prefilling for r in core.state.running.values()) or core.state.waiting:
+        core.tick(e.inbox.take(0))
+    return e
+
+
+def profile(rows: int, context: int, dtype: str, steps: int) -> dict:
+    e = setup(rows, context, dtype)
+    core, inbox = e.core, e.inbox
+    for _ in range(3):
+        core.tick(inbox.take(0))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.tick(inbox.take(0))
+    wall = (time.perf_counter() - t0) / steps
+    runner = core.runner
+    sample_time = [0.0]
+    import kvgate.core.runner as runner_mod
+
+    real_sample = runner_mod.sample_batch
+
+    def timed_sample(*a, **k):
+        t = time.perf_counter()
+        try:
+            return real_sample(*a, **k)
+        finally:
+            sample_time[0] += time.perf_counter() - t
+
+    runner_mod.sample_batch = timed_sample
+    by_family: dict[str, float] = defaultdict(float)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.tick(inbox.take(0))
+        prof_wall = (time.perf_counter() - t0) / steps
+    runner_mod.sample_batch = real_sample
+    for ev in prof.key_averages():
+        if "::" in ev.key and ev.self_cpu_time_total > 0:  # aten:: and mkldnn:: ops (not Python scopes)
+            by_family[family(ev.key)] += ev.self_cpu_time_total / 1e6 / steps
+    sampling = sample_time[0] / steps
+    ops = sum(by_family.values())
+    del runner
+    e.shutdown()
+    return {
+        "rows": rows,
+        "step_ms": wall * 1000,
+        "profiled_step_ms": prof_wall * 1000,
+        "families_ms": {k: v * 1000 for k, v in sorted(by_family.items(), key=lambda x: -x[1])},
+        "sampling_ms_incl_ops": sampling * 1000,
+        "python_and_glue_ms": max(0.0, prof_wall - ops) * 1000,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--steps", type=int, default=20)
+    a = ap.parse_args(argv)
+    from bench.compare import machine_info
+
+    m = machine_info()
+    results = [profile(r, a.context, a.dtype, a.steps) for r in a.rows]
+    fams = [f for f, _ in FAMILIES] + ["other ops"]
+    print(
+        f"CPU: {m['model_name']}, {m['cpus']} cores, flags {' '.join(m['flags_present'])}; load at start "
+        f"{m['loadavg_at_start'][0]:.1f}; {a.dtype}, decode at context {a.context}, torch threads {torch.get_num_threads()}"
+    )
+    print()
+    print(
+        "| rows | step (ms) | tok/s | " + " | ".join(fams) + " | python and glue | sampling (of which ops) |"
+    )
+    print("|---" * (len(fams) + 5) + "|")
+    for r in results:
+        f = r["families_ms"]
+        cells = [f"{f.get(k, 0.0):.1f}" for k in fams]
+        print(
+            f"| {r['rows']} | {r['step_ms']:.1f} | {r['rows'] * 1000 / r['step_ms']:.1f} | "
+            + " | ".join(cells)
+            + f" | {r['python_and_glue_ms']:.1f} | {r['sampling_ms_incl_ops']:.1f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""What a request asks beyond plain sampling: structured output, tools, logprobs, logit bias, echo.
+
+`features_of(engine, req)` runs in prepare's worker thread (never on the event loop) and returns a
+`Features` value: the grammar (compiled here, once per distinct grammar, and cached by its text), the
+tool plan, how many top logprobs each token carries, the logit bias by token id, and the echo prefix.
+Every refusal is a 400 naming the field: a schema the grammar engine cannot compile names the
+construct (`Unimplemented keys: ["not"]`), a logprobs count out of range names the range.
+
+`response_format` `json_object` is any JSON object; `json_schema` is that schema (OpenAI's `strict`
+changes nothing here: every schema is enforced). JSON is generated compact with ", " and ": "
+separators: a small model under a grammar that allows free whitespace can emit whitespace forever.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from kvgate.sampling import MAX_TOP_LOGPROBS
+from kvgate.server import protocol as P
+from kvgate.server import tools as T
+from kvgate.server.errors import APIError, invalid, unsupported
+from kvgate.structured.compiler import Grammar, GrammarError, compiler_for
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
+
+
+@dataclass
+class Features:
+    grammar: Grammar | None = None
+    tools: T.ToolPlan | None = None
+    logprobs: int | None = None  # None: no logprobs in the response; k: the top k with each token
+    logit_bias: dict[int, float] | None = None
+    echo: bool = False
+
+
+def features_of(engine, req) -> Features:
+    f = Features()
+    chat = isinstance(req, P.ChatCompletionRequest)
+    f.tools = T.plan_tools(req) if chat else None
+    f.logprobs = _logprobs(req, chat)
+    f.logit_bias = _logit_bias(req)
+    f.echo = bool(getattr(req, "echo", False))
+    if f.echo and f.logprobs is not None:
+        raise unsupported(
+            "echo",
+            "echo with logprobs (the prompt's log-probabilities) is not implemented yet; send one of them",
+        )
+    answer = _answer_rule(req.response_format)
+    if f.tools is not None:
+        text, param = T.grammar(f.tools, answer), "tools"
+    elif answer is not None:
+        text, param = f"start: {answer}\n", "response_format"
+    else:
+        return f
+    if f.tools is not None and f.logprobs is not None:
+        raise unsupported("logprobs", "logprobs together with tools are not implemented")
+    compiler = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+    try:
+        f.grammar = compiler.check(text)
+    except GrammarError as exc:
+        what = "a tool's parameters" if param == "tools" else "this JSON schema"
+        raise APIError(400, f"{what} cannot be enforced: {exc}", "unsupported_schema", param=param) from None
+    return f
+
+
+def _answer_rule(rf: P.ResponseFormat | None) -> str | None:
+    """The Lark rule body for a non-tool answer, or None for free text."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        schema: dict = {"type": "object"}
+    else:
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise invalid(
+                "response_format of type 'json_schema' needs json_schema.schema", param="response_format"
+            )
+        schema = dict(rf.json_schema.schema_)
+    schema["x-guidance"] = T.JSON_STYLE
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def _logprobs(req, chat: bool) -> int | None:
+    lp, top = req.logprobs, req.top_logprobs
+    if chat:
+        if isinstance(lp, int) and not isinstance(lp, bool):
+            raise invalid(
+                "logprobs is a boolean for chat completions (top_logprobs says how many)", "logprobs"
+            )
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise invalid(f"top_logprobs={top} must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+        if top and not lp:
+            raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        return (top or 0) if lp else None
+    if top is not None:
+        raise unsupported("top_logprobs", "the completions endpoint takes logprobs as an integer")
+    if lp is None or lp is False:
+        return None
+    if isinstance(lp, bool) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
+        raise invalid(
+            f"logprobs={lp!r} must be an integer between 0 and {MAX_COMPLETION_LOGPROBS}", "logprobs"
+        )
+    return lp
+
+
+def _logit_bias(req) -> dict[int, float] | None:
+    if not req.logit_bias:
+        return None
+    out = {}
+    for k, v in req.logit_bias.items():
+        if not k.isdigit():
+            raise invalid(f"logit_bias keys are token ids; {k!r} is not one", param="logit_bias")
+        out[int(k)] = v
+    return out
+
+
+def render_chat(
+    engine, req: P.ChatCompletionRequest, plan: T.ToolPlan | None
+) -> tuple[list[dict], list | None]:
+    """The messages (and `tools`, for templates that take them) to give the chat template."""
+    return T.render(P.chat_messages(req), plan, engine.tokenizer.supports_tools)

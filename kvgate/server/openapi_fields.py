@@ -1,0 +1,72 @@
+"""The OpenAPI document's rules for issue 13's fields: logprobs, logit_bias, tools and response_format.
+
+Split from `openapi.py` (which calls `tighten_features` for each completion body): the ranges prepare
+enforces, and what one field requires of another, written as JSON Schema `if`/`then` so that a body
+the document allows is one the server accepts, as tests/test_fuzz.py checks.
+"""
+
+from __future__ import annotations
+
+from kvgate.sampling import LOGIT_BIAS_LIMIT, MAX_TOP_LOGPROBS
+from kvgate.server.features import MAX_COMPLETION_LOGPROBS
+
+_NULL = {"type": "null"}
+
+
+def tighten_features(js: dict, vocab: int | None, chat: bool) -> None:
+    props = js["properties"]
+    if chat:
+        props["logprobs"] = {"type": ["boolean", "null"]}
+        props["top_logprobs"] = {
+            "anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}, _NULL]
+        }
+    else:
+        lp = {"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS}
+        props["logprobs"] = {"anyOf": [lp, {"const": False}, _NULL]}
+        props["top_logprobs"] = _NULL
+    bias = {"type": "number", "minimum": -LOGIT_BIAS_LIMIT, "maximum": LOGIT_BIAS_LIMIT}
+    ids = {"pattern": _below(vocab) if vocab else "^[0-9]+$"}
+    props["logit_bias"] = {
+        "anyOf": [{"type": "object", "propertyNames": ids, "additionalProperties": bias}, _NULL]
+    }
+    # what one field requires of another (prepare's checks, kvgate.server.features)
+    rules = []
+    if chat:
+        rules.append(
+            _needs({"top_logprobs": {"type": "integer", "minimum": 1}}, {"logprobs": {"const": True}})
+        )
+        picks = {"tool_choice": {"not": {"anyOf": [{"const": "none"}, _NULL]}}}
+        rules.append(_needs(picks, {"tools": {"type": "array", "minItems": 1}}))
+    else:
+        rules.append(
+            _needs({"echo": {"const": True}}, {"logprobs": {"anyOf": [_NULL, {"const": False}]}}, False)
+        )
+    fmt = {"response_format": {"type": "object", "properties": {"type": {"const": "json_schema"}}}}
+    with_schema = {
+        "required": ["json_schema"],
+        "properties": {"json_schema": {"type": "object", "required": ["schema"]}},
+    }
+    rules.append(_needs(fmt, {"response_format": with_schema}))
+    js["allOf"] = rules
+
+
+def _needs(when: dict, then: dict, required: bool = True) -> dict:
+    """JSON Schema for "if these properties look like `when`, they must also look like `then`"."""
+    then_schema: dict = {"properties": then}
+    if required:
+        then_schema["required"] = sorted(then)
+    return {"if": {"properties": when, "required": sorted(when)}, "then": then_schema}
+
+
+def _below(n: int) -> str:
+    """A regex for the decimal integers 0 <= i < n, written without leading zeros."""
+    m = str(n - 1)
+    if len(m) == 1:
+        return f"^[0-{m}]$"
+    alts = ["0", f"[1-9][0-9]{{0,{len(m) - 2}}}"]
+    for i, ch in enumerate(m):
+        lo = 1 if i == 0 else 0
+        if int(ch) > lo:
+            alts.append(m[:i] + f"[{lo}-{int(ch) - 1}]" + "[0-9]" * (len(m) - i - 1))
+    alts.append(m)
+    return "^(" + "|".join(alts) + ")$"

@@ -1,0 +1,119 @@
+"""The chunks of one stream, per event: text, logprobs, tool-call deltas, echo, and running usage.
+
+`StreamShaper` turns a choice's engine events into OpenAI chunk objects (`kvgate.server.sse` frames
+and orders them). Without features it gives exactly the plain stream: a role chunk per chat choice, a
+chunk per token that released text, the held-back tail, a finish chunk. With features:
+- logprobs: a chunk for every token (text or not), carrying that token's logprobs;
+- tools: each choice's text goes through a `ToolCallParser`; content is sent as content, a call as
+  `delta.tool_calls` (first its index, id, type and name with empty arguments, then argument pieces),
+  and a choice that called tools finishes with `tool_calls`;
+- echo (completions): the prompt's text is the first chunk of each choice;
+- `stream_options.continuous_usage_stats`: every chunk carries the usage so far (vLLM's extension).
+"""
+
+from __future__ import annotations
+
+from kvgate.request import Result, Token
+from kvgate.server import logprobs as L
+from kvgate.server import tools as T
+from kvgate.server.responses import ChunkMaker, finish_reason
+
+
+class StreamShaper:
+    def __init__(self, chunks: ChunkMaker, prepared=None, tok=None, handles=()):
+        self.chunks = chunks
+        self.p = prepared
+        self.f = prepared.features if prepared is not None else None
+        self.tok = tok
+        self.handles = list(handles)
+        opts = prepared.request.stream_options if prepared is not None else None
+        self.continuous = bool(opts and opts.continuous_usage_stats)
+        self.generated = 0
+        self.parsers: dict[int, T.ToolCallParser] = {}
+        self.offsets: dict[int, int] = {}  # characters sent so far per choice (completion text_offset)
+
+    # ---- events -> chunks -----------------------------------------------------------------------
+    def start(self, n: int) -> list[dict]:
+        out = []
+        for i in range(n):
+            if self.chunks.kind == "chat":
+                out.append(self.chunks.choice(i, "", role=True))
+            elif self.f is not None and self.f.echo:
+                text = L.echo_text(self.p, self.tok, i)
+                self.offsets[i] = len(text)
+                out.append(self.chunks.choice(i, text))
+        return [self._usage(c) for c in out]
+
+    def token(self, i: int, ev: Token) -> list[dict]:
+        self.generated += 1
+        lp = ev.logprobs if self.f is not None and self.f.logprobs is not None else None
+        if self.f is not None and self.f.tools is not None:
+            return self._tool_events(i, self._parser(i).push(ev.text))
+        if not ev.text and lp is None:
+            return []
+        chunk = self.chunks.choice(i, ev.text)
+        if lp is not None:
+            chunk["choices"][0]["logprobs"] = self._logprobs(i, lp)
+        self.offsets[i] = self.offsets.get(i, 0) + len(ev.text)
+        return [self._usage(chunk)]
+
+    def tail(self, i: int, text: str) -> list[dict]:
+        if self.f is not None and self.f.tools is not None:
+            return self._tool_events(i, self._parser(i).push(text))
+        return [self._usage(self.chunks.choice(i, text))] if text else []
+
+    def finish(self, i: int, result: Result) -> list[dict]:
+        out = []
+        reason = result.finish_reason
+        if self.f is not None and self.f.tools is not None:
+            parser = self._parser(i)
+            out += self._tool_events(i, parser.end())
+            if parser.calls and reason == "stop":
+                chunk = self.chunks.finish(i, reason)
+                chunk["choices"][0]["finish_reason"] = "tool_calls"
+                return out + [self._usage(chunk)]
+        return out + [self._usage(self.chunks.finish(i, reason))]
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _parser(self, i: int) -> T.ToolCallParser:
+        return self.parsers.setdefault(i, T.ToolCallParser())
+
+    def _tool_events(self, i: int, events) -> list[dict]:
+        out = []
+        for ev in events:
+            if ev[0] == "content":
+                out.append(self.chunks.choice(i, ev[1]))
+                continue
+            if ev[0] == "call":
+                c = ev[1]
+                call = {
+                    "index": c.index,
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": ""},
+                }
+            else:
+                call = {"index": ev[1], "function": {"arguments": ev[2]}}
+            chunk = self.chunks.choice(i, None)
+            chunk["choices"][0]["delta"]["tool_calls"] = [call]
+            out.append(chunk)
+        return [self._usage(c) for c in out]
+
+    def _logprobs(self, i: int, lp) -> dict:
+        if self.chunks.kind == "chat":
+            return L.chat_logprobs(self.tok, [lp])
+        return L.completion_logprobs(self.tok, [lp], self.offsets.get(i, 0))
+
+    def _usage(self, chunk: dict) -> dict:
+        if self.continuous:
+            n = max(1, self.chunks.n if hasattr(self.chunks, "n") else 1)
+            prompt = sum(getattr(h.admission, "prompt_tokens", 0) for h in self.handles[::n])
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": self.generated,
+                "total_tokens": prompt + self.generated,
+            }
+        return chunk
+
+
+__all__ = ["StreamShaper", "finish_reason"]

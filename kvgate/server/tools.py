@@ -1,0 +1,274 @@
+"""Tool calling: render tools and tool turns into the prompt, constrain calls by grammar, parse them back.
+
+The call format is Hermes's (Qwen2.5's chat templates use it), one block per call:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Rendering: a chat template that reads `tools` gets them (OpenAI's list) and the turns as Hugging Face
+templates expect them (an assistant turn's `tool_calls` with `arguments` as an object, `tool` turns
+as they are). Any other template (SmolLM2's among them) gets the documented generic preamble below as
+(the end of) the system message, assistant tool calls written as the blocks above, and each tool
+answer as a user turn inside `<tool_response>` tags: roles every template accepts.
+
+Generation: with `tool_choice` `auto` the grammar is `answer | calls`, with `required` or a named
+function `calls` only; `calls` is one block, or with `parallel_tool_calls` (the default) one or more
+joined by newlines. Each block is `{"name": NAME, "arguments": ARGS}` with ARGS generated under that
+function's JSON schema (`%json`), so arguments always parse and validate. An answer may not start
+with "<", which is what tells it from a call. `none` renders no tools and uses no grammar.
+
+`ToolCallParser` reads the output incrementally (the same code for streams and whole responses): it
+releases content, each call's start (id, name) and its arguments as they are generated, holding back
+only what could still be the start of a block or the end of one.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from kvgate.server import protocol as P
+from kvgate.server.errors import invalid
+
+OPEN = "<tool_call>\n"
+CLOSE = "}\n</tool_call>"
+SEP = "\n"
+ARGS_AT = ', "arguments": '
+
+PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # "auto" | "required" | "named"
+    functions: list[P.FunctionDef]
+    parallel: bool
+
+
+def plan_tools(req: P.ChatCompletionRequest) -> ToolPlan | None:
+    """What the request asks of tools, or None when no call may be made."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice needs 'tools' to choose from", param="tool_choice")
+        return None
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise invalid("two tools have the same function name", param="tools")
+    if choice == "none":
+        return None
+    if isinstance(choice, P.NamedToolChoice):
+        chosen = [t.function for t in req.tools if t.function.name == choice.function.name]
+        if not chosen:
+            raise invalid(
+                f"tool_choice names function {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        return ToolPlan("named", chosen, False)
+    parallel = req.parallel_tool_calls is not False
+    return ToolPlan(choice or "auto", [t.function for t in req.tools], parallel)
+
+
+def tool_list(functions: list[P.FunctionDef]) -> list[dict]:
+    return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
+
+
+def render(messages: list[dict], plan: ToolPlan | None, native: bool) -> tuple[list[dict], list | None]:
+    """Messages for the chat template, and the `tools` to pass it (native templates only)."""
+    if native:
+        out = [_native_turn(m) for m in messages]
+        return out, tool_list(plan.functions) if plan else None
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("_tool_answers"):  # answers to one turn's calls go together
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_answers": True})
+        elif m.get("tool_calls"):
+            blocks = [_block(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            text = SEP.join(blocks)
+            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + text})
+        else:
+            out.append({k: v for k, v in m.items() if k != "tool_call_id"})
+    for m in out:
+        m.pop("_tool_answers", None)
+    if plan is not None:
+        pre = PREAMBLE.format(
+            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tool_list(plan.functions))
+        )
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + pre}
+        else:
+            out.insert(0, {"role": "system", "content": pre})
+    return out, None
+
+
+def _block(name: str, arguments: str) -> str:
+    return f'{OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}{ARGS_AT}{arguments}{CLOSE}'
+
+
+def _native_turn(m: dict) -> dict:
+    if not m.get("tool_calls"):
+        return m
+    calls = []
+    for c in m["tool_calls"]:
+        try:
+            args = json.loads(c["function"]["arguments"])
+        except json.JSONDecodeError:
+            args = c["function"]["arguments"]
+        calls.append({**c, "function": {"name": c["function"]["name"], "arguments": args}})
+    return {**m, "tool_calls": calls}
+
+
+def args_schema(f: P.FunctionDef) -> dict:
+    # no parameters: the function takes none (an empty object, not any object)
+    schema = (
+        dict(f.parameters)
+        if f.parameters
+        else {"type": "object", "properties": {}, "additionalProperties": False}
+    )
+    schema["x-guidance"] = JSON_STYLE
+    return schema
+
+
+def grammar(plan: ToolPlan, answer_rule: str | None) -> str:
+    """llguidance Lark text: `answer_rule` (a rule body, or None for free text) or the calls."""
+    lines = []
+    if plan.mode == "auto":
+        lines.append("start: answer | calls")
+        lines.append(f"answer: {answer_rule}" if answer_rule else "answer: TEXT\nTEXT: /[^<][\\s\\S]*/")
+    else:
+        lines.append("start: calls")
+    lines.append('calls: call ("\\n" call)*' if plan.parallel else "calls: call")
+    alts = " | ".join(f"fn_{i}" for i in range(len(plan.functions)))
+    lines.append(f"call: {json.dumps(OPEN)} ({alts}) {json.dumps(CLOSE)}")
+    for i, f in enumerate(plan.functions):
+        head = '{"name": ' + json.dumps(f.name, ensure_ascii=False) + ARGS_AT
+        lines.append(f"fn_{i}: {json.dumps(head)} %json {json.dumps(args_schema(f))}")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class ParsedCall:
+    index: int
+    id: str
+    name: str
+    arguments: str = ""
+    done: bool = False
+
+
+@dataclass
+class ToolCallParser:
+    """Incremental reader of generated text: `push(text)` -> events, `end()` -> the last events.
+
+    Events: ("content", text), ("call", ParsedCall) when a call's name is known, ("args", index, text).
+    """
+
+    buf: str = ""
+    state: str = "start"  # start | content | head | args | between
+    calls: list[ParsedCall] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+
+    def push(self, text: str) -> list[tuple]:
+        self.buf += text
+        events: list[tuple] = []
+        while self.buf:
+            before = (self.state, len(self.buf))
+            getattr(self, "_" + self.state)(events)
+            if (self.state, len(self.buf)) == before:
+                break  # waiting for more text
+        return events
+
+    def end(self) -> list[tuple]:
+        """Whatever is held back: an unfinished call's last arguments, or plain text."""
+        events: list[tuple] = []
+        if self.buf:
+            if self.state == "args":
+                self._emit_args(events, self.buf)
+            elif self.state in ("start", "content", "head") and not self.calls:
+                self.content.append(self.buf)
+                events.append(("content", self.buf))
+            self.buf = ""
+        return events
+
+    def _start(self, events) -> None:
+        if self.buf.startswith(OPEN):
+            self.buf = self.buf[len(OPEN) :]
+            self.state = "head"
+        elif not OPEN.startswith(self.buf):
+            self.state = "content"  # else: could still become a call
+
+    def _content(self, events) -> None:
+        self.content.append(self.buf)
+        events.append(("content", self.buf))
+        self.buf = ""
+
+    def _head(self, events) -> None:
+        prefix = '{"name": '
+        if not self.buf.startswith(prefix) or ARGS_AT not in self.buf:
+            return
+        try:
+            name, end = json.JSONDecoder().raw_decode(self.buf, len(prefix))
+        except json.JSONDecodeError:
+            return
+        if not self.buf.startswith(ARGS_AT, end):
+            return
+        call = ParsedCall(len(self.calls), "call_" + uuid.uuid4().hex[:24], name)
+        self.calls.append(call)
+        events.append(("call", call))
+        self.buf = self.buf[end + len(ARGS_AT) :]
+        self.state = "args"
+
+    def _args(self, events) -> None:
+        at = self.buf.find(CLOSE)
+        if at >= 0:
+            self._emit_args(events, self.buf[:at])
+            self.calls[-1].done = True
+            self.buf = self.buf[at + len(CLOSE) :]
+            self.state = "between"
+            return
+        keep = next(
+            (n for n in range(min(len(CLOSE) - 1, len(self.buf)), 0, -1) if self.buf.endswith(CLOSE[:n])), 0
+        )
+        self._emit_args(events, self.buf[: len(self.buf) - keep])
+        self.buf = self.buf[len(self.buf) - keep :]
+
+    def _between(self, events) -> None:
+        nxt = SEP + OPEN
+        if self.buf.startswith(nxt):
+            self.buf = self.buf[len(nxt) :]
+            self.state = "head"
+        elif not nxt.startswith(self.buf):  # not a call: kept as content (the grammar never does this)
+            self.state = "content"
+
+    def _emit_args(self, events, text: str) -> None:
+        if text:
+            self.calls[-1].arguments += text
+            events.append(("args", self.calls[-1].index, text))
+
+
+def parse_output(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """A whole output: (content or None, the calls)."""
+    p = ToolCallParser()
+    p.push(text)
+    p.end()
+    content = "".join(p.content)
+    return (content if content or not p.calls else None), p.calls
+
+
+def call_dicts(calls: list[ParsedCall]) -> list[dict]:
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]

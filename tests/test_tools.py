@@ -1,0 +1,334 @@
+"""Tool calling (issue 13): rendering, the call grammar, tool_calls in responses and stream deltas.
+
+The tiny model (random weights, a 4096-position context for the tools preamble) shows that whatever
+the model wants, a call comes out well-formed with arguments that validate; the `slow` tests use
+SmolLM2 through the official openai client and LangChain's own client.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from kvgate.server import protocol as P
+from kvgate.server import tools as T
+from tests.server_util import running_server
+from tests.tiny_model import make_tiny_hf_dir
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time"}},  # no parameters: its arguments are {}
+]
+SCHEMAS = {
+    "get_weather": WEATHER,
+    "get_time": {"type": "object", "properties": {}, "additionalProperties": False},
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+
+    d = make_tiny_hf_dir(tmp_path_factory.mktemp("tiny4k"), geometry={"max_pos": 4096})
+    cfg = EngineConfig(kv_cache_bytes=32 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
+    e = Engine.from_model(str(d), cfg, overhead_bytes=0).start()
+    with running_server(e) as (b, _app):
+        yield b
+    e.shutdown()
+
+
+def check_calls(calls: list[dict]) -> None:
+    for c in calls:
+        assert c["id"].startswith("call_") and c["type"] == "function"
+        jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
+
+
+# ---- the parser ----------------------------------------------------------------------------------
+OUTPUT = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 2}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+def test_the_parser_gives_the_same_calls_whatever_the_pieces():
+    """Fed one character at a time, or in one piece, or split at every position: the same calls and
+    arguments. Seen red when the held-back end marker (`}\\n</tool_call>`) was released as arguments."""
+    content, calls = T.parse_output(OUTPUT)
+    assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris", "unit": "celsius", "days": 2}
+    for cut in range(len(OUTPUT)):
+        p = T.ToolCallParser()
+        events = p.push(OUTPUT[:cut]) + p.push(OUTPUT[cut:]) + p.end()
+        args = ["".join(e[2] for e in events if e[0] == "args" and e[1] == i) for i in range(2)]
+        assert args == [c.arguments for c in calls], cut
+    p = T.ToolCallParser()
+    events = [e for ch in OUTPUT for e in p.push(ch)] + p.end()
+    assert [e[1].name for e in events if e[0] == "call"] == ["get_weather", "get_time"]
+    assert T.parse_output("Hello <b>there</b>") == ("Hello <b>there</b>", [])
+
+
+def test_tool_turns_render_with_the_generic_preamble_for_a_template_without_tools():
+    """A template that does not read `tools` gets the documented preamble in the system message,
+    assistant calls as <tool_call> blocks and tool answers as <tool_response> user turns.
+    Seen red with the native rendering used for every template (roles and tools passed as they are)."""
+    req = P.ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_time", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+            ],
+            "tools": TOOLS,
+        }
+    )
+    msgs, tools = T.render(P.chat_messages(req), T.plan_tools(req), native=False)
+    assert tools is None and [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert (
+        msgs[0]["content"].startswith("Be brief.\n\n# Tools")
+        and '"name": "get_weather"' in msgs[0]["content"]
+    )
+    assert msgs[2]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert msgs[3]["content"] == "<tool_response>\n12:00\n</tool_response>"
+    native, tools = T.render(P.chat_messages(req), T.plan_tools(req), native=True)
+    assert tools[0]["function"]["name"] == "get_weather" and native[3]["role"] == "tool"
+    assert native[2]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+# ---- over HTTP, tiny model -----------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+def test_required_tool_calls_always_parse_and_validate(base, seed):
+    """tool_choice=required on a random model: the answer is a tool call with an id, arguments that
+    validate against its function's schema, and finish_reason tool_calls. (parallel_tool_calls=false:
+    with parallel calls allowed a random model may go on calling until max_tokens.)
+    Seen red with the grammar dropped in prepare (features_of returning no grammar): no call at all."""
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300, "seed": seed}
+    body["parallel_tool_calls"] = False
+    r = httpx.post(base + CHAT, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None and choice["message"]["tool_calls"]
+    check_calls(choice["message"]["tool_calls"])
+
+
+def test_a_named_tool_choice_and_parallel_false_give_exactly_that_one_call(base):
+    """Seen red with the grammar dropped in prepare (no tool_calls in the answer)."""
+    for choice, parallel in (
+        ({"type": "function", "function": {"name": "get_weather"}}, None),
+        ("required", False),
+    ):
+        body = {"messages": MSG, "tools": TOOLS, "tool_choice": choice, "max_tokens": 300, "seed": 5}
+        if parallel is not None:
+            body["parallel_tool_calls"] = parallel
+        calls = httpx.post(base + CHAT, json=body, timeout=60).json()["choices"][0]["message"]["tool_calls"]
+        assert len(calls) == 1
+        if isinstance(choice, dict):
+            assert calls[0]["function"]["name"] == "get_weather"
+        check_calls(calls)
+
+
+def stream_calls(base, body) -> tuple[dict, str, list[dict]]:
+    """Assemble OpenAI delta.tool_calls the way clients do: by index, concatenating arguments."""
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    with httpx.stream("POST", base + CHAT, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                d = c["delta"]
+                content += d.get("content") or ""
+                for tc in d.get("tool_calls") or []:
+                    slot = calls.setdefault(tc["index"], {"function": {"arguments": ""}})
+                    if "id" in tc:
+                        slot.update(id=tc["id"], type=tc["type"])
+                        slot["function"]["name"] = tc["function"]["name"]
+                    slot["function"]["arguments"] += tc["function"].get("arguments", "")
+                finish = c["finish_reason"] or finish
+    return calls, content, finish
+
+
+def test_streamed_tool_calls_assemble_to_the_whole_answer(base):
+    """The stream's delta.tool_calls, assembled by index, equal the non-streamed calls (ids aside).
+    Seen red with the grammar dropped in prepare (finish_reason length, no calls)."""
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "max_tokens": 400, "seed": 11}
+    body["parallel_tool_calls"] = False
+    whole = httpx.post(base + CHAT, json=body, timeout=60).json()["choices"][0]
+    calls, content, finish = stream_calls(base, body)
+    assert finish == "tool_calls" and content == ""
+    got = [(c["function"]["name"], c["function"]["arguments"]) for _, c in sorted(calls.items())]
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert got == want
+    check_calls([calls[i] for i in sorted(calls)])
+
+
+def test_auto_lets_the_model_answer_in_text_and_none_renders_no_tools(base):
+    """Seen red with `auto` planned as `required` (no answer branch in the grammar)."""
+    texts = 0
+    for seed in range(6):
+        body = {"messages": MSG, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 40, "seed": seed}
+        c = httpx.post(base + CHAT, json=body, timeout=60).json()["choices"][0]
+        if c["message"].get("tool_calls"):
+            check_calls(c["message"]["tool_calls"])
+        else:
+            texts += 1
+            assert not c["message"]["content"].startswith("<")
+    assert texts >= 1
+    plain = httpx.post(base + CHAT, json={"messages": MSG, "max_tokens": 1}, timeout=60).json()
+    none = httpx.post(
+        base + CHAT,
+        json={"messages": MSG, "tools": TOOLS, "tool_choice": "none", "max_tokens": 1},
+        timeout=60,
+    ).json()
+    assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
+def test_a_replayed_tool_conversation_is_accepted(base):
+    """The pre-issue-13 tree refused `messages.1.tool_calls` by name (a 400; not re-run)."""
+    msgs = [
+        *MSG,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_9",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_9", "content": "sunny"},
+    ]
+    r = httpx.post(base + CHAT, json={"messages": msgs, "tools": TOOLS, "max_tokens": 5}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(base):
+    bad = [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]}, "tools"),
+        ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools.0.type"),
+    ]
+    for extra, param in bad:
+        r = httpx.post(base + CHAT, json={"messages": MSG, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+# ---- the real model ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_base():
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+
+    engine = Engine.from_model("default", EngineConfig(memory_limit="2GiB", max_model_len=2048)).start()
+    with running_server(engine, model_name="SmolLM2-135M-Instruct") as (b, _app):
+        yield b
+    engine.shutdown()
+
+
+@pytest.mark.slow
+def test_openai_client_tool_call_streaming_and_not(real_base):
+    """The official client: tool_calls whose arguments validate, streaming and not."""
+    import openai
+
+    client = openai.OpenAI(base_url=real_base + "/v1", api_key="unused")
+    args = dict(
+        model="SmolLM2-135M-Instruct",
+        messages=MSG,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
+    out = client.chat.completions.create(**args)
+    calls = [c.model_dump() for c in out.choices[0].message.tool_calls]
+    assert out.choices[0].finish_reason == "tool_calls"
+    check_calls(calls)
+    pieces: dict[int, str] = {}
+    names: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                pieces[tc.index] = pieces.get(tc.index, "") + (tc.function.arguments or "")
+                if tc.function.name:
+                    names[tc.index] = tc.function.name
+    assert [(names[i], pieces[i]) for i in sorted(pieces)] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
+
+
+@pytest.mark.slow
+def test_langchain_runs_a_tool_loop_and_a_structured_output_call(real_base):
+    """LangChain's own OpenAI client (langchain-openai) against kvgate: bind_tools -> tool call ->
+    ToolMessage -> answer, and with_structured_output(PydanticModel). Seen red before issue 13 (400s
+    on tools, tool messages and response_format)."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"It is sunny in {city}."
+
+    llm = ChatOpenAI(
+        base_url=real_base + "/v1",
+        api_key="unused",
+        model="SmolLM2-135M-Instruct",
+        temperature=0,
+        max_tokens=80,
+    )
+    with_tools = llm.bind_tools([get_weather], tool_choice="required")
+    msgs = [HumanMessage("What is the weather in Paris?")]
+    ai = with_tools.invoke(msgs)
+    assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(ai.tool_calls[0]["args"].get("city"), str)
+    msgs += [
+        ai,
+        ToolMessage(get_weather.invoke(ai.tool_calls[0]["args"]), tool_call_id=ai.tool_calls[0]["id"]),
+    ]
+    final = llm.bind_tools([get_weather]).invoke(msgs)
+    assert isinstance(final.content, str)
+
+    class Answer(BaseModel):
+        city: str
+        sunny: bool
+
+    got = llm.with_structured_output(Answer).invoke("Is it sunny in Paris? Answer as JSON.")
+    assert isinstance(got, Answer)
