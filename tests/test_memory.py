@@ -167,9 +167,10 @@ def test_ledger_property_random_sequences(limit, ops):
 # kernel_scratch, were measured with two; more threads are not verified).
 COMMON = ["--memory-limit", "1408MiB", "--dtype", "float32", "--max-model-len", "384", "--prefill-chunk"]
 COMMON += ["128", "--threads", "2"]
-# Production: a prompt 4 tokens short of the context (3 full chunks, the last attending over 380
+# Production: first the pool is filled with prefix-cached blocks (distinct prompts), then a prompt 4 tokens short of the context (3 full chunks, the last attending over 380
 # positions) and 7 more rows whose prompts share those chunks, then all 8 decoding together.
 PRODUCTION = COMMON + ["--max-seqs", "8", "--long-decode", "4", "--row-prompt", "24", "--decode", "6"]
+PRODUCTION += ["--fill-cache"]  # the pool starts full of prefix-cached blocks: the workload evicts them
 # Exact: the same long prompt while 31 one-token rows prefill and decode; it stops after 2 tokens, the
 # 31 rows decode 8: so there are steps with a full chunk at full context, steps with 32 rows decoding
 # next to a 384-token row (padded decode attention), and steps where the 31 rows' logits dominate.
@@ -222,6 +223,8 @@ def test_serving_peak_within_plan(probes):
     Broken by: under-counting weights, the KV pool (e.g. blocks rounded up) or the overhead baseline."""
     r = probes["production"]
     assert r["finish"] == ["length"] and r["requests"] == 8 and r["max_rows_seen"] >= 6
+    # with the prefix cache full: cached blocks live inside the pool, so the peak does not move
+    assert r["kv_blocks_cached_before_workload"] >= 0.8 * r["kv_blocks_total"]
     assert r["prefill_chunks"] >= 3 + 7 and r["decode_steps"] >= 4
     dead = r["weights_dead_rss"]
     assert r["serving_peak"] - dead <= r["plan_total"], summary(r)
