@@ -52,8 +52,11 @@ bench: setup
 	$(VENV)/bin/kvgate bench --help >/dev/null
 	$(PY) -m bench.run_all $(ARGS)
 
+# llama.cpp's llama-server, the peer to beat: built here (never by `make test`) when missing or built
+# for other CPU flags, cached under bench/.peers (about 5 min on 2 idle cores; log and time on stderr).
 bench-compare: setup
 	$(PIP) install -q -e '.[bench]'
+	$(PY) -m bench.llama_server build
 	$(PY) -m bench.compare $(ARGS)
 
 soak: setup

