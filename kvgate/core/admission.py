@@ -18,7 +18,7 @@ Refusals, in the order a request meets them:
 from __future__ import annotations
 
 from kvgate.config import SchedulerConfig
-from kvgate.core.kv_cache import blocks_for, cacheable_blocks, prompt_block_hashes
+from kvgate.core.kv_cache import cacheable_blocks, choice_blocks, prompt_block_hashes
 from kvgate.core.rows import WaitEntry
 from kvgate.core.snapshot import EngineSnapshot, WaiterView
 from kvgate.request import BudgetCap, Refusal, RequestHandle
@@ -30,9 +30,7 @@ def group_blocks(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, hits
     """New blocks a request of `n` choices needs: every choice holds `ceil((P + max_tokens) / bs)`
     blocks, the choices share the prompt's cacheable blocks (referenced once), and `hits` of those
     come from the prefix cache already."""
-    per = blocks_for(P + max_tokens, cfg.block_size)
-    shared = cacheable_blocks(P, cfg.block_size) if n > 1 else 0
-    return per + (n - 1) * (per - shared) - hits
+    return choice_blocks(P, max_tokens, n, cfg.block_size) - hits
 
 
 def max_choice_positions(cfg: SchedulerConfig, P: int, n: int, blocks: int, hits: int = 0) -> int:

@@ -52,6 +52,14 @@ def cacheable_blocks(prompt_len: int, block_size: int) -> int:
     return max(0, (prompt_len - 1) // block_size)
 
 
+def choice_blocks(prompt_len: int, max_tokens: int, n: int, block_size: int) -> int:
+    """Blocks `n` choices of one prompt hold together: each `ceil((prompt + max_tokens) / bs)`, the
+    prompt's cacheable blocks shared (referenced once) when there are several."""
+    per = blocks_for(prompt_len + max_tokens, block_size)
+    shared = cacheable_blocks(prompt_len, block_size) if n > 1 else 0
+    return per + (n - 1) * (per - shared)
+
+
 def prompt_block_hashes(tokens: list[int], block_size: int, root: bytes) -> list[bytes]:
     """The chained hash of every full block of `tokens`: block i's hash covers blocks 0..i."""
     out: list[bytes] = []

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvgate.core.inbox import Inbox
-from kvgate.core.kv_cache import KVCacheManager
+from kvgate.core.kv_cache import KVCacheManager, choice_blocks
 from kvgate.core.rows import Row, WaitEntry
 from kvgate.core.snapshot import Counters, EngineSnapshot, RowView, WaiterView
 from kvgate.request import Finished, RequestHandle, Result
@@ -172,7 +172,7 @@ class EngineState:
             waiters=tuple(
                 WaiterView(
                     w.prompt_len,
-                    kv.blocks_needed(w.prompt_len + w.max_tokens) * w.choices,
+                    choice_blocks(w.prompt_len, w.max_tokens, w.choices, kv.block_size),
                     w.id,
                     w.max_tokens,
                 )

@@ -3,8 +3,9 @@
 Prompt chunks advance their row's computed positions; each sampled token is appended, checked
 against the stop ids and strings, detokenized and sent as a `Token` event; a row that is done leaves
 through `EngineState.finish` (also when its grammar is complete: nothing else may follow). A token's
-log-probabilities, when its row asked for them, ride on its `Token` event. A failed forward fails every row of the step; a failure while handling
-one row's token (a detokenizer or stop matcher that raises) fails that row alone.
+log-probabilities, when its row asked for them, ride on its `Token` event. A failed forward fails
+every row of the step; a failure while handling one row's token (a detokenizer or stop matcher that
+raises) fails that row alone.
 """
 
 from __future__ import annotations
