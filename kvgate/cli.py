@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="drive an OpenAI-compatible endpoint and report latency/throughput")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+    from kvgate.cluster.cli import add_cluster_parser  # needs no Ray until `kvgate cluster` runs
+
+    add_cluster_parser(sub)
     return ap
 
 
@@ -81,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvgate.server.run import serve
 
             return serve(args)
+        if args.cmd == "cluster":
+            from kvgate.cluster.cli import run_cluster
+
+            return run_cluster(args)
         if args.cmd == "bench":
             from kvgate.bench import main as bench_main
 

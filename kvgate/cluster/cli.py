@@ -1,0 +1,147 @@
+"""`kvgate cluster`: start N replicas and the ingress on Ray Serve, on a local Ray or an existing cluster.
+
+    kvgate cluster --replicas 2 --model default --memory-limit 2GiB --replica-cpus 1
+    kvgate cluster --address ray://head:10001 --replicas 8 --replica-gpus 1 --memory-limit 0.9
+
+Without `--address`, a local Ray instance is started for this command (no dashboard, no usage
+stats, `--num-cpus` logical CPUs) and stopped when it ends. The OpenAI API is served by Serve's HTTP
+proxy at `--host:--port`. Binding a non-loopback address needs `--api-key` (or
+`--allow-unauthenticated`), exactly as `kvgate serve`. Ctrl-C or SIGTERM deletes the application
+(Serve drains each replica for its graceful-shutdown timeout) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+
+from kvgate.cluster.app import APP_NAME, ROUTERS, ClusterOptions
+from kvgate.config import add_engine_flags, engine_config
+
+
+def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
+    c = subparsers.add_parser("cluster", help="serve the OpenAI API from N replicas on Ray Serve")
+    add_engine_flags(c)
+    c.add_argument("--replicas", type=int, default=int(os.environ.get("KVGATE_REPLICAS", "2")))
+    c.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="an existing Ray cluster")
+    c.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
+    c.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves")
+    c.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs each replica reserves")
+    c.add_argument("--router", choices=ROUTERS, default="kvgate", help="pow2 = Serve's default router")
+    c.add_argument("--stats-period", type=float, default=0.5, help="seconds between replica stats polls")
+    c.add_argument("--health-period", type=float, default=2.0, help="seconds between replica health checks")
+    c.add_argument("--host", default=os.environ.get("KVGATE_HOST", "127.0.0.1"))
+    c.add_argument("--port", type=int, default=int(os.environ.get("KVGATE_PORT", "8000")))
+    c.add_argument("--api-key", default=os.environ.get("KVGATE_API_KEY"))
+    c.add_argument("--allow-unauthenticated", action="store_true")
+    c.add_argument("--served-model-name", default=None)
+    c.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    return c
+
+
+def options_from(args) -> ClusterOptions:
+    cfg = engine_config(args)
+    return ClusterOptions(
+        model=args.model,
+        replicas=args.replicas,
+        engine={k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
+        replica_cpus=args.replica_cpus,
+        replica_gpus=args.replica_gpus,
+        router=args.router,
+        stats_period=args.stats_period,
+        health_period=args.health_period,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def bind_error(args) -> str | None:
+    """Why these flags must not start a cluster (the same rule as `kvgate serve`), or None."""
+    from kvgate.server.run import is_loopback
+
+    if not is_loopback(args.host) and not args.api_key and not args.allow_unauthenticated:
+        return (
+            f"refusing to bind {args.host} (not a loopback address) without --api-key. Set --api-key KEY "
+            "(or KVGATE_API_KEY), or pass --allow-unauthenticated if this network is trusted."
+        )
+    return None
+
+
+def run_cluster(args) -> int:
+    why = bind_error(args)
+    if why is not None:
+        print(f"kvgate: error: {why}", file=sys.stderr)
+        return 2
+    if args.memory_limit == "auto" and args.replica_gpus == 0 and args.replicas > 1 and not args.address:
+        print(
+            f"kvgate: warning: --memory-limit auto gives each of the {args.replicas} replicas a quarter of this "
+            "machine's RAM; set --memory-limit so their sum fits.",
+            file=sys.stderr,
+        )
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        print("kvgate: error: `kvgate cluster` needs Ray Serve: pip install 'kvgate[ray]'", file=sys.stderr)
+        return 2
+    opts = options_from(args)
+    seconds = launch(opts, args.host, args.port, address=args.address, num_cpus=args.num_cpus)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(
+        f"kvgate: cluster ready in {seconds:.1f}s: {opts.replicas} replicas, router {opts.router}, API "
+        f"http://{host}:{args.port}/v1 (health: /health)",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("kvgate: stopping the cluster application", file=sys.stderr, flush=True)
+    shutdown(local=not args.address)
+    return 0
+
+
+def launch(
+    opts: ClusterOptions,
+    host: str,
+    port: int,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    quiet: bool = False,
+) -> float:
+    """Connect to (or start) Ray, start Serve's proxy on host:port, deploy the application and wait
+    until every replica is ready. Returns the seconds it took. `quiet`: keep the workers' logs in
+    Ray's log directory instead of this terminal."""
+    import ray
+    from ray import serve
+
+    from kvgate.cluster.app import build
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    t0 = time.monotonic()
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, log_to_driver=not quiet, configure_logging=not quiet
+        )
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build(opts), name=APP_NAME, route_prefix="/", blocking=False)
+    return time.monotonic() - t0
+
+
+def shutdown(local: bool = True) -> None:
+    """Delete the application; with `local`, stop Serve and the Ray instance `launch` started too."""
+    import ray
+    from ray import serve
+
+    serve.delete(APP_NAME)
+    if local:
+        serve.shutdown()
+        ray.shutdown()

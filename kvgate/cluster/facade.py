@@ -1,0 +1,125 @@
+"""`ClusterEngine`: N remote replicas presented to the server modules as one engine.
+
+`kvgate.server.create_app(settings, engine)` serves whatever has an engine's reading surface. The
+ingress hands it a `ClusterEngine`, so routes, body parsing, validation, templating, SSE, error
+bodies, auth and metrics are the single-process server's own code, not a copy:
+- `spec`, `tokenizer`, `max_model_len`, `sched_cfg`, `plan` come from one replica's `describe()` (replicas of
+  one deployment share the model and the engine flags); the ingress loads no weights.
+- `submit_many` validates like the engine and gives the never-fits 400s from the same arithmetic
+  (`kvgate.core.admission.plan_entry`), so a request that fits no replica is refused before any
+  replica sees it, with the numbers; then it returns `RemoteHandle`s whose admission is the
+  two-phase dispatch (`kvgate.cluster.dispatch`).
+- `alive` / `stalled()`: the cluster can serve while at least one replica is ready; with none,
+  `stalled()` says so and the server answers 503 `engine_unavailable`.
+- `snapshot()` and `ledger` add up the ready replicas (`views.aggregate`), so `/metrics` and
+  `/v1/resources` report the cluster's totals under the same names.
+"""
+
+from __future__ import annotations
+
+from kvgate.cluster.dispatch import Dispatcher
+from kvgate.cluster.remote import RemoteCall
+from kvgate.cluster.routing import Demand, blocks_for, prefix_chain
+from kvgate.cluster.views import ReplicaView, aggregate
+from kvgate.core.admission import plan_entry
+from kvgate.request import RequestHandle
+from kvgate.tokenizer import TextTokenizer
+
+
+class ClusterLedger:
+    """The ready replicas' memory ledgers, added up (each entry names its replica)."""
+
+    def __init__(self, views: list[ReplicaView]):
+        self._views = views
+        self.limit = sum(v.ledger_limit for v in views)
+        self.reserved = sum(e["bytes"] for v in views for e in v.ledger)
+
+    def by_role(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for v in self._views:
+            for e in v.ledger:
+                out[e["role"]] = out.get(e["role"], 0) + e["bytes"]
+        return out
+
+    def snapshot(self) -> list[dict]:
+        return [
+            {**e, "holder": f"{e['holder']} (replica {v.replica})"} for v in self._views for e in v.ledger
+        ]
+
+
+def _ignore_cancel(_request_id: int) -> None:
+    """A RequestHandle built only to run the admission arithmetic is never submitted."""
+
+
+class ClusterEngine:
+    def __init__(self, handle, published, policy: str = "kvgate", health_period: float = 2.0):
+        self.handle = handle
+        self.dispatcher = Dispatcher(handle, published, policy, health_period)
+        self.dead = None
+        self.tokenizer: TextTokenizer | None = None
+        self._last = None  # the last aggregate snapshot (metrics never go absent between views)
+
+    async def connect(self) -> dict:
+        """Learn the model and limits from one replica; Serve holds the call until one is ready."""
+        d = await self.handle.describe.remote()
+        self.spec = d["spec"]
+        self.tokenizer = TextTokenizer(d["tokenizer"])
+        self.sched_cfg = d["sched_cfg"]
+        self.plan = d["plan"]
+        self.model_name = d["model_name"]
+        self.dispatcher.observe(d["view"])
+        self._last = d["view"].snapshot
+        return d
+
+    # ---- what the server reads ------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.sched_cfg.max_model_len
+
+    @property
+    def alive(self) -> bool:
+        return True  # the ingress itself; whether a replica can serve is `stalled()`
+
+    def readiness(self) -> tuple[int, int]:
+        """(replicas ready, replicas Serve lists)."""
+        d = self.dispatcher
+        ready = sum(1 for v in d.known_views() if v.healthy) + len(d.unseen())
+        return ready, len(d.published() or {})
+
+    def stalled(self) -> str | None:
+        ready, listed = self.readiness()
+        if ready:
+            return None
+        return (
+            f"no kvgate replica is ready ({listed} listed by Ray Serve, 0 ready); Serve is starting or "
+            "replacing them"
+        )
+
+    def snapshot(self):
+        views = self.dispatcher.ready_views()
+        agg = aggregate([v.snapshot for v in views if v.snapshot is not None])
+        if agg is not None:
+            self._last = agg
+        return self._last
+
+    @property
+    def ledger(self) -> ClusterLedger:
+        return ClusterLedger(self.dispatcher.ready_views())
+
+    # ---- requests -------------------------------------------------------------------------------
+    def submit_many(self, requests: list, n: int = 1) -> list:
+        """Validate, refuse what fits no replica (400 with the numbers), and return one handle per
+        prompt and choice; admission happens when the server awaits them."""
+        vocab = self.tokenizer.vocab_size
+        for r in requests:
+            r.validate(vocab)
+        cfg = self.sched_cfg
+        blocks = 0
+        for r in requests:
+            entry = plan_entry(cfg, RequestHandle(r, _ignore_cancel))  # raises the 400s
+            P = len(r.prompt_ids)
+            least = entry.max_tokens if entry.explicit else min(entry.max_tokens, max(1, cfg.min_cap_tokens))
+            blocks += n * blocks_for(P + least, cfg.block_size)
+        prefix = prefix_chain(requests[0].prompt_ids, cfg.block_size) if len(requests) == 1 else ()
+        call = RemoteCall(self.dispatcher, requests, n, Demand(blocks, n * len(requests), prefix))
+        return call.handles

@@ -1,0 +1,207 @@
+"""One kvgate replica under Ray Serve: its own engine and memory limit, answering "admit now or refuse".
+
+Serve runs N copies of `KvgateReplica`, each reserving its CPUs or GPU through Ray resources
+(`ray_actor_options`, set in `kvgate.cluster.app`). Each builds an `Engine` in its constructor, so a
+replica counts as ready (Serve routes to it) only once its model is loaded and its KV pool reserved.
+
+What the ingress calls, through Serve's handle:
+- `generate(requests, n, wait, demand, route)`: a streaming call. Its first message is the admission
+  decision, `("admitted", ...)` or `("refused", ...)`; then `("events", [(choice, Token|Finished)...])`
+  until every choice has finished. With `wait=False` (the second phase of cluster admission) the
+  engine must admit the request at its next tick (the step in flight plus one, `_admit_bound`), or
+  the replica withdraws it and answers 429 with its Retry-After, and the ingress tries another
+  replica (or keeps the request in its own queue). The engine decides, not an estimate: it alone
+  knows how many of the prompt's blocks its prefix cache already holds. With `wait=True` (only the
+  comparison baseline behind Serve's default router sends it) the request joins the engine's FIFO as
+  under `kvgate serve`, up to `--max-queue-wait`. The admission message, and each batch holding a
+  `Finished`, carry a fresh `ReplicaView`: the ingress learns of freed blocks without waiting for
+  Serve's next stats poll.
+- `record_routing_stats()`: Serve polls it every stats period and hands the view to the ingress's
+  router (`kvgate.cluster.router`).
+- `check_health()`: Serve's health check; raises when the engine worker died or a step is stalled,
+  so Serve replaces the replica.
+- `describe()`: what the ingress needs to prepare requests without loading weights (the tokenizer,
+  the scheduler limits, the memory plan).
+
+Cancelling the stream (the client left, or the ingress gave up) cancels the engine requests at the
+next step boundary. `step_delay` is a test-only knob: it sleeps before every forward pass (through
+`kvgate.core.testing.set_step_hook`) so tests can keep requests in flight on a tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from kvgate.cluster.routing import Demand
+from kvgate.cluster.views import view_of
+from kvgate.request import Finished, Refusal, RequestError
+from kvgate.sampling import SamplingError
+from kvgate.server.serving import admit_all
+
+log = logging.getLogger("kvgate.cluster")
+
+
+def refusal_dict(r: Refusal) -> dict:
+    """A `Refusal` as plain values (exceptions with keyword-only fields do not survive pickling)."""
+    return {
+        "code": r.code,
+        "message": r.message,
+        "status": r.status,
+        "retry_after": r.retry_after,
+        **r.details(),
+    }
+
+
+def refusal_from(d: dict) -> Refusal:
+    d = dict(d)
+    return Refusal(d.pop("code"), d.pop("message"), d.pop("status"), **d)
+
+
+def _replica_tag() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (unit tests): any stable name will do
+        return f"local-{id(object()):x}"
+
+
+class KvgateReplica:
+    def __init__(self, model: str, engine: dict, step_delay: float = 0.0):
+        from kvgate.config import EngineConfig
+        from kvgate.core.engine import Engine
+
+        self.tag = _replica_tag()
+        self.engine = Engine.from_model(model, EngineConfig(**engine)).start()
+        if step_delay > 0:  # test-only: keep requests in flight on a tiny model
+            from kvgate.core.testing import set_step_hook
+
+            set_step_hook(self.engine, lambda _so: time.sleep(step_delay))
+        log.info("kvgate replica %s ready: %s", self.tag, self.engine.plan.describe(None).splitlines()[0])
+
+    # ---- what Serve and the ingress read ------------------------------------------------------
+    def describe(self) -> dict:
+        eng = self.engine
+        return {
+            "replica": self.tag,
+            "model_name": eng.info.model_name,
+            "spec": eng.spec,
+            "tokenizer": eng.tokenizer.info,
+            "sched_cfg": eng.sched_cfg,
+            "plan": eng.plan,
+            "view": view_of(eng, self.tag),
+        }
+
+    def record_routing_stats(self) -> dict:
+        return {"kvgate": view_of(self.engine, self.tag)}
+
+    def check_health(self) -> None:
+        view = view_of(self.engine, self.tag)
+        if not view.healthy:
+            raise RuntimeError(f"kvgate replica {self.tag} is unhealthy: {view.reason}")
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(0.0)
+
+    # ---- one submission -------------------------------------------------------------------------
+    def _admit_bound(self, view) -> float:
+        """How long a `wait=False` request may take to be admitted: the step in flight and the next
+        tick, with margin. Longer means there was no room after all, and it is refused."""
+        return max(0.25, 3 * (view.step_time or 0.05))
+
+    async def generate(self, requests: list, n: int, wait: bool, demand: Demand, route: dict | None = None):
+        """See the module doc. `demand` and `route` are read by the ingress and its router: this
+        replica's engine decides for itself (it alone knows the blocks a prompt shares with its
+        prefix cache)."""
+        eng = self.engine
+        view = view_of(eng, self.tag)
+        try:
+            if not view.healthy:
+                raise Refusal(
+                    "engine_unavailable",
+                    f"this replica is not healthy ({view.reason}); retry against another replica",
+                    503,
+                    retry_after=5,
+                )
+            handles = await _submit(eng, requests, n)
+        except Refusal as r:
+            yield ("refused", {"refusal": refusal_dict(r), "view": view_of(eng, self.tag)})
+            return
+        except (RequestError, SamplingError) as exc:
+            yield ("invalid", {"message": str(exc), "param": exc.param})
+            return
+        finished = set()
+        try:
+            try:
+                admission = admit_all(handles)
+                if not wait:
+                    admission = asyncio.wait_for(admission, self._admit_bound(view))
+                admitted = await admission
+            except TimeoutError:
+                v = view_of(eng, self.tag)
+                refusal = Refusal(
+                    "kv_memory_unavailable",
+                    f"no room for this request right now: it needs {demand.blocks} KV blocks and "
+                    f"{max(0, v.blocks_available)} of {v.blocks_total} are free ({v.running} of {v.max_seqs} "
+                    "rows busy). Retry after the Retry-After interval, or lower max_tokens.",
+                    429,
+                    retry_after=v.retry_after,
+                )
+                yield ("refused", {"refusal": refusal_dict(refusal), "view": v})
+                return
+            except Refusal as r:
+                yield ("refused", {"refusal": refusal_dict(r), "view": view_of(eng, self.tag)})
+                return
+            view = view_of(eng, self.tag)
+            yield ("admitted", {"admitted": admitted, "seq": view.admitted, "view": view})
+            async for batch in _batches(handles):
+                done = [i for i, ev in batch if isinstance(ev, Finished)]
+                finished.update(done)
+                yield ("events", batch, view_of(eng, self.tag) if done else None)
+        finally:
+            if len(finished) < len(handles):  # the caller left (or this replica is stopping)
+                for h in handles:
+                    h.cancel()
+
+
+async def _submit(eng, requests: list, n: int) -> list:
+    """`Engine.submit_many` off the event loop (validation walks every token id). If the caller is
+    cancelled meanwhile, whatever was submitted is cancelled once the thread is done: nobody reads it."""
+    args = (requests, n) if n > 1 else (requests,)
+    fut = asyncio.get_running_loop().run_in_executor(None, lambda: eng.submit_many(*args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(_cancel_submitted)
+        raise
+
+
+def _cancel_submitted(fut) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        for h in fut.result():
+            h.cancel()
+
+
+async def _batches(handles):
+    """Lists of (choice, event), in order, until every handle has finished. One handle's events
+    that are already there go out together: a Serve stream item costs far more than a token."""
+    if len(handles) == 1:
+        h = handles[0]
+        while True:
+            batch = [(0, await h.events.aget())]
+            while not isinstance(batch[-1][1], Finished):
+                try:
+                    batch.append((0, h.events.get(timeout=0)))
+                except TimeoutError:
+                    break
+            yield batch
+            if isinstance(batch[-1][1], Finished):
+                return
+    from kvgate.server.sse import merged_events
+
+    async for i, ev in merged_events(handles):
+        yield [(i, ev)]

@@ -1,0 +1,168 @@
+"""Admission-aware routing, as pure functions of the replicas' views: which replica can take a request now.
+
+The ingress knows, for every ready replica, the blocks it can hand out, its rows, its queue and its
+Retry-After (`ReplicaView`, at most one stats period old, refreshed by every message a replica
+streams back). It also knows what it sent since a replica's view was taken: `Holds` are optimistic
+reservations, subtracted from a replica's numbers from the moment a request is sent to it until that
+replica reports an `admitted` counter that includes it (or refuses it). Without holds, every request
+arriving within one stats period would go to the same "emptiest" replica.
+
+A request *fits now* on a replica that is healthy, has a free row and enough blocks for prompt +
+max_tokens, where the prompt blocks the ingress recently
+sent to that replica count as there already (`Affinity`: its prefix cache likely holds them; the
+replica's engine has the last word). `rank_now` orders those by that shared prefix, then by the most
+blocks left, then by the fewest rows. (A replica's own queue is not a reason to skip it: under this
+router it only ever holds requests for the tick between their arrival and their admission, and the
+engine keeps their order.) A replica that does not fit is never in that list: the ingress does not send
+a request where it would queue while another replica has room. `time_to_fit` says which replica a
+waiting request will fit first, and `min_retry_after` is what the single 429 says when nothing is
+possible.
+
+Why not Serve's default power-of-two-choices: it samples two replicas and picks the one with fewer
+requests in flight. A request count says nothing about blocks: a replica running two long requests
+can be full while one running ten short ones has room, and P2C then queues the request behind the
+full one (or the replica answers 429) while the other could have started it at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvgate.cluster.views import ReplicaView
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one submission needs on a single replica: KV blocks for prompt + max_tokens of every
+    prompt and choice, batch rows, and the prompt's block chain (for prefix affinity)."""
+
+    blocks: int
+    rows: int
+    prefix: tuple[int, ...] = ()
+
+
+def blocks_for(positions: int, block_size: int) -> int:
+    return -(-positions // block_size)
+
+
+def prefix_chain(ids: list[int], block_size: int) -> tuple[int, ...]:
+    """A chained hash per full prompt block: equal leading entries mean an equal prefix."""
+    out, h = [], 0
+    for i in range(0, len(ids) - block_size + 1, block_size):
+        h = hash((h, tuple(ids[i : i + block_size])))
+        out.append(h)
+    return tuple(out)
+
+
+@dataclass
+class Hold:
+    replica: str
+    blocks: int
+    rows: int
+    seq: int | None = None  # the replica's admitted counter once it has admitted this request
+
+
+@dataclass
+class Holds:
+    """Blocks and rows sent to a replica that its last view does not show yet."""
+
+    by_replica: dict[str, list[Hold]] = field(default_factory=dict)
+
+    def add(self, replica: str, demand: Demand) -> Hold:
+        h = Hold(replica, demand.blocks, demand.rows)
+        self.by_replica.setdefault(replica, []).append(h)
+        return h
+
+    def release(self, hold: Hold) -> None:
+        holds = self.by_replica.get(hold.replica, [])
+        if hold in holds:
+            holds.remove(hold)
+
+    def held(self, view: ReplicaView) -> tuple[int, int]:
+        """(blocks, rows) still to subtract from `view`; holds the view already includes are dropped."""
+        live = [h for h in self.by_replica.get(view.replica, []) if h.seq is None or h.seq > view.admitted]
+        self.by_replica[view.replica] = live
+        return sum(h.blocks for h in live), sum(h.rows for h in live)
+
+    def forget_except(self, replicas: Iterable[str]) -> None:
+        keep = set(replicas)
+        for r in [r for r in self.by_replica if r not in keep]:
+            del self.by_replica[r]
+
+
+class Affinity:
+    """Which replicas each prompt-block chain was sent to lately: a bounded map, oldest out first. A
+    replica it went to likely still holds those blocks in its prefix cache (its engine confirms)."""
+
+    def __init__(self, capacity: int = 65536):
+        self.capacity = capacity
+        self._where: OrderedDict[int, set[str]] = OrderedDict()
+
+    def record(self, prefix: tuple[int, ...], replica: str) -> None:
+        for h in prefix:
+            self._where.setdefault(h, set()).add(replica)
+            self._where.move_to_end(h)
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def match(self, prefix: tuple[int, ...], replica: str) -> int:
+        """How many leading blocks of `prefix` were sent to `replica`."""
+        n = 0
+        for h in prefix:
+            if replica not in self._where.get(h, ()):
+                break
+            n += 1
+        return n
+
+
+def room(view: ReplicaView, holds: Holds) -> tuple[int, int]:
+    """(blocks, rows) the replica can still hand out, net of what the ingress sent it since."""
+    blocks, rows = holds.held(view)
+    return view.blocks_available - blocks, view.max_seqs - view.running - rows
+
+
+def fits_now(view: ReplicaView, demand: Demand, holds: Holds, shared: int = 0) -> bool:
+    """`shared`: prompt blocks the replica's prefix cache likely holds (they need no new block)."""
+    if not view.healthy:
+        return False
+    blocks, rows = room(view, holds)
+    return blocks >= demand.blocks - shared and rows >= demand.rows
+
+
+def rank_now(
+    views: Iterable[ReplicaView], demand: Demand, holds: Holds, affinity: Affinity | None = None
+) -> list[str]:
+    """Replicas that can admit `demand` now, best first (longest shared prefix, most blocks left).
+    A prefix last sent to a replica counts as cached there: an estimate the replica's engine checks."""
+    scored = []
+    for v in views:
+        shared = affinity.match(demand.prefix, v.replica) if affinity is not None else 0
+        if fits_now(v, demand, holds, shared):
+            blocks, rows = room(v, holds)
+            scored.append((-shared, -(blocks - demand.blocks + shared), -rows, v.replica))
+    return [s[-1] for s in sorted(scored)]
+
+
+def time_to_fit(view: ReplicaView, demand: Demand, holds: Holds) -> float:
+    """Seconds until `demand` fits this replica if nothing else is started there: its running rows
+    are walked by steps left (each frees its blocks and row when it ends), as the engine's own TTFT
+    forecast does. 0 when it fits now; infinite when even an empty replica would not hold it."""
+    if not view.healthy or view.blocks_total < demand.blocks or view.max_seqs < demand.rows:
+        return float("inf")
+    blocks, rows = room(view, holds)
+    if blocks >= demand.blocks and rows >= demand.rows:
+        return 0.0
+    step = view.step_time or 0.05
+    ending = sorted((r.steps_left, r.blocks) for r in (view.snapshot.rows if view.snapshot else ()))
+    for steps, freed in ending:
+        blocks, rows = blocks + freed, rows + 1
+        if blocks >= demand.blocks and rows >= demand.rows:
+            return (steps + 1) * step
+    return float("inf")
+
+
+def min_retry_after(views: Iterable[ReplicaView], default: int = 1) -> int:
+    values = [v.retry_after for v in views if v.healthy]
+    return min(values) if values else default

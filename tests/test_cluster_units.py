@@ -1,0 +1,360 @@
+"""kvgate on Ray Serve (issue 16), without Ray: routing, two-phase dispatch and the ingress's queue
+(replica views and a scripted Serve handle), one replica's engine in this process, the command line
+and the shipped Serve configs. Fast. The cluster itself is tested in tests/test_cluster.py. Each
+test's docstring says how it was seen red.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvgate.cluster import routing
+from kvgate.cluster.dispatch import Dispatcher
+from kvgate.cluster.routing import Affinity, Demand, Holds
+from kvgate.cluster.views import aggregate
+from kvgate.core.snapshot import Counters
+from kvgate.request import Refusal
+from tests.cluster_util import FakeCall, FakeHandle, admitted, refused, rows, snapshot, view
+from tests.server_util import wait_until
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def dispatcher(views, answer, **kw):
+    published = {v.replica: v for v in views}
+    return Dispatcher(FakeHandle(answer), lambda: published, **kw)
+
+
+# ---- routing as pure functions ---------------------------------------------------------------------
+def test_a_replica_without_room_is_never_ranked_and_the_roomiest_comes_first():
+    """Seen red with `fits_now` returning True for every healthy replica (the full one was ranked)."""
+    views = [view("full", free=2), view("some", free=10), view("most", free=20)]
+    assert routing.rank_now(views, Demand(blocks=4, rows=1), Holds()) == ["most", "some"]
+
+
+def test_a_replica_with_no_free_row_is_not_ranked_but_one_with_a_request_mid_admission_is():
+    """A request waiting in a replica's engine for its next tick is no reason to skip the replica
+    (under this router nothing else waits there). Seen red with `fits_now` refusing any replica whose
+    view shows a waiter, as it did first: at 32 clients the ingress then 429'd requests that fit."""
+    views = [view("rows", running=8), view("busy", free=5, waiting=1), view("ok", free=4)]
+    assert routing.rank_now(views, Demand(4, 1), Holds()) == ["busy", "ok"]
+
+
+def test_holds_count_what_was_sent_until_the_replicas_own_numbers_include_it():
+    """Seen red with `Holds.held` ignoring `seq` (the hold vanished before the view showed it)."""
+    holds = Holds()
+    h = holds.add("a", Demand(20, 1))
+    assert routing.rank_now([view("a", free=28), view("b", free=10)], Demand(10, 1), holds) == ["b"]
+    h.seq = 5
+    assert holds.held(view("a", admitted=4)) == (20, 1)  # the view predates the admission
+    assert holds.held(view("a", admitted=5)) == (0, 0)  # now the replica's free count includes it
+
+
+def test_the_longest_prefix_sent_before_wins_over_free_blocks():
+    """Seen red with the affinity term dropped from the sort key in `rank_now`."""
+    aff = Affinity()
+    prefix = routing.prefix_chain(list(range(64)), 16)
+    aff.record(prefix, "warm")
+    views = [view("cold", free=28), view("warm", free=10)]
+    assert routing.rank_now(views, Demand(4, 1, prefix), Holds(), aff) == ["warm", "cold"]
+    other = routing.prefix_chain(list(range(100, 164)), 16)
+    assert routing.rank_now(views, Demand(4, 1, other), Holds(), aff) == ["cold", "warm"]
+
+
+def test_a_prefix_sent_before_counts_as_room_there_for_the_replica_to_confirm():
+    """12 blocks needed, 10 free on a, but the 4 prompt blocks went to a last time: its prefix cache
+    likely holds them, so a is asked (its engine knows). Seen red with `fits_now` ignoring `shared`."""
+    aff = Affinity()
+    prefix = routing.prefix_chain(list(range(64)), 16)
+    aff.record(prefix, "a")
+    assert routing.rank_now(
+        [view("a", free=10), view("b", free=10)], Demand(12, 1, prefix), Holds(), aff
+    ) == ["a"]
+
+
+def test_aggregate_adds_replicas_up_under_the_engine_snapshot_fields():
+    """Seen red with the `tuple` branch missing (rows of the second replica were dropped)."""
+
+    def snap(v, free, n):
+        return snapshot(
+            version=v, counters=Counters(admitted=v), rows=rows(*[(5, 1)] * n), kv_blocks_total=28,
+            kv_blocks_free=free, step_time_ema=0.02, slowest_step=0.1,
+        )  # fmt: skip
+
+    total = aggregate([snap(3, 10, 2), snap(5, 4, 1)])
+    assert (total.kv_blocks_total, total.kv_blocks_free, total.running, total.counters.admitted) == (
+        56,
+        14,
+        3,
+        8,
+    )
+    assert total.step_time_ema == pytest.approx(0.02) and total.prefill_token_time_ema is None
+
+
+def test_time_to_fit_walks_the_running_rows_by_steps_left():
+    """Seen red with the rows walked in the snapshot's order instead of by steps left (0.62 s)."""
+    v = view("a", free=2, ending=((30, 6), (10, 4)), step_time=0.02)
+    assert routing.time_to_fit(v, Demand(2, 1), Holds()) == 0.0
+    assert routing.time_to_fit(v, Demand(6, 1), Holds()) == pytest.approx(11 * 0.02)
+    assert routing.time_to_fit(v, Demand(12, 1), Holds()) == pytest.approx(31 * 0.02)
+    assert routing.time_to_fit(v, Demand(29, 1), Holds()) == float("inf")
+
+
+# ---- two-phase dispatch, with a scripted Serve handle -------------------------------------------------
+def test_a_race_refusal_is_retried_on_the_next_replica_and_never_reaches_the_client():
+    """Seen red with `dispatch` raising the first refusal instead of trying the next replica."""
+    views = [view("a", free=20), view("b", free=10)]
+    d = dispatcher(views, lambda t, w: refused(t, 4) if t == "a" else admitted(t))
+    stream, _, served = run(d.dispatch(FakeCall()))
+    assert served == "b" and d.handle.calls == [("a", False), ("b", False)]
+    assert (d.counts.refused, d.counts.admitted) == (1, 1)
+
+
+def test_when_every_replica_refuses_the_client_gets_one_429_with_the_smallest_retry_after():
+    """Seen red with `_everyone_refused` giving the first refusal's Retry-After (9, not 3)."""
+    views = [view("a", free=20), view("b", free=10)]
+    d = dispatcher(views, lambda t, w: refused(t, 9 if t == "a" else 3))
+    with pytest.raises(Refusal) as e:
+        run(d.dispatch(FakeCall()))
+    assert (e.value.status, e.value.retry_after, e.value.code) == (429, 3, "kv_memory_unavailable")
+    assert "every kvgate replica refused" in e.value.message
+
+
+def test_with_no_room_anywhere_no_replica_is_asked_and_the_429_names_the_numbers():
+    """Seen red with `rank_now` ranking full replicas (each was asked and refused)."""
+    views = [view("a", free=2, retry_after=7), view("b", free=3, retry_after=4)]
+    d = dispatcher(views, lambda t, w: pytest.fail("no replica should be asked"))
+    with pytest.raises(Refusal) as e:
+        run(d.dispatch(FakeCall(blocks=6)))
+    assert (e.value.status, e.value.retry_after) == (429, 4)
+    assert "needs 6 KV blocks" in e.value.message and "2/28, 3/28" in e.value.message
+
+
+def test_a_request_that_fits_nowhere_waits_at_the_ingress_and_starts_where_room_appears_first():
+    """Seen red with `_queued` sleeping until its deadline instead of waking on each view (a 429)."""
+    views = [view("a", free=0, max_queue_wait=5.0), view("b", free=0, max_queue_wait=5.0)]
+    d = dispatcher(views, lambda t, w: admitted(t))
+
+    async def scenario():
+        task = asyncio.ensure_future(d.dispatch(FakeCall(blocks=4)))
+        await asyncio.sleep(0.1)
+        assert not task.done() and d.handle.calls == []
+        d.observe(view("b", version=3, free=20, max_queue_wait=5.0))  # b finished a request
+        return await asyncio.wait_for(task, 2)
+
+    assert run(scenario())[2] == "b" and d.handle.calls == [("b", False)] and d.counts.queued == 1
+
+
+def test_a_small_request_never_takes_the_room_the_waiting_head_is_reserving():
+    """Seen red with a newcomer's `_now` in `dispatch` not avoiding `self.reserved` (the small one took
+    a's room while the big head waited for it: starvation)."""
+    views = [view("a", free=0, ending=((50, 28),), max_queue_wait=5.0)]  # fits the big one in ~1 s
+    d = dispatcher(views, lambda t, w: admitted(t))
+
+    async def scenario():
+        big = asyncio.ensure_future(d.dispatch(FakeCall(blocks=10)))
+        await asyncio.sleep(0.05)
+        d.observe(view("a", version=3, free=5, ending=((50, 23),), max_queue_wait=5.0))  # a small one fits
+        await asyncio.sleep(0.05)
+        small = asyncio.ensure_future(d.dispatch(FakeCall(blocks=1)))  # arrives to find that room
+        await asyncio.sleep(0.2)
+        assert not big.done() and not small.done() and d.handle.calls == []
+        d.observe(view("a", version=4, free=28, max_queue_wait=5.0))
+        await asyncio.wait_for(asyncio.gather(big, small), 2)
+
+    run(scenario())
+    assert len(d.handle.calls) == 2
+
+
+def test_while_the_head_waits_for_its_replica_others_start_on_the_rest_of_the_cluster():
+    """A big head waits for a (the most room); a small request queued behind it starts on b as soon
+    as b has room. Seen red with only the head of the line trying again in `_queued` (strict FIFO:
+    b idled while the small one waited)."""
+    views = [
+        view("a", free=8, ending=((10, 20),), max_queue_wait=5.0),  # the big one fits a in 0.2 s
+        view("b", free=0, ending=((100, 28),), max_queue_wait=5.0),  # and b in 2 s
+    ]
+    d = dispatcher(views, lambda t, w: admitted(t))
+
+    async def scenario():
+        big = asyncio.ensure_future(d.dispatch(FakeCall(blocks=20)))
+        await asyncio.sleep(0.05)
+        assert d.reserved == "a"  # where it fits first: the head's replica, kept for it
+        small = asyncio.ensure_future(d.dispatch(FakeCall(blocks=2)))
+        await asyncio.sleep(0.05)
+        assert not small.done() and len(d.waiting) == 2
+        d.observe(view("b", version=3, free=4, ending=((100, 24),), max_queue_wait=5.0))
+        assert (await asyncio.wait_for(small, 2))[2] == "b" and not big.done()
+        big.cancel()
+
+    run(scenario())
+
+
+def test_the_head_reserves_the_replica_it_fits_first_not_the_emptiest():
+    """a has more room now, but b's rows end sooner. Seen red with `_reservation` taking the
+    replica with the most free blocks (a)."""
+    views = [
+        view("a", free=10, ending=((400, 18),), max_queue_wait=5.0),  # 20 blocks free in 8 s
+        view("b", free=4, ending=((20, 24),), max_queue_wait=5.0),  # 28 free in 0.4 s
+    ]
+    d = dispatcher(views, lambda t, w: admitted(t))
+
+    async def scenario():
+        big = asyncio.ensure_future(d.dispatch(FakeCall(blocks=20)))
+        await asyncio.sleep(0.05)
+        assert d.reserved == "b"
+        big.cancel()
+
+    run(scenario())
+
+
+def test_a_queued_request_gets_the_clusters_429_when_the_wait_runs_out():
+    """Seen red with `_queued` waiting on with no deadline (the test timed out)."""
+    views = [
+        view("a", free=0, max_queue_wait=0.3, retry_after=6),
+        view("b", free=1, max_queue_wait=0.3, retry_after=2),
+    ]
+    d = dispatcher(views, lambda t, w: pytest.fail("no replica has room"))
+    t0 = time.monotonic()
+    with pytest.raises(Refusal) as e:
+        run(asyncio.wait_for(d.dispatch(FakeCall(blocks=4)), 3))
+    assert 0.3 <= time.monotonic() - t0 < 2
+    assert (e.value.status, e.value.retry_after) == (429, 2) and "within 0.3s" in e.value.message
+
+
+def test_a_replica_that_fails_a_call_is_skipped_and_the_next_one_serves():
+    """Seen red with `_attempt` re-raising the replica's failure (the client got a 500)."""
+    views = [view("a", free=20), view("b", free=10)]
+    d = dispatcher(views, lambda t, w: RuntimeError("actor died") if t == "a" else admitted(t))
+    assert run(d.dispatch(FakeCall()))[2] == "b"
+    assert run(d.dispatch(FakeCall()))[2] == "b"  # within one health interval "a" is not asked again
+    assert d.handle.calls == [("a", False), ("b", False), ("b", False)]
+
+
+def test_a_request_the_replica_refuses_as_invalid_is_not_retried_elsewhere():
+    """A 400 is about the request, not the replica. Seen red with every non-200 retried."""
+    views = [view("a", free=20), view("b", free=10)]
+    d = dispatcher(views, lambda t, w: refused(t, None, status=400, code="kv_budget_exceeded"))
+    with pytest.raises(Refusal) as e:
+        run(d.dispatch(FakeCall()))
+    assert e.value.status == 400 and len(d.handle.calls) == 1
+
+
+# ---- one replica, in this process (its engine, no Serve) -------------------------------------------
+def replica_request(prompt_len: int, max_tokens: int):
+    from kvgate.request import GenerationRequest
+    from kvgate.sampling import SamplingParams
+
+    return GenerationRequest([40] * prompt_len, SamplingParams(temperature=0.0), max_tokens, ignore_eos=True)
+
+
+def test_a_replica_admits_at_its_next_tick_or_withdraws_the_request_and_refuses(tiny_dir):
+    """While the engine is inside a (slow) step, two requests of 20 blocks reach a replica with 24
+    free and an engine that would queue for 30 s: one is admitted after the step, the other withdrawn
+    from the engine's queue and refused within the admission bound. Seen red with the bound removed
+    from `generate` (the second waited in the engine's FIFO)."""
+    from kvgate.cluster.replica import KvgateReplica
+    from tests.cluster_util import ENGINE
+
+    rep = KvgateReplica(str(tiny_dir), {**ENGINE, "max_queue_wait": 30.0}, step_delay=0.5)
+
+    async def scenario():
+        warm = [m async for m in rep.generate([replica_request(4, 2)], 1, False, Demand(1, 1))]
+        assert warm[0][0] == "admitted"  # the engine has measured its (slow) steps
+        blocker = rep.generate([replica_request(4, 50)], 1, False, Demand(4, 1))
+        assert (await blocker.__anext__())[0] == "admitted"  # the worker now sleeps in its step hook
+        gens = [rep.generate([replica_request(4, 316)], 1, False, Demand(20, 1)) for _ in range(2)]
+        firsts = await asyncio.wait_for(asyncio.gather(*(g.__anext__() for g in gens)), 10)
+        for g in [blocker, *gens]:
+            await g.aclose()  # the caller leaves: its requests are cancelled
+        return firsts
+
+    try:
+        firsts = run(scenario())
+        assert sorted(k for k, _ in firsts) == ["admitted", "refused"]
+        refusal = next(b["refusal"] for k, b in firsts if k == "refused")
+        assert refusal["status"] == 429 and "needs 20 KV blocks and 4 of 28 are free" in refusal["message"]
+        assert wait_until(lambda: rep.engine.snapshot().idle, 5)
+    finally:
+        rep.engine.shutdown()
+
+
+def test_a_replica_streams_its_events_and_fails_its_health_check_once_its_engine_stops(tiny_dir):
+    """Seen red with `check_health` testing only `stalled()` (a stopped engine passed)."""
+    from kvgate.cluster.replica import KvgateReplica
+    from kvgate.request import Finished
+    from tests.cluster_util import ENGINE
+
+    rep = KvgateReplica(str(tiny_dir), dict(ENGINE))
+
+    async def scenario():
+        msgs = [m async for m in rep.generate([replica_request(4, 5)], 1, False, Demand(1, 1))]
+        return msgs
+
+    msgs = run(scenario())
+    assert msgs[0][0] == "admitted" and all(m[0] == "events" for m in msgs[1:])
+    final = [ev for m in msgs[1:] for _, ev in m[1] if isinstance(ev, Finished)]
+    assert len(final) == 1 and final[0].result.completion_tokens == 5 and msgs[-1][2] is not None
+    rep.check_health()
+    rep.engine.shutdown()
+    with pytest.raises(RuntimeError, match="unhealthy"):
+        rep.check_health()
+
+
+# ---- the command line and the Serve config file ------------------------------------------------------
+def test_kvgate_cluster_flags_become_cluster_options_and_ray_resources():
+    """Seen red with `actor_options` not reserving the memory limit as Ray memory."""
+    import argparse
+
+    from kvgate.cluster.cli import add_cluster_parser, options_from
+
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    add_cluster_parser(sub)
+    args = sub.choices["cluster"].parse_args(
+        ["--replicas", "3", "--memory-limit", "1GiB", "--replica-cpus", "2", "--router", "pow2"]
+    )
+    opts = options_from(args)
+    assert (opts.replicas, opts.router, opts.engine["memory_limit"]) == (3, "pow2", "1GiB")
+    assert opts.actor_options() == {"num_cpus": 2.0, "num_gpus": 0.0, "memory": 1 << 30}
+    assert opts.engine_config().threads == 2
+
+
+def test_kvgate_cluster_refuses_a_public_bind_without_a_key():
+    """Seen red with `bind_error` returning None for every host."""
+    import argparse
+
+    from kvgate.cluster.cli import add_cluster_parser, bind_error
+
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    add_cluster_parser(sub)
+    parse = sub.choices["cluster"].parse_args
+    assert "without --api-key" in bind_error(parse(["--host", "0.0.0.0"]))
+    assert bind_error(parse(["--host", "0.0.0.0", "--api-key", "k"])) is None
+    assert bind_error(parse(["--host", "127.0.0.1"])) is None
+
+
+def test_the_shipped_serve_configs_build_valid_cluster_options():
+    """deploy/serve-config.yaml and the RayService's serveConfigV2 name `build_app` with arguments it
+    accepts. Seen red with an unknown engine option (`memory_limt`) put in the config."""
+    from pathlib import Path
+
+    import yaml
+
+    from kvgate.cluster.app import ClusterOptions
+
+    root = Path(__file__).resolve().parent.parent / "deploy"
+    service = yaml.safe_load((root / "rayservice.yaml").read_text())
+    configs = [
+        yaml.safe_load((root / "serve-config.yaml").read_text()),
+        yaml.safe_load(service["spec"]["serveConfigV2"]),
+    ]
+    for cfg in configs:
+        (app,) = cfg["applications"]
+        assert app["import_path"] == "kvgate.cluster.app:build_app"
+        opts = ClusterOptions(**app["args"])
+        assert opts.engine_config().memory_limit == "4GiB"
