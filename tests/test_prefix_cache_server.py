@@ -121,3 +121,26 @@ def test_too_many_choices_is_a_400_naming_the_row_limit(make_engine):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "too_many_choices" and "--max-seqs" in err["message"]
+
+
+def test_best_of_returns_the_most_likely_of_its_candidates(make_engine):
+    """best_of=3, n=1 (seed 5) returns, of the three candidates that n=3 with the same seed gives, the one
+    with the highest summed log-probability; usage counts every candidate; streaming best_of > n and
+    best_of < n are 400s naming best_of. Seen red with the candidates ranked lowest first."""
+    e = make_engine(block_size=16)
+    base = {"messages": [{"role": "user", "content": "say something"}], "max_tokens": 6, "seed": 5}
+    base.update(ignore_eos=True, temperature=1.0)
+    with running_server(e) as (url, _):
+        three = httpx.post(url + CHAT, json={**base, "n": 3, "logprobs": True}, timeout=30).json()
+        best = httpx.post(url + CHAT, json={**base, "best_of": 3}, timeout=30).json()
+        bad = [
+            httpx.post(url + CHAT, json={**base, "best_of": 3, "stream": True}, timeout=30),
+            httpx.post(url + CHAT, json={**base, "best_of": 1, "n": 2}, timeout=30),
+        ]
+    scores = [sum(t["logprob"] for t in c["logprobs"]["content"]) for c in three["choices"]]
+    winner = three["choices"][scores.index(max(scores))]["message"]["content"]
+    assert len(best["choices"]) == 1 and best["choices"][0]["message"]["content"] == winner
+    assert best["choices"][0]["logprobs"] is None  # not asked for: used for ranking only
+    assert best["usage"]["completion_tokens"] == 18
+    for r in bad:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"

@@ -238,7 +238,6 @@ def test_non_streaming_disconnect_cancels_the_request(make_engine):
     "field,value",
     [
         ("top_logprobs", 3),  # without logprobs=true
-        ("best_of", 3),
         ("tool_choice", "auto"),  # without tools
         ("functions", [{"name": "f"}]),  # the deprecated form of tools: would change the output
         ("audio", {"voice": "alloy"}),

@@ -286,9 +286,9 @@ def _tighten_common(js: dict, vocab: int | None, chat: bool) -> None:
     props["stop"] = {"anyOf": [stop_str, {"type": "array", "maxItems": MAX_STOP, "items": stop_str}, _NULL]}
     token = {"type": "integer", "minimum": 0, **({"maximum": vocab - 1} if vocab else {})}
     props["stop_token_ids"] = {"anyOf": [{"type": "array", "items": token}, _NULL]}
-    # Fields kvgate refuses unless they ask for what it does anyway.
-    props["n"] = {"enum": [1, None]}
-    props["best_of"] = {"enum": [1, None]}
+    count = {"anyOf": [{"type": "integer", "minimum": 1}, _NULL]}  # past --max-seqs: a 400 too_many_choices
+    props["n"] = count
+    props["best_of"] = count
     js["additionalProperties"] = False
     tighten_features(js, vocab, chat)
     if "prompt" in props:

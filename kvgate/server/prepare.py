@@ -37,6 +37,11 @@ class Prepared:
         return self.request.n or 1
 
     @property
+    def candidates(self) -> int:
+        """Choices generated per prompt: `best_of` of them, the `n` most likely returned."""
+        return max(self.n, getattr(self.request, "best_of", None) or 1)
+
+    @property
     def stream(self) -> bool:
         return self.request.stream
 
@@ -64,7 +69,10 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=req.seed,
         logit_bias=feats.logit_bias,
-        logprobs=feats.logprobs,
+        # best_of > n ranks candidates by their summed log-probability: each token's is needed
+        logprobs=0
+        if feats.logprobs is None and (getattr(req, "best_of", None) or 1) > (req.n or 1)
+        else feats.logprobs,
         grammar=feats.grammar,
     )
     try:

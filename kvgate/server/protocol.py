@@ -197,11 +197,15 @@ def check_common(req: _Common) -> None:
         raise unsupported(name, "unknown field; remove it (kvgate refuses fields it would otherwise ignore)")
     if req.n is not None and req.n < 1:
         raise invalid(f"n={req.n} must be at least 1", param="n")
-    if req.best_of is not None and req.best_of != (req.n or 1):
-        raise unsupported(
-            "best_of",
-            f"best_of={req.best_of} with n={req.n or 1}: choosing the best of more candidates than n is not implemented",
-        )
+    if req.best_of is not None:
+        if req.best_of < (req.n or 1):
+            raise invalid(f"best_of={req.best_of} must be at least n={req.n or 1}", param="best_of")
+        if req.best_of > (req.n or 1) and req.stream:
+            raise invalid(
+                f"best_of={req.best_of} > n={req.n or 1} cannot be streamed: candidates are ranked once they "
+                "finish. Send stream=false, or drop best_of.",
+                param="best_of",
+            )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP:
         raise invalid(f"stop has {len(stops)} entries; at most {MAX_STOP} are allowed", param="stop")

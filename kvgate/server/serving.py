@@ -27,7 +27,7 @@ from kvgate.server.context import ready_engine, refused
 from kvgate.server.errors import APIError, from_refusal
 from kvgate.server.logprobs import decorate_body
 from kvgate.server.prepare import prepare_generation, submit_all
-from kvgate.server.responses import ChunkMaker, completion_body
+from kvgate.server.responses import ChunkMaker, completion_body, usage
 from kvgate.server.sse import ENGINE_ERROR, sse_stream
 from kvgate.server.stream_shape import StreamShaper
 
@@ -45,7 +45,7 @@ async def generate(request: Request, cls) -> Response:
     raw = await read_body(request, settings.max_body_bytes)
     prepared = await asyncio.to_thread(prepare_generation, raw, cls, eng, settings)
     try:
-        handles = await submitted(eng, prepared.generations, prepared.n)
+        handles = await submitted(eng, prepared.generations, prepared.candidates)
     except Refusal as r:
         refused(state, r.code, r.retry_after)
         return from_refusal(r).response()
@@ -92,9 +92,26 @@ async def generate(request: Request, cls) -> Response:
     if failed:
         log.error("generation failed: %s", failed[0].error)
         return APIError(500, ENGINE_ERROR, "engine_error").response()
+    every = results
+    if prepared.candidates > prepared.n:
+        results, token_logprobs = best_of(results, token_logprobs, prepared.candidates, prepared.n)
     body = completion_body(kind, rid, created, settings.model_name, results, prepared.n)
+    body["usage"] = usage(every, prepared.candidates)  # every candidate generated counts
     await asyncio.to_thread(decorate_body, body, prepared, eng.tokenizer, token_logprobs)
     return JSONResponse(body, headers=headers)
+
+
+def best_of(results, token_logprobs, candidates: int, n: int):
+    """Per prompt, the `n` of its `candidates` results with the highest summed log-probability (OpenAI's
+    `best_of`), best first; their logprobs alongside."""
+    out, lps = [], []
+    for start in range(0, len(results), candidates):
+        group = range(start, start + candidates)
+        score = {i: sum(t.logprob for t in token_logprobs[i]) for i in group}
+        for i in sorted(group, key=lambda i: -score[i])[:n]:
+            out.append(results[i])
+            lps.append(token_logprobs[i])
+    return out, lps
 
 
 async def submitted(eng, generations, n: int = 1) -> list:
