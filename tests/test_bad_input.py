@@ -285,7 +285,9 @@ CATALOGUE: list[Bad] = [
     ),
     # --- fields kvgate does not implement: refused by name, never dropped ---
     Bad("n-zero", CHAT, chat(n=0), 400, "invalid_value", "n"),
-    Bad("best-of-stream", COMP, {"prompt": "x", "best_of": 3, "stream": True}, 400, "invalid_value", "best_of"),
+    Bad(
+        "best-of-stream", COMP, {"prompt": "x", "best_of": 3, "stream": True}, 400, "invalid_value", "best_of"
+    ),
     # issue 13 made logprobs, logit_bias, tools and response_format supported: what is refused now
     Bad("logprobs-int-on-chat", CHAT, chat(logprobs=3), 400, "invalid_value", "logprobs"),
     Bad("top-logprobs-alone", CHAT, chat(top_logprobs=2), 400, "invalid_value", "top_logprobs"),
