@@ -3,6 +3,7 @@ local Ray Serve cluster of tiny-model replicas (with Ray)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -111,6 +112,28 @@ class FakeHandle:
         s = FakeStream(self.answer(target, wait))
         self.streams.append(s)
         return s
+
+
+class PendingHandle(FakeHandle):
+    """Every call stays unanswered (in flight to its replica) until the test answers it; `routes`
+    keeps what the ingress sent with each call."""
+
+    def __init__(self):
+        super().__init__(lambda t, w: [])
+        self.routes: list[dict] = []
+        self.answers: list[asyncio.Future] = []
+
+    def remote(self, requests, n, wait, demand, route=None):
+        self.calls.append(((route or {}).get("target"), wait))
+        self.routes.append(route or {})
+        answer = asyncio.get_running_loop().create_future()
+        self.answers.append(answer)
+
+        class Pending(FakeStream):
+            async def __anext__(self):
+                return await answer
+
+        return Pending([])
 
 
 class FakeCall:

@@ -17,7 +17,7 @@ from kvgate.cluster.routing import Affinity, Demand, Holds
 from kvgate.cluster.views import aggregate
 from kvgate.core.snapshot import Counters
 from kvgate.request import Refusal
-from tests.cluster_util import FakeCall, FakeHandle, admitted, refused, rows, snapshot, view
+from tests.cluster_util import FakeCall, FakeHandle, PendingHandle, admitted, refused, rows, snapshot, view
 from tests.server_util import wait_until
 
 
@@ -176,7 +176,7 @@ def test_while_the_head_waits_for_its_replica_others_start_on_the_rest_of_the_cl
     as b has room. Seen red with only the head of the line trying again in `_queued` (strict FIFO:
     b idled while the small one waited)."""
     views = [
-        view("a", free=8, ending=((10, 20),), max_queue_wait=5.0),  # the big one fits a in 0.2 s
+        view("a", free=8, ending=((20, 20),), max_queue_wait=5.0),  # the big one fits a in 0.4 s
         view("b", free=0, ending=((100, 28),), max_queue_wait=5.0),  # and b in 2 s
     ]
     d = dispatcher(views, lambda t, w: admitted(t))
@@ -243,6 +243,69 @@ def test_a_request_the_replica_refuses_as_invalid_is_not_retried_elsewhere():
     with pytest.raises(Refusal) as e:
         run(d.dispatch(FakeCall()))
     assert e.value.status == 400 and len(d.handle.calls) == 1
+
+
+# ---- over-refusal: the ingress's picture of a replica's room was too pessimistic ---------------------
+def test_a_hold_takes_only_the_blocks_the_fit_check_counted_for_a_cached_prefix():
+    """The benchmark's 429s with `refused_everywhere` and no replica refusal: two 32-block requests
+    sharing an 18-block prompt prefix; the first, in flight to a, held all 32 blocks although its fit
+    check (and the replica's engine) counted only 14, so the second was refused with room left. Seen
+    red with `_attempt` holding `demand.blocks` (the second got the cluster's 429 without asking a)."""
+    prefix = tuple(range(12))
+    d = Dispatcher(PendingHandle(), lambda: {"a": view("a", free=20)})
+    d.affinity.record(prefix, "a")  # a served this prompt before: its prefix cache holds 12 blocks
+
+    async def both():
+        call = FakeCall(blocks=20)
+        call.demand = Demand(20, 1, prefix)
+        first = asyncio.ensure_future(d.dispatch(call))
+        await asyncio.sleep(0.01)
+        assert d.handle.calls == [("a", False)]  # in flight: 8 new blocks of a's 20 held
+        second = FakeCall(blocks=20)
+        second.demand = Demand(20, 1, prefix)
+        other = asyncio.ensure_future(d.dispatch(second))
+        await asyncio.sleep(0.01)
+        assert not other.done(), other.exception()
+        assert d.handle.calls == [("a", False), ("a", False)] and d.counts.refused_everywhere == 0
+        first.cancel(), other.cancel()
+
+    run(both())
+
+
+def test_a_view_that_includes_an_admission_releases_its_hold_before_the_answer_arrives():
+    """The benchmark's other over-refusal: a replica's view brought by another request's message
+    already counted an admitted request in `running` while that request's own answer was still on
+    its way, so its hold counted the same row again (the ingress saw 19 rows used on a 16-row
+    replica). Seen red with `Holds.held` ignoring `view.acked` (the second request got a 429)."""
+    d = Dispatcher(PendingHandle(), lambda: {"a": view("a", free=20, running=6)})
+
+    async def scenario():
+        first = asyncio.ensure_future(d.dispatch(FakeCall(blocks=2)))
+        await asyncio.sleep(0.01)
+        token = d.handle.routes[0]["token"]
+        # a's engine admitted it (7 of 8 rows running); the view arrives before the answer does
+        d.observe(view("a", version=2, admitted=1, free=18, running=7, acked=(token,)))
+        other = asyncio.ensure_future(d.dispatch(FakeCall(blocks=2)))
+        await asyncio.sleep(0.01)
+        assert not other.done(), other.exception()
+        assert d.handle.calls == [("a", False), ("a", False)]
+        first.cancel(), other.cancel()
+
+    run(scenario())
+
+
+def test_when_no_replica_fits_now_the_one_whose_row_ends_next_step_is_asked_not_429():
+    """Views are older than the moment a request reaches an engine, and a replica gives a request its
+    next tick (`admit_bound`): a full replica whose row ends at its next step can admit it. Seen red
+    with `_now` asking only the replicas that fit now (the cluster's 429, nobody asked). A replica
+    that fits now is still asked first."""
+    full = view("a", free=10, running=8, ending=((1, 2),) + ((90, 1),) * 7)  # a row ends next step
+    late = view("b", free=10, running=8, ending=((90, 1),) * 8)  # no row ends within the bound
+    d = dispatcher([full, late], lambda t, w: admitted(t))
+    assert run(d.dispatch(FakeCall(blocks=2)))[2] == "a" and d.handle.calls == [("a", False)]
+    roomy = view("c", free=10, running=2)
+    d = dispatcher([full, late, roomy], lambda t, w: admitted(t))
+    assert run(d.dispatch(FakeCall(blocks=2)))[2] == "c" and d.handle.calls == [("c", False)]
 
 
 # ---- one replica, in this process (its engine, no Serve) -------------------------------------------

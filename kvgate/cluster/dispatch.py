@@ -144,12 +144,16 @@ class Dispatcher:
         return await self._queued(call, time.monotonic() + wait_s, wait_s)
 
     async def _now(self, call, refusals: list[Refusal], avoid: str | None = None):
-        """Phase 1 and 2 over every replica that fits now (but `avoid`), best first; the outcome or None."""
+        """Phase 1 and 2 over every replica that fits now (but `avoid`), best first, then over those
+        that will fit within their admission bound (`routing.rank_soon`); the outcome or None."""
         tried: set[str] = {avoid} if avoid is not None else set()
         while True:
             views = self.ready_views()
             ranked = routing.rank_now(views, call.demand, self.holds, self.affinity) + self.unseen()
             order = [t for t in ranked if t not in tried]
+            if not order:  # nobody fits now: whoever will at its next steps, its engine deciding
+                soon = routing.rank_soon(views, call.demand, self.holds, self.affinity)
+                order = [t for t in soon if t not in tried]
             if not order:
                 return None
             tag = order[0]
@@ -209,8 +213,9 @@ class Dispatcher:
 
     async def _attempt(self, call, tag: str | None, wait: bool):
         """One replica's answer: (stream, admitted, tag), a `Refusal`, or None if the replica is gone."""
-        hold = self.holds.add(tag, call.demand) if tag is not None else None
-        route = {"target": tag} if tag is not None else None
+        shared = self.affinity.match(call.demand.prefix, tag) if tag is not None else 0
+        hold = self.holds.add(tag, call.demand, shared) if tag is not None else None
+        route = {"target": tag, "token": hold.token} if tag is not None else None
         stream = self.handle.options(stream=True).generate.remote(
             call.requests, call.n, wait, call.demand, route=route
         )

@@ -6,7 +6,9 @@ replica counts as ready (Serve routes to it) only once its model is loaded and i
 
 What the ingress calls, through Serve's handle:
 - `generate(requests, n, wait, demand, route)`: a streaming call. Its first message is the admission
-  decision, `("admitted", ...)` or `("refused", ...)`; then `("events", [(choice, Token|Finished)...])`
+  decision, `("admitted", ...)` or `("refused", ...)`; `route["token"]` names the ingress's attempt, and
+  every view read after its admission lists it (`acked`), so the ingress drops its hold on the first
+  such view whichever path brings it; then `("events", [(choice, Token|Finished)...])`
   until every choice has finished. With `wait=False` (the second phase of cluster admission) the
   engine must admit the request at its next tick (the step in flight plus one, `_admit_bound`), or
   the replica withdraws it and answers 429 with its Retry-After, and the ingress tries another
@@ -33,14 +35,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
-from kvgate.cluster.routing import Demand
+from kvgate.cluster.routing import Demand, admit_bound
 from kvgate.cluster.views import view_of
 from kvgate.request import Finished, Refusal, RequestError
 from kvgate.sampling import SamplingError
 from kvgate.server.serving import admit_all
 
 log = logging.getLogger("kvgate.cluster")
+
+ACKED = 256  # admitted attempts' tokens a view carries: more than can be in flight to one replica
 
 
 def refusal_dict(r: Refusal) -> dict:
@@ -74,12 +79,16 @@ class KvgateReplica:
         from kvgate.core.engine import Engine
 
         self.tag = _replica_tag()
+        self._acked: deque = deque(maxlen=ACKED)  # tokens of the attempts admitted lately
         self.engine = Engine.from_model(model, EngineConfig(**engine)).start()
         if step_delay > 0:  # test-only: keep requests in flight on a tiny model
             from kvgate.core.testing import set_step_hook
 
             set_step_hook(self.engine, lambda _so: time.sleep(step_delay))
         log.info("kvgate replica %s ready: %s", self.tag, self.engine.plan.describe(None).splitlines()[0])
+
+    def _view(self):
+        return view_of(self.engine, self.tag, tuple(self._acked))
 
     # ---- what Serve and the ingress read ------------------------------------------------------
     def describe(self) -> dict:
@@ -91,14 +100,14 @@ class KvgateReplica:
             "tokenizer": eng.tokenizer.info,
             "sched_cfg": eng.sched_cfg,
             "plan": eng.plan,
-            "view": view_of(eng, self.tag),
+            "view": self._view(),
         }
 
     def record_routing_stats(self) -> dict:
-        return {"kvgate": view_of(self.engine, self.tag)}
+        return {"kvgate": self._view()}
 
     def check_health(self) -> None:
-        view = view_of(self.engine, self.tag)
+        view = self._view()
         if not view.healthy:
             raise RuntimeError(f"kvgate replica {self.tag} is unhealthy: {view.reason}")
 
@@ -109,16 +118,16 @@ class KvgateReplica:
 
     # ---- one submission -------------------------------------------------------------------------
     def _admit_bound(self, view) -> float:
-        """How long a `wait=False` request may take to be admitted: the step in flight and the next
-        tick, with margin. Longer means there was no room after all, and it is refused."""
-        return max(0.25, 3 * (view.step_time or 0.05))
+        """How long a `wait=False` request may take to be admitted (`routing.admit_bound`). Longer
+        means there was no room after all, and it is refused."""
+        return admit_bound(view)
 
     async def generate(self, requests: list, n: int, wait: bool, demand: Demand, route: dict | None = None):
         """See the module doc. `demand` and `route` are read by the ingress and its router: this
         replica's engine decides for itself (it alone knows the blocks a prompt shares with its
         prefix cache)."""
         eng = self.engine
-        view = view_of(eng, self.tag)
+        view = self._view()
         try:
             if not view.healthy:
                 raise Refusal(
@@ -129,7 +138,7 @@ class KvgateReplica:
                 )
             handles = await _submit(eng, requests, n)
         except Refusal as r:
-            yield ("refused", {"refusal": refusal_dict(r), "view": view_of(eng, self.tag)})
+            yield ("refused", {"refusal": refusal_dict(r), "view": self._view()})
             return
         except (RequestError, SamplingError) as exc:
             yield ("invalid", {"message": str(exc), "param": exc.param})
@@ -141,8 +150,11 @@ class KvgateReplica:
                 if not wait:
                     admission = asyncio.wait_for(admission, self._admit_bound(view))
                 admitted = await admission
+                token = (route or {}).get("token")
+                if token is not None:  # before the view is read: every later view includes it
+                    self._acked.append(token)
             except TimeoutError:
-                v = view_of(eng, self.tag)
+                v = self._view()
                 refusal = Refusal(
                     "kv_memory_unavailable",
                     f"no room for this request right now: it needs {demand.blocks} KV blocks and "
@@ -154,14 +166,14 @@ class KvgateReplica:
                 yield ("refused", {"refusal": refusal_dict(refusal), "view": v})
                 return
             except Refusal as r:
-                yield ("refused", {"refusal": refusal_dict(r), "view": view_of(eng, self.tag)})
+                yield ("refused", {"refusal": refusal_dict(r), "view": self._view()})
                 return
-            view = view_of(eng, self.tag)
+            view = self._view()
             yield ("admitted", {"admitted": admitted, "seq": view.admitted, "view": view})
             async for batch in _batches(handles):
                 done = [i for i, ev in batch if isinstance(ev, Finished)]
                 finished.update(done)
-                yield ("events", batch, view_of(eng, self.tag) if done else None)
+                yield ("events", batch, self._view() if done else None)
         finally:
             if len(finished) < len(handles):  # the caller left (or this replica is stopping)
                 for h in handles:

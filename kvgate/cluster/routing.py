@@ -14,8 +14,10 @@ replica's engine has the last word). `rank_now` orders those by that shared pref
 blocks left, then by the fewest rows. (A replica's own queue is not a reason to skip it: under this
 router it only ever holds requests for the tick between their arrival and their admission, and the
 engine keeps their order.) A replica that does not fit is never in that list: the ingress does not send
-a request where it would queue while another replica has room. `time_to_fit` says which replica a
-waiting request will fit first, and `min_retry_after` is what the single 429 says when nothing is
+a request where it would queue while another replica has room. When none fits now, `rank_soon`
+lists those it will fit within their own admission bound (a row ending at the next steps): the
+request reaches the engine later than the view was taken, and the engine decides. `time_to_fit`
+says which replica a waiting request will fit first, and `min_retry_after` is what the single 429 says when nothing is
 possible.
 
 Why not Serve's default power-of-two-choices: it samples two replicas and picks the one with fewer
@@ -26,6 +28,8 @@ full one (or the replica answers 429) while the other could have started it at o
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -62,6 +66,10 @@ class Hold:
     blocks: int
     rows: int
     seq: int | None = None  # the replica's admitted counter once it has admitted this request
+    token: int | None = None  # names this attempt to the replica, whose views list it once admitted
+
+
+_tokens = itertools.count(random.getrandbits(40) << 20)  # unique across ingresses, small to pickle
 
 
 @dataclass
@@ -70,8 +78,10 @@ class Holds:
 
     by_replica: dict[str, list[Hold]] = field(default_factory=dict)
 
-    def add(self, replica: str, demand: Demand) -> Hold:
-        h = Hold(replica, demand.blocks, demand.rows)
+    def add(self, replica: str, demand: Demand, shared: int = 0) -> Hold:
+        """Hold what `fits_now` counted: `shared` prompt blocks are likely in the replica's prefix
+        cache, referenced by its running requests, so they are not taken again (the engine checks)."""
+        h = Hold(replica, max(0, demand.blocks - shared), demand.rows, token=next(_tokens))
         self.by_replica.setdefault(replica, []).append(h)
         return h
 
@@ -81,8 +91,16 @@ class Holds:
             holds.remove(hold)
 
     def held(self, view: ReplicaView) -> tuple[int, int]:
-        """(blocks, rows) still to subtract from `view`; holds the view already includes are dropped."""
-        live = [h for h in self.by_replica.get(view.replica, []) if h.seq is None or h.seq > view.admitted]
+        """(blocks, rows) still to subtract from `view`; holds the view already includes are dropped:
+        by the admitted counter once the attempt's answer came, or by its token before that (a view
+        that another request's message brought can include an admission whose own answer is still on
+        its way: counting both was counting one row twice)."""
+        acked = set(view.acked)
+        live = [
+            h
+            for h in self.by_replica.get(view.replica, [])
+            if (h.seq is None or h.seq > view.admitted) and h.token not in acked
+        ]
         self.by_replica[view.replica] = live
         return sum(h.blocks for h in live), sum(h.rows for h in live)
 
@@ -145,20 +163,43 @@ def rank_now(
     return [s[-1] for s in sorted(scored)]
 
 
-def time_to_fit(view: ReplicaView, demand: Demand, holds: Holds) -> float:
+def admit_bound(view: ReplicaView) -> float:
+    """How long a replica gives a `wait=False` request to be admitted: the step in flight and the
+    next tick, with margin (`KvgateReplica.generate` refuses it past that)."""
+    return max(0.25, 3 * (view.step_time or 0.05))
+
+
+def rank_soon(
+    views: Iterable[ReplicaView], demand: Demand, holds: Holds, affinity: Affinity | None = None
+) -> list[str]:
+    """Replicas that cannot admit `demand` now but will within their own admission bound (a row or
+    the blocks it needs free at their next steps), soonest first. Only asked when no replica fits
+    now: the view is older than the moment the request reaches the engine, and the replica's
+    engine, not this estimate, decides (it admits at its next tick or refuses)."""
+    scored = []
+    for v in views:
+        shared = affinity.match(demand.prefix, v.replica) if affinity is not None else 0
+        t = time_to_fit(v, demand, holds, shared)
+        if t <= admit_bound(v):
+            scored.append((t, v.replica))
+    return [tag for _, tag in sorted(scored)]
+
+
+def time_to_fit(view: ReplicaView, demand: Demand, holds: Holds, shared: int = 0) -> float:
     """Seconds until `demand` fits this replica if nothing else is started there: its running rows
     are walked by steps left (each frees its blocks and row when it ends), as the engine's own TTFT
     forecast does. 0 when it fits now; infinite when even an empty replica would not hold it."""
     if not view.healthy or view.blocks_total < demand.blocks or view.max_seqs < demand.rows:
         return float("inf")
+    need = demand.blocks - shared
     blocks, rows = room(view, holds)
-    if blocks >= demand.blocks and rows >= demand.rows:
+    if blocks >= need and rows >= demand.rows:
         return 0.0
     step = view.step_time or 0.05
     ending = sorted((r.steps_left, r.blocks) for r in (view.snapshot.rows if view.snapshot else ()))
     for steps, freed in ending:
         blocks, rows = blocks + freed, rows + 1
-        if blocks >= demand.blocks and rows >= demand.rows:
+        if blocks >= need and rows >= demand.rows:
             return (steps + 1) * step
     return float("inf")
 

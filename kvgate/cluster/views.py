@@ -3,8 +3,9 @@
 A replica builds its view from the engine's published `EngineSnapshot` (never from live state) each
 time Serve polls it (`record_routing_stats`) and on every admission, refusal and finish it streams
 back, so the ingress sees a fresh view without asking. The view carries what routing needs (free and
-evictable blocks, rows, queue depth, step time, Retry-After), the admitted counter that lets the
-ingress drop its optimistic holds exactly when the replica's own numbers include them, and the
+evictable blocks, rows, queue depth, step time, Retry-After), the admitted counter and the tokens
+of the attempts admitted lately (`acked`), which let the ingress drop its optimistic holds exactly
+when the replica's own numbers include them (even before that attempt's own answer arrives), and the
 snapshot itself (minus the prefix-cache hash set) for the ingress's aggregated `/metrics`.
 
 `aggregate` folds the ready replicas' snapshots into one `EngineSnapshot` with the same fields, so
@@ -48,6 +49,7 @@ class ReplicaView:
     ledger: list  # the engine ledger's reservations: [{"role", "lifetime", "bytes", "holder"}]
     pid: int
     snapshot: EngineSnapshot | None = None
+    acked: tuple = ()  # the ingress's attempt tokens this replica admitted lately (releases holds early)
 
 
 # (app name, deployment name) -> {replica tag: ReplicaView | None (no stats received yet)}; each
@@ -67,8 +69,9 @@ def _light(snap: EngineSnapshot) -> EngineSnapshot:
     return snap
 
 
-def view_of(engine, replica: str) -> ReplicaView:
-    """The engine's latest published state as a `ReplicaView` (cheap: one snapshot read)."""
+def view_of(engine, replica: str, acked: tuple = ()) -> ReplicaView:
+    """The engine's latest published state as a `ReplicaView` (cheap: one snapshot read). `acked`:
+    the tokens of the attempts admitted lately, recorded before this snapshot was read."""
     snap = engine.snapshot()
     cfg = engine.sched_cfg
     why = None
@@ -97,6 +100,7 @@ def view_of(engine, replica: str) -> ReplicaView:
         ledger=engine.ledger.snapshot(),
         pid=os.getpid(),
         snapshot=_light(snap),
+        acked=acked,
     )
 
 
