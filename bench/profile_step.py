@@ -1,6 +1,6 @@
 """Where a decode step's time goes: matmuls, attention, K/V gathers, small ops, Python, sampling.
 
-    python -m bench.profile_step [--rows 1 4 16] [--context 300] [--dtype float32] [--steps 20]
+    python -m bench.profile_step [--rows 1 4 16] [--context 300] [--dtype float32] [--weights full] [--steps 20]
 
 Builds the real engine (no server), puts `rows` requests in decode at `context` positions, then times
 `--steps` engine steps on the worker's own code path (`EngineCore.tick`), once plainly (wall time per
@@ -33,13 +33,15 @@ def family(name: str) -> str:
     return "other ops"
 
 
-def setup(rows: int, context: int, dtype: str):
+def setup(rows: int, context: int, dtype: str, weights: str = "full"):
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest, RequestHandle
     from kvgate.sampling import SamplingParams
 
-    e = Engine.from_model("default", EngineConfig(dtype=dtype, memory_limit="4GiB", max_seqs=max(rows, 1)))
+    e = Engine.from_model(
+        "default", EngineConfig(dtype=dtype, memory_limit="4GiB", max_seqs=max(rows, 1), weights=weights)
+    )
     core = e.core
     for i in range(rows):
         prompt = [100 + (i * 13 + k) % 40000 for k in range(context)]
@@ -47,13 +49,15 @@ def setup(rows: int, context: int, dtype: str):
             prompt, SamplingParams(temperature=0.7, top_p=0.9, seed=i), 2048, ignore_eos=True
         )
         e.gate.submit(RequestHandle(req, lambda rid: None))  # driven below without a worker thread
-    while any(r.prefilling for r in core.state.running.values()) or core.state.waiting:
+    # submissions reach the core's state through the inbox on its next tick: run until every row is
+    # in decode (checking `state` before the first tick would time prefill steps as decode ones)
+    while len(core.state.running) < rows or any(r.prefilling for r in core.state.running.values()):
         core.tick(e.inbox.take(0))
     return e
 
 
-def profile(rows: int, context: int, dtype: str, steps: int) -> dict:
-    e = setup(rows, context, dtype)
+def profile(rows: int, context: int, dtype: str, steps: int, weights: str = "full") -> dict:
+    e = setup(rows, context, dtype, weights)
     core, inbox = e.core, e.inbox
     for _ in range(3):
         core.tick(inbox.take(0))
@@ -107,16 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weights", default="full", help="full | int8 | int4")
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args(argv)
     from bench.compare import machine_info
 
     m = machine_info()
-    results = [profile(r, a.context, a.dtype, a.steps) for r in a.rows]
+    results = [profile(r, a.context, a.dtype, a.steps, a.weights) for r in a.rows]
     fams = [f for f, _ in FAMILIES] + ["other ops"]
     print(
         f"CPU: {m['model_name']}, {m['cpus']} cores, flags {' '.join(m['flags_present'])}; load at start "
-        f"{m['loadavg_at_start'][0]:.1f}; {a.dtype}, decode at context {a.context}, torch threads {torch.get_num_threads()}"
+        f"{m['loadavg_at_start'][0]:.1f}; {a.dtype}, weights {a.weights}, decode at context {a.context}, torch threads {torch.get_num_threads()}"
     )
     print()
     print(

@@ -66,6 +66,7 @@ class EngineConfig:
     seed: int | None = None  # default seed for requests that give none (None = fresh entropy)
     threads: int | None = None  # torch intra-op threads; None = torch's default
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
+    weights: str = "full"  # full | int8 | int4: weight-only quantized matrices (kvgate.models.quant)
     # a step running longer than this turns /health to 503 and fails new requests fast;
     # None = auto: max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_FACTOR x the slowest step measured so far)
     step_timeout: float | None = None
@@ -121,6 +122,12 @@ ENGINE_FLAGS = [
     ("--threads", int, None, "torch intra-op threads (default: torch's choice)"),
     ("--pack-weights", str, "auto", "auto | on | off: prepack weights for oneDNN (auto: CPU float32)"),
     (
+        "--weights",
+        str,
+        "full",
+        "full | int8 | int4: weight-only quantized matrices (CPU; faster at few rows, slower at many)",
+    ),
+    (
         "--step-timeout",
         float,
         None,
@@ -168,6 +175,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len,
         threads=a.threads,
         pack_weights=a.pack_weights,
+        weights=a.weights,
         step_timeout=a.step_timeout,
         prefix_cache=a.prefix_cache,
     )

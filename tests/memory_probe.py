@@ -136,10 +136,16 @@ def weights_resident(model) -> tuple[int, int, int]:
     return file_rss, mapped, anon
 
 
+def matrix_tensors(lin) -> list:
+    """A `Linear`'s weight and bias, or a `Quantized` layer's codes, scales and bias."""
+    held = (lin.codes, lin.scales) if hasattr(lin, "codes") else (lin.weight,)
+    return [t for t in (*held, lin.bias) if t is not None]
+
+
 def model_tensors(m) -> list:
-    out = [m.embed, m.norm, m.lm_head.weight, m.cos, m.sin]
+    out = [m.embed, m.norm, m.cos, m.sin] + matrix_tensors(m.lm_head)
     for ln1, qkv, o, ln2, gu, down in m.layers:
-        out += [ln1, ln2] + [t for lin in (qkv, o, gu, down) for t in (lin.weight, lin.bias) if t is not None]
+        out += [ln1, ln2] + [t for lin in (qkv, o, gu, down) for t in matrix_tensors(lin)]
     return out
 
 
@@ -148,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--memory-limit", default="1GiB")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weights", default="full", help="full | int8 | int4")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-seqs", type=int, default=8)
     ap.add_argument("--prefill-chunk", type=int, default=256)
@@ -200,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_chunk=a.prefill_chunk,
         max_queue_wait=600.0,
         threads=a.threads,
+        weights=a.weights,
     )
     t0 = time.monotonic()
     engine = Engine.from_model(a.model, cfg)
@@ -274,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             L,
             ctx if ctx < L else None,
             plan.limits.packed_weights,
+            plan.limits.weight_format,
+            plan.limits.quant_act_bytes,
         )
         return plan_mod.step_workspace(engine.spec, dtype_bytes, lim, plan.block_size)
 

@@ -319,3 +319,21 @@ def test_cuda_peak_allocated_within_plan():
     assert all(r.finish_reason == "length" for r in results)
     assert load_peak <= budget
     assert torch.cuda.max_memory_allocated() <= budget <= p.limit_bytes
+
+
+@pytest.mark.slow
+def test_quantized_int4_steps_stay_inside_their_planned_workspace(probes):
+    """The exact probe again with --weights int4 (`kvgate.models.quant`): the quantized matrices'
+    bytes are what the plan charged, and every step's rise stays within the plan's formula at that
+    step's composition, whose matmul scratch now counts each quantized call's input cast and output
+    (measured: the largest cast pair, 32 rows x (1536 + 576) bf16, is inside the bound).
+    Broken by: charging the int4 matrices at a byte per value (weights over the plan: the engine
+    refuses to start), or the LM head as quantized (the model holds more than planned)."""
+    r = run_probe(EXACT + ["--weights", "int4"])
+    assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
+    assert r["model_weight_bytes"] == r["plan"]["weights_bytes"]
+    assert r["plan"]["weights_bytes"] < probes["exact"]["plan"]["weights_bytes"] / 2
+    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
+    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
+    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
+    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)

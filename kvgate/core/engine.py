@@ -81,7 +81,16 @@ class Engine:
         self.ledger.reserve("weights", p.weights_bytes, spec.name)
         # The model pops each source tensor as it consumes it, so a loader that hands over owned
         # tensors frees each one as soon as its copy exists (a copy of the dict would hold them all).
-        self.model = LlamaModel(spec, loaded.weights, self.dtype, self.device, pack=self.packed_weights)
+        self.weights_format = place.weights
+        self.model = LlamaModel(
+            spec,
+            loaded.weights,
+            self.dtype,
+            self.device,
+            pack=self.packed_weights,
+            weights_format=place.weights,
+            act=place.quant_act or torch.bfloat16,
+        )
         # The plan may have shrunk the step below what was warmed: its new maximum is then one bucket
         # that was not (a few MiB of oneDNN kernels at most, inside the overhead's slack).
         self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_seqs)

@@ -1,4 +1,4 @@
-"""Where and how a model runs: device, dtype and weight packing, and the memory plan built from them.
+"""Where and how a model runs: device, dtype, weight packing and format, and the memory plan built from them.
 
 `plan_for(loaded, cfg)` is the one place a plan is made from a loaded checkpoint: `kvgate plan` and
 the engine both call it, so what the CLI prints is what the engine executes. The plan's weight bytes
@@ -17,6 +17,7 @@ from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
 from kvgate.models import LoadedModel
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
+from kvgate.models.quant import FORMATS, probe_activation_dtype, supported
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -89,6 +90,17 @@ def checkpoint_bytes(loaded: LoadedModel) -> int:
     return sum(t.numel() * t.element_size() for t in loaded.weights.values())
 
 
+def resolve_weights(name: str, device: torch.device) -> tuple[str, torch.dtype | None]:
+    """(format, activation dtype of its kernels): the dtype is chosen by a measured probe
+    (`probe_activation_dtype`, a few ms), never by a guess; None for full weights."""
+    if name not in FORMATS:
+        raise DeviceError(f"--weights {name!r} is not one of {', '.join(FORMATS)}")
+    why = supported(name, device)
+    if why is not None:
+        raise DeviceError(why)
+    return name, (None if name == "full" else probe_activation_dtype(name))
+
+
 @dataclass
 class Placement:
     device: torch.device
@@ -96,6 +108,8 @@ class Placement:
     packed: bool
     max_model_len: int
     plan: MemoryPlan
+    weights: str = "full"  # full | int8 | int4
+    quant_act: torch.dtype | None = None  # the quantized kernels' activation dtype
 
 
 def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None = None) -> Placement:
@@ -103,7 +117,8 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     overhead), measure that overhead, and make the plan."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    packed = resolve_packing(cfg.pack_weights, device, dtype)
+    fmt, act = resolve_weights(cfg.weights, device)
+    packed = resolve_packing(cfg.pack_weights, device, dtype)  # quantized: the head (and any unquantizable)
     spec = loaded.spec
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     if packed:
@@ -124,5 +139,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         overhead_bytes=overhead_bytes,
         packed_weights=packed,
         weight_params=checkpoint_params(loaded),
+        weight_format=fmt,
+        quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else 2,
     )
-    return Placement(device, dtype, packed, max_len, plan)
+    return Placement(device, dtype, packed, max_len, plan, fmt, act)

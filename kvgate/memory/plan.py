@@ -25,6 +25,7 @@ from kvgate.memory.workspace import (
     workspace_bytes,
     workspace_total,
 )
+from kvgate.models.quant import quantizable, quantized_matrix_bytes
 from kvgate.units import SizeError, fmt_bytes, parse_bytes
 
 # "auto" on CPU: a quarter of MemAvailable at startup (the KV pool is zero-filled, so that is real)
@@ -115,13 +116,20 @@ def runtime_overhead_bytes(device: str, held_tensor_bytes: int = 0) -> int:
 
 
 def weight_bytes(
-    spec: ModelSpec, dtype_bytes: int, lm_head_copy: bool = False, params: int | None = None
+    spec: ModelSpec,
+    dtype_bytes: int,
+    lm_head_copy: bool = False,
+    params: int | None = None,
+    weight_format: str = "full",
+    scale_bytes: int = 2,
 ) -> int:
     """Bytes of the model's weights and RoPE tables. `params`: the number of values in the checkpoint
     the model is built from (every tensor counted: biases, norms, an untied head); without it they are
     computed from the geometry of a bias-free Llama. `lm_head_copy`: the weights are prepacked
     (`kvgate.models.linear`), so tied embeddings are held twice (plain for the lookup, packed for the
-    head)."""
+    head). `weight_format` int8 / int4: every matrix `kvgate.models.quant` can quantize is held as its
+    codes and scales (`quantized_matrix_bytes`) instead of `dtype_bytes` per value; the LM head stays
+    in the model dtype (`kvgate.models.llama`)."""
     h = spec.hidden_size
     if params is None:
         per_layer = (
@@ -133,10 +141,22 @@ def weight_bytes(
         params = spec.vocab_size * h + spec.num_layers * per_layer + h
         if not spec.tie_word_embeddings:
             params += spec.vocab_size * h
+    rope = 2 * spec.max_position_embeddings * spec.head_dim
+    qbytes = 0
+    if weight_format != "full":  # the layer matrices; the head stays in the model dtype
+        mats = [m for m in matrices(spec) if quantizable(weight_format, m[1])]
+        params -= sum(n * k for n, k in mats)
+        qbytes = sum(quantized_matrix_bytes(weight_format, n, k, scale_bytes) for n, k in mats)
     if spec.tie_word_embeddings and lm_head_copy:
         params += spec.vocab_size * h
-    rope = 2 * spec.max_position_embeddings * spec.head_dim
-    return (params + rope) * dtype_bytes
+    return (params + rope) * dtype_bytes + qbytes
+
+
+def matrices(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(out_features, in_features) of every layer matrix the model multiplies by (the head aside),
+    as `kvgate.models.llama` fuses them: qkv, o, gate/up, down per layer."""
+    h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * spec.num_layers
 
 
 @dataclass
@@ -179,7 +199,12 @@ class MemoryPlan:
         lines = [
             f"memory plan ({self.device}, {self.dtype})",
             f"  limit            {fmt_bytes(self.limit_bytes):>12}  ({self.limit_source})",
-            f"  weights          {fmt_bytes(self.weights_bytes):>12}",
+            f"  weights          {fmt_bytes(self.weights_bytes):>12}"
+            + (
+                f"  (matrices {self.limits.weight_format}, weight-only)"
+                if self.limits.weight_format != "full"
+                else ""
+            ),
             f"  runtime overhead {fmt_bytes(self.overhead_bytes):>12}  (measured baseline + slack)",
             f"  step workspace   {fmt_bytes(self.workspace_bytes):>12}  (prefill chunk {L.prefill_chunk}, "
             f"max rows {L.max_seqs}, attention cap {L.attn_token_cap} tokens, context {L.context})",
@@ -211,10 +236,21 @@ def make_plan(
     overhead_bytes: int | None = None,
     packed_weights: bool = False,
     weight_params: int | None = None,
+    weight_format: str = "full",
+    quant_act_bytes: int = 2,
 ) -> MemoryPlan:
-    """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry."""
+    """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
+    `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
+    kernels run in `quant_act_bytes`-wide activations."""
     limit, source = resolve_limit(limit_spec, device)
-    weights = weight_bytes(spec, dtype_bytes, lm_head_copy=packed_weights, params=weight_params)
+    weights = weight_bytes(
+        spec,
+        dtype_bytes,
+        lm_head_copy=packed_weights,
+        params=weight_params,
+        weight_format=weight_format,
+        scale_bytes=quant_act_bytes,
+    )
     overhead = runtime_overhead_bytes(device) if overhead_bytes is None else overhead_bytes
     per_token = spec.kv_bytes_per_token(dtype_bytes)
     block_bytes = per_token * block_size
@@ -229,8 +265,9 @@ def make_plan(
     bs = block_size
     min_ctx = min(MIN_KV_POSITIONS, max_model_len)
     pw = packed_weights
+    wk = {"packed_weights": pw, "weight_format": weight_format, "quant_act_bytes": quant_act_bytes}
     requested = StepLimits(
-        prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, packed_weights=pw
+        prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, **wk
     )
     fixed = weights + overhead
 
@@ -243,7 +280,7 @@ def make_plan(
             attn_cap(lim.max_seqs, ctx, bs),
             max_model_len,
             None if ctx >= max_model_len else ctx,
-            pw,
+            **wk,
         )
 
     def room(lim: StepLimits) -> int:
@@ -252,7 +289,7 @@ def make_plan(
     smallest = workspace_bytes(
         spec,
         dtype_bytes,
-        sized(StepLimits(min(16, prefill_chunk), 1, 0, max_model_len, packed_weights=pw), min_ctx),
+        sized(StepLimits(min(16, prefill_chunk), 1, 0, max_model_len, **wk), min_ctx),
         bs,
     )
     if fixed + min_kv + smallest > limit:
@@ -273,13 +310,9 @@ def make_plan(
     limits = requested
     while room(sized(limits, min_ctx)) < min_kv:
         if limits.prefill_chunk > 16:
-            limits = StepLimits(
-                limits.prefill_chunk // 2, limits.max_seqs, 0, max_model_len, packed_weights=pw
-            )
+            limits = StepLimits(limits.prefill_chunk // 2, limits.max_seqs, 0, max_model_len, **wk)
         elif limits.max_seqs > 1:
-            limits = StepLimits(
-                limits.prefill_chunk, limits.max_seqs // 2, 0, max_model_len, packed_weights=pw
-            )
+            limits = StepLimits(limits.prefill_chunk, limits.max_seqs // 2, 0, max_model_len, **wk)
         else:  # unreachable after the check above; never loop forever
             raise PlanError(f"the smallest step does not fit in the limit {fmt_bytes(limit)} ({source})")
     if (limits.prefill_chunk, limits.max_seqs) != (requested.prefill_chunk, requested.max_seqs):

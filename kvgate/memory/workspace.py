@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.config import ModelSpec
+from kvgate.models.quant import quantizable
 from kvgate.sampling import SAMPLE_ROWS
 from kvgate.structured import compiler as grammar
 
@@ -26,6 +27,10 @@ class StepLimits:
     # Weights prepacked for oneDNN (kvgate.models.linear): no MKL sgemm packing buffers, but a padded
     # copy of a matmul's input; oneDNN's own kernel memory is warmed up into the measured overhead.
     packed_weights: bool = False
+    # Weight-only quantized matrices (kvgate.models.quant, `--weights int8|int4`): each call casts
+    # its input to the activation dtype and gets its output in it before the cast back.
+    weight_format: str = "full"
+    quant_act_bytes: int = 2
 
     @property
     def context(self) -> int:
@@ -108,14 +113,8 @@ def step_workspace(
         + S * H * D * b
         + 2 * C * H * D * b
         + 2 * Lp * kv_tok,
-        # sgemm packing buffers (kept by MKL's allocator after first use), or with prepacked weights a
-        # matmul input padded to its row bucket; + attention kernel blocks
-        "kernel_scratch": (
-            T * max(k for k, _ in gemms) * b
-            if limits.packed_weights
-            else max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * f
-        )
-        + KERNEL_SLACK,
+        # matmul scratch (`_gemm_scratch`) + attention kernel blocks
+        "kernel_scratch": _gemm_scratch(gemms, T, b, limits) + KERNEL_SLACK,
         # what every running row holds between steps: its objects and token lists at full context
         "row_state": S * (Lp * ROW_BYTES_PER_POSITION + ROW_FIXED_BYTES),
         # a row with repetition/presence/frequency penalties: a bool seen-mask and float32 counts over
@@ -151,6 +150,22 @@ def step_workspace(
         + (S * V * f if upcast else 0)
         + SAMPLING_TEMPS * min(S, SAMPLE_ROWS) * V * f,
     }
+
+
+def _gemm_scratch(gemms: list[tuple[int, int]], T: int, b: int, limits: StepLimits) -> int:
+    """Matmul scratch: MKL sgemm packing buffers (kept by MKL's allocator after first use), or with
+    prepacked weights a matmul input padded to its row bucket; with quantized layer matrices also
+    their input cast to the activation dtype and their output in it."""
+    fmt = limits.weight_format
+    quant = 0
+    if fmt != "full":  # the layer matrices quantizable in `fmt` (the LM head, last, never is)
+        quant = max(
+            (T * (k + n) * limits.quant_act_bytes for k, n in gemms[:-1] if quantizable(fmt, k)), default=0
+        )
+        gemms = [g for i, g in enumerate(gemms) if i == len(gemms) - 1 or not quantizable(fmt, g[0])]
+    if limits.packed_weights:  # transient, one call at a time
+        return max(quant, T * max(k for k, _ in gemms) * b)
+    return quant + max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * 4  # MKL keeps its buffers
 
 
 def workspace_total(breakdown: dict[str, int]) -> int:

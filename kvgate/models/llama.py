@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
 from kvgate.models.linear import Linear, packs_weights, row_buckets
+from kvgate.models.quant import Quantized, quantizable
 
 if TYPE_CHECKING:
     from kvgate.core.kv_cache import KVPool
@@ -75,17 +76,27 @@ class LlamaModel:
         dtype: torch.dtype,
         device,
         pack: bool | None = None,
+        weights_format: str = "full",
+        act: torch.dtype = torch.bfloat16,
     ):
-        """`pack`: prepack the weight matrices (`Linear`); None = wherever `packs_weights` says."""
+        """`pack`: prepack the weight matrices (`Linear`); None = wherever `packs_weights` says.
+        `weights_format` int8 / int4: hold every layer matrix that allows it quantized (`Quantized`),
+        its kernels running in `act` activations (the plan's `weight_bytes` counts the same bytes)."""
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
+        self.weights_format = weights_format
+        quant = weights_format != "full"
         self.packed = packs_weights(self.device, dtype) if pack is None else pack
 
         def w(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=self.device, dtype=dtype).contiguous()
 
-        def lin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        def lin(
+            weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False
+        ) -> Linear | Quantized:
+            if quant and not head and quantizable(weights_format, weight.shape[1]):
+                return Quantized(weights_format, weight, bias, act)
             return Linear(weight, bias, self.packed)
 
         def opt(name: str) -> torch.Tensor | None:
@@ -112,7 +123,10 @@ class LlamaModel:
         self.norm = w("model.norm.weight")
         # Tied embeddings: the lookup needs the plain table, so a packed head is a second copy (the
         # plan charges it: `kvgate.memory.plan.weight_bytes(..., lm_head_copy=True)`).
-        self.lm_head = lin(self.embed if "lm_head.weight" not in weights else w("lm_head.weight"))
+        # The head stays in the model dtype under --weights int8/int4, as GPTQ and AWQ checkpoints keep
+        # it: quantizing it moved SmolLM2's greedy tokens within 2-4 steps on half the test prompts
+        # (its GGUF embeddings are Q8_0, finer than int4 or per-channel int8), the layers alone did not.
+        self.lm_head = lin(self.embed if "lm_head.weight" not in weights else w("lm_head.weight"), head=True)
         inv_freq = 1.0 / (
             spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim)
         )
@@ -126,13 +140,15 @@ class LlamaModel:
         """Round each matmul's rows up to the buckets `warm_kernels` ran (see kvgate.models.linear)."""
         for layer in self.layers:
             for lin in layer[1:3] + layer[4:]:  # qkv, o, gate_up, down
-                lin.buckets = row_buckets(step_tokens)
-        self.lm_head.buckets = row_buckets(logit_rows)
+                if isinstance(lin, Linear):
+                    lin.buckets = row_buckets(step_tokens)
+        if isinstance(self.lm_head, Linear):
+            self.lm_head.buckets = row_buckets(logit_rows)
 
     @property
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.norm, self.cos, self.sin]
-        linears = [self.lm_head] if self.lm_head.weight is not self.embed else []
+        linears = [self.lm_head] if getattr(self.lm_head, "weight", None) is not self.embed else []
         for ln1, qkv, o, ln2, gu, down in self.layers:
             tensors += [ln1, ln2]
             linears += [qkv, o, gu, down]
