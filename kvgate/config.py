@@ -67,6 +67,9 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads; None = torch's default
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
     weights: str = "full"  # full | int8 | int4: weight-only quantized matrices (kvgate.models.quant)
+    speculate: int = (
+        0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
+    )
     # a step running longer than this turns /health to 503 and fails new requests fast;
     # None = auto: max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_FACTOR x the slowest step measured so far)
     step_timeout: float | None = None
@@ -93,6 +96,7 @@ class SchedulerConfig:
     kv_bytes_per_token: int
     max_ttft: float | None = None
     prefix_cache: bool = True
+    speculate: int = 0  # draft tokens a greedy row may verify per step (kvgate.core.speculate)
     cache_root: bytes = b""  # the model's identity: the root of every prompt-block hash
 
     @property
@@ -121,6 +125,13 @@ ENGINE_FLAGS = [
     ("--max-model-len", int, None, "context length (default: the model's)"),
     ("--threads", int, None, "torch intra-op threads (default: torch's choice)"),
     ("--pack-weights", str, "auto", "auto | on | off: prepack weights for oneDNN (auto: CPU float32)"),
+    (
+        "--speculate",
+        int,
+        0,
+        "prompt-lookup speculative decoding: up to K draft tokens per greedy row and step, verified in one "
+        "pass; output unchanged (0 = off, at most 8)",
+    ),
     (
         "--weights",
         str,
@@ -176,6 +187,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         threads=a.threads,
         pack_weights=a.pack_weights,
         weights=a.weights,
+        speculate=a.speculate,
         step_timeout=a.step_timeout,
         prefix_cache=a.prefix_cache,
     )

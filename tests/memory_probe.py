@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-limit", default="1GiB")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--weights", default="full", help="full | int8 | int4")
+    ap.add_argument("--speculate", type=int, default=0, help="draft tokens per greedy row and step")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-seqs", type=int, default=8)
     ap.add_argument("--prefill-chunk", type=int, default=256)
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queue_wait=600.0,
         threads=a.threads,
         weights=a.weights,
+        speculate=a.speculate,
     )
     t0 = time.monotonic()
     engine = Engine.from_model(a.model, cfg)
@@ -230,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engine.tokenizer.vocab_size
 
     def prompt(n: int) -> list[int]:
+        if a.speculate:  # a repeated phrase: prompt lookup finds drafts, as in an input-grounded task
+            phrase = [rng.randrange(300, vocab) for _ in range(8)]
+            return (phrase * (n // 8 + 1))[:n]
         return [rng.randrange(300, vocab) for _ in range(n)]
 
     def sampling(i: int) -> SamplingParams:
@@ -237,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         # top-p (the largest per-row sampling temporaries), the rest are greedy (cheap).
         t, p = (0.8, 0.9) if i < a.top_p_rows else (0.0, 1.0)
         g = grammars[i] if i < len(grammars) else None
+        if a.speculate and t == 0.0:  # plain greedy rows, the ones that speculate
+            return SamplingParams(temperature=0.0, seed=i, grammar=g)
         return SamplingParams(
             temperature=t, top_p=p, repetition_penalty=1.1, frequency_penalty=0.1, seed=i, grammar=g
         )
@@ -271,10 +278,26 @@ def main(argv: list[str] | None = None) -> int:
     rows_seen = [0]
     real_execute, real_forward = runner.execute, runner.model_forward
 
+    def bucket(n: int, most: int) -> int:
+        from bisect import bisect_left
+
+        from kvgate.models.linear import row_buckets
+
+        b = row_buckets(most)
+        return b[min(bisect_left(b, n), len(b) - 1)]
+
     def step_bound(shape: dict) -> dict:
         """The planner's own formula at this step's composition: what this step may allocate."""
         ctx = min(L, plan_mod.padded_len(max(shape["context"], 1), plan.block_size))
         rows = max(shape["rows"], shape["logits_rows"])
+        if plan.limits.packed_weights:  # packed matmuls pad their rows up to a bucket (models.linear)
+            rows = max(rows, bucket(shape["logits_rows"], plan.limits.max_logit_rows))
+            shape = {
+                **shape,
+                "prefill_tokens": shape["prefill_tokens"]
+                + bucket(shape["tokens"], plan.limits.max_step_tokens)
+                - shape["tokens"],
+            }
         lim = plan_mod.StepLimits(
             shape["prefill_tokens"],
             rows,
@@ -284,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.limits.packed_weights,
             plan.limits.weight_format,
             plan.limits.quant_act_bytes,
-        )
+        )  # verify spans (--speculate) are prompt chunks here: their tokens and logits rows are counted
         return plan_mod.step_workspace(engine.spec, dtype_bytes, lim, plan.block_size)
 
     def recording_forward(batch):
@@ -387,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_step_rise": max((st["rise"] for st in steps if "rise" in st), default=0),
         "steps": len(steps),
         "decode_steps": c.decode_steps,
+        "spec_draft_tokens": c.spec_draft_tokens,
+        "spec_accepted_tokens": c.spec_accepted_tokens,
         "prefill_chunks": c.prefill_chunks,
         "max_rows_seen": rows_seen[0],
         "requests": len(results),

@@ -337,3 +337,21 @@ def test_quantized_int4_steps_stay_inside_their_planned_workspace(probes):
     assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
     assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
     assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+
+
+@pytest.mark.slow
+def test_speculating_steps_stay_inside_their_planned_workspace(probes):
+    """The exact probe with --speculate 4 on greedy rows whose prompts repeat a phrase (so prompt
+    lookup drafts, and most drafts verify): every step, with its verify spans' tokens, masks and
+    logits rows, stays within the plan's formula at its composition (matmul rows padded to their
+    buckets), and the whole peak within the plan, whose step budget now reserves 4 drafts per row.
+    Seen red before the probe's per-step bound counted the row buckets packed matmuls pad to (a
+    193-token step's 66 logits rows run as 128: 2.4 MiB over a bound computed for 66)."""
+    args = EXACT + ["--speculate", "4", "--long-decode", "8", "--row-prompt", "24", "--decode", "24"]
+    r = run_probe(args)
+    assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
+    assert r["spec_accepted_tokens"] > 0.3 * r["spec_draft_tokens"] > 0
+    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
+    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
+    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
+    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)

@@ -93,7 +93,7 @@ class Engine:
         )
         # The plan may have shrunk the step below what was warmed: its new maximum is then one bucket
         # that was not (a few MiB of oneDNN kernels at most, inside the overhead's slack).
-        self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_seqs)
+        self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_logit_rows)
         loaded.weights.clear()
         if self.model.weight_bytes > p.weights_bytes:
             raise PlanError(
@@ -117,6 +117,7 @@ class Engine:
             kv_bytes_per_token=p.kv_bytes_per_token,
             max_ttft=cfg.max_ttft,
             prefix_cache=prefix_cache_flag(cfg.prefix_cache),
+            speculate=p.limits.speculate,
             cache_root=f"{spec.architecture}|{spec.name}|{p.dtype}|{loaded.source}".encode(),
         )
         self.inbox = Inbox()

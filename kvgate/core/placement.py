@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgate.config import EngineConfig
+from kvgate.core.speculate import MAX_SPECULATE
 from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
 from kvgate.models import LoadedModel
 from kvgate.models.linear import packs_weights, warm_kernels
@@ -118,11 +119,16 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     fmt, act = resolve_weights(cfg.weights, device)
+    if not 0 <= cfg.speculate <= MAX_SPECULATE:
+        raise DeviceError(
+            f"--speculate {cfg.speculate} is out of range: draft tokens per step are 0 (off) to {MAX_SPECULATE}"
+        )
     packed = resolve_packing(cfg.pack_weights, device, dtype)  # quantized: the head (and any unquantizable)
     spec = loaded.spec
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     if packed:
-        warm_kernels(matmul_shapes(spec, cfg.prefill_chunk + cfg.max_seqs, cfg.max_seqs), dtype)
+        rows = cfg.max_seqs * (1 + cfg.speculate)  # each decoding row and its drafts
+        warm_kernels(matmul_shapes(spec, cfg.prefill_chunk + rows, rows), dtype)
     if overhead_bytes is None:
         overhead_bytes = runtime_overhead_bytes(str(device), checkpoint_bytes(loaded))
     plan = make_plan(
@@ -141,5 +147,6 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         weight_params=checkpoint_params(loaded),
         weight_format=fmt,
         quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else 2,
+        speculate=cfg.speculate,
     )
     return Placement(device, dtype, packed, max_len, plan, fmt, act)

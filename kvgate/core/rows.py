@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvgate.core.speculate import NgramIndex
 from kvgate.request import BudgetCap, RequestHandle
 from kvgate.sampling import Sampler
 from kvgate.stop import StopMatcher
@@ -59,6 +60,7 @@ class Row:
     leader: int | None = None
     shared_positions: int = 0
     followers: list[int] = field(default_factory=list)
+    ngrams: NgramIndex | None = None  # speculative decoding's draft source, when the row may speculate
 
     @property
     def id(self) -> int:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from kvgate.core.outputs import ModelOutput, SchedulerOutput
+from kvgate.core.speculate import accept
 from kvgate.core.step_inputs import build_step
 from kvgate.models.llama import StepBatch
 from kvgate.sampling import sample_batch
@@ -45,8 +46,14 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         t0 = time.monotonic()
         try:
-            batch, d_rows, p_rows = build_step(
-                so.decodes, so.prefills, self.block_size, self.group_size, self.attn_token_cap, self.device
+            batch, d_rows, p_rows, v_rows = build_step(
+                so.decodes,
+                so.prefills,
+                self.block_size,
+                self.group_size,
+                self.attn_token_cap,
+                self.device,
+                so.verifies,
             )
             logits = self.forward(so, batch).cpu()
         except Exception as exc:  # a failed step fails only the rows in it
@@ -56,8 +63,23 @@ class ModelRunner:
         out = ModelOutput()
         if picks:
             self._sample(so, logits, picks, out)
+        for v, rows in zip(so.verifies, v_rows, strict=True):
+            self._verify(so.samplers[v.request_id], v, logits, rows, out)
         out.seconds = time.monotonic() - t0
         return out
+
+    @staticmethod
+    def _verify(sampler, v, logits: torch.Tensor, rows: list[int], out: ModelOutput) -> None:
+        """A verify span's tokens: the model's own (greedy) choice at each position, kept while the
+        drafts agree with it (`speculate.accept`). Only eligible rows (`speculate.eligible`) speculate:
+        their sampler draws nothing and keeps no state, so asking it at every position is exact."""
+        rid = v.request_id
+        try:
+            chosen = sample_batch([sampler] * len(rows), logits, rows)
+            out.verified[rid] = accept(v.tokens[1:], chosen)
+            out.drafted[rid] = len(v.tokens) - 1
+        except Exception as exc:
+            out.errors[rid] = f"{type(exc).__name__}: {exc}"
 
     def _sample(self, so: SchedulerOutput, logits: torch.Tensor, picks, out: ModelOutput) -> None:
         samplers = [so.samplers[rid] for rid, _ in picks]

@@ -28,8 +28,9 @@ from kvgate.core.inbox import Cancel, CancelAll, Command, Drain, Submit
 from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.outputs import SchedulerOutput
 from kvgate.core.rows import Row, WaitEntry
+from kvgate.core.speculate import NgramIndex, eligible
 from kvgate.core.state import EngineState
-from kvgate.core.step_inputs import DecodeInput, PrefillInput
+from kvgate.core.step_inputs import DecodeInput, PrefillInput, VerifyInput
 from kvgate.request import Admitted, BudgetCap, Refused, RequestHandle
 from kvgate.sampling import Sampler
 from kvgate.stop import StopMatcher
@@ -176,11 +177,13 @@ class Scheduler:
         stop_ids = set(req.stop_token_ids)
         if not req.ignore_eos:
             stop_ids |= self.tok.eog_ids
+        sampler = Sampler(req.sampling, req.prompt_ids, self.tok.vocab_size)
         return Row(
             handle=handle,
             prompt=list(req.prompt_ids),
             max_tokens=max_tokens,
-            sampler=Sampler(req.sampling, req.prompt_ids, self.tok.vocab_size),
+            sampler=sampler,
+            ngrams=NgramIndex() if self.cfg.speculate and eligible(sampler) else None,
             stop=StopMatcher(stop_ids, req.stop),
             detok=IncrementalDetokenizer(self.tok, req.prompt_ids),
             budget_cap=cap,
@@ -216,9 +219,16 @@ class Scheduler:
     def _pick_step(self, out: SchedulerOutput) -> None:
         s, kv = self.state, self.state.kv
         for r in s.running.values():
-            if not r.prefilling:
+            if r.prefilling:
+                continue
+            out.samplers[r.id] = r.sampler
+            drafts = self._drafts(r)
+            if drafts:
+                out.verifies.append(
+                    VerifyInput(r.id, [r.tokens[-1], *drafts], len(r.tokens) - 1, kv.table(r.id))
+                )
+            else:
                 out.decodes.append(DecodeInput(r.id, r.tokens[-1], len(r.tokens) - 1, kv.table(r.id)))
-                out.samplers[r.id] = r.sampler
         budget = self.cfg.prefill_chunk
         rr = s.prefill_rr
         for rid in list(rr):  # each prefilling row at most once, in round-robin order
@@ -240,6 +250,15 @@ class Scheduler:
                 out.samplers[rid] = row.sampler
             else:
                 rr.append(rid)
+
+    def _drafts(self, row: Row) -> list[int]:
+        """Draft tokens for a row that may speculate: at most `speculate`, and at most one fewer than
+        the tokens it may still produce (so every position written stays inside its reserved KV
+        blocks and the context)."""
+        if row.ngrams is None:
+            return []
+        room = min(row.max_tokens - len(row.out_ids), self.cfg.max_model_len - len(row.tokens)) - 1
+        return row.ngrams.propose(row.tokens, min(self.cfg.speculate, room))
 
     def _leader_behind(self, row: Row) -> bool:
         leader = self.state.running.get(row.leader)

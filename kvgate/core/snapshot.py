@@ -42,6 +42,8 @@ class Counters:
     kv_blocks_held: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    spec_draft_tokens: int = 0  # draft tokens proposed by prompt lookup and verified (--speculate)
+    spec_accepted_tokens: int = 0  # of those, the ones the model's own choice confirmed
     prefix_cache_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits_tokens: int = 0  # of those, tokens whose K/V came from the cache
 

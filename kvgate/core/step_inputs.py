@@ -31,6 +31,16 @@ class PrefillInput:
     wants_logits: bool  # True when this chunk ends the prompt
 
 
+@dataclass(slots=True)
+class VerifyInput:
+    """A decoding row's last token and its draft tokens, verified in one pass (logits at each)."""
+
+    request_id: int
+    tokens: list[int]  # the row's last token, then the drafts
+    start: int  # position of tokens[0]
+    blocks: list[int]
+
+
 def build_step(
     decodes: list[DecodeInput],
     prefills: list[PrefillInput],
@@ -38,8 +48,11 @@ def build_step(
     group_size: int,
     attn_token_cap: int,
     device: torch.device,
-) -> tuple[StepBatch, list[int], list[int]]:
-    """Return the batch plus, for decodes and prefills, where each input's logits row is (-1: none)."""
+    verifies: list[VerifyInput] = (),
+) -> tuple[StepBatch, list[int], list[int], list[list[int]]]:
+    """Return the batch plus, for decodes and prefills, where each input's logits row is (-1: none),
+    and for each verify span the logits rows of all its positions. A verify span runs as a prompt
+    chunk (causal attention over the row's blocks) that wants every position's logits."""
     order = sorted(range(len(decodes)), key=lambda i: -decodes[i].position)
     ids: list[int] = []
     pos: list[int] = []
@@ -71,7 +84,9 @@ def build_step(
         i += take
     spans: list[PrefillSpan] = []
     prefill_logit_row = [-1] * len(prefills)
-    for k, p in enumerate(prefills):
+    verify_logit_rows: list[list[int]] = []
+    chunks = [(p, -1) for p in prefills] + [(v, i) for i, v in enumerate(verifies)]
+    for k, (p, vi) in enumerate(chunks):
         n = len(p.tokens)
         ctx = p.start + n
         start = len(ids)
@@ -91,7 +106,10 @@ def build_step(
                 causal.repeat(group_size, 1).to(device),
             )
         )
-        if p.wants_logits:
+        if vi >= 0:
+            verify_logit_rows.append(list(range(len(logits_index), len(logits_index) + n)))
+            logits_index.extend(range(start, start + n))
+        elif p.wants_logits:
             prefill_logit_row[k] = len(logits_index)
             logits_index.append(start + n - 1)
     batch = StepBatch(
@@ -102,4 +120,4 @@ def build_step(
         spans,
         torch.tensor(logits_index, dtype=torch.long, device=device),
     )
-    return batch, decode_logit_row, prefill_logit_row
+    return batch, decode_logit_row, prefill_logit_row, verify_logit_rows

@@ -39,7 +39,7 @@ class Updater:
         prefilled = sum(len(p.tokens) for p in so.prefills)
         s.times.observe(mo.seconds, prefilled, self.prefill_chunk)
         c.steps += 1
-        if so.decodes:
+        if so.decodes or so.verifies:
             c.decode_steps += 1
             c.decode_tokens += len(so.decodes)
         c.prefill_chunks += len(so.prefills)
@@ -56,6 +56,22 @@ class Updater:
                 continue
             try:
                 self._append(row, token, now, mo.logprobs.get(rid))
+            except Exception as exc:
+                log.exception("handling a token of request %d failed", rid)
+                c.failed += 1
+                s.finish(row, "error", error=f"{type(exc).__name__}: {exc}", flush=False)
+        for rid, tokens in mo.verified.items():
+            row = s.running.get(rid)
+            if row is None:
+                continue
+            c.decode_tokens += 1
+            c.spec_draft_tokens += mo.drafted.get(rid, 0)
+            c.spec_accepted_tokens += len(tokens) - 1
+            try:
+                for token in tokens:  # in order, until the row ends (a stop token, a stop string, length)
+                    self._append(row, token, now)
+                    if rid not in s.running:
+                        break
             except Exception as exc:
                 log.exception("handling a token of request %d failed", rid)
                 c.failed += 1

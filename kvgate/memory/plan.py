@@ -238,6 +238,7 @@ def make_plan(
     weight_params: int | None = None,
     weight_format: str = "full",
     quant_act_bytes: int = 2,
+    speculate: int = 0,
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
@@ -265,7 +266,12 @@ def make_plan(
     bs = block_size
     min_ctx = min(MIN_KV_POSITIONS, max_model_len)
     pw = packed_weights
-    wk = {"packed_weights": pw, "weight_format": weight_format, "quant_act_bytes": quant_act_bytes}
+    wk = {
+        "packed_weights": pw,
+        "weight_format": weight_format,
+        "quant_act_bytes": quant_act_bytes,
+        "speculate": speculate,
+    }
     requested = StepLimits(
         prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, **wk
     )

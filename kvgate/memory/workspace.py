@@ -31,6 +31,9 @@ class StepLimits:
     # its input to the activation dtype and gets its output in it before the cast back.
     weight_format: str = "full"
     quant_act_bytes: int = 2
+    # Speculative decoding (kvgate.core.speculate): every decoding row may add this many draft tokens
+    # to a step, each wanting logits. The step's budget reserves them for every row.
+    speculate: int = 0
 
     @property
     def context(self) -> int:
@@ -38,7 +41,11 @@ class StepLimits:
 
     @property
     def max_step_tokens(self) -> int:
-        return self.prefill_chunk + self.max_seqs
+        return self.prefill_chunk + self.max_seqs * (1 + self.speculate)
+
+    @property
+    def max_logit_rows(self) -> int:
+        return self.max_seqs * (1 + self.speculate)
 
 
 # Terms of `step_workspace` that stay allocated together for a whole step (summed), and the
@@ -86,7 +93,9 @@ def step_workspace(
     """
     b, f = dtype_bytes, 4
     C, S = limits.prefill_chunk, limits.max_seqs
-    T = C + S
+    T = limits.max_step_tokens
+    K1 = 1 + limits.speculate  # positions a decoding row brings to a step (its token and the drafts)
+    LR = limits.max_logit_rows
     H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     g = H // KVH
     h, inter, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
@@ -100,12 +109,14 @@ def step_workspace(
         # ids, positions, slots; logits index; decode block tables and masks; prefill masks (and the
         # causal temporary build_step makes them from); per-span block tables; gathered cos/sin
         "step_inputs": 3 * T * 8
-        + S * 8
+        + LR * 8
         + cap // block_size * 8
         + cap
         + (g + 1) * C * Lp
         + S * (Lp // block_size) * 8
-        + 2 * T * D * b,
+        + 2 * T * D * b
+        # verify spans (speculation): each row's causal mask over its context, and its block table
+        + (S * (g * K1 * Lp + Lp // block_size * 8) + K1 * Lp if K1 > 1 else 0),
         # x, h, fused qkv, rotated qk and its rotate-half copy, attention output, gate/up output,
         # a decode group's gathered K and V and its output, a prefill span's q, gathered K/V and output
         "layer_activations": T * (2 * h + (H + 2 * KVH) * D + 2 * (H + KVH) * D + H * D + 2 * inter) * b
@@ -145,10 +156,10 @@ def step_workspace(
         "mlp": 2 * T * inter * b,
         # the sampled rows' hidden states and norm, logits in the model dtype and as float32, and the
         # sampling temporaries of one group of rows drawn together (kvgate.sampling.SAMPLE_ROWS)
-        "logits": S * h * (2 * b + 3 * f)
-        + S * V * b
-        + (S * V * f if upcast else 0)
-        + SAMPLING_TEMPS * min(S, SAMPLE_ROWS) * V * f,
+        "logits": LR * h * (2 * b + 3 * f)
+        + LR * V * b
+        + (LR * V * f if upcast else 0)
+        + SAMPLING_TEMPS * min(max(S, K1), SAMPLE_ROWS) * V * f,
     }
 
 

@@ -117,6 +117,12 @@ class _EngineCollector:
         yield counter("aborted", "Requests cancelled (client disconnect or shutdown)", c.aborted)
         yield counter("prefill_chunks", "Prompt chunks run", c.prefill_chunks)
         yield counter("decode_steps", "Steps that decoded at least one row", c.decode_steps)
+        yield counter("spec_decode_draft_tokens", "Draft tokens verified (--speculate)", c.spec_draft_tokens)
+        yield counter(
+            "spec_decode_accepted_tokens",
+            "Draft tokens the model confirmed (--speculate)",
+            c.spec_accepted_tokens,
+        )
         yield counter("failed_rows", "Rows failed by an error in their step", c.failed)
         if snap.step_time_ema is not None:
             yield gauge("step_seconds_ema", "Smoothed engine step time", snap.step_time_ema)

@@ -1,0 +1,72 @@
+"""Speculative decoding by prompt lookup (n-gram): draft tokens from the row's own history.
+
+No draft model: the last 1-3 tokens of a row (prompt and output so far) are looked up among its
+earlier tokens, and the tokens that followed their most recent earlier occurrence are proposed. The
+scheduler sends the row's last token plus the drafts as one span, the model verifies them in one
+pass, and the updater keeps the drafts the model itself would have chosen plus one more token (the
+model's own choice at the first mismatch, or after the last draft). Output is therefore the greedy
+output token for token; only the number of steps changes.
+
+Which rows: greedy ones without penalties, grammar or logprobs (`eligible`). For those a row's next
+token depends only on the logits at its position, so verifying several positions at once is exact;
+sampled rows keep one token per step, and their draws stay exactly what they would have been. How
+many drafts a row gets depends only on its own tokens and limits (never on its neighbours: the
+step's token budget reserves `speculate` extra tokens for every row, in the plan), so batching does
+not change what a request generates. Drafts never reach past the row's reserved KV: a row with
+`m` tokens still allowed gets at most `m - 1` drafts.
+"""
+
+from __future__ import annotations
+
+from kvgate.sampling import Sampler
+
+NGRAM_MAX = 3  # the longest suffix looked up; shorter ones are tried when it has no earlier occurrence
+MAX_SPECULATE = 8  # --speculate's ceiling: a verify span must stay shorter than the smallest prefill chunk
+
+
+def eligible(sampler: Sampler) -> bool:
+    """Rows whose verification is exact: greedy, no penalties, no grammar, no logprobs."""
+    return sampler.greedy and not sampler.penalized and sampler.matcher is None and sampler.p.logprobs is None
+
+
+class NgramIndex:
+    """The most recent end position of every 1..NGRAM_MAX-gram in a growing token list, kept up to
+    date incrementally (a row's history is indexed once, then one position per generated token)."""
+
+    __slots__ = ("last", "upto")
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[int, ...], int] = {}
+        self.upto = 0  # grams ending before this position are indexed
+
+    def _sync(self, tokens: list[int]) -> None:
+        # index grams ending at every position but the last: a lookup of the current suffix must
+        # find an *earlier* occurrence
+        for end in range(self.upto, len(tokens) - 1):
+            for n in range(1, min(NGRAM_MAX, end + 1) + 1):
+                self.last[tuple(tokens[end - n + 1 : end + 1])] = end
+        self.upto = max(self.upto, len(tokens) - 1)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the most recent earlier occurrence of the longest suffix
+        (NGRAM_MAX tokens down to 1) that occurred before; [] when none did."""
+        if k <= 0 or len(tokens) < 2:
+            return []
+        self._sync(tokens)
+        for n in range(min(NGRAM_MAX, len(tokens) - 1), 0, -1):
+            end = self.last.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + k]
+        return []
+
+
+def accept(drafts: list[int], chosen: list[int]) -> list[int]:
+    """The tokens a verify pass yields: `chosen[i]` is the model's token after the row's last token
+    and `drafts[:i]`. Drafts are kept while they equal the model's choice; then the model's own
+    choice at the first mismatch (or after the last draft) is added: 1 to len(drafts) + 1 tokens."""
+    out: list[int] = []
+    for i, token in enumerate(chosen):
+        out.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return out
