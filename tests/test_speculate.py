@@ -161,3 +161,32 @@ def test_smollm2_rewriting_a_paragraph_speculates_and_keeps_its_greedy_tokens():
         finally:
             e.shutdown()
     assert outs[4] == outs[0]
+
+
+def test_the_openai_client_streams_the_same_text_from_a_speculating_server(make_engine):
+    """A real client, unmodified: greedy chat completions (streamed and not) from a server with
+    --speculate 4 are the text of a server without it, and its /metrics count the drafts."""
+    import httpx
+    import openai
+
+    from tests.server_util import running_server
+
+    texts = {}
+    for k in (0, 4):
+        e = make_engine(speculate=k)
+        with running_server(e) as (base, _):
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+            msg = [{"role": "user", "content": "abc abc abc abc abc abc"}]
+            whole = client.chat.completions.create(model="tiny", messages=msg, temperature=0, max_tokens=40)
+            chunks = client.chat.completions.create(
+                model="tiny", messages=msg, temperature=0, max_tokens=40, stream=True
+            )
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            texts[k] = (whole.choices[0].message.content, streamed)
+            metrics = httpx.get(base + "/metrics").text
+        if k:
+            drafted = [
+                ln for ln in metrics.splitlines() if ln.startswith("kvgate_spec_decode_draft_tokens_total")
+            ]
+            assert drafted and float(drafted[0].split()[-1]) > 0, drafted
+    assert texts[4] == texts[0] and texts[0][0] == texts[0][1]

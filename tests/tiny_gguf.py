@@ -180,7 +180,7 @@ def prompt_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
     spec = model.spec
     nblk = -(-len(ids) // block_size)
     kv = KVPool(spec, nblk, block_size, model.dtype, model.device)
-    batch, _, _ = build_step(
+    batch, _, _, _ = build_step(
         [],
         [PrefillInput(0, list(ids), 0, list(range(nblk)), True)],
         block_size,
