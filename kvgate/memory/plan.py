@@ -207,7 +207,9 @@ class MemoryPlan:
             ),
             f"  runtime overhead {fmt_bytes(self.overhead_bytes):>12}  (measured baseline + slack)",
             f"  step workspace   {fmt_bytes(self.workspace_bytes):>12}  (prefill chunk {L.prefill_chunk}, "
-            f"max rows {L.max_seqs}, attention cap {L.attn_token_cap} tokens, context {L.context})",
+            f"max rows {L.max_seqs}, attention cap {L.attn_token_cap} tokens, context {L.context}"
+            + (f", {L.speculate} draft tokens per row" if L.speculate else "")
+            + ")",
             f"    of which grammar {fmt_bytes(self.workspace_breakdown.get('grammar', 0)):>10}  (structured output: "
             f"token trie, compiled-grammar cache and one per row, masks)",
             f"  KV pool          {fmt_bytes(self.kv_pool_bytes):>12}  = {self.kv_blocks} blocks x "
