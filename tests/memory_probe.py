@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.limits.packed_weights,
             plan.limits.weight_format,
             plan.limits.quant_act_bytes,
-        )  # verify spans (--speculate) are prompt chunks here: their tokens and logits rows are counted
+        )  # draft positions (--speculate) are decode rows here: counted in rows and logits rows
         return plan_mod.step_workspace(engine.spec, dtype_bytes, lim, plan.block_size)
 
     def recording_forward(batch):

@@ -342,7 +342,7 @@ def test_quantized_int4_steps_stay_inside_their_planned_workspace(probes):
 @pytest.mark.slow
 def test_speculating_steps_stay_inside_their_planned_workspace(probes):
     """The exact probe with --speculate 4 on greedy rows whose prompts repeat a phrase (so prompt
-    lookup drafts, and most drafts verify): every step, with its verify spans' tokens, masks and
+    lookup drafts, and most drafts verify): every step, with its draft positions as decode rows, their masks and
     logits rows, stays within the plan's formula at its composition (matmul rows padded to their
     buckets), and the whole peak within the plan, whose step budget now reserves 4 drafts per row.
     Seen red before the probe's per-step bound counted the row buckets packed matmuls pad to (a

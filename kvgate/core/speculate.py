@@ -2,8 +2,9 @@
 
 No draft model: the last 1-3 tokens of a row (prompt and output so far) are looked up among its
 earlier tokens, and the tokens that followed their most recent earlier occurrence are proposed. The
-scheduler sends the row's last token plus the drafts as one span, the model verifies them in one
-pass, and the updater keeps the drafts the model itself would have chosen plus one more token (the
+scheduler sends the row's last token plus the drafts as one span, each position of which runs as a
+decode row of its own (so a verified token gets the very computation a plain decode step gives it),
+the model verifies them in one pass, and the updater keeps the drafts the model itself would have chosen plus one more token (the
 model's own choice at the first mismatch, or after the last draft). Output is therefore the greedy
 output token for token; only the number of steps changes.
 

@@ -51,8 +51,14 @@ def build_step(
     verifies: list[VerifyInput] = (),
 ) -> tuple[StepBatch, list[int], list[int], list[list[int]]]:
     """Return the batch plus, for decodes and prefills, where each input's logits row is (-1: none),
-    and for each verify span the logits rows of all its positions. A verify span runs as a prompt
-    chunk (causal attention over the row's blocks) that wants every position's logits."""
+    and for each verify span the logits rows of all its positions. Each position of a verify span
+    runs as a decode row of its own (its token at its position, attending over its context): the
+    step writes every token's K/V before any attention reads, so a draft sees the ones before it, and
+    a verified token gets exactly the computation a plain decode step would give it."""
+    n_plain = len(decodes)
+    decodes = list(decodes) + [
+        DecodeInput(v.request_id, t, v.start + i, v.blocks) for v in verifies for i, t in enumerate(v.tokens)
+    ]
     order = sorted(range(len(decodes)), key=lambda i: -decodes[i].position)
     ids: list[int] = []
     pos: list[int] = []
@@ -84,9 +90,7 @@ def build_step(
         i += take
     spans: list[PrefillSpan] = []
     prefill_logit_row = [-1] * len(prefills)
-    verify_logit_rows: list[list[int]] = []
-    chunks = [(p, -1) for p in prefills] + [(v, i) for i, v in enumerate(verifies)]
-    for k, (p, vi) in enumerate(chunks):
+    for k, p in enumerate(prefills):
         n = len(p.tokens)
         ctx = p.start + n
         start = len(ids)
@@ -106,10 +110,7 @@ def build_step(
                 causal.repeat(group_size, 1).to(device),
             )
         )
-        if vi >= 0:
-            verify_logit_rows.append(list(range(len(logits_index), len(logits_index) + n)))
-            logits_index.extend(range(start, start + n))
-        elif p.wants_logits:
+        if p.wants_logits:
             prefill_logit_row[k] = len(logits_index)
             logits_index.append(start + n - 1)
     batch = StepBatch(
@@ -120,4 +121,8 @@ def build_step(
         spans,
         torch.tensor(logits_index, dtype=torch.long, device=device),
     )
-    return batch, decode_logit_row, prefill_logit_row, verify_logit_rows
+    verify_logit_rows, at = [], n_plain
+    for v in verifies:
+        verify_logit_rows.append(decode_logit_row[at : at + len(v.tokens)])
+        at += len(v.tokens)
+    return batch, decode_logit_row[:n_plain], prefill_logit_row, verify_logit_rows

@@ -115,13 +115,13 @@ def step_workspace(
         + (g + 1) * C * Lp
         + S * (Lp // block_size) * 8
         + 2 * T * D * b
-        # verify spans (speculation): each row's causal mask over its context, and its block table
-        + (S * (g * K1 * Lp + Lp // block_size * 8) + K1 * Lp if K1 > 1 else 0),
+        # draft positions (speculation) run as decode rows of their own: a mask and a block table each
+        + (LR - S) * (Lp + Lp // block_size * 8),
         # x, h, fused qkv, rotated qk and its rotate-half copy, attention output, gate/up output,
         # a decode group's gathered K and V and its output, a prefill span's q, gathered K/V and output
         "layer_activations": T * (2 * h + (H + 2 * KVH) * D + 2 * (H + KVH) * D + H * D + 2 * inter) * b
         + 2 * cap * kv_tok
-        + S * H * D * b
+        + LR * H * D * b
         + 2 * C * H * D * b
         + 2 * Lp * kv_tok,
         # matmul scratch (`_gemm_scratch`) + attention kernel blocks
@@ -143,7 +143,7 @@ def step_workspace(
         "residual": 2 * T * h * b,
         "rope": 2 * QK,
         # the next group's K (or V) gathered while this one's is alive, its output, the float mask
-        "decode_attention": cap * kv_tok + S * H * D * b + cap * f,
+        "decode_attention": cap * kv_tok + LR * H * D * b + cap * f,
         # scores and softmax in float32 (+ a quarter for the -inf test), bool and float masks, scaled
         # q and k in float32 (upcast q/k/v first for 16-bit dtypes), the output, the next span's gather
         "prefill_attention": (9 * H * C * Lp * f) // 4
