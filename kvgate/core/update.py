@@ -50,26 +50,20 @@ class Updater:
                 row.computed += len(p.tokens)
                 s.kv.commit(row.id, row.computed)  # full prompt blocks computed: now shareable
         now = time.monotonic()
-        for rid, token in mo.tokens.items():
+        # a sampled row brings one token; a verified draft span (--speculate) several, kept in order
+        runs = [(rid, [token], mo.logprobs.get(rid)) for rid, token in mo.tokens.items()]
+        runs += [(rid, tokens, None) for rid, tokens in mo.verified.items()]
+        for rid, tokens, logprobs in runs:
             row = s.running.get(rid)
             if row is None:
                 continue
+            if rid in mo.verified:
+                c.decode_tokens += 1
+                c.spec_draft_tokens += mo.drafted.get(rid, 0)
+                c.spec_accepted_tokens += len(tokens) - 1
             try:
-                self._append(row, token, now, mo.logprobs.get(rid))
-            except Exception as exc:
-                log.exception("handling a token of request %d failed", rid)
-                c.failed += 1
-                s.finish(row, "error", error=f"{type(exc).__name__}: {exc}", flush=False)
-        for rid, tokens in mo.verified.items():
-            row = s.running.get(rid)
-            if row is None:
-                continue
-            c.decode_tokens += 1
-            c.spec_draft_tokens += mo.drafted.get(rid, 0)
-            c.spec_accepted_tokens += len(tokens) - 1
-            try:
-                for token in tokens:  # in order, until the row ends (a stop token, a stop string, length)
-                    self._append(row, token, now)
+                for token in tokens:  # until the row ends (a stop token, a stop string, its length)
+                    self._append(row, token, now, logprobs)
                     if rid not in s.running:
                         break
             except Exception as exc:
