@@ -257,7 +257,8 @@ class Scheduler:
         blocks and the context)."""
         if row.ngrams is None:
             return []
-        room = min(row.max_tokens - len(row.out_ids), self.cfg.max_model_len - len(row.tokens)) - 1
+        made = len(row.tokens) - len(row.prompt)
+        room = min(row.max_tokens - made, self.cfg.max_model_len - len(row.tokens)) - 1
         return row.ngrams.propose(row.tokens, min(self.cfg.speculate, room))
 
     def _leader_behind(self, row: Row) -> bool:
