@@ -72,7 +72,7 @@ class ModelRunner:
     def _verify(sampler, v, logits: torch.Tensor, rows: list[int], out: ModelOutput) -> None:
         """A verify span's tokens: the model's own (greedy) choice at each position, kept while the
         drafts agree with it (`speculate.accept`). Only eligible rows (`speculate.eligible`) speculate:
-        their sampler draws nothing and keeps no state, so asking it at every position is exact."""
+        their sampler draws nothing and keeps no state, so asking it at every position is sound."""
         rid = v.request_id
         try:
             chosen = sample_batch([sampler] * len(rows), logits, rows)

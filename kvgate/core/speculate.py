@@ -3,13 +3,19 @@
 No draft model: the last 1-3 tokens of a row (prompt and output so far) are looked up among its
 earlier tokens, and the tokens that followed their most recent earlier occurrence are proposed. The
 scheduler sends the row's last token plus the drafts as one span, each position of which runs as a
-decode row of its own (so a verified token gets the very computation a plain decode step gives it),
-the model verifies them in one pass, and the updater keeps the drafts the model itself would have chosen plus one more token (the
-model's own choice at the first mismatch, or after the last draft). Output is therefore the greedy
-output token for token; only the number of steps changes.
+decode row of its own; the model verifies them in one pass, and the updater keeps the drafts the
+model itself would have chosen plus one more token (the model's own choice at the first mismatch, or
+after the last draft). Output is the greedy output; only the number of steps changes.
+
+How exact: as exact as batching. A verified position gets the decode path's computation, but in a
+call with more rows: the CPU attention (with 2 threads and 3-4 KV heads) and `F.linear` (weights
+that are not prepacked: bf16/fp16, an unpacked head) round a row's result differently, by ~1e-6,
+with the number of rows beside it, exactly as when requests are batched. Every request measured
+gave the plain tokens (bench/speculate.py in fp32 and int4, the tests); a logit tie made exact on
+purpose (a tuned `logit_bias`) was shown to flip.
 
 Which rows: greedy ones without penalties, grammar or logprobs (`eligible`). For those a row's next
-token depends only on the logits at its position, so verifying several positions at once is exact;
+token depends only on the logits at its position, so verifying several positions at once is sound;
 sampled rows keep one token per step, and their draws stay exactly what they would have been. How
 many drafts a row gets depends only on its own tokens and limits (never on its neighbours: the
 step's token budget reserves `speculate` extra tokens for every row, in the plan), so batching does
@@ -26,7 +32,7 @@ MAX_SPECULATE = 8  # --speculate's ceiling: a verify span must stay shorter than
 
 
 def eligible(sampler: Sampler) -> bool:
-    """Rows whose verification is exact: greedy, no penalties, no grammar, no logprobs."""
+    """Rows whose token depends only on their logits: greedy, no penalties, grammar or logprobs."""
     return sampler.greedy and not sampler.penalized and sampler.matcher is None and sampler.p.logprobs is None
 
 

@@ -54,7 +54,7 @@ def build_step(
     and for each verify span the logits rows of all its positions. Each position of a verify span
     runs as a decode row of its own (its token at its position, attending over its context): the
     step writes every token's K/V before any attention reads, so a draft sees the ones before it, and
-    a verified token gets exactly the computation a plain decode step would give it."""
+    a verified token gets the decode path's computation (see `kvgate.core.speculate` for how exact)."""
     n_plain = len(decodes)
     decodes = list(decodes) + [
         DecodeInput(v.request_id, t, v.start + i, v.blocks) for v in verifies for i, t in enumerate(v.tokens)

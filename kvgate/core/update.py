@@ -60,10 +60,12 @@ class Updater:
             if rid in mo.verified:
                 c.decode_tokens += 1
                 c.spec_draft_tokens += mo.drafted.get(rid, 0)
-                c.spec_accepted_tokens += len(tokens) - 1
             try:
-                for token in tokens:  # until the row ends (a stop token, a stop string, its length)
+                for i, token in enumerate(tokens):  # until the row ends (a stop token or string, its length)
                     self._append(row, token, now, logprobs)
+                    c.spec_accepted_tokens += (
+                        i > 0
+                    )  # a draft the row kept (the first token is the step's own)
                     if rid not in s.running:
                         break
             except Exception as exc:

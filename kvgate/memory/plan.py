@@ -144,7 +144,7 @@ def weight_bytes(
     rope = 2 * spec.max_position_embeddings * spec.head_dim
     qbytes = 0
     if weight_format != "full":  # the layer matrices; the head stays in the model dtype
-        mats = [m for m in matrices(spec) if quantizable(weight_format, m[1])]
+        mats = [m for m in matrices(spec) if quantizable(weight_format, *m)]
         params -= sum(n * k for n, k in mats)
         qbytes = sum(quantized_matrix_bytes(weight_format, n, k, scale_bytes) for n, k in mats)
     if spec.tie_word_embeddings and lm_head_copy:

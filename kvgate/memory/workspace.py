@@ -69,6 +69,10 @@ ROW_FIXED_BYTES = 16 << 10  # per running row: Row, sampler + torch.Generator, s
 # per position of a row: prompt ids / prompt / tokens list slots (3 x 8 B) and the int (28 B); for a
 # generated token also its time (24 B + a slot), text piece and the Token event until it is read
 ROW_BYTES_PER_POSITION = 256
+# a speculating row's n-gram index (kvgate.core.speculate.NgramIndex): up to three tuple keys per
+# position of its history; measured 297-315 B per position with tracemalloc (512 to 8192 distinct
+# tokens), rounded up
+NGRAM_BYTES_PER_POSITION = 384
 
 
 def padded_len(max_model_len: int, block_size: int) -> int:
@@ -127,7 +131,8 @@ def step_workspace(
         # matmul scratch (`_gemm_scratch`) + attention kernel blocks
         "kernel_scratch": _gemm_scratch(gemms, T, b, limits) + KERNEL_SLACK,
         # what every running row holds between steps: its objects and token lists at full context
-        "row_state": S * (Lp * ROW_BYTES_PER_POSITION + ROW_FIXED_BYTES),
+        "row_state": S * (Lp * ROW_BYTES_PER_POSITION + ROW_FIXED_BYTES)
+        + (S * Lp * NGRAM_BYTES_PER_POSITION if limits.speculate else 0),
         # a row with repetition/presence/frequency penalties: a bool seen-mask and float32 counts over
         # the vocabulary (zero pages until written: a row reaches this after touching most of the vocab)
         "penalty_state": S * V * 5,
@@ -171,9 +176,9 @@ def _gemm_scratch(gemms: list[tuple[int, int]], T: int, b: int, limits: StepLimi
     quant = 0
     if fmt != "full":  # the layer matrices quantizable in `fmt` (the LM head, last, never is)
         quant = max(
-            (T * (k + n) * limits.quant_act_bytes for k, n in gemms[:-1] if quantizable(fmt, k)), default=0
+            (T * (k + n) * limits.quant_act_bytes for k, n in gemms[:-1] if quantizable(fmt, n, k)), default=0
         )
-        gemms = [g for i, g in enumerate(gemms) if i == len(gemms) - 1 or not quantizable(fmt, g[0])]
+        gemms = [g for i, g in enumerate(gemms) if i == len(gemms) - 1 or not quantizable(fmt, g[1], g[0])]
     if limits.packed_weights:  # transient, one call at a time
         return max(quant, T * max(k for k, _ in gemms) * b)
     return quant + max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * 4  # MKL keeps its buffers

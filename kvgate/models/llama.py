@@ -95,7 +95,7 @@ class LlamaModel:
         def lin(
             weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False
         ) -> Linear | Quantized:
-            if quant and not head and quantizable(weights_format, weight.shape[1]):
+            if quant and not head and quantizable(weights_format, *weight.shape):
                 return Quantized(weights_format, weight, bias, act)
             return Linear(weight, bias, self.packed)
 

@@ -51,8 +51,14 @@ def quantized_matrix_bytes(fmt: str, out_features: int, in_features: int, scale_
     raise ValueError(fmt)
 
 
-def quantizable(fmt: str, in_features: int) -> bool:
-    return fmt == "int8" or (fmt == "int4" and in_features % INT4_GROUP == 0)
+INT4_ROWS = 16  # the int4 packing takes output sizes in multiples of this (torch raises otherwise)
+
+
+def quantizable(fmt: str, out_features: int, in_features: int) -> bool:
+    """Whether `Quantized` can hold an [out, in] matrix in `fmt`; other matrices stay full."""
+    if fmt == "int4":
+        return in_features % INT4_GROUP == 0 and out_features % INT4_ROWS == 0
+    return fmt == "int8"
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
