@@ -41,7 +41,7 @@ from kvgate.cluster.routing import Demand, admit_bound
 from kvgate.cluster.views import view_of
 from kvgate.request import Finished, Refusal, RequestError
 from kvgate.sampling import SamplingError
-from kvgate.server.serving import admit_all
+from kvgate.server.serving import admit_all, submitted
 
 log = logging.getLogger("kvgate.cluster")
 
@@ -136,7 +136,7 @@ class KvgateReplica:
                     503,
                     retry_after=5,
                 )
-            handles = await _submit(eng, requests, n)
+            handles = await submitted(eng, requests, n, submit=_submit_many)
         except Refusal as r:
             yield ("refused", {"refusal": refusal_dict(r), "view": self._view()})
             return
@@ -180,24 +180,6 @@ class KvgateReplica:
                     h.cancel()
 
 
-async def _submit(eng, requests: list, n: int) -> list:
-    """`Engine.submit_many` off the event loop (validation walks every token id). If the caller is
-    cancelled meanwhile, whatever was submitted is cancelled once the thread is done: nobody reads it."""
-    args = (requests, n) if n > 1 else (requests,)
-    fut = asyncio.get_running_loop().run_in_executor(None, lambda: eng.submit_many(*args))
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        fut.add_done_callback(_cancel_submitted)
-        raise
-
-
-def _cancel_submitted(fut) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        for h in fut.result():
-            h.cancel()
-
-
 async def _batches(handles):
     """Lists of (choice, event), in order, until every handle has finished. One handle's events
     that are already there go out together: a Serve stream item costs far more than a token."""
@@ -217,3 +199,8 @@ async def _batches(handles):
 
     async for i, ev in merged_events(handles):
         yield [(i, ev)]
+
+
+def _submit_many(eng, requests: list, n: int) -> list:
+    """`Engine.submit_many` as is: the replica reports an invalid field itself (a 400 at the ingress)."""
+    return eng.submit_many(requests, n)

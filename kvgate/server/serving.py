@@ -114,10 +114,11 @@ def best_of(results, token_logprobs, candidates: int, n: int):
     return out, lps
 
 
-async def submitted(eng, generations, n: int = 1) -> list:
-    """`submit_all` on a worker thread (validation walks every token id). If this coroutine is
-    cancelled meanwhile, whatever the thread submits is cancelled when it is done: nobody will read it."""
-    fut = asyncio.get_running_loop().run_in_executor(None, submit_all, eng, generations, n)
+async def submitted(eng, generations, n: int = 1, submit=submit_all) -> list:
+    """`submit(eng, generations, n)` (default `submit_all`) on a worker thread (validation walks every
+    token id). If this coroutine is cancelled meanwhile, whatever the thread submits is cancelled when
+    it is done: nobody will read it."""
+    fut = asyncio.get_running_loop().run_in_executor(None, submit, eng, generations, n)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
