@@ -1,14 +1,16 @@
-"""Prompt-lookup speculative decoding (`--speculate K`): acceptance and speedup, one stream, greedy.
+"""Prompt-lookup speculative decoding (`--speculate K`): acceptance and speedup, one stream.
 
-    python -m bench.speculate [--k 0 2 4 8] [--max-tokens 160] [--weights full]
+    python -m bench.speculate [--k 0 2 4 8] [--max-tokens 160] [--weights full] [--temperature 0]
 
 Runs the real engine (no server) on SmolLM2 with its chat template, one request at a time, for two
 workloads: input-grounded (rewrite or correct a given paragraph: the answer repeats much of the
 prompt, so n-gram drafts are often right) and free generation (a story: drafts come only from the
 model's own repetitions). For each K it reports decode tok/s, the speedup against K=0 measured in the
 same run, the draft acceptance rate, and whether every request's tokens equal the K=0 tokens (they
-must: speculation verifies drafts against the model's own greedy choice). Prints a markdown table
-with the CPU model and flags.
+must: speculation verifies drafts against the model's own greedy choice). With `--temperature T > 0`
+the requests sample (seeded, top-p 0.95) and drafts pass the rejection rule: the tokens differ from
+K=0 by design (same distribution, other draws), so that column reads "sampled". Prints a markdown
+table with the CPU model and flags.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ WORKLOADS = {
 }
 
 
-def run(k: int, prompts: list[str], max_tokens: int, weights: str) -> dict:
+def run(k: int, prompts: list[str], max_tokens: int, weights: str, temperature: float = 0.0) -> dict:
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest
@@ -51,7 +53,8 @@ def run(k: int, prompts: list[str], max_tokens: int, weights: str) -> dict:
         tokens, seconds, produced = [], 0.0, 0
         for p in prompts:
             ids = e.tokenizer.encode(e.tokenizer.render_chat([{"role": "user", "content": p}]))
-            req = GenerationRequest(ids, SamplingParams(temperature=0), max_tokens)
+            sp = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, seed=11)
+            req = GenerationRequest(ids, sp, max_tokens)
             r = e.generate(req, timeout=900)
             tokens.append(r.token_ids)
             if r.first_token_at is not None and len(r.token_ids) > 1:
@@ -78,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, nargs="+", default=[0, 4])
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--weights", default="full")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (top-p 0.95)")
     a = ap.parse_args(argv)
     ks = sorted(set([0, *a.k]))
     print(
-        f"{cpu_line(machine_info())} torch threads {torch.get_num_threads()}; weights {a.weights}; greedy, one stream"
+        f"{cpu_line(machine_info())} torch threads {torch.get_num_threads()}; weights {a.weights}; "
+        f"{'greedy' if not a.temperature else f'temperature {a.temperature:g}, top-p 0.95'}, one stream"
     )
     print()
     print(
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, prompts in WORKLOADS.items():
         base = None
         for k in ks:
-            r = run(k, prompts, a.max_tokens, a.weights)
+            r = run(k, prompts, a.max_tokens, a.weights, a.temperature)
             base = base or r
             rate = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
             steps = r["generated"] - r["accepted"]  # one step per token the model chose itself
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {name} | {k} | {r['tok_s']:.1f} | x{r['tok_s'] / base['tok_s']:.2f} | "
                 f"{r['accepted']}/{r['drafted']} ({rate:.0%}) | {per_step:.2f} | "
-                f"{'yes' if r['tokens'] == base['tokens'] else 'NO'} |",
+                f"{'sampled' if a.temperature else 'yes' if r['tokens'] == base['tokens'] else 'NO'} |",
                 flush=True,
             )
     return 0

@@ -67,14 +67,14 @@ def test_greedy_tokens_are_those_of_decoding_without_speculation(make_engine):
 
 def test_a_batched_row_speculates_as_it_does_alone(make_engine):
     """Batching never changes what a request generates: a speculating greedy row next to sampled rows
-    and a long prompt still prefilling gives its tokens alone; the sampled rows never speculate and
-    keep their seeded draws."""
+    and a long prompt still prefilling gives its tokens alone; the sampled rows (which speculate by
+    the rejection rule, tests/test_spec_sample.py) keep their seeded draws."""
     sampled = [
         GenerationRequest(list(p), SamplingParams(temperature=0.9, seed=7), 30, ignore_eos=True)
         for p in PROMPTS
     ]
     _, alone = generate(make_engine, 4, [greedy(LOOPY)])
-    _, sampled_alone = generate(make_engine, 0, sampled)
+    _, sampled_alone = generate(make_engine, 4, sampled)
     e, mixed = generate(
         make_engine, 4, [greedy(LOOPY), *sampled, greedy([t % 250 for t in range(100, 400)], 8)]
     )

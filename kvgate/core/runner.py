@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from kvgate.core.outputs import ModelOutput, SchedulerOutput
+from kvgate.core.spec_sample import accept_sampled, distributions
 from kvgate.core.speculate import accept
 from kvgate.core.step_inputs import build_step
 from kvgate.models.llama import StepBatch
@@ -70,13 +71,19 @@ class ModelRunner:
 
     @staticmethod
     def _verify(sampler, v, logits: torch.Tensor, rows: list[int], out: ModelOutput) -> None:
-        """A verify span's tokens: the model's own (greedy) choice at each position, kept while the
-        drafts agree with it (`speculate.accept`). Only eligible rows (`speculate.eligible`) speculate:
-        their sampler draws nothing and keeps no state, so asking it at every position is sound."""
+        """A verify span's tokens. Greedy rows: the model's own choice at each position, kept while
+        the drafts agree with it (`speculate.accept`). Sampled rows: the rejection rule on the row's
+        distribution at each position (`spec_sample`). Only eligible rows (`speculate.eligible`)
+        speculate: no penalties or grammar whose state would move between the positions."""
         rid = v.request_id
         try:
-            chosen = sample_batch([sampler] * len(rows), logits, rows)
-            out.verified[rid] = accept(v.tokens[1:], chosen)
+            if sampler.greedy:
+                chosen = sample_batch([sampler] * len(rows), logits, rows)
+                out.verified[rid] = accept(v.tokens[1:], chosen)
+            else:
+                out.verified[rid] = accept_sampled(
+                    v.tokens[1:], distributions(sampler, logits, rows), sampler.gen
+                )
             out.drafted[rid] = len(v.tokens) - 1
         except Exception as exc:
             out.errors[rid] = f"{type(exc).__name__}: {exc}"

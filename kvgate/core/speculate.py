@@ -5,7 +5,7 @@ earlier tokens, and the tokens that followed their most recent earlier occurrenc
 scheduler sends the row's last token plus the drafts as one span, each position of which runs as a
 decode row of its own; the model verifies them in one pass, and the updater keeps the drafts the
 model itself would have chosen plus one more token (the model's own choice at the first mismatch, or
-after the last draft). Output is the greedy output; only the number of steps changes.
+after the last draft); a sampled row, by the rejection rule. Only the number of steps changes.
 
 How exact: as exact as batching. A verified position gets the decode path's computation, but in a
 call with more rows: the CPU attention (with 2 threads and 3-4 KV heads) and `F.linear` (weights
@@ -14,13 +14,16 @@ with the number of rows beside it, exactly as when requests are batched. Every r
 gave the plain tokens (bench/speculate.py in fp32 and int4, the tests); a logit tie made exact on
 purpose (a tuned `logit_bias`) was shown to flip.
 
-Which rows: greedy ones without penalties, grammar or logprobs (`eligible`). For those a row's next
-token depends only on the logits at its position, so verifying several positions at once is sound;
-sampled rows keep one token per step, and their draws stay exactly what they would have been. How
-many drafts a row gets depends only on its own tokens and limits (never on its neighbours: the
-step's token budget reserves `speculate` extra tokens for every row, in the plan), so batching does
-not change what a request generates. Drafts never reach past the row's reserved KV: a row with
-`m` tokens still allowed gets at most `m - 1` drafts.
+Which rows: those without penalties, grammar or logprobs (`eligible`), whose next token depends
+only on the logits at its position, so several positions can be verified at once. Greedy rows keep
+the drafts the model itself would choose (`accept`), so their output is the plain greedy output.
+Sampled rows follow the standard rejection rule (`kvgate.core.spec_sample`): their tokens have the
+distribution of plain sampling, drawn from the row's own generator (a seeded request repeats
+itself, but not the tokens of a run without `--speculate`). How many drafts a row gets depends
+only on its own tokens and limits (never on its neighbours: the step's token budget reserves
+`speculate` extra tokens for every row, in the plan), so batching does not change what a request
+generates. Drafts never reach past the row's reserved KV: a row with `m` tokens still allowed gets
+at most `m - 1` drafts.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ MAX_SPECULATE = 8  # --speculate's ceiling: a verify span must stay shorter than
 
 
 def eligible(sampler: Sampler) -> bool:
-    """Rows whose token depends only on their logits: greedy, no penalties, grammar or logprobs."""
-    return sampler.greedy and not sampler.penalized and sampler.matcher is None and sampler.p.logprobs is None
+    """Rows whose token depends only on their logits: no penalties, grammar or logprobs."""
+    return not sampler.penalized and sampler.matcher is None and sampler.p.logprobs is None
 
 
 class NgramIndex:
