@@ -14,6 +14,7 @@ Every server is started and stopped here (by its own PID), on 127.0.0.1. Results
 bench/out/compare/results.json; docs/BENCHMARKS.md and docs/benchmarks/*.png are regenerated.
 
     .venv/bin/python -m bench.compare [--quick] [--peers kvgate,llama-server,llamacpp,hf-fp32,hf-bf16]
+        [--kvgate-variant int4="--weights int4" ...]   # more kvgate configurations, same prompts
     .venv/bin/python -m bench.compare --doc-only   # re-render the doc from results.json
 """
 
@@ -51,9 +52,24 @@ LABELS = {
 }
 
 
-def kvgate_server(port: int, extra: list[str] | None = None) -> Server:
+def kvgate_server(port: int, extra: list[str] | None = None, key: str = "kvgate") -> Server:
     cmd = [str(KVGATE), "serve", "--port", str(port), "--log-level", "warning", *(extra or [])]
-    return Server("kvgate", cmd, f"http://127.0.0.1:{port}/health", OUT / "logs" / "kvgate.log")
+    return Server(key, cmd, f"http://127.0.0.1:{port}/health", OUT / "logs" / f"{key.replace(':', '_')}.log")
+
+
+def kvgate_variants(specs: list[str]) -> dict[str, list[str]]:
+    """`NAME=FLAGS` -> {"kvgate:NAME": [flags]}: kvgate configurations run beside the default one."""
+    out = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--kvgate-variant {spec!r}: expected NAME=FLAGS, e.g. int4='--weights int4'")
+        out[f"kvgate:{name.strip()}"] = shlex.split(flags)
+    return out
+
+
+def is_kvgate(peer: str) -> bool:
+    return peer == "kvgate" or peer.startswith("kvgate:")
 
 
 def ensure_llama_venv() -> Path:
@@ -270,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         help="compute threads for every peer (kvgate --threads, llama.cpp n_threads / -t, torch threads); "
         "default: kvgate's and torch's own choice, llama.cpp all CPUs",
     )
+    ap.add_argument(
+        "--kvgate-variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="another kvgate configuration to run on the same prompts, e.g. int4='--weights int4' "
+        "(repeatable); each gets its own rows and ratios",
+    )
     ap.add_argument("--max-requests-per-run", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-doc", action="store_true", help="don't rewrite docs/BENCHMARKS.md")
@@ -381,6 +405,27 @@ def main(argv: list[str] | None = None) -> int:
     if "kvgate" in peers and a.overload == "on":
         overload_with_ttft_budget(results["overload"], datasets, n_over, out_len, thr)
     save(results)
+
+    for key, flags in kvgate_variants(a.kvgate_variant).items():
+        port = free_port()
+        srv = kvgate_server(port, thr + flags, key)
+        entry = {"label": "kvgate " + shlex.join(flags), "server_command": shlex.join(srv.cmd), "runs": {}}
+        try:
+            with srv:
+                for c in concs:
+                    entry["runs"][str(c)] = bench_run(
+                        f"{key.replace(':', '_')}_c{c}",
+                        f"http://127.0.0.1:{port}",
+                        datasets[f"c{c}"],
+                        c,
+                        n_of[c],
+                        out_len,
+                    )
+        except Exception as exc:  # report the failure instead of losing the other peers' numbers
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            log(f"{key} failed: {exc}")
+        results["peers"][key] = entry
+        save(results)
 
     if "llama-server" in peers:
         results["peers"]["llama-server"] = native.run_peer(
@@ -714,27 +759,31 @@ HEAD = [
 
 
 def best_peer(results: dict, c: int) -> str | None:
-    """The peer (not kvgate) with the highest output tok/s at concurrency c in this run."""
+    """The peer (not kvgate in any configuration) with the highest output tok/s at concurrency c."""
     tput = {p: (summary_of(results, p, c) or {}).get("output_throughput") for p in results["peers"]}
-    tput = {p: x for p, x in tput.items() if p != "kvgate" and x}
+    tput = {p: x for p, x in tput.items() if not is_kvgate(p) and x}
     return max(tput, key=tput.get) if tput else None
 
 
 def ratio_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    """At each concurrency, kvgate against the best peer measured at that concurrency in the same run."""
-    head = ["conc", "best peer (highest out tok/s)", "its out tok/s", "kvgate out tok/s"]
+    """At each concurrency, each kvgate configuration against the best peer measured at that
+    concurrency in the same run."""
+    head = ["conc", "kvgate", "best peer (highest out tok/s)", "its out tok/s", "kvgate out tok/s"]
     head += ["kvgate / best: out tok/s", "kvgate / best: TTFT p50"]
     rows = []
-    for c in results["shape"]["concurrency"]:
-        k, p = summary_of(results, "kvgate", c), best_peer(results, c)
+    kvs = [p for p in results["peers"] if is_kvgate(p)]
+    for c, kv in ((c, kv) for c in results["shape"]["concurrency"] for kv in kvs):
+        k, p = summary_of(results, kv, c), best_peer(results, c)
+        name = results["peers"][kv]["label"]
         if p is None:
-            rows.append([str(c), "–", "–", _f((k or {}).get("output_throughput")), "–", "–"])
+            rows.append([str(c), name, "–", "–", _f((k or {}).get("output_throughput")), "–", "–"])
             continue
         s = summary_of(results, p, c)
         kt = (k or {}).get("output_throughput")
         rows.append(
             [
                 str(c),
+                name,
                 results["peers"][p]["label"],
                 _f(s["output_throughput"]),
                 _f(kt),
