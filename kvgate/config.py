@@ -67,6 +67,7 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads; None = torch's default
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
     weights: str = "full"  # full | int8 | int4: weight-only quantized matrices (kvgate.models.quant)
+    q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
     speculate: int = (
         0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
     )
@@ -125,6 +126,13 @@ ENGINE_FLAGS = [
     ("--max-model-len", int, None, "context length (default: the model's)"),
     ("--threads", int, None, "torch intra-op threads (default: torch's choice)"),
     ("--pack-weights", str, "auto", "auto | on | off: prepack weights for oneDNN (auto: CPU float32)"),
+    (
+        "--q8-head",
+        str,
+        "auto",
+        "auto | on | off: hold tied embeddings that are exact Q8_0 blocks (GGUF files) as those blocks, "
+        "for the lookup and the LM head (auto: on CPU where a startup probe measures the head faster)",
+    ),
     (
         "--speculate",
         int,
@@ -186,6 +194,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len,
         threads=a.threads,
         pack_weights=a.pack_weights,
+        q8_head=a.q8_head,
         weights=a.weights,
         speculate=a.speculate,
         step_timeout=a.step_timeout,

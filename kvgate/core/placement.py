@@ -7,6 +7,7 @@ count every tensor of the checkpoint (biases included), never a formula's guess 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
@@ -15,10 +16,14 @@ import torch
 from kvgate.config import EngineConfig
 from kvgate.core.speculate import MAX_SPECULATE
 from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
-from kvgate.models import LoadedModel
+from kvgate.models import LoadedModel, native
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
+from kvgate.models.q8_head import probe as probe_q8_head
+from kvgate.models.q8_head import q8_blocks
 from kvgate.models.quant import FORMATS, probe_activation_dtype, supported
+
+log = logging.getLogger("kvgate.engine")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -111,6 +116,44 @@ class Placement:
     plan: MemoryPlan
     weights: str = "full"  # full | int8 | int4
     quant_act: torch.dtype | None = None  # the quantized kernels' activation dtype
+    q8_head: bool = False  # tied embeddings held as their exact Q8_0 blocks (kvgate.models.q8_head)
+    q8_head_reason: str = ""  # why it is on or off, with the probe's numbers when it ran
+
+
+def resolve_q8_head(
+    name: str, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, packed: bool
+) -> tuple[bool, str]:
+    """auto: on where the tied embeddings are exact Q8_0 blocks, the device is a CPU, the C++ kernel
+    builds, and a short probe measures it at least as fast as the plain head; on: insist (an error
+    naming what is missing); off: never."""
+    if name not in ("auto", "on", "off"):
+        raise DeviceError(f"--q8-head {name!r} is not one of auto, on, off")
+    if name == "off":
+        return False, "off (--q8-head off)"
+    table = loaded.weights.get("model.embed_tokens.weight")
+    why = None
+    blocks = None
+    if device.type != "cpu":
+        why = f"the Q8 head kernel runs on CPU only, this is {device}"
+    elif table is None or "lm_head.weight" in loaded.weights:
+        why = "the model's LM head is not tied to its embeddings"
+    elif (blocks := q8_blocks(table.to(torch.float32))) is None:
+        why = "the embedding table is not exact Q8_0 blocks (only GGUF Q8_0 tables are held that way)"
+    elif native.extension() is None:
+        why = native.unavailable()
+    if why is not None:
+        if name == "on":
+            raise DeviceError(f"--q8-head on: {why}. Use --q8-head auto or off.")
+        return False, f"off: {why}"
+    if name == "on":
+        return True, "on (--q8-head on)"
+    p = probe_q8_head(*blocks, dtype, packed)
+    log.info(
+        "Q8 head probe: %s ms Q8 vs %s ms plain head (1 + 8 rows, one thread)", p["q8_ms"], p["plain_ms"]
+    )
+    if p["faster"]:
+        return True, "on (a startup probe measured it at least as fast as the plain head)"
+    return False, "off: a startup probe measured the plain head faster (--q8-head on insists)"
 
 
 def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None = None) -> Placement:
@@ -124,11 +167,13 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
             f"--speculate {cfg.speculate} is out of range: draft tokens per step are 0 (off) to {MAX_SPECULATE}"
         )
     packed = resolve_packing(cfg.pack_weights, device, dtype)  # quantized: the head (and any unquantizable)
+    q8_head, q8_reason = resolve_q8_head(cfg.q8_head, loaded, device, dtype, packed)
     spec = loaded.spec
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     if packed:
         rows = cfg.max_seqs * (1 + cfg.speculate)  # each decoding row and its drafts
-        warm_kernels(matmul_shapes(spec, cfg.prefill_chunk + rows, rows), dtype)
+        shapes = matmul_shapes(spec, cfg.prefill_chunk + rows, rows)
+        warm_kernels(shapes[:-1] if q8_head else shapes, dtype)  # the last is the LM head
     if overhead_bytes is None:
         overhead_bytes = runtime_overhead_bytes(str(device), checkpoint_bytes(loaded))
     plan = make_plan(
@@ -148,5 +193,8 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         weight_format=fmt,
         quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else 2,
         speculate=cfg.speculate,
+        q8_head=q8_head,
     )
-    return Placement(device, dtype, packed, max_len, plan, fmt, act)
+    if q8_head or cfg.q8_head != "auto" or "probe" in q8_reason:  # a choice worth stating
+        plan.notes.append(f"LM head and embeddings as Q8_0 blocks: {q8_reason}")
+    return Placement(device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason)

@@ -25,6 +25,7 @@ from kvgate.memory.workspace import (
     workspace_bytes,
     workspace_total,
 )
+from kvgate.models.q8_head import q8_bytes
 from kvgate.models.quant import quantizable, quantized_matrix_bytes
 from kvgate.units import SizeError, fmt_bytes, parse_bytes
 
@@ -122,6 +123,7 @@ def weight_bytes(
     params: int | None = None,
     weight_format: str = "full",
     scale_bytes: int = 2,
+    q8_head: bool = False,
 ) -> int:
     """Bytes of the model's weights and RoPE tables. `params`: the number of values in the checkpoint
     the model is built from (every tensor counted: biases, norms, an untied head); without it they are
@@ -129,7 +131,8 @@ def weight_bytes(
     (`kvgate.models.linear`), so tied embeddings are held twice (plain for the lookup, packed for the
     head). `weight_format` int8 / int4: every matrix `kvgate.models.quant` can quantize is held as its
     codes and scales (`quantized_matrix_bytes`) instead of `dtype_bytes` per value; the LM head stays
-    in the model dtype (`kvgate.models.llama`)."""
+    in the model dtype (`kvgate.models.llama`). `q8_head`: the tied embedding table (lookup and head)
+    is held once, as Q8_0 codes and scales (`kvgate.models.q8_head.q8_bytes`)."""
     h = spec.hidden_size
     if params is None:
         per_layer = (
@@ -147,7 +150,10 @@ def weight_bytes(
         mats = [m for m in matrices(spec) if quantizable(weight_format, *m)]
         params -= sum(n * k for n, k in mats)
         qbytes = sum(quantized_matrix_bytes(weight_format, n, k, scale_bytes) for n, k in mats)
-    if spec.tie_word_embeddings and lm_head_copy:
+    if q8_head:
+        params -= spec.vocab_size * h
+        qbytes += q8_bytes(spec.vocab_size, h)
+    elif spec.tie_word_embeddings and lm_head_copy:
         params += spec.vocab_size * h
     return (params + rope) * dtype_bytes + qbytes
 
@@ -241,6 +247,7 @@ def make_plan(
     weight_format: str = "full",
     quant_act_bytes: int = 2,
     speculate: int = 0,
+    q8_head: bool = False,
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
@@ -253,13 +260,14 @@ def make_plan(
         params=weight_params,
         weight_format=weight_format,
         scale_bytes=quant_act_bytes,
+        q8_head=q8_head,
     )
     overhead = runtime_overhead_bytes(device) if overhead_bytes is None else overhead_bytes
     per_token = spec.kv_bytes_per_token(dtype_bytes)
     block_bytes = per_token * block_size
     min_kv = -(-min(MIN_KV_POSITIONS, max_model_len) // block_size) * block_bytes
     notes: list[str] = []
-    if packed_weights and spec.tie_word_embeddings:
+    if packed_weights and spec.tie_word_embeddings and not q8_head:
         notes.append(
             f"weights include a packed copy of the tied embeddings for the LM head "
             f"({fmt_bytes(spec.vocab_size * spec.hidden_size * dtype_bytes)}; --pack-weights off saves it, "
@@ -273,6 +281,7 @@ def make_plan(
         "weight_format": weight_format,
         "quant_act_bytes": quant_act_bytes,
         "speculate": speculate,
+        "q8_head": q8_head,
     }
     requested = StepLimits(
         prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, **wk

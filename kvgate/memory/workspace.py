@@ -34,6 +34,8 @@ class StepLimits:
     # Speculative decoding (kvgate.core.speculate): every decoding row may add this many draft tokens
     # to a step, each wanting logits. The step's budget reserves them for every row.
     speculate: int = 0
+    # The tied embedding table held as Q8_0 blocks (kvgate.models.q8_head): a lookup widens the rows.
+    q8_head: bool = False
 
     @property
     def context(self) -> int:
@@ -58,7 +60,16 @@ STANDING_TERMS = (
     "penalty_state",
     "grammar",
 )
-TRANSIENT_TERMS = ("rms_norm", "residual", "rope", "decode_attention", "prefill_attention", "mlp", "logits")
+TRANSIENT_TERMS = (
+    "embedding",
+    "rms_norm",
+    "residual",
+    "rope",
+    "decode_attention",
+    "prefill_attention",
+    "mlp",
+    "logits",
+)
 
 GEMM_PANEL_COLUMNS = 4096  # MKL sgemm packs at most K x 4096 float32 of a weight per call (measured)
 KERNEL_SLACK = 1 << 20  # flash-attention per-thread blocks, small index temporaries, page rounding
@@ -144,6 +155,9 @@ def step_workspace(
         + S * (4 * ((V + 31) // 32) + grammar.MATCHER_ROW_BYTES)
         + V,
         # transients, one at a time:
+        # a Q8 table's lookup: the rows' codes and scales, and their float32 widening when the model
+        # dtype is narrower (in float32 the widened rows are the hidden states themselves)
+        "embedding": (T * h + T * (h // 32) * 4 + (T * h * f if b != f else 0)) if limits.q8_head else 0,
         "rms_norm": 3 * T * h * f + T * h * b,
         "residual": 2 * T * h * b,
         "rope": 2 * QK,

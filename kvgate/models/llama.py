@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
 from kvgate.models.linear import Linear, packs_weights, row_buckets
+from kvgate.models.q8_head import Q8Table, q8_blocks
 from kvgate.models.quant import Quantized, quantizable
 
 if TYPE_CHECKING:
@@ -78,10 +79,13 @@ class LlamaModel:
         pack: bool | None = None,
         weights_format: str = "full",
         act: torch.dtype = torch.bfloat16,
+        q8_head: bool = False,
     ):
         """`pack`: prepack the weight matrices (`Linear`); None = wherever `packs_weights` says.
         `weights_format` int8 / int4: hold every layer matrix that allows it quantized (`Quantized`),
-        its kernels running in `act` activations (the plan's `weight_bytes` counts the same bytes)."""
+        its kernels running in `act` activations (the plan's `weight_bytes` counts the same bytes).
+        `q8_head`: hold the tied embedding table as its exact Q8_0 blocks (`kvgate.models.q8_head`),
+        for the lookup and the LM head alike; placement decides (`kvgate.core.placement`)."""
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
@@ -102,7 +106,13 @@ class LlamaModel:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
-        self.embed = w("model.embed_tokens.weight")
+        self.q8: Q8Table | None = None
+        if q8_head:
+            blocks = q8_blocks(weights.pop("model.embed_tokens.weight").to(torch.float32))
+            if blocks is None or "lm_head.weight" in weights:
+                raise ValueError("q8_head needs tied embeddings that are exact Q8_0 blocks (see q8_blocks)")
+            self.q8 = Q8Table(*(t.to(self.device) for t in blocks))
+        self.embed = self.q8 if self.q8 is not None else w("model.embed_tokens.weight")
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -126,7 +136,12 @@ class LlamaModel:
         # The head stays in the model dtype under --weights int8/int4, as GPTQ and AWQ checkpoints keep
         # it: quantizing it moved SmolLM2's greedy tokens within 2-4 steps on half the test prompts
         # (its GGUF embeddings are Q8_0, finer than int4 or per-channel int8), the layers alone did not.
-        self.lm_head = lin(self.embed if "lm_head.weight" not in weights else w("lm_head.weight"), head=True)
+        if self.q8 is not None:
+            self.lm_head = self.q8
+        else:
+            self.lm_head = lin(
+                self.embed if "lm_head.weight" not in weights else w("lm_head.weight"), head=True
+            )
         inv_freq = 1.0 / (
             spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim)
         )
@@ -147,7 +162,7 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm, self.cos, self.sin]
+        tensors = [self.norm, self.cos, self.sin] + ([] if self.q8 is not None else [self.embed])
         linears = [self.lm_head] if getattr(self.lm_head, "weight", None) is not self.embed else []
         for ln1, qkv, o, ln2, gu, down in self.layers:
             tensors += [ln1, ln2]
@@ -165,7 +180,10 @@ class LlamaModel:
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
         half = D // 2
-        x = F.embedding(batch.input_ids, self.embed)
+        if self.q8 is not None:
+            x = self.q8.embed(batch.input_ids, self.dtype)
+        else:
+            x = F.embedding(batch.input_ids, self.embed)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = F.rms_norm(x, (s.hidden_size,), ln1, eps)
             qkv = qkv_proj(h)

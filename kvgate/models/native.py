@@ -1,0 +1,107 @@
+"""kvgate's own C++ CPU kernels (kvgate/models/csrc), compiled once per machine and cached.
+
+`extension()` builds them with torch's cpp_extension (g++ and ninja; about 30-40 s on 2 cores, once)
+into `$KVGATE_EXT_DIR` (default `~/.cache/kvgate/ext`)`/<key>`, where the key covers the sources, the
+torch version and the CPU's vector flags: a cache carried to another CPU class is rebuilt, never run.
+Flags come from /proc/cpuinfo (AVX2 and FMA when listed), never `-march=native`: an AMX machine is one
+of the CPU classes these kernels must run on, and the kernels need nothing beyond AVX2.
+
+When the build is impossible (no compiler, no ninja, a failed compile) `extension()` returns None and
+`unavailable()` says why and what to install; every caller then keeps its plain PyTorch path.
+`python -m kvgate.models.native` builds (as `make setup` does) and prints the outcome.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvgate.native")
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("q8_matmul.cpp",)
+_state: dict = {}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    m = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return set(m.group(1).split()) if m else set()
+
+
+def compile_flags() -> list[str]:
+    flags = cpu_flags()
+    isa = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
+    return ["-O3", "-fopenmp", *isa]
+
+
+def cache_dir() -> Path:
+    base = Path(os.environ.get("KVGATE_EXT_DIR") or Path.home() / ".cache" / "kvgate" / "ext")
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    h.update(f"{torch.__version__} {' '.join(compile_flags())}".encode())
+    return base / f"kvgate_native_{h.hexdigest()[:16]}"
+
+
+def extension():
+    """The compiled module (built on first use, then loaded from the cache), or None."""
+    if "module" in _state:
+        return _state["module"]
+    module, why = None, None
+    try:
+        from torch.utils.cpp_extension import load
+
+        try:  # the pip package's ninja, when the venv's bin is not on PATH
+            import ninja
+
+            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        except ImportError:
+            pass
+
+        out = cache_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        module = load(
+            name=out.name,
+            sources=[str(CSRC / n) for n in SOURCES],
+            extra_cflags=compile_flags(),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(out),
+            verbose=False,
+        )
+        took = time.monotonic() - t0
+        if took > 5:
+            log.info("built kvgate's C++ kernels in %.0f s (cached in %s)", took, out)
+    except Exception as exc:  # no compiler, no ninja, a failed build: the plain paths stay
+        why = (
+            f"kvgate's C++ kernels could not be built ({type(exc).__name__}: {str(exc)[-300:]}); "
+            "the LM head stays a plain matmul. Install g++ and ninja (`apt-get install g++ ninja-build`, "
+            "or `pip install ninja`) and restart to use them."
+        )
+        log.warning(why)
+    _state["module"], _state["why"] = module, why
+    return module
+
+
+def unavailable() -> str | None:
+    """Why `extension()` returned None (None when it built, or was never asked)."""
+    return _state.get("why")
+
+
+if __name__ == "__main__":
+    t = time.monotonic()
+    ok = extension() is not None
+    print(
+        f"kvgate C++ kernels: {'ready' if ok else unavailable()} ({time.monotonic() - t:.1f} s, {cache_dir()})"
+    )
+    raise SystemExit(0 if ok else 1)
