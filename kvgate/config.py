@@ -66,7 +66,7 @@ class EngineConfig:
     seed: int | None = None  # default seed for requests that give none (None = fresh entropy)
     threads: int | None = None  # torch intra-op threads; None = torch's default
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
-    weights: str = "full"  # full | int8 | int4: weight-only quantized matrices (kvgate.models.quant)
+    weights: str = "full"  # full | int8 | int4 | gguf: weight-only quantized matrices (kvgate.models.quant)
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
     speculate: int = (
         0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
@@ -144,7 +144,8 @@ ENGINE_FLAGS = [
         "--weights",
         str,
         "full",
-        "full | int8 | int4: weight-only quantized matrices (CPU; faster at few rows, slower at many)",
+        "full | int8 | int4 | gguf: weight-only quantized matrices (CPU; faster at few rows, slower at many); "
+        "gguf holds a Q4_1 file's own blocks: full's numbers at 0.75 B per weight",
     ),
     (
         "--step-timeout",

@@ -137,13 +137,15 @@ def weights_resident(model) -> tuple[int, int, int]:
 
 
 def matrix_tensors(lin) -> list:
-    """A `Linear`'s weight and bias, or a `Quantized` layer's codes, scales and bias."""
-    held = (lin.codes, lin.scales) if hasattr(lin, "codes") else (lin.weight,)
-    return [t for t in (*held, lin.bias) if t is not None]
+    """A `Linear`'s weight and bias; a `Quantized` layer's codes, scales and bias; a `Q41Linear`'s codes,
+    d, m and bias; a `Q8Table`'s codes and scales."""
+    names = ("codes", "scales", "d", "m", "bias") if hasattr(lin, "codes") else ("weight", "bias")
+    return [t for t in (getattr(lin, n, None) for n in names) if t is not None]
 
 
 def model_tensors(m) -> list:
-    out = [m.embed, m.norm, m.cos, m.sin] + matrix_tensors(m.lm_head)
+    embed = [m.embed] if m.q8 is None else []  # a Q8 table is the LM head too: counted there
+    out = [*embed, m.norm, m.cos, m.sin] + matrix_tensors(m.lm_head)
     for ln1, qkv, o, ln2, gu, down in m.layers:
         out += [ln1, ln2] + [t for lin in (qkv, o, gu, down) for t in matrix_tensors(lin)]
     return out
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--memory-limit", default="1GiB")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--weights", default="full", help="full | int8 | int4")
+    ap.add_argument("--weights", default="full", help="full | int8 | int4 | gguf")
     ap.add_argument("--speculate", type=int, default=0, help="draft tokens per greedy row and step")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-seqs", type=int, default=8)
@@ -307,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.limits.packed_weights,
             plan.limits.weight_format,
             plan.limits.quant_act_bytes,
+            q8_head=plan.limits.q8_head,
         )  # draft positions (--speculate) are decode rows here: counted in rows and logits rows
         return plan_mod.step_workspace(engine.spec, dtype_bytes, lim, plan.block_size)
 

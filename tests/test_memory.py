@@ -340,6 +340,22 @@ def test_quantized_int4_steps_stay_inside_their_planned_workspace(probes):
 
 
 @pytest.mark.slow
+def test_gguf_blocks_steps_stay_inside_their_planned_workspace(probes):
+    """The exact probe with --weights gguf (`kvgate.models.q4_1`: every layer matrix as the file's own
+    Q4_1 blocks, the tied embeddings as Q8_0): the model holds exactly the planned weights, under a
+    fifth of full's, and every step stays within the plan's formula at its composition.
+    (Charging the blocks as int4 went red in tests/test_q4_1.py; not rerun through this probe.)"""
+    r = run_probe(EXACT + ["--weights", "gguf"])
+    assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
+    assert r["model_weight_bytes"] == r["plan"]["weights_bytes"]
+    assert r["plan"]["weights_bytes"] < probes["exact"]["plan"]["weights_bytes"] / 3
+    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
+    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
+    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
+    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+
+
+@pytest.mark.slow
 def test_speculating_steps_stay_inside_their_planned_workspace(probes):
     """The exact probe with --speculate 4 on greedy rows whose prompts repeat a phrase (so prompt
     lookup drafts, and most drafts verify): every step, with its draft positions as decode rows, their masks and

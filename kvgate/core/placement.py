@@ -19,6 +19,7 @@ from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
 from kvgate.models import LoadedModel, native
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
+from kvgate.models.q4_1 import q4_1_blocks
 from kvgate.models.q8_head import probe as probe_q8_head
 from kvgate.models.q8_head import q8_blocks
 from kvgate.models.quant import FORMATS, probe_activation_dtype, supported
@@ -104,7 +105,21 @@ def resolve_weights(name: str, device: torch.device) -> tuple[str, torch.dtype |
     why = supported(name, device)
     if why is not None:
         raise DeviceError(why)
-    return name, (None if name == "full" else probe_activation_dtype(name))
+    return name, (None if name in ("full", "gguf") else probe_activation_dtype(name))
+
+
+MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_gguf_blocks(loaded: LoadedModel) -> None:
+    """--weights gguf holds every layer matrix as its Q4_1 blocks: each must be exactly that."""
+    for name, t in loaded.weights.items():
+        if name.endswith(".weight") and name.split(".")[-2] in MATRICES and q4_1_blocks(t.float()) is None:
+            raise DeviceError(
+                f"--weights gguf: {name} {tuple(t.shape)} is not exact Q4_1 blocks, and --weights gguf holds "
+                "every layer matrix as the file's own Q4_1 blocks (a Q4_1 GGUF such as the default model's). "
+                "Use --weights full (the same numbers, in float) or --weights int4."
+            )
 
 
 @dataclass
@@ -168,6 +183,8 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         )
     packed = resolve_packing(cfg.pack_weights, device, dtype)  # quantized: the head (and any unquantizable)
     q8_head, q8_reason = resolve_q8_head(cfg.q8_head, loaded, device, dtype, packed)
+    if fmt == "gguf":
+        check_gguf_blocks(loaded)
     spec = loaded.spec
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     if packed:
@@ -191,7 +208,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         packed_weights=packed,
         weight_params=checkpoint_params(loaded),
         weight_format=fmt,
-        quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else 2,
+        quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else (4 if fmt == "gguf" else 2),
         speculate=cfg.speculate,
         q8_head=q8_head,
     )

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
 from kvgate.models.linear import Linear, packs_weights, row_buckets
+from kvgate.models.q4_1 import Q41Linear
 from kvgate.models.q8_head import Q8Table, q8_blocks
 from kvgate.models.quant import Quantized, quantizable
 
@@ -96,12 +97,18 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=self.device, dtype=dtype).contiguous()
 
+        def mat(name: str) -> torch.Tensor:  # gguf blocks are recovered from the checkpoint's float32
+            keep = torch.float32 if weights_format == "gguf" else dtype
+            return weights.pop(name).to(device=self.device, dtype=keep).contiguous()
+
         def lin(
             weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False
-        ) -> Linear | Quantized:
-            if quant and not head and quantizable(weights_format, *weight.shape):
+        ) -> Linear | Quantized | Q41Linear:
+            if weights_format == "gguf" and not head and quantizable(weights_format, *weight.shape):
+                return Q41Linear(weight, bias)
+            if quant and weights_format != "gguf" and not head and quantizable(weights_format, *weight.shape):
                 return Quantized(weights_format, weight, bias, act)
-            return Linear(weight, bias, self.packed)
+            return Linear(weight.to(dtype), bias, self.packed)
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
@@ -116,18 +123,18 @@ class LlamaModel:
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv = torch.cat([mat(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            gate_up = torch.cat([mat(p + "mlp.gate_proj.weight"), mat(p + "mlp.up_proj.weight")])
             self.layers.append(
                 (
                     w(p + "input_layernorm.weight"),
                     lin(qkv, qkv_bias),
-                    lin(w(p + "self_attn.o_proj.weight")),
+                    lin(mat(p + "self_attn.o_proj.weight")),
                     w(p + "post_attention_layernorm.weight"),
                     lin(gate_up),
-                    lin(w(p + "mlp.down_proj.weight")),
+                    lin(mat(p + "mlp.down_proj.weight")),
                 )
             )
         self.norm = w("model.norm.weight")

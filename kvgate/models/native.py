@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger("kvgate.native")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("q8_matmul.cpp",)
+SOURCES = ("block_matmul.cpp",)
 _state: dict = {}
 
 

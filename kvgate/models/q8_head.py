@@ -3,7 +3,7 @@
 GGUF files keep SmolLM2's tied embedding table as Q8_0, so the float table kvgate loads is exactly
 `scale x code` for every block of 32. Holding the codes and scales instead (1.125 bytes per value
 instead of 4) loses nothing: a looked-up embedding row is widened to the very same floats, and the LM
-head computes with the very same weight values (the C++ kernel in csrc/q8_matmul.cpp widens each
+head computes with the very same weight values (the C++ kernel in csrc/block_matmul.cpp widens each
 weight as `scale * float(code)`, one rounding, exactly as the float table holds it). What changes is
 only the summation order of the head's dot products (~1e-6), the same for every row whatever the
 rows beside it.

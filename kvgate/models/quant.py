@@ -25,7 +25,7 @@ import time
 
 import torch
 
-FORMATS = ("full", "int8", "int4")
+FORMATS = ("full", "int8", "int4", "gguf")  # gguf: the file's own Q4_1 blocks (kvgate.models.q4_1)
 INT4_GROUP = 32
 
 
@@ -33,6 +33,12 @@ def supported(fmt: str, device: torch.device) -> str | None:
     """None if `fmt` runs on `device`, else why not (the user's error names it)."""
     if fmt == "full":
         return None
+    if fmt == "gguf":
+        from kvgate.models import native
+
+        if torch.device(device).type != "cpu":
+            return f"--weights gguf runs kvgate's CPU kernel; use --weights full on {device}"
+        return None if native.extension() is not None else f"--weights gguf: {native.unavailable()}"
     if torch.device(device).type != "cpu":
         return f"--weights {fmt} is implemented for CPU only (PyTorch's int8/int4 CPU kernels); use --weights full on {device}"
     need = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
@@ -48,6 +54,10 @@ def quantized_matrix_bytes(fmt: str, out_features: int, in_features: int, scale_
         return n * k + n * scale_bytes
     if fmt == "int4":
         return n * k // 2 + (k // INT4_GROUP) * n * 2 * scale_bytes
+    if fmt == "gguf":
+        from kvgate.models.q4_1 import q4_1_bytes
+
+        return q4_1_bytes(n, k)
     raise ValueError(fmt)
 
 
@@ -58,6 +68,8 @@ def quantizable(fmt: str, out_features: int, in_features: int) -> bool:
     """Whether `Quantized` can hold an [out, in] matrix in `fmt`; other matrices stay full."""
     if fmt == "int4":
         return in_features % INT4_GROUP == 0 and out_features % INT4_ROWS == 0
+    if fmt == "gguf":  # whether the values are Q4_1 blocks is the checkpoint's business: placement checks
+        return in_features % INT4_GROUP == 0
     return fmt == "int8"
 
 
