@@ -33,14 +33,17 @@ def family(name: str) -> str:
     return "other ops"
 
 
-def setup(rows: int, context: int, dtype: str, weights: str = "full"):
+def setup(rows: int, context: int, dtype: str, weights: str = "full", q8_head: str = "auto"):
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest, RequestHandle
     from kvgate.sampling import SamplingParams
 
     e = Engine.from_model(
-        "default", EngineConfig(dtype=dtype, memory_limit="4GiB", max_seqs=max(rows, 1), weights=weights)
+        "default",
+        EngineConfig(
+            dtype=dtype, memory_limit="4GiB", max_seqs=max(rows, 1), weights=weights, q8_head=q8_head
+        ),
     )
     core = e.core
     for i in range(rows):
@@ -56,8 +59,10 @@ def setup(rows: int, context: int, dtype: str, weights: str = "full"):
     return e
 
 
-def profile(rows: int, context: int, dtype: str, steps: int, weights: str = "full") -> dict:
-    e = setup(rows, context, dtype, weights)
+def profile(
+    rows: int, context: int, dtype: str, steps: int, weights: str = "full", q8_head: str = "auto"
+) -> dict:
+    e = setup(rows, context, dtype, weights, q8_head)
     core, inbox = e.core, e.inbox
     for _ in range(3):
         core.tick(inbox.take(0))
@@ -111,17 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--weights", default="full", help="full | int8 | int4")
+    ap.add_argument("--weights", default="full", help="full | int8 | int4 | gguf")
+    ap.add_argument("--q8-head", default="auto", help="auto | on | off")
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args(argv)
     from bench.compare import machine_info
 
     m = machine_info()
-    results = [profile(r, a.context, a.dtype, a.steps, a.weights) for r in a.rows]
+    results = [profile(r, a.context, a.dtype, a.steps, a.weights, a.q8_head) for r in a.rows]
     fams = [f for f, _ in FAMILIES] + ["other ops"]
     print(
         f"CPU: {m['model_name']}, {m['cpus']} cores, flags {' '.join(m['flags_present'])}; load at start "
-        f"{m['loadavg_at_start'][0]:.1f}; {a.dtype}, weights {a.weights}, decode at context {a.context}, torch threads {torch.get_num_threads()}"
+        f"{m['loadavg_at_start'][0]:.1f}; {a.dtype}, weights {a.weights}, --q8-head {a.q8_head}, decode at context {a.context}, torch threads {torch.get_num_threads()}"
     )
     print()
     print(
