@@ -1,4 +1,4 @@
-"""The 30 SmolLM2-shaped layers' work outside attention, timed as the plain code, `kvgate.models.fused`
+"""The 30 SmolLM2-shaped layers' work outside attention, timed as the engine's plain code, `bench.fused`
 eager, and torch.compile of `fused.pre` / `fused.post` (inductor, CPU C++), interleaved.
 
     python -m bench.fuse_layers [--weights full|int4] [--rows 1 4 16 256] [--modes plain fused compile]
@@ -19,8 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench import fused
 from kvgate.config import ModelSpec
-from kvgate.models import fused
 from kvgate.models.llama import LlamaModel
 from kvgate.models.quant import probe_activation_dtype
 
@@ -53,7 +53,7 @@ def weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
 
 
 def plain_layer(x, attn, layer, cos, sin, spec):
-    """The layer code before `fused` (rotate-half by slice/neg/cat, out-of-place adds, casts back)."""
+    """The engine's layer code (kvgate.models.llama): rotate-half by slice/neg/cat, casts back."""
     ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj = layer
     H, KVH, D, T = spec.num_heads, spec.num_kv_heads, spec.head_dim, x.shape[0]
     h = F.rms_norm(x, (x.shape[-1],), ln1, spec.rms_norm_eps)
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     m = LlamaModel(SPEC, weights(SPEC), torch.float32, "cpu", weights_format=a.weights, act=act)
     m.set_row_buckets(max(a.rows), 16)
     s, eps = SPEC, SPEC.rms_norm_eps
-    plain_sin = torch.cat((-m.sin[:, : s.head_dim // 2], m.sin[:, s.head_dim // 2 :]), dim=-1)  # unfolded
+    folded_sin = fused.sign_folded_sin(m.sin)
+    mats = [tuple(fused.mat_args(lin) for lin in layer[1:3] + layer[4:]) for layer in m.layers]
     pieces = {"fused": (fused.pre, fused.post)}
     if "compile" in a.modes:
         pieces["compile"] = (torch.compile(fused.pre, dynamic=True), torch.compile(fused.post, dynamic=True))
@@ -92,13 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     def run(mode, x, attn, pos):
         cos = m.cos[pos].unsqueeze(1)
         if mode == "plain":
-            sin = plain_sin[pos].unsqueeze(1)
+            sin = m.sin[pos].unsqueeze(1)
             for layer in m.layers:
                 x = plain_layer(x, attn, layer, cos, sin, s)
             return x
         pre, post = pieces[mode]
-        sin = m.sin[pos].unsqueeze(1)
-        for (ln1, _, _, ln2, _, _), (qkv, o, gu, down) in zip(m.layers, m._mats):
+        sin = folded_sin[pos].unsqueeze(1)
+        for (ln1, _, _, ln2, _, _), (qkv, o, gu, down) in zip(m.layers, mats):
             pre(x, ln1, qkv, cos, sin, eps, s.num_heads, s.num_kv_heads)
             x = post(x, attn, o, ln2, gu, down, eps)
         return x

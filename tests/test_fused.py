@@ -1,5 +1,5 @@
-"""The layer pieces outside attention (`kvgate.models.fused`): bit for bit what the plain layer code
-computed, for every weight format; a row's numbers do not depend on the rows beside it; the packed
+"""The candidate layer fusions outside attention (`bench.fused`, measured for issue 14 and not used by
+the engine): bit for bit what the engine's layer code computes, for every weight format; a row's numbers do not depend on the rows beside it; the packed
 custom op keeps its row buckets; and (slow) a compiled graph serves every layer without recompiling.
 """
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgate.models import fused
+from bench import fused
 from kvgate.models.linear import Linear, packs_weights
 from kvgate.models.quant import Quantized, supported
 
@@ -59,7 +59,7 @@ def rope_tables(T: int, dtype: torch.dtype, offset: int = 100):
 
 
 def reference(x, attn, L, cos, sin):
-    """The plain layer code `LlamaModel.forward` ran before `fused` (kvgate 2026-11-30), verbatim."""
+    """The layer code of `LlamaModel.forward` (kvgate.models.llama, 2026-11-30), verbatim."""
     ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj = L
     T, half = x.shape[0], D // 2
     h = F.rms_norm(x, (HID,), ln1, EPS)
@@ -97,7 +97,7 @@ def skip_unsupported(kind, dtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_fused_layer_computes_the_plain_layers_numbers_bit_for_bit(kind, dtype, act, bias):
     """q, k, v and the new residual stream equal the plain code's exactly (torch.equal), so turning the
-    fusions on changes no token anywhere. Seen red: `flip` on the wrong axis (dim 3) in `rope`;
+    fusions on would change no token anywhere. Seen red: `flip` on the wrong axis (dim 3) in `rope`;
     `rot.mul_(sin)` in place on a bfloat16 `qk` (int4: off by bfloat16 rounding); no cast back of a
     wider float32 act output for a bfloat16 model (int8/bfloat16 case: double rounding in `add_`)."""
     skip_unsupported(kind, dtype)
@@ -162,10 +162,12 @@ def test_the_packed_custom_op_pads_to_its_bucket_and_answers_the_rows_asked():
 @pytest.mark.parametrize("kind", ["packed", "int4"])
 def test_one_compiled_graph_serves_every_layer_and_every_row_count(kind):
     """torch.compile (inductor) of `pre`/`post` with raw tensors: three layers and row counts 1..16
-    compile at most two graphs per piece (row count 1, and any other), none after warm-up; results
-    within 1e-4 of eager (inductor's own RMSNorm rounds differently; it is not on by default, see
-    docs/DESIGN_NOTES.md). ~30 s of compilation, hence slow. Seen red: the MatArgs passed as the
-    Linear objects themselves (a graph per layer: 'unique_graphs' 6)."""
+    compile at most two graphs per piece (row count 1, and any other), none after warm-up; each layer
+    within 1e-4 of eager (inductor's RMSNorm rounds differently; over 30 int4 layers bfloat16 rounding
+    grows that to ~0.2, which is one reason the engine does not compile: docs/DESIGN_NOTES.md).
+    ~15-30 s of compilation, hence slow. Seen red: `dynamic=False` with automatic dynamic shapes off
+    (12 graphs: one per row count). Passing the Quantized object instead of its tensors did NOT go
+    red: dynamo guards the attributes read, not the object's identity."""
     from torch._dynamo.utils import counters
 
     skip_unsupported(kind, torch.float32)

@@ -12,10 +12,6 @@ Attention uses grouped queries without repeating K/V: a row's queries are viewed
 On CPU in float32 every weight matrix is prepacked once for oneDNN (`kvgate.models.linear`): 2.5-3x
 faster batched matmuls, and a row's matmul results no longer depend on how many rows share the step
 (the CPU flash attention still does, by ~1e-8).
-
-A layer's work outside attention is `kvgate.models.fused.pre` / `post` on plain tensors: the same
-numbers bit for bit with fewer ops (RoPE by a sign-folded sine table, `self.sin`). torch.compile of
-them was measured and is not used: slower on this CPU at decode sizes (docs/DESIGN_NOTES.md).
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
-from kvgate.models import fused
 from kvgate.models.linear import Linear, packs_weights, row_buckets
 from kvgate.models.quant import Quantized, quantizable
 
@@ -139,12 +134,7 @@ class LlamaModel:
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
-        self.sin = fused.sign_folded_sin(emb.sin()).to(device=self.device, dtype=dtype)  # `fused.rope`
-        self._mats = self._mat_args()
-
-    def _mat_args(self) -> list[tuple[fused.MatArgs, ...]]:
-        """Each layer's (qkv, o, gate_up, down) as plain tensors for `kvgate.models.fused`."""
-        return [tuple(fused.mat_args(lin) for lin in layer[1:3] + layer[4:]) for layer in self.layers]
+        self.sin = emb.sin().to(device=self.device, dtype=dtype)
 
     def set_row_buckets(self, step_tokens: int, logit_rows: int) -> None:
         """Round each matmul's rows up to the buckets `warm_kernels` ran (see kvgate.models.linear)."""
@@ -154,7 +144,6 @@ class LlamaModel:
                     lin.buckets = row_buckets(step_tokens)
         if isinstance(self.lm_head, Linear):
             self.lm_head.buckets = row_buckets(logit_rows)
-        self._mats = self._mat_args()
 
     @property
     def weight_bytes(self) -> int:
@@ -175,11 +164,17 @@ class LlamaModel:
         eps = s.rms_norm_eps
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
+        half = D // 2
         x = F.embedding(batch.input_ids, self.embed)
-        for li, ((ln1, _, _, ln2, _, _), (qkv_m, o_m, gu_m, down_m)) in enumerate(
-            zip(self.layers, self._mats)
-        ):
-            q, k_new, v_new = fused.pre(x, ln1, qkv_m, cos, sin, eps, H, KVH)
+        for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+            h = F.rms_norm(x, (s.hidden_size,), ln1, eps)
+            qkv = qkv_proj(h)
+            qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+            rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rot * sin
+            q = qk[:, :H]
+            k_new = qk[:, H:]
+            v_new = qkv[:, (H + KVH) * D :].view(T, KVH, D)
             k_pool = kv.k[li]
             v_pool = kv.v[li]
             k_pool.view(-1, KVH, D).index_copy_(0, batch.slots, k_new)
@@ -200,6 +195,10 @@ class LlamaModel:
                 vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pf.mask)
                 attn[pf.start : pf.start + n] = op.view(KVH, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
-            x = fused.post(x, attn, o_m, ln2, gu_m, down_m, eps)
+            x = x + o_proj(attn)
+            h = F.rms_norm(x, (s.hidden_size,), ln2, eps)
+            gu = gate_up_proj(h)
+            inter = gu.shape[-1] // 2
+            x = x + down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])
         h = F.rms_norm(x[batch.logits_index], (s.hidden_size,), self.norm, eps)
         return self.lm_head(h).float()

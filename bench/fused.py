@@ -1,16 +1,18 @@
-"""A layer's work outside attention, as two functions of plain tensors: `pre` and `post`.
+"""Candidate fusions of a layer's work outside attention (issue 14), measured and not used by the engine.
 
 `pre`: RMSNorm -> QKV matmul -> RoPE -> (q, k, v). `post`: output projection + residual -> RMSNorm ->
-gate/up matmul -> SiLU * up -> down projection + residual. Attention runs between them, untouched.
+gate/up matmul -> SiLU * up -> down projection + residual. Attention would run between them.
 
-Promises:
-- Eager, they compute bit for bit what the plain layer code did, with fewer ops: RoPE as one flip
-  and a sign-folded sine (`-b * s == b * -s` exactly) instead of slice/neg/cat, residual adds in
-  place, and a quantized matmul's bfloat16 output left to type promotion (`x + y.float()` and
-  `x + y` give the same float32 sum) instead of a cast of its own.
-- Every matrix goes in as raw tensors (`MatArgs`), never as an object, so one `torch.compile` graph
-  serves every layer (`kvgate.models.compiled`). The prepacked oneDNN matmul is wrapped as the custom
-  op `kvgate::packed_linear`, an extern call to the compiler, keeping its row buckets.
+Promises (tests/test_fused.py):
+- Eager, they compute bit for bit what `kvgate.models.llama.LlamaModel.forward`'s layer code does,
+  with fewer ops: RoPE as one flip and a sign-folded sine (`-b * s == b * -s` exactly) instead of
+  slice/neg/cat, residual adds in place, and a quantized matmul's bfloat16 output left to type
+  promotion (`x + y.float()` and `x + y` give the same float32 sum) instead of a cast of its own.
+- Every matrix goes in as raw tensors (`MatArgs`), so one `torch.compile` graph serves every layer
+  (two per piece: row count 1 and any other). The prepacked oneDNN matmul is the custom op `kvgate::packed_linear`, an extern
+  call to the compiler (inductor cannot lower oneDNN's packed layout), keeping its row buckets.
+Neither the eager fusion nor the compiled one measured faster on a 2-vCPU AVX2 EPYC
+(bench/fuse_layers.py, bench/step_time.py; docs/DESIGN_NOTES.md), so the engine does not use them.
 """
 
 from __future__ import annotations
