@@ -5,6 +5,10 @@ custom op keeps its row buckets; and (slow) a compiled graph serves every layer 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,12 +169,21 @@ def test_one_compiled_graph_serves_every_layer_and_every_row_count(kind):
     compile at most two graphs per piece (row count 1, and any other), none after warm-up; each layer
     within 1e-4 of eager (inductor's RMSNorm rounds differently; over 30 int4 layers bfloat16 rounding
     grows that to ~0.2, which is one reason the engine does not compile: docs/DESIGN_NOTES.md).
-    ~15-30 s of compilation, hence slow. Seen red: `dynamic=False` with automatic dynamic shapes off
-    (12 graphs: one per row count). Passing the Quantized object instead of its tensors did NOT go
-    red: dynamo guards the attributes read, not the object's identity."""
+    ~15-30 s of compilation, hence slow; in a subprocess, so inductor's memory does not count in the
+    runtime overhead later tests measure in this process (it made test_parity's plans refuse). Seen
+    red: `dynamic=False` with automatic dynamic shapes off (12 graphs: one per row count). Passing
+    the Quantized object instead of its tensors did NOT go red: dynamo guards the attributes read."""
+    skip_unsupported(kind, torch.float32)
+    root = Path(__file__).resolve().parents[1]
+    code = f"from tests.test_fused import compile_check; compile_check({kind!r})"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def compile_check(kind: str) -> None:
+    """The body of the test above, run in a fresh interpreter."""
     from torch._dynamo.utils import counters
 
-    skip_unsupported(kind, torch.float32)
     torch._dynamo.reset()
     counters.clear()
     layers = [layer(kind, torch.float32, torch.bfloat16, seed=s) for s in range(3)]
