@@ -1,0 +1,113 @@
+"""Plain wall time of engine steps, no profiler: decode steps at each row count and one prefill chunk.
+
+    python -m bench.step_time [--rows 1 4 16] [--weights full] [--steps 20] [--prefill 256]
+
+Prints one JSON line per measurement (`{"weights", "rows" or "prefill", "step_ms", ...}`), so runs of
+two checkouts can be interleaved and their medians compared (bench/profile_step.py gives the split by
+op family; this is the cheaper number to repeat on a shared, noisy machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.profile_step import setup
+
+
+def decode_ms(rows: int, weights: str, steps: int, context: int = 300) -> tuple[list[float], list[float]]:
+    """Wall and process CPU ms of `steps` decode steps (CPU time: less hurt by other processes)."""
+    e = setup(rows, context, "float32", weights)
+    core, inbox = e.core, e.inbox
+    try:
+        for _ in range(3):
+            core.tick(inbox.take(0))
+        out, cpu = [], []
+        for _ in range(steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            core.tick(inbox.take(0))
+            out.append((time.perf_counter() - t0) * 1000)
+            cpu.append((time.process_time() - c0) * 1000)
+        return out, cpu
+    finally:
+        e.shutdown()
+
+
+def prefill_ms(tokens: int, weights: str, reps: int = 3) -> tuple[list[float], list[float]]:
+    """The step that prefills one `tokens`-long prompt (distinct prompts: no prefix-cache hits)."""
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from kvgate.request import GenerationRequest, RequestHandle
+    from kvgate.sampling import SamplingParams
+
+    cfg = EngineConfig(
+        dtype="float32", memory_limit="4GiB", max_seqs=1, weights=weights, prefill_chunk=tokens
+    )
+    e = Engine.from_model("default", cfg)
+    core, out, cpu = e.core, [], []
+    try:
+        for r in range(reps + 1):
+            prompt = [100 + (r * 7919 + k * 13) % 40000 for k in range(tokens)]
+            req = GenerationRequest(prompt, SamplingParams(temperature=0.0), 1, ignore_eos=True)
+            e.gate.submit(RequestHandle(req, lambda rid: None))
+            t0, c0 = time.perf_counter(), time.process_time()
+            core.tick(e.inbox.take(0))
+            if r:  # the first one warms up
+                out.append((time.perf_counter() - t0) * 1000)
+                cpu.append((time.process_time() - c0) * 1000)
+            while core.state.running:
+                core.tick(e.inbox.take(0))
+        return out, cpu
+    finally:
+        e.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16])
+    ap.add_argument("--weights", default="full", help="full | int8 | int4")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill step (0: skip)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    for rows in a.rows:
+        ms, cpu = decode_ms(rows, a.weights, a.steps)
+        med = statistics.median(ms)
+        print(
+            json.dumps(
+                {
+                    "weights": a.weights,
+                    "rows": rows,
+                    "step_ms": round(med, 2),
+                    "min_ms": round(min(ms), 2),
+                    "cpu_ms": round(statistics.median(cpu), 2),
+                    "tok_s": round(rows * 1000 / med, 1),
+                }
+            ),
+            flush=True,
+        )
+    if a.prefill:
+        ms, cpu = prefill_ms(a.prefill, a.weights)
+        print(
+            json.dumps(
+                {
+                    "weights": a.weights,
+                    "prefill": a.prefill,
+                    "step_ms": round(statistics.median(ms), 2),
+                    "min_ms": round(min(ms), 2),
+                    "cpu_ms": round(statistics.median(cpu), 2),
+                }
+            ),
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
