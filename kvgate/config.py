@@ -67,6 +67,7 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads; None = torch's default
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
     weights: str = "full"  # full | int8 | int4: weight-only quantized matrices (kvgate.models.quant)
+    decode_attention: str = "auto"  # auto | paged | gather (kvgate.models.paged_attention)
     speculate: int = (
         0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
     )
@@ -139,6 +140,13 @@ ENGINE_FLAGS = [
         "full | int8 | int4: weight-only quantized matrices (CPU; faster at few rows, slower at many)",
     ),
     (
+        "--decode-attention",
+        str,
+        "auto",
+        "auto | paged | gather: decode attention by the paged CPU kernel or by gather + SDPA "
+        "(auto: a startup probe measures both)",
+    ),
+    (
         "--step-timeout",
         float,
         None,
@@ -187,6 +195,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         threads=a.threads,
         pack_weights=a.pack_weights,
         weights=a.weights,
+        decode_attention=a.decode_attention,
         speculate=a.speculate,
         step_timeout=a.step_timeout,
         prefix_cache=a.prefix_cache,

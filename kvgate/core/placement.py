@@ -7,6 +7,7 @@ count every tensor of the checkpoint (biases included), never a formula's guess 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
@@ -18,7 +19,10 @@ from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
 from kvgate.models import LoadedModel
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
+from kvgate.models.paged_attention import resolve as resolve_decode_attention
 from kvgate.models.quant import FORMATS, probe_activation_dtype, supported
+
+log = logging.getLogger("kvgate.engine")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -111,11 +115,13 @@ class Placement:
     plan: MemoryPlan
     weights: str = "full"  # full | int8 | int4
     quant_act: torch.dtype | None = None  # the quantized kernels' activation dtype
+    paged_attention: bool = False  # decode attention by the paged CPU kernel (else gather + SDPA)
 
 
 def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None = None) -> Placement:
-    """Resolve device, dtype and packing, warm the packed kernels (their memory belongs in the measured
-    overhead), measure that overhead, and make the plan."""
+    """Resolve device, dtype and packing, warm the packed kernels and choose the decode attention path
+    (by a measured probe under auto, `kvgate.models.paged_attention`; their memory belongs in the
+    measured overhead), measure that overhead, and make the plan (its notes say which attention)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     fmt, act = resolve_weights(cfg.weights, device)
@@ -129,6 +135,20 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     if packed:
         rows = cfg.max_seqs * (1 + cfg.speculate)  # each decoding row and its drafts
         warm_kernels(matmul_shapes(spec, cfg.prefill_chunk + rows, rows), dtype)
+    # before the overhead is measured: the kernel's library is then part of the baseline
+    try:
+        paged, why = resolve_decode_attention(
+            cfg.decode_attention,
+            device,
+            dtype,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            cfg.block_size,
+        )
+    except ValueError as exc:
+        raise DeviceError(str(exc)) from None
+    log.info("decode attention: %s", why)
     if overhead_bytes is None:
         overhead_bytes = runtime_overhead_bytes(str(device), checkpoint_bytes(loaded))
     plan = make_plan(
@@ -149,4 +169,5 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else 2,
         speculate=cfg.speculate,
     )
-    return Placement(device, dtype, packed, max_len, plan, fmt, act)
+    plan.notes.append(f"decode attention: {why}")
+    return Placement(device, dtype, packed, max_len, plan, fmt, act, paged)
