@@ -3,7 +3,8 @@
 `kernel()` returns `torch.ops.kvgate.paged_decode_attention` (csrc/paged_attention.cpp), built on first
 use with `torch.utils.cpp_extension.load` into `$KVGATE_CACHE/kernels/` (default `~/.cache/kvgate`), in
 a folder keyed by the torch version, the compiler flags and the source's hash, so a changed source, a
-different torch or another CPU class never loads a stale build. Flags are -O3 -fopenmp plus -mavx2
+different torch or another CPU class never loads a stale build (and a build found there is loaded
+without a compiler). Flags are -O3 -fopenmp plus -mavx2
 -mfma / -mavx512f only where /proc/cpuinfo lists them (never -march=native: one build directory may
 be shared by machines of one class, and AMX hosts are a CI class of their own). If it cannot be built
 (no compiler, no ninja), one log line says why and what to install, and `kernel()` returns None: the
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 log = logging.getLogger("kvgate.models")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+NAME = "kvgate_paged_attention"
 CHOICES = ("auto", "paged", "gather")
 PROBE_ROWS = (1, 16)
 PROBE_CONTEXT = 300  # positions per probe row (the profile's decode context)
@@ -73,8 +75,19 @@ def build() -> float:
     `KernelUnavailable` saying what is missing."""
     from torch.utils import cpp_extension
 
+    flags = ["-O3", "-fopenmp", *cpu_flags()]
+    where = build_dir(flags)
+    t0 = time.perf_counter()
+    built = where / f"{NAME}.so"
+    if built.exists():  # this source, these flags, this torch: load it, no compiler or ninja needed
+        try:
+            torch.ops.load_library(str(built))
+            return time.perf_counter() - t0
+        except OSError as exc:  # a build cut short: build it again below
+            log.warning("the cached paged attention build %s did not load (%s); rebuilding it", built, exc)
     if shutil.which("ninja") is None:
-        try:  # the `ninja` PyPI package puts its binary next to its module, not always on PATH
+        try:  # the `ninja` PyPI package (a dependency) puts its binary in ninja.BIN_DIR: a venv's bin,
+            # not on PATH unless the venv is activated
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
@@ -86,13 +99,10 @@ def build() -> float:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise KernelUnavailable(f"no C++ compiler ({cxx!r} is not on PATH): install g++ (apt install g++)")
-    flags = ["-O3", "-fopenmp", *cpu_flags()]
-    where = build_dir(flags)
     where.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
     try:
         cpp_extension.load(
-            name="kvgate_paged_attention",
+            name=NAME,
             sources=[str(SOURCE)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
