@@ -1,6 +1,7 @@
 """Where a decode step's time goes: matmuls, attention, K/V gathers, small ops, Python, sampling.
 
     python -m bench.profile_step [--rows 1 4 16] [--context 300] [--dtype float32] [--weights full] [--steps 20]
+        [--decode-attention auto | paged | gather]
 
 Builds the real engine (no server), puts `rows` requests in decode at `context` positions, then times
 `--steps` engine steps on the worker's own code path (`EngineCore.tick`), once plainly (wall time per
@@ -19,7 +20,17 @@ import torch
 
 FAMILIES = [
     ("matmul", ("mkldnn", "linear", "addmm", "mm", "matmul", "_linear_pointwise")),
-    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax", "bmm")),
+    (
+        "attention",
+        (
+            "scaled_dot_product",
+            "paged_decode_attention",
+            "flash_attention",
+            "_efficient_attention",
+            "softmax",
+            "bmm",
+        ),
+    ),
     ("K/V gather + write", ("index_select", "index_copy", "index")),
     ("norm, rope, silu, adds", ("rms_norm", "mul", "add", "silu", "cat", "neg", "sub", "copy_", "embedding")),
 ]
@@ -33,7 +44,9 @@ def family(name: str) -> str:
     return "other ops"
 
 
-def setup(rows: int, context: int, dtype: str, weights: str = "full", q8_head: str = "auto"):
+def setup(
+    rows: int, context: int, dtype: str, weights: str = "full", q8_head: str = "auto", attention: str = "auto"
+):
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest, RequestHandle
@@ -42,7 +55,12 @@ def setup(rows: int, context: int, dtype: str, weights: str = "full", q8_head: s
     e = Engine.from_model(
         "default",
         EngineConfig(
-            dtype=dtype, memory_limit="4GiB", max_seqs=max(rows, 1), weights=weights, q8_head=q8_head
+            dtype=dtype,
+            memory_limit="4GiB",
+            max_seqs=max(rows, 1),
+            weights=weights,
+            q8_head=q8_head,
+            decode_attention=attention,
         ),
     )
     core = e.core
@@ -60,9 +78,15 @@ def setup(rows: int, context: int, dtype: str, weights: str = "full", q8_head: s
 
 
 def profile(
-    rows: int, context: int, dtype: str, steps: int, weights: str = "full", q8_head: str = "auto"
+    rows: int,
+    context: int,
+    dtype: str,
+    steps: int,
+    weights: str = "full",
+    q8_head: str = "auto",
+    attention: str = "auto",
 ) -> dict:
-    e = setup(rows, context, dtype, weights, q8_head)
+    e = setup(rows, context, dtype, weights, q8_head, attention)
     core, inbox = e.core, e.inbox
     for _ in range(3):
         core.tick(inbox.take(0))
@@ -119,15 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="full", help="full | int8 | int4 | gguf")
     ap.add_argument("--q8-head", default="auto", help="auto | on | off")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--decode-attention", default="auto", help="auto | paged | gather")
     a = ap.parse_args(argv)
     from bench.compare import machine_info
 
     m = machine_info()
-    results = [profile(r, a.context, a.dtype, a.steps, a.weights, a.q8_head) for r in a.rows]
+    results = [
+        profile(r, a.context, a.dtype, a.steps, a.weights, a.q8_head, a.decode_attention) for r in a.rows
+    ]
     fams = [f for f, _ in FAMILIES] + ["other ops"]
     print(
         f"CPU: {m['model_name']}, {m['cpus']} cores, flags {' '.join(m['flags_present'])}; load at start "
-        f"{m['loadavg_at_start'][0]:.1f}; {a.dtype}, weights {a.weights}, --q8-head {a.q8_head}, decode at context {a.context}, torch threads {torch.get_num_threads()}"
+        f"{m['loadavg_at_start'][0]:.1f}; {a.dtype}, weights {a.weights}, --q8-head {a.q8_head}, "
+        f"decode attention {a.decode_attention}, decode at context {a.context}, torch threads {torch.get_num_threads()}"
     )
     print()
     print(

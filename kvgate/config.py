@@ -68,6 +68,7 @@ class EngineConfig:
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
     weights: str = "full"  # full | int8 | int4 | gguf: weight-only quantized matrices (kvgate.models.quant)
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
+    decode_attention: str = "auto"  # auto | paged | gather (kvgate.models.paged_attention)
     speculate: int = (
         0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
     )
@@ -148,6 +149,13 @@ ENGINE_FLAGS = [
         "gguf holds a Q4_1 file's own blocks: full's numbers at 0.75 B per weight",
     ),
     (
+        "--decode-attention",
+        str,
+        "auto",
+        "auto | paged | gather: decode attention by the paged CPU kernel or by gather + SDPA "
+        "(auto: a startup probe measures both)",
+    ),
+    (
         "--step-timeout",
         float,
         None,
@@ -197,6 +205,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         pack_weights=a.pack_weights,
         q8_head=a.q8_head,
         weights=a.weights,
+        decode_attention=a.decode_attention,
         speculate=a.speculate,
         step_timeout=a.step_timeout,
         prefix_cache=a.prefix_cache,

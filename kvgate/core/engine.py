@@ -91,6 +91,7 @@ class Engine:
             weights_format=place.weights,
             act=place.quant_act or torch.bfloat16,
             q8_head=place.q8_head,
+            paged_attention=place.paged_attention,
         )
         # The plan may have shrunk the step below what was warmed: its new maximum is then one bucket
         # that was not (a few MiB of oneDNN kernels at most, inside the overhead's slack).

@@ -19,6 +19,7 @@ from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
 from kvgate.models import LoadedModel, native
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
+from kvgate.models.paged_attention import resolve as resolve_decode_attention
 from kvgate.models.q4_1 import q4_1_blocks
 from kvgate.models.q8_head import probe as probe_q8_head
 from kvgate.models.q8_head import q8_blocks
@@ -133,6 +134,7 @@ class Placement:
     quant_act: torch.dtype | None = None  # the quantized kernels' activation dtype
     q8_head: bool = False  # tied embeddings held as their exact Q8_0 blocks (kvgate.models.q8_head)
     q8_head_reason: str = ""  # why it is on or off, with the probe's numbers when it ran
+    paged_attention: bool = False  # decode attention by the paged CPU kernel (else gather + SDPA)
 
 
 def resolve_q8_head(
@@ -172,8 +174,9 @@ def resolve_q8_head(
 
 
 def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None = None) -> Placement:
-    """Resolve device, dtype and packing, warm the packed kernels (their memory belongs in the measured
-    overhead), measure that overhead, and make the plan."""
+    """Resolve device, dtype and packing, warm the packed kernels and choose the decode attention path
+    (by a measured probe under auto, `kvgate.models.paged_attention`; their memory belongs in the
+    measured overhead), measure that overhead, and make the plan (its notes say which attention)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     fmt, act = resolve_weights(cfg.weights, device)
@@ -191,6 +194,19 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         rows = cfg.max_seqs * (1 + cfg.speculate)  # each decoding row and its drafts
         shapes = matmul_shapes(spec, cfg.prefill_chunk + rows, rows)
         warm_kernels(shapes[:-1] if q8_head else shapes, dtype)  # the last is the LM head
+    try:
+        paged, why = resolve_decode_attention(
+            cfg.decode_attention,
+            device,
+            dtype,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            cfg.block_size,
+        )
+    except ValueError as exc:
+        raise DeviceError(str(exc)) from None
+    log.info("decode attention: %s", why)
     if overhead_bytes is None:
         overhead_bytes = runtime_overhead_bytes(str(device), checkpoint_bytes(loaded))
     plan = make_plan(
@@ -214,4 +230,5 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     )
     if q8_head or cfg.q8_head != "auto" or "probe" in q8_reason:  # a choice worth stating
         plan.notes.append(f"LM head and embeddings as Q8_0 blocks: {q8_reason}")
-    return Placement(device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason)
+    plan.notes.append(f"decode attention: {why}")
+    return Placement(device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason, paged)

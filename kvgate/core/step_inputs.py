@@ -1,7 +1,9 @@
 """Turn the scheduler's choice for one step into the tensors the model reads (`StepBatch`).
 
-Decode rows come first in the flat token list, sorted by context length (longest first) and split
-into groups whose padded attention (`rows x longest context`) stays within `attn_token_cap` tokens;
+Decode rows come first in the flat token list, sorted by context length (longest first). Each has its
+block table (padded with block 0 to the longest row's) and context length, for the paged kernel that
+runs them all in one call (`kvgate.models.paged_attention`); they are also split into groups whose
+padded attention (`rows x longest context`) stays within `attn_token_cap` tokens, for the gather path:
 that cap is what bounds the attention workspace the memory planner reserves. Prefill chunks follow.
 """
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgate.models.llama import DecodeGroup, PrefillSpan, StepBatch
+from kvgate.models.paged_attention import length_mask
 
 
 @dataclass(slots=True)
@@ -60,33 +63,31 @@ def build_step(
         DecodeInput(v.request_id, t, v.start + i, v.blocks) for v in verifies for i, t in enumerate(v.tokens)
     ]
     order = sorted(range(len(decodes)), key=lambda i: -decodes[i].position)
-    ids: list[int] = []
-    pos: list[int] = []
+    ids: list[int] = [decodes[j].token for j in order]
+    pos: list[int] = [decodes[j].position for j in order]
     slots: list[int] = []
-    groups: list[DecodeGroup] = []
-    logits_index: list[int] = []
+    rows: list[list[int]] = []  # each decode row's blocks, padded with block 0 to the longest row's
+    width = -(-(pos[0] + 1) // block_size) if order else 0
+    for j in order:
+        d = decodes[j]
+        used = d.position // block_size + 1
+        rows.append(d.blocks[:used] + [0] * (width - used))
+        slots.append(d.blocks[d.position // block_size] * block_size + d.position % block_size)
+    decode_tables = torch.tensor(rows, dtype=torch.long).view(len(order), width).to(device)
+    decode_lens = torch.tensor(pos, dtype=torch.long).add_(1).to(device)
     decode_logit_row = [-1] * len(decodes)
+    for r, j in enumerate(order):
+        decode_logit_row[j] = r
+    logits_index: list[int] = list(range(len(order)))
+    groups: list[DecodeGroup] = []
     i = 0
     while i < len(order):
-        longest = decodes[order[i]].position + 1
-        per_row = -(-longest // block_size) * block_size
+        per_row = -(-(pos[i] + 1) // block_size) * block_size
         take = max(1, min(len(order) - i, attn_token_cap // per_row))
-        members = [decodes[j] for j in order[i : i + take]]
         nblk = per_row // block_size
-        table = torch.zeros((take, nblk), dtype=torch.long)
-        mask = torch.zeros((take, 1, 1, per_row), dtype=torch.bool)
-        start = len(ids)
-        for r, d in enumerate(members):
-            used = d.position // block_size + 1
-            table[r, :used] = torch.tensor(d.blocks[:used])
-            mask[r, 0, 0, : d.position + 1] = True
-            ids.append(d.token)
-            pos.append(d.position)
-            slots.append(d.blocks[d.position // block_size] * block_size + d.position % block_size)
-        for r, j in enumerate(order[i : i + take]):
-            decode_logit_row[j] = len(logits_index)
-            logits_index.append(start + r)
-        groups.append(DecodeGroup(start, start + take, table.to(device), mask.to(device)))
+        table = decode_tables[i : i + take, :nblk]
+        table = table if nblk == width else table.contiguous()
+        groups.append(DecodeGroup(i, i + take, table, length_mask(decode_lens[i : i + take], per_row)))
         i += take
     spans: list[PrefillSpan] = []
     prefill_logit_row = [-1] * len(prefills)
@@ -120,6 +121,8 @@ def build_step(
         groups,
         spans,
         torch.tensor(logits_index, dtype=torch.long, device=device),
+        decode_tables,
+        decode_lens,
     )
     verify_logit_rows, at = [], n_plain
     for v in verifies:

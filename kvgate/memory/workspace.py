@@ -131,7 +131,9 @@ def step_workspace(
         + S * (Lp // block_size) * 8
         + 2 * T * D * b
         # draft positions (speculation) run as decode rows of their own: a mask and a block table each
-        + (LR - S) * (Lp + Lp // block_size * 8),
+        + (LR - S) * (Lp + Lp // block_size * 8)
+        # every decode row's block table and context length, for the paged kernel (build_step)
+        + LR * (Lp // block_size + 1) * 8,
         # x, h, fused qkv, rotated qk and its rotate-half copy, attention output, gate/up output,
         # a decode group's gathered K and V and its output, a prefill span's q, gathered K/V and output
         "layer_activations": T * (2 * h + (H + 2 * KVH) * D + 2 * (H + KVH) * D + H * D + 2 * inter) * b

@@ -9,9 +9,15 @@ SiLU * up -> down projection. Logits are computed only for the tokens the sample
 Attention uses grouped queries without repeating K/V: a row's queries are viewed as
 `[kv_heads, group * q_len, head_dim]`, so each KV head is read once for the queries that share it.
 
+Decode rows take one of two paths, chosen at startup (`kvgate.models.paged_attention.resolve`): the
+paged CPU kernel runs every decode row of the step in one call per layer, reading K/V from the pool
+in place; the gather path copies each group's blocks (`index_select`) and runs SDPA with a mask
+(CUDA, or where the kernel cannot be built or measures slower). Prefill chunks always use SDPA.
+
 On CPU in float32 every weight matrix is prepacked once for oneDNN (`kvgate.models.linear`): 2.5-3x
-faster batched matmuls, and a row's matmul results no longer depend on how many rows share the step
-(the CPU flash attention still does, by ~1e-8).
+faster batched matmuls, and a row's matmul results no longer depend on how many rows share the step.
+The paged kernel gives decode attention the same property; the gather path's CPU SDPA does not (a
+row's output moves by ~1e-6 with the rows beside it).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
 from kvgate.models.linear import Linear, packs_weights, row_buckets
+from kvgate.models.paged_attention import gather_attention
+from kvgate.models.paged_attention import kernel as paged_kernel
 from kvgate.models.q4_1 import Q41Linear
 from kvgate.models.q8_head import Q8Table, q8_blocks
 from kvgate.models.quant import Quantized, quantizable
@@ -61,6 +69,10 @@ class StepBatch:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     logits_index: torch.Tensor  # [S] long, the tokens whose next-token logits are needed
+    # the decode rows (tokens [0, R) of the step), for the paged kernel: each row's block table padded
+    # with block 0 to the longest row's, and its context length (position + 1)
+    decode_tables: torch.Tensor | None = None  # [R, max_blocks] long
+    decode_lens: torch.Tensor | None = None  # [R] long
 
 
 def matmul_shapes(spec: ModelSpec, step_tokens: int, logit_rows: int) -> list[tuple[int, int, int]]:
@@ -81,16 +93,22 @@ class LlamaModel:
         weights_format: str = "full",
         act: torch.dtype = torch.bfloat16,
         q8_head: bool = False,
+        paged_attention: bool = False,
     ):
         """`pack`: prepack the weight matrices (`Linear`); None = wherever `packs_weights` says.
         `weights_format` int8 / int4: hold every layer matrix that allows it quantized (`Quantized`),
         its kernels running in `act` activations (the plan's `weight_bytes` counts the same bytes).
         `q8_head`: hold the tied embedding table as its exact Q8_0 blocks (`kvgate.models.q8_head`),
-        for the lookup and the LM head alike; placement decides (`kvgate.core.placement`)."""
+        for the lookup and the LM head alike; placement decides (`kvgate.core.placement`).
+        `paged_attention`: run decode attention with the paged CPU kernel (`kvgate.models.paged_attention`;
+        the caller has checked it builds and chosen it by its probe), else gather + SDPA per group."""
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
         self.weights_format = weights_format
+        if paged_attention and (self.device.type != "cpu" or paged_kernel() is None):
+            raise ValueError(f"the paged decode attention kernel cannot run here ({self.device}); use gather")
+        self.paged_attention = paged_attention
         quant = weights_format != "full"
         self.packed = packs_weights(self.device, dtype) if pack is None else pack
 
@@ -187,6 +205,8 @@ class LlamaModel:
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
         half = D // 2
+        n_dec = 0 if batch.decode_lens is None else batch.decode_lens.shape[0]
+        paged = paged_kernel() if self.paged_attention else None
         if self.q8 is not None:
             x = self.q8.embed(batch.input_ids, self.dtype)
         else:
@@ -204,15 +224,19 @@ class LlamaModel:
             v_pool = kv.v[li]
             k_pool.view(-1, KVH, D).index_copy_(0, batch.slots, k_new)
             v_pool.view(-1, KVH, D).index_copy_(0, batch.slots, v_new)
-            attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
-            for grp in batch.decode_groups:
-                R = grp.end - grp.start
-                qg = q[grp.start : grp.end].reshape(R, KVH, g, D)
-                flat = grp.block_tables.view(-1)  # index_select gathers ~1.8x faster than k_pool[table]
-                kg = k_pool.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)
-                vg = v_pool.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)
-                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask)
-                attn[grp.start : grp.end] = og.reshape(R, H * D)
+            if self.paged_attention and n_dec:  # every decode row in one call, reading the pool in place
+                od = paged(q[:n_dec], k_pool, v_pool, batch.decode_tables, batch.decode_lens, D**-0.5)
+                if n_dec == T:
+                    attn = od.view(T, H * D)
+                else:
+                    attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
+                    attn[:n_dec] = od.view(n_dec, H * D)
+            else:
+                attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
+                for grp in batch.decode_groups:
+                    qg = q[grp.start : grp.end]
+                    og = gather_attention(qg, k_pool, v_pool, grp.block_tables, grp.mask)
+                    attn[grp.start : grp.end] = og.reshape(grp.end - grp.start, H * D)
             for pf in batch.prefills:
                 n = pf.q_len
                 qp = q[pf.start : pf.start + n].view(n, KVH, g, D).permute(1, 2, 0, 3).reshape(KVH, g * n, D)

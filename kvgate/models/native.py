@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger("kvgate.native")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("block_matmul.cpp",)
+SOURCES = ("block_matmul.cpp", "paged_attention.cpp")  # one module; the second registers torch.ops.kvgate
 _state: dict = {}
 
 
@@ -41,6 +41,7 @@ def cpu_flags() -> set[str]:
 def compile_flags() -> list[str]:
     flags = cpu_flags()
     isa = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
+    isa += ["-mavx512f"] if "avx512f" in flags else []
     return ["-O3", "-fopenmp", *isa]
 
 
@@ -59,6 +60,10 @@ def extension():
         return _state["module"]
     module, why = None, None
     try:
+        module = _cached(cache_dir())
+        if module is not None:
+            _state["module"], _state["why"] = module, None
+            return module
         from torch.utils.cpp_extension import load
 
         try:  # the pip package's ninja, when the venv's bin is not on PATH
@@ -85,12 +90,30 @@ def extension():
     except Exception as exc:  # no compiler, no ninja, a failed build: the plain paths stay
         why = (
             f"kvgate's C++ kernels could not be built ({type(exc).__name__}: {str(exc)[-300:]}); "
-            "the LM head stays a plain matmul. Install g++ and ninja (`apt-get install g++ ninja-build`, "
+            "the LM head, --weights gguf and decode attention keep their plain PyTorch paths. Install g++ and ninja (`apt-get install g++ ninja-build`, "
             "or `pip install ninja`) and restart to use them."
         )
         log.warning(why)
     _state["module"], _state["why"] = module, why
     return module
+
+
+def _cached(out: Path):
+    """The module already built in `out` (this source, torch and CPU flags), loaded without a compiler
+    or ninja; None when there is none (or it does not load: it is rebuilt)."""
+    import importlib.util
+
+    so = out / f"{out.name}.so"
+    if not so.exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(out.name, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (ImportError, OSError) as exc:
+        log.warning("the cached build %s did not load (%s); rebuilding it", so, exc)
+        return None
 
 
 def unavailable() -> str | None:

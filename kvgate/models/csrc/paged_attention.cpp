@@ -1,0 +1,207 @@
+// Decode attention that reads the paged K/V pool in place (kvgate.models.paged_attention).
+//
+// kvgate::paged_decode_attention(q [R, H, D], k_pool [N, bs, KVH, D], v_pool, block_tables [R, maxblk]
+// int64/int32, context_lens [R] int64, scale) -> out [R, H, D] in q's dtype.
+//
+// Each (row, kv head) pair is one task: its `group = H / KVH` queries are scored against the row's
+// first context_lens[r] positions, found through its block table, with a two-pass softmax accumulated
+// in float32. Tasks are split over OpenMP threads with static scheduling, and a task's arithmetic is
+// the same fixed loop whatever thread runs it and whatever other rows share the call: a row's output
+// is bit-identical whether it is computed alone or among other rows (on one machine and build).
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// One position's D values as float32: float pools are read in place, others converted into `buf`.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(src[d]);
+  return buf;
+}
+
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// Four dot products against one query: four independent accumulator chains keep the FMA units busy.
+inline void dot4(const float* __restrict a, const float* __restrict b0, const float* __restrict b1,
+                 const float* __restrict b2, const float* __restrict b3, int64_t D, float* out) {
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < D; ++d) {
+    s0 += a[d] * b0[d];
+    s1 += a[d] * b1[d];
+    s2 += a[d] * b2[d];
+    s3 += a[d] * b3[d];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+// y += p0 x0 + p1 x1 + p2 x2 + p3 x3, one pass over y.
+inline void axpy4(float* __restrict y, const float* p, const float* __restrict x0, const float* __restrict x1,
+                  const float* __restrict x2, const float* __restrict x3, int64_t D) {
+  const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] += ((p0 * x0[d] + p1 * x1[d]) + p2 * x2[d]) + p3 * x3[d];
+}
+
+inline void axpy(float* __restrict y, float p, const float* __restrict x, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] += p * x[d];
+}
+
+template <typename T, typename I>
+void run(const T* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, const T* v, const I* tables,
+         int64_t maxblk, const int64_t* lens, T* out, int64_t R, int64_t H, int64_t KVH, int64_t D,
+         int64_t bs, double scale_d) {
+  const int64_t g = H / KVH;
+  const int64_t tasks = R * KVH;
+  const int64_t pos_stride = KVH * D;  // between consecutive positions of the pool
+  const float scale = static_cast<float>(scale_d);
+#pragma omp parallel
+  {
+    std::vector<float> qf(g * D), acc(g * D), kbuf(4 * D), scores, denom(g);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t r = task / KVH, kh = task % KVH;
+      const int64_t L = lens[r];
+      const I* table = tables + r * maxblk;
+      for (int64_t j = 0; j < g; ++j) {
+        const T* src = q + r * q_row_stride + (kh * g + j) * q_head_stride;
+        for (int64_t d = 0; d < D; ++d) qf[j * D + d] = static_cast<float>(src[d]);
+      }
+      scores.resize(static_cast<size_t>(g * L));
+      // Pass 1: scores[j][t] = scale * q_j . k_t
+      // Positions go four at a time, then one at a time for the last L % 4: the order depends on L only.
+      auto at = [&](const T* pool, int64_t t, int64_t u) {
+        const int64_t blk = static_cast<int64_t>(table[t / bs]);
+        return as_float(pool + (blk * bs + t % bs) * pos_stride + kh * D, kbuf.data() + u * D, D);
+      };
+      const int64_t L4 = L - L % 4;
+      float s4[4];
+      for (int64_t t = 0; t < L4; t += 4) {
+        const float *k0 = at(k, t, 0), *k1 = at(k, t + 1, 1), *k2 = at(k, t + 2, 2), *k3 = at(k, t + 3, 3);
+        for (int64_t j = 0; j < g; ++j) {
+          dot4(qf.data() + j * D, k0, k1, k2, k3, D, s4);
+          for (int64_t u = 0; u < 4; ++u) scores[j * L + t + u] = scale * s4[u];
+        }
+      }
+      for (int64_t t = L4; t < L; ++t) {
+        const float* kt = at(k, t, 0);
+        for (int64_t j = 0; j < g; ++j) scores[j * L + t] = scale * dot(qf.data() + j * D, kt, D);
+      }
+      // Softmax numerators in place, and their sums.
+      for (int64_t j = 0; j < g; ++j) {
+        float* s = scores.data() + j * L;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+        float l = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          s[t] = std::exp(s[t] - m);
+          l += s[t];
+        }
+        denom[j] = l;
+      }
+      // Pass 2: acc_j = sum_t p[j][t] * v_t
+      for (int64_t i = 0; i < g * D; ++i) acc[i] = 0.f;
+      float p4[4];
+      for (int64_t t = 0; t < L4; t += 4) {
+        const float *v0 = at(v, t, 0), *v1 = at(v, t + 1, 1), *v2 = at(v, t + 2, 2), *v3 = at(v, t + 3, 3);
+        for (int64_t j = 0; j < g; ++j) {
+          for (int64_t u = 0; u < 4; ++u) p4[u] = scores[j * L + t + u];
+          axpy4(acc.data() + j * D, p4, v0, v1, v2, v3, D);
+        }
+      }
+      for (int64_t t = L4; t < L; ++t) {
+        const float* vt = at(v, t, 0);
+        for (int64_t j = 0; j < g; ++j) axpy(acc.data() + j * D, scores[j * L + t], vt, D);
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        T* dst = out + (r * H + kh * g + j) * D;
+        const float inv = denom[j] > 0.f ? 1.f / denom[j] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[j * D + d] * inv);
+      }
+    }
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                  double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "paged_decode_attention is a CPU kernel; got q on ", q.device(), " and the pool on ",
+              k_pool.device());
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
+              "paged_decode_attention wants q [R, H, D] and k_pool = v_pool [N, bs, KVH, D]; got q ",
+              q.sizes(), ", k_pool ", k_pool.sizes(), ", v_pool ", v_pool.sizes());
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "the K/V pools must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
+              "q and the pools must share a dtype; got ", q.scalar_type(), " and ", k_pool.scalar_type());
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_pool.size(1), KVH = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == D, "head_dim of q (", D, ") and of the pool (", k_pool.size(3), ") differ");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == R && block_tables.is_contiguous(),
+              "block_tables must be a contiguous [R, max_blocks] tensor; got ", block_tables.sizes());
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong || block_tables.scalar_type() == at::kInt,
+              "block_tables must be int64 or int32");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.dim() == 1 &&
+                  context_lens.size(0) == R && context_lens.is_contiguous(),
+              "context_lens must be a contiguous int64 [R] tensor");
+  const int64_t maxblk = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= maxblk * bs, "row ", r, ": context length ", lens[r],
+                " is outside 1..", maxblk * bs, " (its block table's capacity)");
+  const int64_t N = k_pool.size(0);
+  AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode_attention_tables", [&] {
+    const index_t* t = block_tables.data_ptr<index_t>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t b = 0; b < (lens[r] + bs - 1) / bs; ++b)
+        TORCH_CHECK(t[r * maxblk + b] >= 0 && t[r * maxblk + b] < N, "row ", r, ": block table entry ", b,
+                    " is ", t[r * maxblk + b], ", outside the pool's ", N, " blocks");
+  });
+  auto out = at::empty({R, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    if (block_tables.scalar_type() == at::kLong) {
+      run<scalar_t, int64_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pool.data_ptr<scalar_t>(),
+                             v_pool.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), maxblk, lens,
+                             out.data_ptr<scalar_t>(), R, H, KVH, D, bs, scale);
+    } else {
+      run<scalar_t, int32_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pool.data_ptr<scalar_t>(),
+                             v_pool.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), maxblk, lens,
+                             out.data_ptr<scalar_t>(), R, H, KVH, D, bs, scale);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvgate, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvgate, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,140 @@
+"""Decode attention that reads the paged K/V pool in place: a small C++ CPU kernel, its build, its probe.
+
+`kernel()` returns `torch.ops.kvgate.paged_decode_attention` (csrc/paged_attention.cpp), built with
+kvgate's other C++ kernels by `kvgate.models.native` (once per machine, cached by source, torch version
+and CPU flags; a cached build loads without a compiler). Where they cannot be built (no compiler, no
+ninja), native logs why and what to install, and `kernel()` returns None: the model then keeps the
+gather + SDPA path.
+
+The kernel runs all decode rows of a step in one call per layer, with no gathered copy of K/V and no
+mask. Each (row, KV head) is one task with a fixed loop order, so a row's output is bit-identical
+whatever other rows share the step (the CPU SDPA path's results moved by ~1e-6 with the batch).
+
+`choose(...)` decides between it and the gather path by a short measured probe (both at 1 and 16
+rows, the model's own head geometry and dtype), never by a guess; `resolve` applies the
+`--decode-attention auto | paged | gather` setting. CUDA keeps the gather path: the kernel is CPU only.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvgate.models import native
+
+log = logging.getLogger("kvgate.models")
+
+CHOICES = ("auto", "paged", "gather")
+PROBE_ROWS = (1, 16)
+PROBE_CONTEXT = 300  # positions per probe row (the profile's decode context)
+
+
+@functools.cache
+def kernel():
+    """The compiled op (built with kvgate's other kernels by `kvgate.models.native`), or None where they
+    could not be built (native logs why and what to install)."""
+    if native.extension() is None:
+        return None
+    return torch.ops.kvgate.paged_decode_attention
+
+
+def gather_attention(q, k_pool, v_pool, tables, mask):
+    """The gather path for decode rows sharing one padded block table: `q [R, H, D]`, `tables [R, blocks]`,
+    `mask [R, 1, 1, blocks * block_size]` (True = attend). Copies each row's blocks, then runs SDPA."""
+    R, H, D = q.shape
+    KVH = k_pool.shape[2]
+    qg = q.reshape(R, KVH, H // KVH, D)
+    flat = tables.view(-1)  # index_select gathers ~1.8x faster than k_pool[table]
+    kg = k_pool.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)
+    vg = v_pool.index_select(0, flat).view(R, -1, KVH, D).transpose(1, 2)
+    return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask).reshape(R, H, D)
+
+
+def length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, 1, 1, width] bool: position t of row r is attended when t < lens[r]."""
+    return (torch.arange(width, device=lens.device) < lens[:, None]).view(-1, 1, 1, width)
+
+
+def _race(a, a_args: tuple, b, b_args: tuple, reps: int) -> tuple[float, float]:
+    """Fastest seconds per call of `a` and of `b`, timed alternately so both see the same load. The
+    fastest, not the mean: on a shared machine a preempted call (a 4 ms scheduler tick with both
+    vCPUs busy) says nothing about the kernel, and alternating keeps a busy spell from favouring one."""
+    a(*a_args), b(*b_args)
+    ta, tb = float("inf"), float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a(*a_args)
+        t1 = time.perf_counter()
+        b(*b_args)
+        t2 = time.perf_counter()
+        ta, tb = min(ta, t1 - t0), min(tb, t2 - t1)
+    return ta, tb
+
+
+@functools.cache
+def probe(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+    """Seconds per call of the kernel and of the gather path at each of `PROBE_ROWS` rows, on random
+    data shaped like the model's (a few tens of ms in all)."""
+    op = kernel()
+    gen = torch.Generator().manual_seed(0)
+    nblk = -(-PROBE_CONTEXT // block_size)
+    out = {}
+    for rows in PROBE_ROWS:
+        pool = rows * nblk
+        k = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
+        tables = torch.randperm(pool, generator=gen).view(rows, nblk)
+        lens = torch.full((rows,), PROBE_CONTEXT, dtype=torch.long)
+        mask = length_mask(lens, nblk * block_size)
+        reps = 31 if rows == 1 else 11
+        with torch.inference_mode():
+            out[rows] = _race(
+                op, (q, k, v, tables, lens, head_dim**-0.5), gather_attention, (q, k, v, tables, mask), reps
+            )
+    return out
+
+
+def choose(device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[bool, str]:
+    """(use the kernel?, why): the kernel where it builds and the probe measures it faster in total
+    over `PROBE_ROWS`; the gather path on CUDA or where it cannot be built."""
+    if torch.device(device).type != "cpu":
+        return False, f"gather + SDPA (the paged kernel is CPU only; this is {device})"
+    if kernel() is None:
+        return False, "gather + SDPA (the paged kernel could not be built; see the log line above)"
+    t = probe(heads, kv_heads, head_dim, block_size, dtype)
+    timings = ", ".join(f"{r} rows {t[r][0] * 1e3:.3f} ms vs {t[r][1] * 1e3:.3f} ms" for r in PROBE_ROWS)
+    paged = sum(t[r][0] for r in PROBE_ROWS) < sum(t[r][1] for r in PROBE_ROWS)
+    name = "paged kernel" if paged else "gather + SDPA"
+    log.info("decode attention probe per layer at %d positions, kernel vs gather: %s", PROBE_CONTEXT, timings)
+    # the plan's note stays the same from run to run (`kvgate plan` equals the engine's plan): no timings
+    rows = " and ".join(str(r) for r in PROBE_ROWS)
+    return (
+        paged,
+        f"{name} (auto: the startup probe measured it the faster over {rows} rows; the log has the times)",
+    )
+
+
+def resolve(setting: str, device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int):
+    """Apply `--decode-attention`: auto = `choose`; paged = insist (an error where it cannot run);
+    gather = the index_select + SDPA path. Returns (use the kernel?, a line saying what and why)."""
+    if setting not in CHOICES:
+        raise ValueError(f"--decode-attention {setting!r} is not one of {', '.join(CHOICES)}")
+    if setting == "gather":
+        return False, "gather + SDPA (--decode-attention gather)"
+    if setting == "paged":
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                f"--decode-attention paged is a CPU kernel; this is {device}. Use auto or gather."
+            )
+        if kernel() is None:
+            raise ValueError(
+                "--decode-attention paged: the kernel could not be built (the log line above says why); "
+                "install what it names, or use auto or gather"
+            )
+        return True, "paged kernel (--decode-attention paged)"
+    return choose(device, dtype, heads, kv_heads, head_dim, block_size)
