@@ -13,6 +13,9 @@ that are not prepacked: bf16/fp16, an unpacked head) round a row's result differ
 with the number of rows beside it, exactly as when requests are batched. Every request measured
 gave the plain tokens (bench/speculate.py in fp32 and int4, the tests); a logit tie made exact on
 purpose (a tuned `logit_bias`) was shown to flip.
+Where decode attention runs the paged kernel (`--decode-attention`, kvgate.models.paged_attention)
+and every matmul is row-invariant (prepacked float32, `--weights gguf`, the Q8 head), a verified
+position gets the very bits of a plain decode step: there, speculation and batching are exact.
 
 Which rows: those without penalties, grammar or logprobs (`eligible`), whose next token depends
 only on the logits at its position, so several positions can be verified at once. Greedy rows keep
