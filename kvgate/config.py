@@ -66,7 +66,7 @@ class EngineConfig:
     seed: int | None = None  # default seed for requests that give none (None = fresh entropy)
     threads: int | None = None  # torch intra-op threads; None = torch's default
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
-    weights: str = "full"  # full | int8 | int4 | gguf: weight-only quantized matrices (kvgate.models.quant)
+    weights: str = "auto"  # auto | full | int8 | int4 | gguf (auto: gguf where exact Q4_1 blocks, else full)
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
     decode_attention: str = "auto"  # auto | paged | gather (kvgate.models.paged_attention)
     speculate: int = (
@@ -144,9 +144,10 @@ ENGINE_FLAGS = [
     (
         "--weights",
         str,
-        "full",
-        "full | int8 | int4 | gguf: weight-only quantized matrices (CPU; faster at few rows, slower at many); "
-        "gguf holds a Q4_1 file's own blocks: full's numbers at 0.75 B per weight",
+        "auto",
+        "auto | full | int8 | int4 | gguf: gguf holds a Q4_1 file's own blocks, full's numbers at 0.75 B "
+        "per weight; int8 / int4 re-quantize (CPU; faster at few rows, slower at many); auto: gguf where "
+        "every layer matrix is exact Q4_1 blocks on CPU, else full",
     ),
     (
         "--decode-attention",

@@ -122,3 +122,16 @@ def test_gguf_weights_give_full_weights_tokens_and_are_charged_exactly(q4_tiny_d
         match=r"--weights gguf: model\.layers\.\d\.\w+\.\w+_proj\.weight \(\d+, \d+\) is not exact Q4_1",
     ):
         engine(tiny_dir, weights="gguf")
+
+
+def test_auto_holds_exact_q4_1_blocks_and_leaves_float_checkpoints_full(q4_tiny_dir, tiny_dir):
+    """`--weights auto` (the default) picks gguf for a checkpoint whose every layer matrix is exact
+    Q4_1 blocks and full for a float one, and says which in the plan's notes. Seen red: auto answering
+    full whatever the checkpoint."""
+    for path, fmt in ((q4_tiny_dir, "gguf"), (tiny_dir, "full")):
+        e = engine(path)
+        try:
+            assert e.weights_format == fmt
+            assert any(n.startswith(f"weights: {fmt} (auto:") for n in e.plan.notes), e.plan.notes
+        finally:
+            e.shutdown()
