@@ -141,8 +141,9 @@ def test_openai_client_surfaces_400_and_429(real_server):
 
 def test_a_1_mib_request_delays_running_streams_by_at_most_a_step(real_server):
     """A 1 MiB chat body (refused: too long) is parsed, templated and tokenized (about a second) while a
-    stream decodes: every gap of that stream meanwhile stays within about one extra step (3 x its
-    median, which also covers the steps slowed by the tokenizer sharing the 2 cores).
+    stream decodes: no gap of that stream meanwhile comes near the tokenizing time (at most half of
+    it, and at most 3 x the median gap plus 100 ms: the tokenizer shares the 2 cores with the worker,
+    which with `--weights gguf`'s ~19 ms steps stretched one gap to 102 ms, 5 medians).
 
     Before the fix (a87aed9) the same measurement gave one gap of 1637 ms (median 67 ms): the event
     loop was tokenizing. After: max 177 ms and 153 ms against medians of 70 and 78 ms. Seen red with
@@ -178,4 +179,4 @@ def test_a_1_mib_request_delays_running_streams_by_at_most_a_step(real_server):
     median = sorted(gaps)[len(gaps) // 2]
     during = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
     assert t1 - t0 > 0.3 and during
-    assert max(during) <= 3 * median, (max(during), median, t1 - t0)
+    assert max(during) <= min(0.5 * (t1 - t0), 3 * median + 0.1), (max(during), median, t1 - t0)
