@@ -170,7 +170,6 @@ def resolve_q8_head(
         return False, "off (--q8-head off)"
     table = loaded.weights.get("model.embed_tokens.weight")
     why = None
-    blocks = None
     if device.type != "cpu":
         why = f"the Q8 head kernel runs on CPU only, this is {device}"
     elif table is None or "lm_head.weight" in loaded.weights:

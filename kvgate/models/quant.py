@@ -25,6 +25,9 @@ import time
 
 import torch
 
+from kvgate.models import native
+from kvgate.models.q4_1 import q4_1_bytes
+
 FORMATS = ("full", "int8", "int4", "gguf")  # gguf: the file's own Q4_1 blocks (kvgate.models.q4_1)
 INT4_GROUP = 32
 
@@ -34,8 +37,6 @@ def supported(fmt: str, device: torch.device) -> str | None:
     if fmt == "full":
         return None
     if fmt == "gguf":
-        from kvgate.models import native
-
         if torch.device(device).type != "cpu":
             return f"--weights gguf runs kvgate's CPU kernel; use --weights full on {device}"
         return None if native.extension() is not None else f"--weights gguf: {native.unavailable()}"
@@ -55,8 +56,6 @@ def quantized_matrix_bytes(fmt: str, out_features: int, in_features: int, scale_
     if fmt == "int4":
         return n * k // 2 + (k // INT4_GROUP) * n * 2 * scale_bytes
     if fmt == "gguf":
-        from kvgate.models.q4_1 import q4_1_bytes
-
         return q4_1_bytes(n, k)
     raise ValueError(fmt)
 
