@@ -66,6 +66,29 @@ def test_the_kernel_is_the_float_matmul_and_row_invariant():
         assert torch.equal(lin(x[i : i + 1])[0], full[i]), i
 
 
+def test_prefill_rows_are_computed_one_way_and_decode_rows_as_alone():
+    """With `decode_rows`, rows past it take the prefill loop (a widened panel and a 6 x 16 register
+    tile). A prompt row's output is the same bits however the prompt is chunked and whatever decode
+    rows come first; a decode row's is what it gets alone; both agree with the float matmul on the
+    very values. 200 outputs (tiles of 16 with a tail) and 160 inputs. Seen red: choosing the loop by
+    the call's row count (decode rows through the prefill loop once a call has 8+ rows)."""
+    torch.manual_seed(2)
+    w = ggml_q4_1(torch.randn(200, 160) * 0.05)
+    bias = torch.randn(200)
+    lin = Q41Linear(w, bias)
+    x = torch.randn(47, 160)
+    full = lin(x, decode_rows=7)
+    torch.testing.assert_close(full, x @ w.T + bias, atol=1e-5, rtol=0)
+    assert torch.equal(full[:7], lin(x[:7]))
+    for i in range(7):
+        assert torch.equal(lin(x[i : i + 1])[0], full[i]), i
+    for dec, start, end in [(0, 7, 8), (0, 7, 47), (3, 7, 20), (7, 20, 47), (1, 30, 31), (5, 8, 14)]:
+        part = torch.cat([x[:dec], x[start:end]])
+        y = lin(part, decode_rows=dec)
+        assert torch.equal(y[:dec], full[:dec]), (dec, start, end)
+        assert torch.equal(y[dec:], full[start:end]), (dec, start, end)
+
+
 @pytest.fixture(scope="module")
 def q4_tiny_dir(tmp_path_factory):
     """The tiny model with every layer matrix made exact Q4_1 blocks, as a Q4_1 GGUF holds them."""

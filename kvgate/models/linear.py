@@ -71,7 +71,9 @@ class Linear:
         if bias is not None:
             self.nbytes += bias.numel() * bias.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """`decode_rows` is accepted for the common call shape (`Q41Linear` uses it); every row here
+        is computed one way, whatever its kind."""
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]

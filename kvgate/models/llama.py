@@ -213,7 +213,7 @@ class LlamaModel:
             x = F.embedding(batch.input_ids, self.embed)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = F.rms_norm(x, (s.hidden_size,), ln1, eps)
-            qkv = qkv_proj(h)
+            qkv = qkv_proj(h, n_dec)
             qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
             rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
             qk = qk * cos + rot * sin
@@ -244,10 +244,10 @@ class LlamaModel:
                 vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pf.mask)
                 attn[pf.start : pf.start + n] = op.view(KVH, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
-            x = x + o_proj(attn)
+            x = x + o_proj(attn, n_dec)
             h = F.rms_norm(x, (s.hidden_size,), ln2, eps)
-            gu = gate_up_proj(h)
+            gu = gate_up_proj(h, n_dec)
             inter = gu.shape[-1] // 2
-            x = x + down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])
+            x = x + down_proj(F.silu(gu[:, :inter]) * gu[:, inter:], n_dec)
         h = F.rms_norm(x[batch.logits_index], (s.hidden_size,), self.norm, eps)
         return self.lm_head(h).float()

@@ -114,7 +114,9 @@ class Quantized:
         if bias is not None:
             self.nbytes += bias.numel() * bias.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """`decode_rows` is accepted for the common call shape (`Q41Linear` uses it); every row here
+        is computed one way, whatever its kind."""
         xa = x if x.dtype == self.act else x.to(self.act)
         if self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(xa, self.codes, self.scales)
