@@ -7,8 +7,9 @@ ninja), native logs why and what to install, and `kernel()` returns None: the mo
 gather + SDPA path.
 
 The kernel runs all decode rows of a step in one call per layer, with no gathered copy of K/V and no
-mask. Each (row, KV head) is one task with a fixed loop order, so a row's output is bit-identical
-whatever other rows share the step (the CPU SDPA path's results moved by ~1e-6 with the batch).
+mask. Each (row, KV head) is computed by a fixed loop order whichever task runs it, so a row's output
+is bit-identical whatever other rows share the step (the CPU SDPA path's results moved by ~1e-6 with
+the batch).
 
 `choose(...)` decides between it and the gather path by a short measured probe (both at 1 and 16
 rows, the model's own head geometry and dtype), never by a guess; `resolve` applies the
