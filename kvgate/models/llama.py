@@ -14,6 +14,11 @@ paged CPU kernel runs every decode row of the step in one call per layer, readin
 in place; the gather path copies each group's blocks (`index_select`) and runs SDPA with a mask
 (CUDA, or where the kernel cannot be built or measures slower). Prefill chunks always use SDPA.
 
+On CPU in float32 the glue between the matmuls is kvgate's own C++ (kvgate/models/csrc/layer_ops.cpp):
+RMSNorm fused with the residual add, and RoPE fused with the K/V write, one call each where the
+PyTorch expressions make 5-9 (1.2x a whole decode step at 1-4 rows). RoPE and the write are bit for
+bit the PyTorch expressions; RMSNorm differs from F.rms_norm by its sum's order only (an ulp).
+
 On CPU in float32 every weight matrix is prepacked once for oneDNN (`kvgate.models.linear`): 2.5-3x
 faster batched matmuls, and a row's matmul results no longer depend on how many rows share the step.
 The paged kernel gives decode attention the same property; the gather path's CPU SDPA does not (a
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
+from kvgate.models import native
 from kvgate.models.linear import Linear, packs_weights, row_buckets
 from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
@@ -109,6 +115,8 @@ class LlamaModel:
         if paged_attention and (self.device.type != "cpu" or paged_kernel() is None):
             raise ValueError(f"the paged decode attention kernel cannot run here ({self.device}); use gather")
         self.paged_attention = paged_attention
+        # float32 on CPU: RMSNorm and RoPE + K/V write by kvgate's C++ ops (kvgate/models/csrc/layer_ops.cpp)
+        self.layer_ops = native.extension() if self.device.type == "cpu" and dtype == torch.float32 else None
         quant = weights_format != "full"
         self.packed = packs_weights(self.device, dtype) if pack is None else pack
 
@@ -202,8 +210,13 @@ class LlamaModel:
         g = H // KVH
         T = batch.input_ids.shape[0]
         eps = s.rms_norm_eps
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
+        ops = self.layer_ops
+        if ops is not None:  # C++ RMSNorm (+ the residual add) and RoPE + K/V write, one call each
+            cos = self.cos[batch.positions]
+            sin = self.sin[batch.positions]
+        else:
+            cos = self.cos[batch.positions].unsqueeze(1)
+            sin = self.sin[batch.positions].unsqueeze(1)
         half = D // 2
         n_dec = 0 if batch.decode_lens is None else batch.decode_lens.shape[0]
         paged = paged_kernel() if self.paged_attention else None
@@ -211,19 +224,28 @@ class LlamaModel:
             x = self.q8.embed(batch.input_ids, self.dtype)
         else:
             x = F.embedding(batch.input_ids, self.embed)
+        pending = None  # the last residual branch, added to x by the next norm
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
-            h = F.rms_norm(x, (s.hidden_size,), ln1, eps)
-            qkv = qkv_proj(h, n_dec)
-            qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
-            rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rot * sin
-            q = qk[:, :H]
-            k_new = qk[:, H:]
-            v_new = qkv[:, (H + KVH) * D :].view(T, KVH, D)
             k_pool = kv.k[li]
             v_pool = kv.v[li]
-            k_pool.view(-1, KVH, D).index_copy_(0, batch.slots, k_new)
-            v_pool.view(-1, KVH, D).index_copy_(0, batch.slots, v_new)
+            if ops is not None:
+                h = ops.rms_norm(x, ln1, eps) if pending is None else ops.add_rms_norm_(x, pending, ln1, eps)
+                qkv = qkv_proj(h, n_dec)
+                ops.rope_write_kv_(qkv, H, KVH, cos, sin, batch.slots, k_pool, v_pool)
+                q = qkv[:, : H * D].view(T, H, D)
+            else:
+                if pending is not None:
+                    x = x + pending
+                h = F.rms_norm(x, (s.hidden_size,), ln1, eps)
+                qkv = qkv_proj(h, n_dec)
+                qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+                rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+                qk = qk * cos + rot * sin
+                q = qk[:, :H]
+                k_new = qk[:, H:]
+                v_new = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+                k_pool.view(-1, KVH, D).index_copy_(0, batch.slots, k_new)
+                v_pool.view(-1, KVH, D).index_copy_(0, batch.slots, v_new)
             if self.paged_attention and n_dec:  # every decode row in one call, reading the pool in place
                 od = paged(q[:n_dec], k_pool, v_pool, batch.decode_tables, batch.decode_lens, D**-0.5)
                 if n_dec == T:
@@ -244,10 +266,20 @@ class LlamaModel:
                 vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pf.mask)
                 attn[pf.start : pf.start + n] = op.view(KVH, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
-            x = x + o_proj(attn, n_dec)
-            h = F.rms_norm(x, (s.hidden_size,), ln2, eps)
+            o = o_proj(attn, n_dec)
+            if ops is not None:
+                h = ops.add_rms_norm_(x, o, ln2, eps)
+            else:
+                x = x + o
+                h = F.rms_norm(x, (s.hidden_size,), ln2, eps)
             gu = gate_up_proj(h, n_dec)
             inter = gu.shape[-1] // 2
-            x = x + down_proj(F.silu(gu[:, :inter]) * gu[:, inter:], n_dec)
-        h = F.rms_norm(x[batch.logits_index], (s.hidden_size,), self.norm, eps)
+            pending = down_proj(F.silu(gu[:, :inter]) * gu[:, inter:], n_dec)
+        x = x + pending
+        rows = x[batch.logits_index]
+        h = (
+            ops.rms_norm(rows, self.norm, eps)
+            if ops is not None
+            else F.rms_norm(rows, (s.hidden_size,), self.norm, eps)
+        )
         return self.lm_head(h).float()

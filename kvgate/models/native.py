@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger("kvgate.native")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("block_matmul.cpp", "paged_attention.cpp")  # one module; the second registers torch.ops.kvgate
+SOURCES = ("bindings.cpp", "block_matmul.cpp", "layer_ops.cpp", "paged_attention.cpp")  # one module
 _state: dict = {}
 
 
@@ -90,7 +90,7 @@ def extension():
     except Exception as exc:  # no compiler, no ninja, a failed build: the plain paths stay
         why = (
             f"kvgate's C++ kernels could not be built ({type(exc).__name__}: {str(exc)[-300:]}); "
-            "the LM head, --weights gguf and decode attention keep their plain PyTorch paths. Install g++ and ninja (`apt-get install g++ ninja-build`, "
+            "the LM head, --weights gguf, decode attention and the layer ops keep their plain PyTorch paths. Install g++ and ninja (`apt-get install g++ ninja-build`, "
             "or `pip install ninja`) and restart to use them."
         )
         log.warning(why)

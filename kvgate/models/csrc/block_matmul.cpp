@@ -357,12 +357,3 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d, tor
   });
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q8_matmul", &q8_matmul, "float32 x times Q8_0 blocks (codes int8, scales float32)");
-  mod.def("q4_1_matmul", &q4_1_matmul,
-          "float32 x times Q4_1 blocks (nibbles, scales and mins float32); rows from decode_rows on take the "
-          "prefill loop (-1: every row is a decode row)",
-          pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m"),
-          pybind11::arg("decode_rows") = -1);
-}

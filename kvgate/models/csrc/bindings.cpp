@@ -1,0 +1,23 @@
+// The Python module of kvgate's C++ kernels: block matmuls (block_matmul.cpp) and the small layer ops
+// (layer_ops.cpp). The paged attention kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
+#include <torch/extension.h>
+
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d);
+torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t decode_rows);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
+void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
+                    torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("q8_matmul", &q8_matmul, "float32 x times Q8_0 blocks (codes int8, scales float32)");
+  mod.def("q4_1_matmul", &q4_1_matmul,
+          "float32 x times Q4_1 blocks (nibbles, scales and mins float32); rows from decode_rows on take the "
+          "prefill loop (-1: every row is a decode row)",
+          pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m"),
+          pybind11::arg("decode_rows") = -1);
+  mod.def("rms_norm", &rms_norm, "RMSNorm of each row of a float32 [rows, hidden] tensor times w");
+  mod.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of each row times w");
+  mod.def("rope_write_kv_", &rope_write_kv_,
+          "rotate-half RoPE on the q and k heads of fused QKV rows in place, then k and v into the pools at slots");
+}

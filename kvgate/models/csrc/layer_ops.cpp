@@ -1,0 +1,134 @@
+// The small float32 CPU ops between a layer's matmuls, one call each instead of the 5-9 ATen calls
+// the PyTorch forward makes (kvgate.models.layer_ops; at one decode row each ATen call costs more
+// in dispatch than in arithmetic).
+//
+// - rms_norm(x, w, eps) -> h and add_rms_norm_(x, y, w, eps) -> h (x += y first, in place): per row,
+//   the sum of squares in 8 float32 lanes over the row in order, the lanes added in one fixed tree,
+//   then h = (x * (1 / sqrt(mean + eps))) * w with the two roundings F.rms_norm makes. Only the sum's
+//   order differs from ATen's (a row's inverse RMS may move by an ulp); it never depends on the
+//   other rows in the call.
+// - rope_write_kv_(qkv, heads, kv_heads, cos, sin, slots, k_pool, v_pool): rotate-half RoPE on the q
+//   and k heads of the fused QKV rows in place, then the new k and v rows copied into the pools at
+//   their slots. Each value is round(round(x * cos) + round(-/+x' * sin)), the three roundings of the
+//   PyTorch expression `qk * cos + rotate_half(qk) * sin`: bit-identical to it. This file is compiled
+//   without FMA contraction for that reason.
+#pragma GCC optimize("fp-contract=off")
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define KVGATE_AVX2 1
+#endif
+
+namespace {
+
+inline float row_sum_squares(const float* x, int64_t n) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+#ifdef KVGATE_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  _mm256_storeu_ps(lane, acc);
+#else
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += x[i + l] * x[i + l];
+#endif
+  for (int64_t l = 0; i < n; ++i, ++l) lane[l] += x[i] * x[i];
+  return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              what, ": x must be a contiguous float32 CPU [rows, hidden] tensor, got ", x.sizes(), " ",
+              x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
+              what, ": the norm weight must be float32 [", x.size(1), "], got ", w.sizes());
+}
+
+torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  const int64_t R = x.size(0), n = x.size(1);
+  auto h = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = xp + r * n;
+    float* hr = hp + r * n;
+    const float mean = row_sum_squares(xr, n) / static_cast<float>(n);
+    const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i) hr[i] = (xr[i] * inv) * wp[i];
+  }
+  return h;
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, w, "rms_norm");
+  return norm_rows(x, w, eps);
+}
+
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps) {
+  check_rows(x, w, "add_rms_norm_");
+  TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.sizes() == x.sizes() && y.is_contiguous(),
+              "add_rms_norm_: y must be a contiguous float32 tensor shaped like x ", x.sizes(), ", got ", y.sizes());
+  float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  const int64_t total = x.numel();
+  for (int64_t i = 0; i < total; ++i) xp[i] += yp[i];
+  return norm_rows(x, w, eps);
+}
+
+void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
+                    torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat32 && qkv.dim() == 2 &&
+                  qkv.is_contiguous(),
+              "rope_write_kv_: qkv must be a contiguous float32 CPU [tokens, (heads + 2 kv_heads) * head_dim] tensor");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+              "rope_write_kv_: cos and sin must be contiguous float32 [tokens, head_dim]");
+  const int64_t D = cos.size(1), half = D / 2, width = (heads + 2 * kv_heads) * D;
+  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == width, "rope_write_kv_: qkv has ", qkv.size(1), " columns, expected (",
+              heads, " + 2 x ", kv_heads, ") x ", D);
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == torch::kFloat32 &&
+                  v_pool.scalar_type() == torch::kFloat32 && k_pool.sizes() == v_pool.sizes() &&
+                  k_pool.numel() % (kv_heads * D) == 0,
+              "rope_write_kv_: the pools must be contiguous float32 tensors of whole [kv_heads, head_dim] slots");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous(),
+              "rope_write_kv_: slots must be a contiguous int64 [tokens] tensor");
+  const int64_t nslots = k_pool.numel() / (kv_heads * D);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "rope_write_kv_: slot ", sp[t], " of token ", t, " is outside the pool's ",
+                nslots, " slots");
+  float* qp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  float* kp = k_pool.data_ptr<float>();
+  float* vp = v_pool.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = qp + t * width;
+    const float* c = cp + t * D;
+    const float* s = snp + t * D;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      float* x = row + h * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i], b = x[i + half];
+        const float lo = a * c[i] + (-b) * s[i];
+        const float hi = b * c[i + half] + a * s[i + half];
+        x[i] = lo;
+        x[i + half] = hi;
+      }
+    }
+    const int64_t kv = kv_heads * D;
+    std::copy(row + heads * D, row + heads * D + kv, kp + sp[t] * kv);
+    std::copy(row + heads * D + kv, row + heads * D + 2 * kv, vp + sp[t] * kv);
+  }
+}
