@@ -84,11 +84,15 @@ def default_model_weights() -> dict:
         "fp32": weight_bytes(spec, 4),
         "bf16": weight_bytes(spec, 2),
         "gguf_file": os.path.getsize(path),  # Q4_1: what llama.cpp streams (an upper bound on it)
+        # kvgate's default here (--weights auto -> gguf): the Q4_1 layer blocks and the Q8_0 table, as held
+        "kvgate_gguf": weight_bytes(spec, 4, weight_format="gguf", q8_head=True),
     }
 
 
 def decode_bounds(read_gbps: float, weights: dict) -> dict:
-    return {k: read_gbps * 1e9 / weights[k] for k in ("fp32", "bf16", "gguf_file")}
+    return {
+        k: read_gbps * 1e9 / weights[k] for k in ("fp32", "bf16", "gguf_file", "kvgate_gguf") if k in weights
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         f"median {bw['read_median_gbps']:.1f} GB/s"
     )
     print(f"batch-1 decode bound for {w['model']} = read bandwidth / weight bytes per step:")
-    for k, label in (("fp32", "fp32"), ("bf16", "bf16"), ("gguf_file", "Q4_1 GGUF file")):
+    for k, label in (
+        ("fp32", "fp32"),
+        ("bf16", "bf16"),
+        ("gguf_file", "Q4_1 GGUF file"),
+        ("kvgate_gguf", "kvgate gguf"),
+    ):
         print(
             f"  {label:<15} {w[k] / 1e6:7.1f} MB -> {bounds['best'][k]:6.1f} tok/s (median bw: {bounds['median'][k]:.1f})"
         )

@@ -629,7 +629,8 @@ def reference_md(results: dict) -> list[str]:
         f"({ref['loadavg_at_end'][0]:.1f} at the end): each peer with its own default threads (kvgate and "
         "torch: torch's choice; llama.cpp: all CPUs), the same prompts as the sweep. Read bandwidth with "
         f"{bw['torch_threads']} torch threads: {bw['read_best_gbps']:.1f} GB/s best, so the batch-1 decode bound "
-        f"is fp32 {bd['fp32']:.0f}, bf16 {bd['bf16']:.0f}, Q4_1 {bd['gguf_file']:.0f} tok/s."
+        f"is fp32 {bd['fp32']:.0f}, bf16 {bd['bf16']:.0f}, Q4_1 {bd['gguf_file']:.0f}, "
+        f"kvgate gguf {bd.get('kvgate_gguf', float('nan')):.0f} tok/s."
     )
     L.append("")
     rows = []
@@ -813,7 +814,8 @@ def print_table(results: dict) -> None:
     print(
         f"read bandwidth {b['measure']['read_best_gbps']:.1f} GB/s -> batch-1 decode bound "
         f"fp32 {b['decode_bound_tok_s']['fp32']:.0f}, bf16 {b['decode_bound_tok_s']['bf16']:.0f}, "
-        f"Q4_1 file {b['decode_bound_tok_s']['gguf_file']:.0f} tok/s"
+        f"Q4_1 file {b['decode_bound_tok_s']['gguf_file']:.0f}, "
+        f"kvgate gguf {b['decode_bound_tok_s'].get('kvgate_gguf', float('nan')):.0f} tok/s"
     )
 
 
@@ -890,9 +892,10 @@ def derive_findings(results: dict) -> list[str]:
     k_lo, k_hi = summary_of(results, "kvgate", lo), summary_of(results, "kvgate", hi)
     if k_lo and k_lo["tpot_ms"]["p50"]:
         dec = 1000 / k_lo["tpot_ms"]["p50"]
+        key, name = ("kvgate_gguf", "gguf (its default here)") if "kvgate_gguf" in bd else ("fp32", "fp32")
         out.append(
-            f"kvgate batch-1 decode: {dec:.1f} tok/s = {dec / bd['fp32']:.0%} of the fp32 bandwidth bound "
-            f"({bd['fp32']:.0f} tok/s)."
+            f"kvgate batch-1 decode: {dec:.1f} tok/s = {dec / bd[key]:.0%} of the bandwidth bound of the "
+            f"weights it holds, {name} ({bd[key]:.0f} tok/s)."
         )
     if k_lo and k_hi and k_lo["output_throughput"] and lo != hi:
         out.append(
@@ -1110,12 +1113,13 @@ def write_doc(results: dict) -> None:
     def dec(s):
         return f"{1000 / s['tpot_ms']['p50']:.1f}" if s and s["tpot_ms"]["p50"] else "–"
 
+    gguf_held = "kvgate_gguf" in bd
     rows = [
         [
             "fp32",
             f"{wb['fp32'] / 1e6:.0f} MB",
             f"{bd['fp32']:.0f}",
-            f"kvgate {dec(k1)}, transformers fp32 {dec(h1)}",
+            f"transformers fp32 {dec(h1)}" if gguf_held else f"kvgate {dec(k1)}, transformers fp32 {dec(h1)}",
         ],
         ["bf16", f"{wb['bf16'] / 1e6:.0f} MB", f"{bd['bf16']:.0f}", f"transformers bf16 {dec(hb1)}"],
         [
@@ -1125,6 +1129,15 @@ def write_doc(results: dict) -> None:
             f"llama-server {dec(n1)}, llama-cpp-python {dec(l1)}",
         ],
     ]
+    if gguf_held:
+        rows.append(
+            [
+                "Q4_1 layers + Q8_0 table as kvgate holds them (`--weights auto` -> gguf, the default)",
+                f"{wb['kvgate_gguf'] / 1e6:.0f} MB",
+                f"{bd['kvgate_gguf']:.0f}",
+                f"kvgate {dec(k1)}",
+            ]
+        )
     w(
         md_table(
             ["weights", "bytes/step", "bound tok/s", "measured batch-1 decode tok/s (1000 / TPOT p50, c=1)"],
@@ -1135,7 +1148,11 @@ def write_doc(results: dict) -> None:
     w(cpu_line(m))
     w("")
     if k1 and k1["tpot_ms"]["p50"]:
-        w(f"kvgate reaches {1000 / k1['tpot_ms']['p50'] / bd['fp32']:.0%} of the fp32 bound at batch 1.")
+        key = "kvgate_gguf" if gguf_held else "fp32"
+        w(
+            f"kvgate reaches {1000 / k1['tpot_ms']['p50'] / bd[key]:.0%} of the bound of the weights it holds "
+            f"({'gguf' if gguf_held else 'fp32'}) at batch 1."
+        )
         w("")
     findings = derive_findings(results)
     if findings:
@@ -1337,11 +1354,19 @@ def write_doc(results: dict) -> None:
         "- llama.cpp's C++ `llama-server` is the peer users would pick: it batches continuously across its "
         "`-np` slots, here as many as there are clients, so it is the one to beat at every concurrency."
     )
-    w(
-        f"- llama.cpp computes with Q4_1 weights ({wb['gguf_file'] / 1e6:.0f} MB/step); kvgate and transformers "
-        f"stream float weights ({wb['fp32'] / 1e6:.0f} MB/step in fp32), so at batch 1 the bandwidth bound alone "
-        f"favours llama.cpp ~{wb['fp32'] / wb['gguf_file']:.1f}x."
-    )
+    if "kvgate_gguf" in wb:
+        w(
+            f"- llama.cpp computes with Q4_1 weights ({wb['gguf_file'] / 1e6:.0f} MB/step, the file); kvgate by "
+            f"default holds the same Q4_1 layer blocks and the Q8_0 table ({wb['kvgate_gguf'] / 1e6:.0f} MB: its "
+            "scales are float32) and widens them to float32 for float32 arithmetic; transformers streams float "
+            f"weights ({wb['fp32'] / 1e6:.0f} MB/step in fp32)."
+        )
+    else:
+        w(
+            f"- llama.cpp computes with Q4_1 weights ({wb['gguf_file'] / 1e6:.0f} MB/step); kvgate and "
+            f"transformers stream float weights ({wb['fp32'] / 1e6:.0f} MB/step in fp32), so at batch 1 the "
+            f"bandwidth bound alone favours llama.cpp ~{wb['fp32'] / wb['gguf_file']:.1f}x."
+        )
     w(
         "- The transformers numbers are an engine-only upper reference for static batching: no HTTP, no "
         "tokenization, no streaming, no admission control."
