@@ -289,6 +289,37 @@ def test_top_p_wider_than_the_candidate_prefilter_still_draws_from_the_whole_nuc
     assert max(int(rank[t]) for t in got) >= TOP_P_CANDIDATES
 
 
+def test_top_p_draws_the_same_tokens_whichever_candidates_first_hold_the_nucleus(monkeypatch):
+    """Top-p looks at the TOP_P_FIRST most likely tokens, then at TOP_P_CANDIDATES, then sorts in
+    full. Three rows whose nuclei need each stage (5, 391 and 6862 tokens of 8192), drawn together and
+    alone with 20 seeds, give the very tokens of a sampler that starts at TOP_P_CANDIDATES (the one
+    before the first stage existed). Seen red: the widened rows drawn without their nucleus cut
+    (`kept` replaced by the raw probabilities)."""
+    import kvgate.sampling as sampling
+
+    vocab = 8192
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.stack([torch.randn(vocab, generator=gen) * s for s in (9.0, 3.0, 0.3)])
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=seed) for seed in range(20)]
+
+    def tokens(first: int) -> tuple[list[list[int]], list[list[int]]]:
+        monkeypatch.setattr(sampling, "TOP_P_FIRST", first)
+        together, alone = [], []
+        for p in params:
+            together.append(sampling.sample_batch([Sampler(p, [], vocab) for _ in range(3)], rows))
+            alone.append(
+                [sampling.sample_batch([Sampler(p, [], vocab)], rows[i : i + 1])[0] for i in range(3)]
+            )
+        return together, alone
+
+    staged, staged_alone = tokens(64)
+    assert staged == staged_alone
+    old, _ = tokens(sampling.TOP_P_CANDIDATES)
+    assert staged == old
+    assert tokens(8)[0] == old  # a tiny first stage: every row widens
+    assert len({t[0] for t in staged}) > 1 and len({t[2] for t in staged}) > 10  # the rows really sample
+
+
 def test_a_nan_row_falls_back_to_argmax_without_touching_its_neighbours():
     """A row whose logits hold NaN gets its argmax (NaN ignored); the finite rows beside it draw
     what they draw alone. Broken by: letting NaN reach the inverse CDF (an out-of-range index)."""
