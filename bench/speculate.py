@@ -1,6 +1,7 @@
 """Prompt-lookup speculative decoding (`--speculate K`): acceptance and speedup, one stream.
 
     python -m bench.speculate [--k 0 2 4 8] [--max-tokens 160] [--weights full] [--temperature 0]
+        [--workload free] [--adapt on off] [--rounds 3]
 
 Runs the real engine (no server) on SmolLM2 with its chat template, one request at a time, for two
 workloads: input-grounded (rewrite or correct a given paragraph: the answer repeats much of the
@@ -39,8 +40,11 @@ WORKLOADS = {
 }
 
 
-def run(k: int, prompts: list[str], max_tokens: int, weights: str, temperature: float = 0.0) -> dict:
+def run(
+    k: int, prompts: list[str], max_tokens: int, weights: str, temperature: float = 0.0, adapt: bool = True
+) -> dict:
     from kvgate.config import EngineConfig
+    from kvgate.core import speculate
     from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest
     from kvgate.sampling import SamplingParams
@@ -48,8 +52,11 @@ def run(k: int, prompts: list[str], max_tokens: int, weights: str, temperature: 
     e = Engine.from_model(
         "default",
         EngineConfig(speculate=k, weights=weights, memory_limit="3GiB", max_model_len=2048, max_seqs=4),
-    ).start()
+    )
+    keep_min = speculate.KEEP_MIN
+    speculate.KEEP_MIN = keep_min if adapt else 0.0  # a rate never below 0: the gate never pauses
     try:
+        e.start()
         tokens, seconds, produced = [], 0.0, 0
         for p in prompts:
             ids = e.tokenizer.encode(e.tokenizer.render_chat([{"role": "user", "content": p}]))
@@ -70,6 +77,7 @@ def run(k: int, prompts: list[str], max_tokens: int, weights: str, temperature: 
         }
     finally:
         e.shutdown()
+        speculate.KEEP_MIN = keep_min
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,31 +90,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--weights", default="full")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (top-p 0.95)")
+    ap.add_argument("--workload", choices=["input", "free"], nargs="+", default=["input", "free"])
+    ap.add_argument("--adapt", choices=["on", "off"], nargs="+", default=["on"], help="the draft gate")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat everything, interleaved")
     a = ap.parse_args(argv)
     ks = sorted(set([0, *a.k]))
+    variants = [(0, True)] + [(k, ad == "on") for k in ks if k for ad in a.adapt]
     print(
         f"{cpu_line(machine_info())} torch threads {torch.get_num_threads()}; weights {a.weights}; "
         f"{'greedy' if not a.temperature else f'temperature {a.temperature:g}, top-p 0.95'}, one stream"
     )
     print()
     print(
-        "| workload | K | decode tok/s | speedup vs K=0 | drafts accepted | tokens per step | same tokens as K=0 |"
+        "| workload | round | K | gate | decode tok/s | speedup vs K=0 | drafts accepted | tokens per step "
+        "| same tokens as K=0 |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for name, prompts in WORKLOADS.items():
-        base = None
-        for k in ks:
-            r = run(k, prompts, a.max_tokens, a.weights, a.temperature)
-            base = base or r
-            rate = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
-            steps = r["generated"] - r["accepted"]  # one step per token the model chose itself
-            per_step = r["generated"] / steps if steps else 1.0
-            print(
-                f"| {name} | {k} | {r['tok_s']:.1f} | x{r['tok_s'] / base['tok_s']:.2f} | "
-                f"{r['accepted']}/{r['drafted']} ({rate:.0%}) | {per_step:.2f} | "
-                f"{'sampled' if a.temperature else 'yes' if r['tokens'] == base['tokens'] else 'NO'} |",
-                flush=True,
-            )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rnd in range(1, a.rounds + 1):
+        for name, prompts in WORKLOADS.items():
+            if name.split()[0].split("-")[0] not in a.workload:
+                continue
+            base = None
+            for k, adapt in variants:
+                r = run(k, prompts, a.max_tokens, a.weights, a.temperature, adapt)
+                base = base or r
+                rate = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
+                steps = r["generated"] - r["accepted"]  # one step per token the model chose itself
+                per_step = r["generated"] / steps if steps else 1.0
+                same = "sampled" if a.temperature else "yes" if r["tokens"] == base["tokens"] else "NO"
+                print(
+                    f"| {name} | {rnd} | {k} | {'on' if adapt and k else 'off' if k else '-'} | "
+                    f"{r['tok_s']:.1f} | x{r['tok_s'] / base['tok_s']:.2f} | "
+                    f"{r['accepted']}/{r['drafted']} ({rate:.0%}) | {per_step:.2f} | {same} |",
+                    flush=True,
+                )
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvgate.core.speculate import NgramIndex
+from kvgate.core.speculate import DraftGate, NgramIndex
 from kvgate.request import BudgetCap, RequestHandle
 from kvgate.sampling import Sampler
 from kvgate.stop import StopMatcher
@@ -61,6 +61,7 @@ class Row:
     shared_positions: int = 0
     followers: list[int] = field(default_factory=list)
     ngrams: NgramIndex | None = None  # speculative decoding's draft source, when the row may speculate
+    gate: DraftGate | None = None  # whether it drafts now, from its own acceptance (with ngrams)
 
     @property
     def id(self) -> int:

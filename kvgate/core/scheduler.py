@@ -28,7 +28,7 @@ from kvgate.core.inbox import Cancel, CancelAll, Command, Drain, Submit
 from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.outputs import SchedulerOutput
 from kvgate.core.rows import Row, WaitEntry
-from kvgate.core.speculate import NgramIndex, eligible
+from kvgate.core.speculate import DraftGate, NgramIndex, eligible
 from kvgate.core.state import EngineState
 from kvgate.core.step_inputs import DecodeInput, PrefillInput, VerifyInput
 from kvgate.request import Admitted, BudgetCap, Refused, RequestHandle
@@ -178,12 +178,14 @@ class Scheduler:
         if not req.ignore_eos:
             stop_ids |= self.tok.eog_ids
         sampler = Sampler(req.sampling, req.prompt_ids, self.tok.vocab_size)
+        speculates = bool(self.cfg.speculate) and eligible(sampler)
         return Row(
             handle=handle,
             prompt=list(req.prompt_ids),
             max_tokens=max_tokens,
             sampler=sampler,
-            ngrams=NgramIndex() if self.cfg.speculate and eligible(sampler) else None,
+            ngrams=NgramIndex() if speculates else None,
+            gate=DraftGate() if speculates else None,
             stop=StopMatcher(stop_ids, req.stop),
             detok=IncrementalDetokenizer(self.tok, req.prompt_ids),
             budget_cap=cap,
@@ -254,8 +256,8 @@ class Scheduler:
     def _drafts(self, row: Row) -> list[int]:
         """Draft tokens for a row that may speculate: at most `speculate`, and at most one fewer than
         the tokens it may still produce (so every position written stays inside its reserved KV
-        blocks and the context)."""
-        if row.ngrams is None:
+        blocks and the context); none while its gate pauses it (its recent drafts were rejected)."""
+        if row.ngrams is None or not row.gate.open(len(row.tokens)):
             return []
         made = len(row.tokens) - len(row.prompt)
         room = min(row.max_tokens - made, self.cfg.max_model_len - len(row.tokens)) - 1

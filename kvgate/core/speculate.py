@@ -27,6 +27,12 @@ only on its own tokens and limits (never on its neighbours: the step's token bud
 `speculate` extra tokens for every row, in the plan), so batching does not change what a request
 generates. Drafts never reach past the row's reserved KV: a row with `m` tokens still allowed gets
 at most `m - 1` drafts.
+
+When a row drafts (`DraftGate`): a verify span that keeps nothing costs more than the step it
+replaces, so a row whose recent drafts are mostly rejected stops drafting for a while, the pause
+doubling while its probes keep failing. The gate sees only the row's own verifies and its own
+token count, so whether a row drafts, like how many drafts it gets, never depends on its neighbours
+or on timing; it only chooses whether to draft, which never changes a greedy row's tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +41,16 @@ from kvgate.sampling import Sampler
 
 NGRAM_MAX = 3  # the longest suffix looked up; shorter ones are tried when it has no earlier occurrence
 MAX_SPECULATE = 8  # --speculate's ceiling: a verify span must stay shorter than the smallest prefill chunk
+# DraftGate (bench/speculate.py measured them; docs/DESIGN_NOTES.md): a row pauses drafting when the
+# moving average of its kept/drafted ratio falls below KEEP_MIN (a 4-draft span costs ~1.8 decode
+# steps here, so it pays from ~0.8 kept drafts, i.e. ~20% of 4), for PAUSE_MIN tokens, doubled on
+# every probe that fails again, up to PAUSE_MAX. PAUSE_MIN 4, not 8: a rewrite's preamble rejects
+# drafts before the copying starts, and a first pause of 8 cost greedy input-grounded text 13% more
+# steps (103 against 91; 4: 95).
+KEEP_MIN = 0.2
+KEEP_WEIGHT = 0.3  # the weight of the latest verify in the moving average
+PAUSE_MIN = 4
+PAUSE_MAX = 128
 
 
 def eligible(sampler: Sampler) -> bool:
@@ -71,6 +87,39 @@ class NgramIndex:
             if end is not None:
                 return tokens[end + 1 : end + 1 + k]
         return []
+
+
+class DraftGate:
+    """Whether a row drafts at its next step, from its own verifies only (deterministic per row).
+
+    `rate` is an exponentially weighted average of kept/drafted over the row's verify spans, starting
+    optimistic (1.0). When it falls below KEEP_MIN the row stops drafting for `pause` tokens
+    (PAUSE_MIN, doubling on each consecutive pause up to PAUSE_MAX); the first span after a pause is a
+    probe judged from a neutral rate (KEEP_MIN): one that keeps enough resumes drafting and resets the
+    pause, one that does not pauses again, twice as long."""
+
+    __slots__ = ("pause", "rate", "resume_at")
+
+    def __init__(self) -> None:
+        self.rate = 1.0
+        self.pause = 0  # the length of the last pause; 0 once drafts are kept again
+        self.resume_at = 0  # the row drafts again once it holds this many tokens
+
+    def open(self, n_tokens: int) -> bool:
+        return n_tokens >= self.resume_at
+
+    def observe(self, drafted: int, kept: int, n_tokens: int) -> None:
+        """A verify span of the row kept `kept` of its `drafted` drafts; it now holds `n_tokens`."""
+        if drafted <= 0:
+            return
+        if self.pause and self.rate < KEEP_MIN:  # the probe after a pause starts from neutral
+            self.rate = KEEP_MIN
+        self.rate += KEEP_WEIGHT * (kept / drafted - self.rate)
+        if self.rate >= KEEP_MIN:
+            self.pause = self.resume_at = 0
+            return
+        self.pause = min(PAUSE_MAX, 2 * self.pause) if self.pause else PAUSE_MIN
+        self.resume_at = n_tokens + self.pause
 
 
 def accept(drafts: list[int], chosen: list[int]) -> list[int]:

@@ -3,7 +3,9 @@
 Prompt chunks advance their row's computed positions; each sampled token is appended, checked
 against the stop ids and strings, detokenized and sent as a `Token` event; a row that is done leaves
 through `EngineState.finish` (also when its grammar is complete: nothing else may follow). A token's
-log-probabilities, when its row asked for them, ride on its `Token` event. A failed forward fails
+log-probabilities, when its row asked for them, ride on its `Token` event. A verified draft span
+(`--speculate`) appends its tokens in order and tells the row's draft gate how many of its drafts
+were kept (`speculate.DraftGate`: whether the row drafts next). A failed forward fails
 every row of the step; a failure while handling one row's token (a detokenizer or stop matcher that
 raises) fails that row alone.
 """
@@ -68,6 +70,8 @@ class Updater:
                     )  # a draft the row kept (the first token is the step's own)
                     if rid not in s.running:
                         break
+                if rid in mo.verified and row.gate is not None:  # whether it drafts next (its own history)
+                    row.gate.observe(mo.drafted.get(rid, 0), len(tokens) - 1, len(row.tokens))
             except Exception as exc:
                 log.exception("handling a token of request %d failed", rid)
                 c.failed += 1
