@@ -7,7 +7,8 @@ Builds the real engine (no server), puts `rows` requests in decode at `context` 
 `--steps` engine steps on the worker's own code path (`EngineCore.tick`), once plainly (wall time per
 step) and once under torch.profiler (time per op family). "python and glue" is the step's wall time
 minus everything the profiler attributes to ops and to sampling. Prints a markdown table with the CPU
-model and flags; docs/DESIGN_NOTES.md quotes it.
+model and flags; docs/DESIGN_NOTES.md quotes it. The profiler does not see kvgate's pybind kernels
+(block matmuls, layer ops): their time lands in "python and glue"; bench/step_split.py times them.
 """
 
 from __future__ import annotations
