@@ -71,10 +71,11 @@ class Q8Table:
         return self._ext.q8_matmul(x.float(), self.codes, self.scales)
 
 
-# auto keeps the Q8 head unless the plain one measures clearly faster: the probe's slice is cache-hot
-# (19 MB), which flatters the float head (the whole 49,152-row head streams from memory in serving: 3.4
-# against 7.8 ms at one row, one thread), and two probes a few percent apart must not flip the choice between `kvgate plan` and the
-# engine. Measured on the 2-vCPU EPYC: Q8 1.64 ms against 1.88-2.66 ms for the plain head, 12 probes.
+# auto keeps the Q8 head unless the plain one measures clearly faster. The probe's slice is cache-hot
+# (19 MB), which flatters the float head: in serving the whole 49,152-row head streams from memory
+# (3.4 against 7.8 ms at one row, one thread). And two probes a few percent apart must not flip the
+# choice between `kvgate plan` and the engine. On the 2-vCPU EPYC: Q8 1.64 ms against 1.88-2.66 ms
+# for the plain head, 12 probes.
 KEEP_WITHIN = 1.5  # what it must catch: a CPU where the kernel is several times slower (no AVX2)
 
 

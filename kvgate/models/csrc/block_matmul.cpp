@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -247,7 +246,6 @@ void panel_tile(const float* __restrict x, int64_t K, const float* __restrict pa
   }
 }
 #else
-
 template <int R>
 void panel_tile(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int64_t width) {
   float acc[R][PTILE] = {};
@@ -256,6 +254,7 @@ void panel_tile(const float* x, int64_t K, const float* panel, float* y, int64_t
       for (int64_t c = 0; c < PTILE; ++c) acc[r][c] = std::fma(x[r * K + k], panel[k * PTILE + c], acc[r][c]);
   for (int r = 0; r < R; ++r) std::copy(acc[r], acc[r] + width, y + r * ldy);
 }
+
 // panel[k * PTILE + c] = weight row t + c at k, widened; columns from `width` on are zero.
 template <class RowOf>
 void widen_panel(RowOf row_of, int64_t K, int64_t t, int64_t width, float* panel) {
@@ -270,7 +269,6 @@ void widen_panel(RowOf row_of, int64_t K, int64_t t, int64_t width, float* panel
   }
 }
 #endif
-
 
 void panel_group(const float* x, int64_t rows, int64_t K, const float* panel, float* y, int64_t ldy,
                  int64_t width) {

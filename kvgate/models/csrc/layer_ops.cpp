@@ -16,6 +16,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #if defined(__AVX2__)
