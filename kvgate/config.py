@@ -66,7 +66,7 @@ class EngineConfig:
     seed: int | None = None  # default seed for requests that give none (None = fresh entropy)
     threads: int | None = None  # torch intra-op threads; None = torch's default
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
-    weights: str = "auto"  # auto | full | int8 | int4 | gguf (auto: gguf where exact Q4_1 blocks, else full)
+    weights: str = "auto"  # auto | full | int8 | int4 | gguf | gguf-q8act (auto: gguf where exact Q4_1 blocks, else full)
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
     decode_attention: str = "auto"  # auto | paged | gather (kvgate.models.paged_attention)
     speculate: int = (
@@ -145,9 +145,10 @@ ENGINE_FLAGS = [
         "--weights",
         str,
         "auto",
-        "auto | full | int8 | int4 | gguf: gguf holds a Q4_1 file's own blocks, full's numbers at 0.75 B "
-        "per weight; int8 / int4 re-quantize (CPU; faster at few rows, slower at many); auto: gguf where "
-        "every layer matrix is exact Q4_1 blocks on CPU, else full",
+        "auto | full | int8 | int4 | gguf | gguf-q8act: gguf holds a Q4_1 file's own blocks, full's numbers "
+        "at 0.75 B per weight; gguf-q8act also rounds activations to 8-bit blocks for integer dot products "
+        "as llama.cpp does (faster; logits move ~1e-2); int8 / int4 re-quantize (CPU; faster at few rows, "
+        "slower at many); auto: gguf where every layer matrix is exact Q4_1 blocks on CPU, else full",
     ),
     (
         "--decode-attention",

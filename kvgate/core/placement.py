@@ -23,7 +23,7 @@ from kvgate.models.paged_attention import resolve as resolve_decode_attention
 from kvgate.models.q4_1 import q4_1_blocks
 from kvgate.models.q8_head import probe as probe_q8_head
 from kvgate.models.q8_head import q8_blocks
-from kvgate.models.quant import FORMATS, probe_activation_dtype, supported
+from kvgate.models.quant import FORMATS, GGUF_FORMATS, probe_activation_dtype, supported
 
 log = logging.getLogger("kvgate.engine")
 
@@ -106,7 +106,7 @@ def resolve_weights(name: str, device: torch.device) -> tuple[str, torch.dtype |
     why = supported(name, device)
     if why is not None:
         raise DeviceError(why)
-    return name, (None if name in ("full", "gguf") else probe_activation_dtype(name))
+    return name, (None if name == "full" or name in GGUF_FORMATS else probe_activation_dtype(name))
 
 
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -133,12 +133,12 @@ def auto_weights(loaded: LoadedModel, device: torch.device) -> tuple[str, str]:
     return "gguf", "gguf (auto: every layer matrix is exact Q4_1 blocks, held as such: full's numbers)"
 
 
-def check_gguf_blocks(loaded: LoadedModel) -> None:
-    """--weights gguf holds every layer matrix as its Q4_1 blocks: each must be exactly that."""
+def check_gguf_blocks(loaded: LoadedModel, fmt: str = "gguf") -> None:
+    """--weights gguf (or gguf-q8act) holds every layer matrix as its Q4_1 blocks: each must be exactly that."""
     name = not_gguf_blocks(loaded)
     if name is not None:
         raise DeviceError(
-            f"--weights gguf: {name} is not exact Q4_1 blocks, and --weights gguf holds "
+            f"--weights {fmt}: {name} is not exact Q4_1 blocks, and --weights {fmt} holds "
             "every layer matrix as the file's own Q4_1 blocks (a Q4_1 GGUF such as the default model's). "
             "Use --weights full (the same numbers, in float) or --weights int4."
         )
@@ -211,8 +211,8 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         )
     packed = resolve_packing(cfg.pack_weights, device, dtype)  # quantized: the head (and any unquantizable)
     q8_head, q8_reason = resolve_q8_head(cfg.q8_head, loaded, device, dtype, packed)
-    if fmt == "gguf" and weights_note is None:  # auto has checked them
-        check_gguf_blocks(loaded)
+    if fmt in GGUF_FORMATS and weights_note is None:  # auto has checked them
+        check_gguf_blocks(loaded, fmt)
     spec = loaded.spec
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     if packed:
@@ -249,7 +249,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         packed_weights=packed,
         weight_params=checkpoint_params(loaded),
         weight_format=fmt,
-        quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else (4 if fmt == "gguf" else 2),
+        quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else (4 if fmt in GGUF_FORMATS else 2),
         speculate=cfg.speculate,
         q8_head=q8_head,
     )

@@ -187,12 +187,19 @@ def step_workspace(
 def _gemm_scratch(gemms: list[tuple[int, int]], T: int, b: int, limits: StepLimits) -> int:
     """Matmul scratch: MKL sgemm packing buffers (kept by MKL's allocator after first use), or with
     prepacked weights a matmul input padded to its row bucket; with quantized layer matrices also
-    their input cast to the activation dtype and their output in it."""
+    their input cast to the activation dtype and their output in it (gguf-q8act: also the input's
+    8-bit blocks, a byte per value and two float32 per 32)."""
     fmt = limits.weight_format
     quant = 0
     if fmt != "full":  # the layer matrices quantizable in `fmt` (the LM head, last, never is)
+        blocks = 1 if fmt == "gguf-q8act" else 0
         quant = max(
-            (T * (k + n) * limits.quant_act_bytes for k, n in gemms[:-1] if quantizable(fmt, n, k)), default=0
+            (
+                T * (k + n) * limits.quant_act_bytes + blocks * T * (k + k // 32 * 8)
+                for k, n in gemms[:-1]
+                if quantizable(fmt, n, k)
+            ),
+            default=0,
         )
         gemms = [g for i, g in enumerate(gemms) if i == len(gemms) - 1 or not quantizable(fmt, g[1], g[0])]
     if limits.packed_weights:  # transient, one call at a time

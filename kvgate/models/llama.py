@@ -39,8 +39,9 @@ from kvgate.models.linear import Linear, packs_weights, row_buckets
 from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
 from kvgate.models.q4_1 import Q41Linear
+from kvgate.models.q4_1_dot8 import Q41Dot8Linear
 from kvgate.models.q8_head import Q8Table, q8_blocks
-from kvgate.models.quant import Quantized, quantizable
+from kvgate.models.quant import GGUF_FORMATS, Quantized, quantizable
 
 if TYPE_CHECKING:
     from kvgate.core.kv_cache import KVPool
@@ -124,15 +125,20 @@ class LlamaModel:
             return weights.pop(name).to(device=self.device, dtype=dtype).contiguous()
 
         def mat(name: str) -> torch.Tensor:  # gguf blocks are recovered from the checkpoint's float32
-            keep = torch.float32 if weights_format == "gguf" else dtype
+            keep = torch.float32 if weights_format in GGUF_FORMATS else dtype
             return weights.pop(name).to(device=self.device, dtype=keep).contiguous()
 
         def lin(
             weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False
-        ) -> Linear | Quantized | Q41Linear:
-            if weights_format == "gguf" and not head and quantizable(weights_format, *weight.shape):
-                return Q41Linear(weight, bias)
-            if quant and weights_format != "gguf" and not head and quantizable(weights_format, *weight.shape):
+        ) -> Linear | Quantized | Q41Linear | Q41Dot8Linear:
+            if weights_format in GGUF_FORMATS and not head and quantizable(weights_format, *weight.shape):
+                return (Q41Dot8Linear if weights_format == "gguf-q8act" else Q41Linear)(weight, bias)
+            if (
+                quant
+                and weights_format not in GGUF_FORMATS
+                and not head
+                and quantizable(weights_format, *weight.shape)
+            ):
                 return Quantized(weights_format, weight, bias, act)
             return Linear(weight.to(dtype), bias, self.packed)
 

@@ -25,7 +25,13 @@ import torch
 log = logging.getLogger("kvgate.native")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "block_matmul.cpp", "layer_ops.cpp", "paged_attention.cpp")  # one module
+SOURCES = (
+    "bindings.cpp",
+    "block_matmul.cpp",
+    "int8_dot.cpp",
+    "layer_ops.cpp",
+    "paged_attention.cpp",
+)  # one module
 _state: dict = {}
 
 

@@ -27,8 +27,12 @@ import torch
 
 from kvgate.models import native
 from kvgate.models.q4_1 import q4_1_bytes
+from kvgate.models.q4_1_dot8 import q4_1_dot8_bytes
 
-FORMATS = ("full", "int8", "int4", "gguf")  # gguf: the file's own Q4_1 blocks (kvgate.models.q4_1)
+# gguf: the file's own Q4_1 blocks (kvgate.models.q4_1); gguf-q8act: the same times 8-bit activations
+# (kvgate.models.q4_1_dot8)
+FORMATS = ("full", "int8", "int4", "gguf", "gguf-q8act")
+GGUF_FORMATS = ("gguf", "gguf-q8act")
 INT4_GROUP = 32
 
 
@@ -36,10 +40,10 @@ def supported(fmt: str, device: torch.device) -> str | None:
     """None if `fmt` runs on `device`, else why not (the user's error names it)."""
     if fmt == "full":
         return None
-    if fmt == "gguf":
+    if fmt in GGUF_FORMATS:
         if torch.device(device).type != "cpu":
-            return f"--weights gguf runs kvgate's CPU kernel; use --weights full on {device}"
-        return None if native.extension() is not None else f"--weights gguf: {native.unavailable()}"
+            return f"--weights {fmt} runs kvgate's CPU kernel; use --weights full on {device}"
+        return None if native.extension() is not None else f"--weights {fmt}: {native.unavailable()}"
     if torch.device(device).type != "cpu":
         return f"--weights {fmt} is implemented for CPU only (PyTorch's int8/int4 CPU kernels); use --weights full on {device}"
     need = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
@@ -57,6 +61,8 @@ def quantized_matrix_bytes(fmt: str, out_features: int, in_features: int, scale_
         return n * k // 2 + (k // INT4_GROUP) * n * 2 * scale_bytes
     if fmt == "gguf":
         return q4_1_bytes(n, k)
+    if fmt == "gguf-q8act":
+        return q4_1_dot8_bytes(n, k)
     raise ValueError(fmt)
 
 
@@ -67,7 +73,7 @@ def quantizable(fmt: str, out_features: int, in_features: int) -> bool:
     """Whether `Quantized` can hold an [out, in] matrix in `fmt`; other matrices stay full."""
     if fmt == "int4":
         return in_features % INT4_GROUP == 0 and out_features % INT4_ROWS == 0
-    if fmt == "gguf":  # whether the values are Q4_1 blocks is the checkpoint's business: placement checks
+    if fmt in GGUF_FORMATS:  # whether the values are Q4_1 blocks is the checkpoint's business (placement)
         return in_features % INT4_GROUP == 0
     return fmt == "int8"
 

@@ -1,9 +1,14 @@
-// The Python module of kvgate's C++ kernels: block matmuls (block_matmul.cpp) and the small layer ops
-// (layer_ops.cpp). The paged attention kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
+// The Python module of kvgate's C++ kernels: block matmuls (block_matmul.cpp), the integer-dot kernels
+// of --weights gguf-q8act (int8_dot.cpp) and the small layer ops (layer_ops.cpp). The paged attention
+// kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
 #include <torch/extension.h>
+
+#include <tuple>
 
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d);
 torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t decode_rows);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q8_rows(torch::Tensor x);
+torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
@@ -16,6 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "prefill loop (-1: every row is a decode row)",
           pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m"),
           pybind11::arg("decode_rows") = -1);
+  mod.def("q8_rows", &q8_rows, "float32 rows as 8-bit blocks of 32: (codes int8, d, s = d * sum of codes)");
+  mod.def("q4_1_dot8", &q4_1_dot8,
+          "float32 x, rounded to 8-bit blocks, times Q4_1 weights repacked in tiles of 8 rows (q4_1_pack8)");
   mod.def("rms_norm", &rms_norm, "RMSNorm of each row of a float32 [rows, hidden] tensor times w");
   mod.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of each row times w");
   mod.def("rope_write_kv_", &rope_write_kv_,

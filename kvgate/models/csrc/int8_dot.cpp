@@ -1,0 +1,195 @@
+// Integer dot products for `--weights gguf-q8act`: Q4_1 weights times activations rounded to 8-bit
+// blocks, the arithmetic llama.cpp uses on CPUs (kvgate.models.q4_1_dot8 says what it changes).
+//
+// - q8_rows(x) -> (codes int8 [M, K], d [M, K/32], s [M, K/32]): each block of 32 activations of a row
+//   becomes d * code with d = max|x| / 127 and code = round-to-nearest-even(x * (127 / max|x|)), and
+//   s = d * (sum of the block's codes). A row's blocks depend on that row only.
+// - q4_1_dot8(x, packed, N) -> y [M, N]: y[r, n] = sum over blocks b, in order, of
+//   fma(sum_k q_w q_x, d_w * d_x, .) then fma(m_w, s_x, .), with the integer sum exact. The weights
+//   are repacked at load (q4_1_pack8 in Python): a tile of 8 output rows is one stream of 160 bytes
+//   per block, 4 x 32 bytes whose byte n * 4 + j holds row n's code for k = 8g + j (low nibble) and
+//   k = 8g + 4 + j (high nibble), then the 8 rows' d and the 8 rows' m as fp16 (the file's own
+//   values: q4_1_blocks checks they are exact). So one `maddubs` multiplies 8 outputs x 4 k at once
+//   (32 products in 8-bit lanes), a block's 16-bit partial sums add up without overflow (at most
+//   8 x 2 x 15 x 127), and the per-block scale work is 4 vector ops per 8 outputs, not per output.
+// Every output lane runs the same float ops in the same order, whatever the number of rows in the
+// call or their kind (decode, prompt, draft): a row's result never depends on the rows beside it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVGATE_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t QB = 32;     // values per block
+constexpr int64_t NT = 8;      // output rows per packed tile
+constexpr int64_t NIBBLES = NT * QB / 2;     // a tile's code bytes per block
+constexpr int64_t TILE_BLOCK = NIBBLES + 2 * NT * 2;  // then its 8 d and 8 m as fp16: 160 bytes
+constexpr int MR = 4;          // activation rows per register tile
+
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const float* xb = x + b * QB;
+    float amax = 0.f;
+    for (int64_t j = 0; j < QB; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float db = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int64_t j = 0; j < QB; ++j) {
+      const int c = static_cast<int>(std::nearbyint(xb[j] * id));  // the default mode: nearest, ties even
+      q[b * QB + j] = static_cast<int8_t>(std::clamp(c, -127, 127));
+      sum += q[b * QB + j];
+    }
+    d[b] = db;
+    s[b] = db * static_cast<float>(sum);
+  }
+}
+
+#ifdef KVGATE_AVX2
+inline __m256i bcast4(const int8_t* p) {  // the 4 bytes at p in every 32-bit lane (one broadcast load)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// R rows of x against one tile of 8 weight rows: per block, the tile's 128 nibble bytes are widened
+// once into 8 vectors of codes (4 k per output lane), and each row's 16-bit sums of the 8
+// `maddubs` are widened to 32 bits and scaled once.
+template <int R>
+void tile_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* w, float* y,
+               int64_t ldy, int64_t width) {
+  const int64_t nb = K / QB;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;  // named: GCC spilled an array of them
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * TILE_BLOCK;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + NIBBLES)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + NIBBLES + 16)));
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * g));
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#define KVGATE_ROW(r, S)                                                                        \
+  if constexpr (R > r) {                                                                        \
+    const int8_t* xb = xq + r * K + b * QB + 8 * g;                                             \
+    S = _mm256_add_epi16(S, _mm256_maddubs_epi16(lo, bcast4(xb)));                               \
+    S = _mm256_add_epi16(S, _mm256_maddubs_epi16(hi, bcast4(xb + 4)));                           \
+  }
+      KVGATE_ROW(0, s0) KVGATE_ROW(1, s1) KVGATE_ROW(2, s2) KVGATE_ROW(3, s3)
+#undef KVGATE_ROW
+    }
+#define KVGATE_SCALE(r, S, A)                                                                           \
+  if constexpr (R > r) {                                                                                \
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(S, ones));                                  \
+    A = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b])), A);                      \
+    A = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r * nb + b]), A);                                          \
+  }
+    KVGATE_SCALE(0, s0, a0) KVGATE_SCALE(1, s1, a1) KVGATE_SCALE(2, s2, a2) KVGATE_SCALE(3, s3, a3)
+#undef KVGATE_SCALE
+  }
+  const __m256 acc[MR] = {a0, a1, a2, a3};
+  for (int r = 0; r < R; ++r) {
+    if (width == NT) {
+      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    } else {
+      alignas(32) float out[NT];
+      _mm256_store_ps(out, acc[r]);
+      std::copy(out, out + width, y + r * ldy);
+    }
+  }
+}
+#else
+// Without AVX2: the same integer sums and the same float ops per output, in the same order.
+template <int R>
+void tile_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* w, float* y,
+               int64_t ldy, int64_t width) {
+  const int64_t nb = K / QB;
+  for (int r = 0; r < R; ++r)
+    for (int64_t n = 0; n < width; ++n) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = w + b * TILE_BLOCK;
+        const int8_t* xb = xq + r * K + b * QB;
+        c10::Half dh, mh;
+        std::memcpy(&dh, wb + NIBBLES + 2 * n, 2);
+        std::memcpy(&mh, wb + NIBBLES + 2 * NT + 2 * n, 2);
+        int32_t dot = 0;
+        for (int g = 0; g < 4; ++g)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t c = wb[32 * g + n * 4 + j];
+            dot += int32_t(c & 0x0F) * xb[8 * g + j] + int32_t(c >> 4) * xb[8 * g + 4 + j];
+          }
+        acc = std::fma(static_cast<float>(dot), static_cast<float>(dh) * xd[r * nb + b], acc);
+        acc = std::fma(static_cast<float>(mh), xs[r * nb + b], acc);
+      }
+      y[r * ldy + n] = acc;
+    }
+}
+#endif
+
+void tile_group(int rows, const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* w,
+                float* y, int64_t ldy, int64_t width) {
+  switch (rows) {
+    case 4: tile_rows<4>(xq, xd, xs, K, w, y, ldy, width); break;
+    case 3: tile_rows<3>(xq, xd, xs, K, w, y, ldy, width); break;
+    case 2: tile_rows<2>(xq, xd, xs, K, w, y, ldy, width); break;
+    case 1: tile_rows<1>(xq, xd, xs, K, w, y, ldy, width); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q8_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % QB == 0,
+              "q8_rows: x must be float32 [rows, K] with K a multiple of 32, got ", x.sizes(), " ", x.dtype());
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QB;
+  auto xc = x.contiguous();
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto d = torch::empty({M, nb}, x.options());
+  auto s = torch::empty({M, nb}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * nb, sp + m * nb);
+  });
+  return {q, d, s};
+}
+
+torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == TILE_BLOCK,
+              "q4_1_dot8: packed must be uint8 [N/8, K/32, ", TILE_BLOCK, "], got ", packed.sizes());
+  const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QB, M = x.size(0);
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+              "q4_1_dot8: x must be float32 [rows, ", K, "], got ", x.sizes(), " ", x.dtype());
+  TORCH_CHECK(N > (T - 1) * NT && N <= T * NT, "q4_1_dot8: N=", N, " does not fit ", T, " tiles of 8");
+  auto [xq, xd, xs] = q8_rows(x);
+  auto pc = packed.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  const float *xdp = xd.data_ptr<float>(), *xsp = xs.data_ptr<float>();
+  const uint8_t* wp = pc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t width = std::min(NT, N - t * NT);
+      for (int64_t r = 0; r < M; r += MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, M - r));
+        tile_group(rows, qp + r * K, xdp + r * nb, xsp + r * nb, K, wp + t * nb * TILE_BLOCK, yp + r * N + t * NT,
+                   N, width);
+      }
+    }
+  });
+  return y;
+}
