@@ -11,6 +11,7 @@ import torch
 from kvgate.models import native
 from kvgate.models.q4_1 import q4_1_blocks
 from kvgate.models.q4_1_dot8 import Q41Dot8Linear, q4_1_dot8_bytes, q4_1_pack8
+from kvgate.models.q8_head import Q8DotTable, Q8Table, q8_blocks, q8_dot_bytes
 from tests.test_q4_1 import engine, ggml_q4_1, q4_tiny_dir  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(
@@ -97,6 +98,36 @@ def test_the_tiles_hold_the_files_values():
         assert torch.equal(got[:21], s) and not got[21:].any()
 
 
+def ggml_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """What a GGUF Q8_0 tensor dequantizes to: per 32 values an fp16 scale max|x| / 127, codes rounded."""
+    n, k = x.shape
+    b = x.view(n, k // 32, 32)
+    s = (b.abs().amax(-1) / 127).half().float()
+    return (torch.round(b / s[..., None]).clamp(-127, 127) * s[..., None]).view(n, k)
+
+
+def test_the_q8_head_in_tiles_is_the_exact_integer_product_and_looks_up_the_same_rows():
+    """`Q8DotTable` (the LM head under gguf-q8act): against the float64 value of the integer sums
+    (relative 1e-6) for 203 rows (a padded last tile) and 1..13 input rows, each row's output the same
+    bits alone and among all; its lookup gives `Q8Table`'s floats for every row. Seen red: dropping
+    w's sign from x in the AVX2 loop (exactness); gathering the scales of the wrong lane (lookup)."""
+    torch.manual_seed(6)
+    codes, scales = q8_blocks(ggml_q8_0(torch.randn(203, 96) * 0.05))
+    plain, tiled = Q8Table(codes, scales), Q8DotTable(codes, scales)
+    assert tiled.nbytes == q8_dot_bytes(203, 96) == 26 * 3 * 288
+    ids = torch.arange(203)
+    assert torch.equal(tiled.embed(ids, torch.float32), plain.embed(ids, torch.float32))
+    x = torch.randn(13, 96)
+    y = tiled(x)
+    q, d, _ = reference_rows(x)
+    isum = torch.einsum("rbk,nbk->rnb", q.view(13, 3, 32).double(), codes.view(203, 3, 32).double())
+    ref = (isum * d[:, None].double() * scales[None].double()).sum(-1)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    for rows in range(1, 14):
+        assert torch.equal(tiled(x[:rows]), y[:rows]), rows
+    assert torch.equal(tiled(x[7:9]), y[7:9])
+
+
 def test_an_engine_with_q8act_is_batch_invariant_and_charged_exactly(q4_tiny_dir):  # noqa: F811
     """The tiny Q4_1 model under gguf-q8act: every prompt's greedy tokens alone equal those batched
     with the others and with a 4-token prefill chunk; the plan charges exactly what the model holds
@@ -133,11 +164,12 @@ def test_an_engine_with_q8act_is_batch_invariant_and_charged_exactly(q4_tiny_dir
 
 @pytest.mark.slow
 def test_q8act_decodes_smollm2_as_the_full_model_does_within_the_stated_tolerance():
-    """Tolerance, measured on the default Q4_1 GGUF and stated here: with --weights gguf-q8act, at least
-    3 of the 8 prompts give the full model's first 24 greedy tokens (measured: 4 of 8 for 24 tokens, 4
-    of 8 for 48; the others parted at tokens 4, 5, 21 and 23), and while the tokens agree, the chosen
-    token's log-probability differs by at most 0.5 (measured 0.22). Seen red: swapping the k of the
-    high and low nibbles in the kernel (0 of 8 prompts agreed)."""
+    """Tolerance, measured on the default Q4_1 GGUF and stated here: with --weights gguf-q8act (layers and
+    LM head on 8-bit activations), at least 2 of the 8 prompts give the full model's first 24 greedy
+    tokens (measured: 3 of 8; the others parted at tokens 3, 4, 5, 8 and 21 on near-ties; with the
+    head in float, 4 of 8), and while the tokens agree, the chosen token's log-probability differs by
+    at most 0.5 (measured 0.21). Seen red: swapping the k of the high and low nibbles in the kernel
+    (0 of 8 prompts agreed)."""
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest, Token
@@ -167,4 +199,4 @@ def test_q8act_decodes_smollm2_as_the_full_model_does_within_the_stated_toleranc
     print(
         f"\ngguf-q8act vs full: {same}/8 prompts identical for {steps} tokens; max logprob error {worst:.4f}"
     )
-    assert same >= 3 and worst <= 0.5, (same, worst)
+    assert same >= 2 and worst <= 0.5, (same, worst)

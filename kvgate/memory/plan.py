@@ -25,7 +25,7 @@ from kvgate.memory.workspace import (
     workspace_bytes,
     workspace_total,
 )
-from kvgate.models.q8_head import q8_bytes
+from kvgate.models.q8_head import q8_bytes, q8_dot_bytes
 from kvgate.models.quant import quantizable, quantized_matrix_bytes
 from kvgate.units import SizeError, fmt_bytes, parse_bytes
 
@@ -132,7 +132,8 @@ def weight_bytes(
     head). `weight_format` int8 / int4: every matrix `kvgate.models.quant` can quantize is held as its
     codes and scales (`quantized_matrix_bytes`) instead of `dtype_bytes` per value; the LM head stays
     in the model dtype (`kvgate.models.llama`). `q8_head`: the tied embedding table (lookup and head)
-    is held once, as Q8_0 codes and scales (`kvgate.models.q8_head.q8_bytes`)."""
+    is held once, as Q8_0 codes and scales (`kvgate.models.q8_head.q8_bytes`; in tiles of 8 rows under
+    gguf-q8act, `q8_dot_bytes`)."""
     h = spec.hidden_size
     if params is None:
         per_layer = (
@@ -152,7 +153,7 @@ def weight_bytes(
         qbytes = sum(quantized_matrix_bytes(weight_format, n, k, scale_bytes) for n, k in mats)
     if q8_head:
         params -= spec.vocab_size * h
-        qbytes += q8_bytes(spec.vocab_size, h)
+        qbytes += (q8_dot_bytes if weight_format == "gguf-q8act" else q8_bytes)(spec.vocab_size, h)
     elif spec.tie_word_embeddings and lm_head_copy:
         params += spec.vocab_size * h
     return (params + rope) * dtype_bytes + qbytes

@@ -176,8 +176,10 @@ def step_workspace(
         # gate/up output while the previous layer's is alive; SiLU and the product
         "mlp": 2 * T * inter * b,
         # the sampled rows' hidden states and norm, logits in the model dtype and as float32, and the
-        # sampling temporaries of one group of rows drawn together (kvgate.sampling.SAMPLE_ROWS)
+        # sampling temporaries of one group of rows drawn together (kvgate.sampling.SAMPLE_ROWS); under
+        # gguf-q8act the Q8 head's input as 8-bit blocks
         "logits": LR * h * (2 * b + 3 * f)
+        + (LR * (h + h // 32 * 8) if limits.q8_head and limits.weight_format == "gguf-q8act" else 0)
         + LR * V * b
         + (LR * V * f if upcast else 0)
         + SAMPLING_TEMPS * min(max(S, K1), SAMPLE_ROWS) * V * f,

@@ -40,7 +40,7 @@ from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
 from kvgate.models.q4_1 import Q41Linear
 from kvgate.models.q4_1_dot8 import Q41Dot8Linear
-from kvgate.models.q8_head import Q8Table, q8_blocks
+from kvgate.models.q8_head import Q8DotTable, Q8Table, q8_blocks
 from kvgate.models.quant import GGUF_FORMATS, Quantized, quantizable
 
 if TYPE_CHECKING:
@@ -150,7 +150,8 @@ class LlamaModel:
             blocks = q8_blocks(weights.pop("model.embed_tokens.weight").to(torch.float32))
             if blocks is None or "lm_head.weight" in weights:
                 raise ValueError("q8_head needs tied embeddings that are exact Q8_0 blocks (see q8_blocks)")
-            self.q8 = Q8Table(*(t.to(self.device) for t in blocks))
+            table = Q8DotTable if weights_format == "gguf-q8act" else Q8Table  # the head as the layers
+            self.q8 = table(*(t.to(self.device) for t in blocks))
         self.embed = self.q8 if self.q8 is not None else w("model.embed_tokens.weight")
         self.layers = []
         for i in range(spec.num_layers):

@@ -119,3 +119,54 @@ def probe(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, packed:
     finally:
         torch.set_num_threads(threads)
     return {"q8_ms": round(q8_ms, 3), "plain_ms": round(plain_ms, 3), "keep": keep_q8(q8_ms, plain_ms)}
+
+
+TILE = 8  # table rows per tile of `Q8DotTable`
+TILE_BLOCK = TILE * QBLOCK + TILE * 4  # a tile's bytes per block: int8 codes, then float32 scales
+
+
+def q8_dot_bytes(vocab: int, hidden: int) -> int:
+    """Bytes of a `Q8DotTable`: `q8_bytes` over the rows padded to a multiple of 8."""
+    return -(-vocab // TILE) * (hidden // QBLOCK) * TILE_BLOCK
+
+
+def q8_pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`q8_blocks`'s (codes int8 [N, K], scales [N, K/32]) as uint8 tiles [ceil(N/8), K/32, 288]: in tile
+    t, block b, byte 32 g + 4 n + j is row 8t + n's code for k = 4g + j, and bytes 256.. are the 8 rows'
+    scales as float32. Padding rows are zero codes and scales."""
+    n, k = codes.shape
+    nb, t = k // QBLOCK, -(-n // TILE)
+    pad = t * TILE - n
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scales = torch.cat([scales, scales.new_zeros(pad, nb)])
+    c = codes.view(t, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, TILE * QBLOCK)
+    s = scales.view(t, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([c.view(torch.uint8), s], dim=-1).contiguous()
+
+
+class Q8DotTable(Q8Table):
+    """A Q8 table for `--weights gguf-q8act`: held in tiles of 8 rows (`q8_pack8`), the LM head rounds
+    its input rows to 8-bit blocks and sums integer products (csrc/int8_dot.cpp), as the layers do.
+    The lookup gathers a row's codes and scales from the tiles: the same floats as `Q8Table.embed`."""
+
+    __slots__ = ("packed", "rows")
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        super().__init__(codes[:0], scales[:0])  # the tiles below hold the table
+        self.packed, self.rows = q8_pack8(codes, scales), codes.shape[0]
+        self.nbytes = self.packed.numel()
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t, nb = self.packed.shape[0], self.packed.shape[1]
+        tile, lane, n = ids // TILE, ids % TILE, len(ids)
+        codes = self.packed[..., : TILE * QBLOCK].view(t, nb, 8, TILE, 4)[
+            tile, :, :, lane, :
+        ]  # [n, nb, 8, 4]
+        scales = self.packed[..., TILE * QBLOCK :].view(t, nb, TILE, 4)[tile, :, lane, :]  # [n, nb, 4] bytes
+        rows = codes.view(torch.int8).float().view(n, nb, QBLOCK)
+        rows.mul_(scales.contiguous().view(torch.float32))
+        return rows.view(n, -1).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ext.q8_dot8(x.float(), self.packed, self.rows)

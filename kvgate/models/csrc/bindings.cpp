@@ -9,6 +9,7 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d);
 torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t decode_rows);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q8_rows(torch::Tensor x);
 torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
+torch::Tensor q8_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
@@ -24,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_rows", &q8_rows, "float32 rows as 8-bit blocks of 32: (codes int8, d, s = d * sum of codes)");
   mod.def("q4_1_dot8", &q4_1_dot8,
           "float32 x, rounded to 8-bit blocks, times Q4_1 weights repacked in tiles of 8 rows (q4_1_pack8)");
+  mod.def("q8_dot8", &q8_dot8, "float32 x, rounded to 8-bit blocks, times a Q8_0 table in tiles of 8 rows (q8_pack8)");
   mod.def("rms_norm", &rms_norm, "RMSNorm of each row of a float32 [rows, hidden] tensor times w");
   mod.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of each row times w");
   mod.def("rope_write_kv_", &rope_write_kv_,

@@ -12,6 +12,8 @@
 //   values: q4_1_blocks checks they are exact). So one `maddubs` multiplies 8 outputs x 4 k at once
 //   (32 products in 8-bit lanes), a block's 16-bit partial sums add up without overflow (at most
 //   8 x 2 x 15 x 127), and the per-block scale work is 4 vector ops per 8 outputs, not per output.
+// - q8_dot8(x, packed, N): the same for a Q8_0 table (the LM head) in tiles of 8 rows: y[r, n] = sum
+//   over blocks, in order, of fma(sum_k w x, d_w * d_x, .) (see the Q8_0 section below).
 // Every output lane runs the same float ops in the same order, whatever the number of rows in the
 // call or their kind (decode, prompt, draft): a row's result never depends on the rows beside it.
 #include <torch/extension.h>
@@ -60,6 +62,19 @@ inline __m256i bcast4(const int8_t* p) {  // the 4 bytes at p in every 32-bit la
   return _mm256_set1_epi32(v);
 }
 
+template <int R>
+inline void store_rows(const __m256 acc[], float* y, int64_t ldy, int64_t width) {
+  for (int r = 0; r < R; ++r) {
+    if (width == NT) {
+      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    } else {
+      alignas(32) float out[NT];
+      _mm256_store_ps(out, acc[r]);
+      std::copy(out, out + width, y + r * ldy);
+    }
+  }
+}
+
 // R rows of x against one tile of 8 weight rows: per block, the tile's 128 nibble bytes are widened
 // once into 8 vectors of codes (4 k per output lane), and each row's 16-bit sums of the 8
 // `maddubs` are widened to 32 bits and scaled once.
@@ -98,15 +113,7 @@ void tile_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, co
 #undef KVGATE_SCALE
   }
   const __m256 acc[MR] = {a0, a1, a2, a3};
-  for (int r = 0; r < R; ++r) {
-    if (width == NT) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-      alignas(32) float out[NT];
-      _mm256_store_ps(out, acc[r]);
-      std::copy(out, out + width, y + r * ldy);
-    }
-  }
+  store_rows<R>(acc, y, ldy, width);
 }
 #else
 // Without AVX2: the same integer sums and the same float ops per output, in the same order.
@@ -136,6 +143,80 @@ void tile_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, co
     }
 }
 #endif
+
+// ---- Q8_0 tables (the LM head): tiles of 8 rows, per block 8 x 32 bytes whose byte n * 4 + j of group g
+// is row n's int8 code for k = 4g + j, then the 8 rows' scales as float32 (288 bytes). AVX2 has no
+// signed x signed byte product, so each group multiplies |w| by x with w's sign (`sign`), as llama.cpp
+// does; a pair of such products fits 16 bits (2 x 127 x 127), so each group is widened to 32 bits.
+constexpr int64_t Q8_CODES = NT * QB;               // a tile's code bytes per block
+constexpr int64_t Q8_BLOCK = Q8_CODES + NT * 4;     // then its 8 float32 scales: 288 bytes
+
+#ifdef KVGATE_AVX2
+template <int R>
+void q8_tile_rows(const int8_t* xq, const float* xd, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+                  int64_t width) {
+  const int64_t nb = K / QB;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * Q8_BLOCK;
+    const __m256 dw = _mm256_loadu_ps(reinterpret_cast<const float*>(wb + Q8_CODES));
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * g));
+      const __m256i mag = _mm256_abs_epi8(v);
+#define KVGATE_ROW(r, S)                                                                              \
+  if constexpr (R > r) {                                                                              \
+    const __m256i xs = _mm256_sign_epi8(bcast4(xq + r * K + b * QB + 4 * g), v);                       \
+    S = _mm256_add_epi32(S, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones));                   \
+  }
+      KVGATE_ROW(0, s0) KVGATE_ROW(1, s1) KVGATE_ROW(2, s2) KVGATE_ROW(3, s3)
+#undef KVGATE_ROW
+    }
+#define KVGATE_SCALE(r, S, A)                                                                           \
+  if constexpr (R > r) {                                                                                \
+    A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b])), A);    \
+  }
+    KVGATE_SCALE(0, s0, a0) KVGATE_SCALE(1, s1, a1) KVGATE_SCALE(2, s2, a2) KVGATE_SCALE(3, s3, a3)
+#undef KVGATE_SCALE
+  }
+  const __m256 acc[MR] = {a0, a1, a2, a3};
+  store_rows<R>(acc, y, ldy, width);
+}
+#else
+template <int R>
+void q8_tile_rows(const int8_t* xq, const float* xd, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+                  int64_t width) {
+  const int64_t nb = K / QB;
+  for (int r = 0; r < R; ++r)
+    for (int64_t n = 0; n < width; ++n) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = w + b * Q8_BLOCK;
+        float dw;
+        std::memcpy(&dw, wb + Q8_CODES + 4 * n, 4);
+        int32_t dot = 0;
+        for (int g = 0; g < 8; ++g)
+          for (int j = 0; j < 4; ++j)
+            dot += int32_t(static_cast<int8_t>(wb[32 * g + n * 4 + j])) * xq[r * K + b * QB + 4 * g + j];
+        acc = std::fma(static_cast<float>(dot), dw * xd[r * nb + b], acc);
+      }
+      y[r * ldy + n] = acc;
+    }
+}
+#endif
+
+void q8_tile_group(int rows, const int8_t* xq, const float* xd, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+                   int64_t width) {
+  switch (rows) {
+    case 4: q8_tile_rows<4>(xq, xd, K, w, y, ldy, width); break;
+    case 3: q8_tile_rows<3>(xq, xd, K, w, y, ldy, width); break;
+    case 2: q8_tile_rows<2>(xq, xd, K, w, y, ldy, width); break;
+    case 1: q8_tile_rows<1>(xq, xd, K, w, y, ldy, width); break;
+    default: break;
+  }
+}
 
 void tile_group(int rows, const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* w,
                 float* y, int64_t ldy, int64_t width) {
@@ -188,6 +269,32 @@ torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - r));
         tile_group(rows, qp + r * K, xdp + r * nb, xsp + r * nb, K, wp + t * nb * TILE_BLOCK, yp + r * N + t * NT,
                    N, width);
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor q8_dot8(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == Q8_BLOCK,
+              "q8_dot8: packed must be uint8 [N/8, K/32, ", Q8_BLOCK, "], got ", packed.sizes());
+  const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QB, M = x.size(0);
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+              "q8_dot8: x must be float32 [rows, ", K, "], got ", x.sizes(), " ", x.dtype());
+  TORCH_CHECK(N > (T - 1) * NT && N <= T * NT, "q8_dot8: N=", N, " does not fit ", T, " tiles of 8");
+  auto [xq, xd, xs] = q8_rows(x);
+  auto pc = packed.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  const float* xdp = xd.data_ptr<float>();
+  const uint8_t* wp = pc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t width = std::min(NT, N - t * NT);
+      for (int64_t r = 0; r < M; r += MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, M - r));
+        q8_tile_group(rows, qp + r * K, xdp + r * nb, K, wp + t * nb * Q8_BLOCK, yp + r * N + t * NT, N, width);
       }
     }
   });
