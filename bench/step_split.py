@@ -46,14 +46,18 @@ def split(rows: int, weights: str, context: int, steps: int) -> dict:
     import kvgate.core.runner as runner_mod
     import kvgate.models.llama as llama_mod
     from kvgate.models.q4_1 import Q41Linear
-    from kvgate.models.q8_head import Q8Table
+    from kvgate.models.q4_1_dot8 import Q41Dot8Linear
+    from kvgate.models.q8_head import Q8DotTable, Q8Table
 
     acc: dict[str, float] = defaultdict(float)
     e = setup(rows, context, "float32", weights)
     saved = (Q41Linear.__call__, Q8Table.__call__, llama_mod.paged_kernel, runner_mod.sample_batch)
+    saved_q8act = (Q41Dot8Linear.__call__, Q8DotTable.__call__)  # --weights gguf-q8act's kernels
     try:
         Q41Linear.__call__ = timed(acc, "Q4_1 matmuls", saved[0])
         Q8Table.__call__ = timed(acc, "Q8_0 head", saved[1])
+        Q41Dot8Linear.__call__ = timed(acc, "Q4_1 matmuls", saved_q8act[0])
+        Q8DotTable.__call__ = timed(acc, "Q8_0 head", saved_q8act[1])
         op = saved[2]()
         if op is not None:
             llama_mod.paged_kernel = lambda: timed(acc, "paged attention", op)
@@ -71,6 +75,7 @@ def split(rows: int, weights: str, context: int, steps: int) -> dict:
         tick = time.perf_counter() - t0
     finally:
         Q41Linear.__call__, Q8Table.__call__, llama_mod.paged_kernel, runner_mod.sample_batch = saved
+        Q41Dot8Linear.__call__, Q8DotTable.__call__ = saved_q8act
         e.shutdown()
     ms = {k: v / steps * 1e3 for k, v in acc.items()}
     kernels = sum(v for k, v in ms.items() if k not in ("forward", "sampling"))
@@ -82,7 +87,7 @@ def split(rows: int, weights: str, context: int, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--weights", default="gguf", help="full | int8 | int4 | gguf")
+    ap.add_argument("--weights", default="gguf", help="full | int8 | int4 | gguf | gguf-q8act")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--steps", type=int, default=30)
     a = ap.parse_args(argv)

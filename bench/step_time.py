@@ -69,7 +69,7 @@ def prefill_ms(tokens: int, weights: str, reps: int = 3) -> tuple[list[float], l
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16])
-    ap.add_argument("--weights", default="full", help="full | int8 | int4")
+    ap.add_argument("--weights", default="full", help="full | int8 | int4 | gguf | gguf-q8act")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill step (0: skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
