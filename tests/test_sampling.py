@@ -340,12 +340,14 @@ def test_top_p_counts_the_mass_of_the_whole_vocabulary_not_just_the_candidates()
     """Three tokens hold 90% of the probability and 4997 share the rest; top_p=0.95 must keep tail
     tokens (the three reach only 0.90 of the full softmax), so ~5% of draws come from the tail.
     Broken by (seen red): renormalizing top-p over the prefiltered candidates, which makes the three
-    look like 98% and keeps only them."""
+    look like 98% and keeps only them; the threshold path settling a row whose nucleus runs past its
+    candidates (`kept < counts` dropped from `_nucleus_tokens`: only the three above 1e-4 drawn). The
+    three differ (0.35, 0.3, 0.25): tied, they would send the row to the sorted path anyway."""
     vocab = 5000
     logits = torch.zeros(vocab)
     tail_logit = math.log(0.1 / (vocab - 3))
     logits[:] = tail_logit
-    logits[:3] = math.log(0.3)
+    logits[:3] = torch.tensor([0.35, 0.3, 0.25]).log()
     got = draws(SamplingParams(temperature=1.0, top_p=0.95, seed=11), logits, 300)
     assert sum(t >= 3 for t in got) >= 3
 
@@ -383,3 +385,87 @@ def test_drawn_frequencies_match_the_target_distribution_chi_square(top_k):
         counts, target = counts[:top_k], [p / kept for p in target[:top_k]]
     stat = chi_square(counts, target)
     assert stat < CHI2_CRITICAL_P001[len(target) - 1], (stat, counts)
+
+
+# ---- top-p by threshold (_draw_nucleus, _wide_token) draws what the sorted path draws ----------------
+
+TOP_P_MIXES = [
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.0, top_p=0.95, min_p=0.05),
+    dict(temperature=0.3, top_p=0.5),
+    dict(temperature=1.5, top_p=0.99),
+]
+
+
+def lm_like_rows(seed: int, n: int, vocab: int) -> torch.Tensor:
+    """Rows from peaked to flat (nuclei of a few to thousands of tokens); every third row on a coarse
+    grid, so many tokens share a logit (ties, which the threshold paths must leave to the sorts)."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([9.0, 5.0, 3.5, 2.5, 1.5, 0.6])[torch.arange(n) % 6].unsqueeze(1)
+    x = torch.randn(n, vocab, generator=g) * scales
+    x[::3] = (x[::3] * 2).round() / 2
+    return x
+
+
+def top_p_tokens(monkeypatch, fast: bool, mix: dict, logits: list[torch.Tensor], order: list[int]) -> dict:
+    """Each row's tokens over the steps of `logits`, batched in `order`; `fast=False`: the code before
+    the threshold paths (a top-k over the vocabulary, a full sort for a wide nucleus)."""
+    import kvgate.sampling as sampling
+
+    monkeypatch.setattr(sampling, "NUCLEUS_LEVEL", 1e-4 if fast else 0.0)
+    monkeypatch.setattr(sampling, "WIDE_LEVELS", (1e-5, 1e-6) if fast else ())
+    vocab = logits[0].shape[-1]
+    samplers = {i: Sampler(SamplingParams(seed=1000 + i, **mix), [], vocab) for i in order}
+    out = {i: [] for i in order}
+    for x in logits:
+        for i, t in zip(order, sampling.sample_batch([samplers[i] for i in order], x, order), strict=True):
+            out[i].append(t)
+    return out
+
+
+@pytest.mark.parametrize("mix", TOP_P_MIXES, ids=[str(sorted(m.items())) for m in TOP_P_MIXES])
+def test_top_p_by_threshold_draws_the_very_tokens_of_the_sorted_path(monkeypatch, mix):
+    """Top-p rows without top-k sort only their likeliest tokens (`_draw_nucleus`; `_wide_token` for a
+    nucleus past TOP_P_CANDIDATES); rows these cannot settle for certain go to the sorts. 16 rows x 3
+    steps at vocab 16384, peaked to flat and with ties, draw exactly the tokens of the code before
+    (`fast=False`), and each path really drew rows. Seen red, each alone: the tie checks removed
+    (`at != after` in `_draw_nucleus`, `vals[j + 1] != vals[j]` in `_wide_token`: a coarse row draws
+    the other token of a tied pair); `_wide_token` drawing without the nucleus cut; `_draw_rows`
+    handing the unsettled rows the first rows' uniforms (`u[: len(redo)]` for `u[at]`)."""
+    import kvgate.sampling as sampling
+
+    logits = [lm_like_rows(10 * step + 1, 16, 16384) for step in range(3)]
+    order = list(range(16))
+    before = top_p_tokens(monkeypatch, False, mix, logits, order)
+    seen: dict[str, list[bool]] = {"nucleus": [], "wide": []}
+    nucleus, wide = sampling._draw_nucleus, sampling._wide_token
+
+    def spy_nucleus(*a):
+        out, norm = nucleus(*a)
+        seen["nucleus"] += [t is not None for t in out]
+        return out, norm
+
+    def spy_wide(*a):
+        t = wide(*a)
+        seen["wide"].append(t is not None)
+        return t
+
+    monkeypatch.setattr(sampling, "_draw_nucleus", spy_nucleus)
+    monkeypatch.setattr(sampling, "_wide_token", spy_wide)
+    assert top_p_tokens(monkeypatch, True, mix, logits, order) == before
+    assert 0 < sum(seen["nucleus"]) < len(seen["nucleus"]), seen
+    if mix["temperature"] >= 0.7 and mix["top_p"] < 0.99:  # nuclei past 1024 tokens, not most of all
+        assert any(seen["wide"]), seen
+
+
+def test_top_p_by_threshold_gives_a_row_the_same_tokens_alone_or_batched(monkeypatch):
+    """Each of 12 top-p rows draws the same tokens alone, batched in order and batched reversed (the
+    batch is drawn `SAMPLE_ROWS` at a time, so rows meet other neighbours and other sorted rows).
+    Seen red: `_draw_rows` handing the unsettled rows the first rows' uniforms (`u[: len(redo)]`
+    for `u[at]`)."""
+    logits = [lm_like_rows(50 + step, 12, 16384) for step in range(3)]
+    mix = dict(temperature=1.0, top_p=0.9)
+    alone = {i: top_p_tokens(monkeypatch, True, mix, logits, [i])[i] for i in range(12)}
+    assert top_p_tokens(monkeypatch, True, mix, logits, list(range(12))) == alone
+    assert top_p_tokens(monkeypatch, True, mix, logits, list(reversed(range(12)))) == alone
+    assert len({tuple(v) for v in alone.values()}) > 6
