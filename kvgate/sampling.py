@@ -27,6 +27,22 @@ MAX_TOP_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
 
 
+LSE_CHUNK = 1024  # see row_logsumexp
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """`torch.logsumexp(x, -1, keepdim=True)` with each row's bits independent of the other rows.
+    torch splits a single long row's reduction across threads but gives each of several rows one
+    thread, so a row alone and the same row among others differed in the last bit (2 rows in 64 at
+    2 threads, SmolLM2's 49,152 vocabulary). Reducing chunks of 1,024 first (never split: below
+    torch's grain), then the chunks' results, sums every row in one fixed order."""
+    n, width = x.shape
+    pad = -width % LSE_CHUNK
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=-math.inf)
+    return torch.logsumexp(torch.logsumexp(x.reshape(n, -1, LSE_CHUNK), -1), -1, keepdim=True)
+
+
 class SamplingError(ValueError):
     """An out-of-range sampling value; the message names the parameter, the value and the range."""
 
@@ -339,7 +355,7 @@ def _draw_nucleus(samplers, scaled: torch.Tensor, u: torch.Tensor, k: int):
     shares (the order of equal values is each sort's own). Returns the tokens (None: not settled) and
     the group's log-normalizer."""
     m = scaled.shape[0]
-    norm = torch.logsumexp(scaled, -1, keepdim=True)  # on the same rows as _draw_sorted: the same bits
+    norm = row_logsumexp(scaled)  # as _draw_sorted computes it: the same bits
     top_p = torch.tensor([s.p.top_p for s in samplers], dtype=scaled.dtype).unsqueeze(1)
     min_p = torch.tensor([s.p.min_p for s in samplers], dtype=scaled.dtype).unsqueeze(1)
     r, c = (scaled >= norm + math.log(NUCLEUS_LEVEL)).nonzero(as_tuple=True)  # row-major: r ascending
@@ -410,9 +426,9 @@ def _draw_sorted(samplers, scaled: torch.Tensor, u: torch.Tensor, k: int, full=N
         # sorted probabilities, so it is the same whichever candidates hold it (_redraw_wide widens)
         first = TOP_P_FIRST if k > TOP_P_FIRST and not bool(top_k.any()) else k
         vals, ids = torch.topk(scaled, first, dim=-1)
-        full = torch.logsumexp(scaled, -1, keepdim=True) if full is None else full
+        full = row_logsumexp(scaled) if full is None else full
         # top-k rows renormalize over their k tokens; top-p rows keep the full softmax's mass
-        norm = torch.where(top_k, torch.logsumexp(vals, -1, keepdim=True), full)
+        norm = torch.where(top_k, row_logsumexp(vals), full)
         probs = torch.exp(vals - norm)
     else:
         ids = None

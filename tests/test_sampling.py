@@ -469,3 +469,26 @@ def test_top_p_by_threshold_gives_a_row_the_same_tokens_alone_or_batched(monkeyp
     assert top_p_tokens(monkeypatch, True, mix, logits, list(range(12))) == alone
     assert top_p_tokens(monkeypatch, True, mix, logits, list(reversed(range(12)))) == alone
     assert len({tuple(v) for v in alone.values()}) > 6
+
+
+def test_a_rows_log_normalizer_has_the_same_bits_alone_and_among_other_rows():
+    """The sampler's log-normalizer of a 49,152-wide row (SmolLM2's vocabulary) and of an odd width is
+    the same bits for the row alone, among 2, 3, 4 or 64 rows, and on one thread; and within 1e-5 of
+    torch.logsumexp. Found by measuring: torch.logsumexp splits one row across threads but not
+    several, and differed for 2-4 rows in 64 at 2 threads. Seen red with torch.logsumexp in place of
+    row_logsumexp."""
+    from kvgate.sampling import row_logsumexp
+
+    threads = torch.get_num_threads()
+    for width in (49152, 50001):  # seed 1: torch.logsumexp differs alone vs grouped on 4 of these rows
+        x = torch.randn(64, width, generator=torch.Generator().manual_seed(1)) * 3
+        alone = torch.cat([row_logsumexp(x[i : i + 1]) for i in range(64)])
+        for group in (2, 3, 4, 64):
+            got = torch.cat([row_logsumexp(x[i : i + group]) for i in range(0, 64, group)])
+            assert torch.equal(got, alone), (width, group)
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(row_logsumexp(x), alone), width
+        finally:
+            torch.set_num_threads(threads)
+        torch.testing.assert_close(alone, torch.logsumexp(x, -1, keepdim=True), atol=1e-5, rtol=0)

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from kvgate.sampling import Sampler, _candidates, _keep_min_p, _keep_nucleus
+from kvgate.sampling import Sampler, _candidates, _keep_min_p, _keep_nucleus, row_logsumexp
 
 
 def distributions(sampler: Sampler, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -35,7 +35,7 @@ def distributions(sampler: Sampler, logits: torch.Tensor, rows: list[int]) -> to
     top_k = 0 < p.top_k < vocab
     if k:
         vals, ids = torch.topk(scaled, k, dim=-1)
-        norm = torch.logsumexp(vals if top_k else scaled, -1, keepdim=True)
+        norm = row_logsumexp(vals if top_k else scaled)
         probs = torch.exp(vals - norm)
         if p.top_p < 1.0:
             cum = torch.cumsum(probs, dim=-1)
