@@ -86,12 +86,16 @@ def default_model_weights() -> dict:
         "gguf_file": os.path.getsize(path),  # Q4_1: what llama.cpp streams (an upper bound on it)
         # kvgate's default here (--weights auto -> gguf): the Q4_1 layer blocks and the Q8_0 table, as held
         "kvgate_gguf": weight_bytes(spec, 4, weight_format="gguf", q8_head=True),
+        # --weights gguf-q8act: the same blocks in tiles (fp16 d and m), the table in tiles
+        "kvgate_gguf_q8act": weight_bytes(spec, 4, weight_format="gguf-q8act", q8_head=True),
     }
 
 
 def decode_bounds(read_gbps: float, weights: dict) -> dict:
     return {
-        k: read_gbps * 1e9 / weights[k] for k in ("fp32", "bf16", "gguf_file", "kvgate_gguf") if k in weights
+        k: read_gbps * 1e9 / weights[k]
+        for k in ("fp32", "bf16", "gguf_file", "kvgate_gguf", "kvgate_gguf_q8act")
+        if k in weights
     }
 
 

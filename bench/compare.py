@@ -1138,6 +1138,16 @@ def write_doc(results: dict) -> None:
                 f"kvgate {dec(k1)}",
             ]
         )
+    q8act = [p for p in results["peers"] if is_kvgate(p) and "gguf-q8act" in results["peers"][p]["label"]]
+    if "kvgate_gguf_q8act" in bd and q8act:
+        rows.append(
+            [
+                "the same in tiles, times 8-bit activations (`--weights gguf-q8act`)",
+                f"{wb['kvgate_gguf_q8act'] / 1e6:.0f} MB",
+                f"{bd['kvgate_gguf_q8act']:.0f}",
+                f"kvgate {dec(summary_of(results, q8act[0], 1))}",
+            ]
+        )
     w(
         md_table(
             ["weights", "bytes/step", "bound tok/s", "measured batch-1 decode tok/s (1000 / TPOT p50, c=1)"],
