@@ -16,122 +16,19 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 
+from kvgate.draw_ops import inverse_cdf, keep_min_p, keep_nucleus, pick_rows, row_logsumexp
+from kvgate.sampling_params import (  # noqa: F401 (re-exported: kvgate.sampling is where callers look)
+    GREEDY_BELOW,
+    LOGIT_BIAS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    SamplingError,
+    SamplingParams,
+    TokenLogprobs,
+)
 from kvgate.structured import masks
-
-GREEDY_BELOW = 1e-5
-MAX_TOP_LOGPROBS = 20
-LOGIT_BIAS_LIMIT = 100.0
-
-
-LSE_CHUNK = 1024  # see row_logsumexp
-
-
-def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """`torch.logsumexp(x, -1, keepdim=True)` with each row's bits independent of the other rows.
-    torch splits a single long row's reduction across threads but gives each of several rows one
-    thread, so a row alone and the same row among others differed in the last bit (2 rows in 64 at
-    2 threads, SmolLM2's 49,152 vocabulary). Reducing chunks of 1,024 first (never split: below
-    torch's grain), then the chunks' results, sums every row in one fixed order."""
-    n, width = x.shape
-    pad = -width % LSE_CHUNK
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad), value=-math.inf)
-    return torch.logsumexp(torch.logsumexp(x.reshape(n, -1, LSE_CHUNK), -1), -1, keepdim=True)
-
-
-class SamplingError(ValueError):
-    """An out-of-range sampling value; the message names the parameter, the value and the range."""
-
-    def __init__(self, param: str, value, allowed: str):
-        super().__init__(f"{param}={value!r} is out of range: allowed {allowed}")
-        self.param = param
-
-
-_RANGES = {
-    "temperature": "0 <= temperature <= 2 (0 = greedy)",
-    "top_p": "0 < top_p <= 1",
-    "top_k": "an integer >= 1, or 0 / -1 for no limit",
-    "min_p": "0 <= min_p <= 1",
-    "repetition_penalty": "0 < repetition_penalty <= 2",
-    "presence_penalty": "-2 <= presence_penalty <= 2",
-    "frequency_penalty": "-2 <= frequency_penalty <= 2",
-    "seed": "a 64-bit integer, -2**63 <= seed < 2**64 (a negative seed is used as its two's complement)",
-    "logprobs": f"an integer 0 <= top logprobs <= {MAX_TOP_LOGPROBS}",
-    "logit_bias": f"token ids in the vocabulary with biases -{LOGIT_BIAS_LIMIT:g} <= bias <= {LOGIT_BIAS_LIMIT:g}",
-}
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """One position's log-probabilities: the chosen token's and the `top` most likely (id, logprob)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
-    grammar: object | None = None  # kvgate.structured.compiler.Grammar: every token must keep it valid
-
-    def validate(self) -> SamplingParams:
-        def finite(name, v):
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise SamplingError(name, v, f"a finite number, {_RANGES[name]}")
-
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
-            finite(name, getattr(self, name))
-        finite("frequency_penalty", self.frequency_penalty)
-        if not 0.0 <= self.temperature <= 2.0:
-            raise SamplingError("temperature", self.temperature, _RANGES["temperature"])
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingError("top_p", self.top_p, _RANGES["top_p"])
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise SamplingError("top_k", self.top_k, _RANGES["top_k"])
-        if not 0.0 <= self.min_p <= 1.0:
-            raise SamplingError("min_p", self.min_p, _RANGES["min_p"])
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise SamplingError("repetition_penalty", self.repetition_penalty, _RANGES["repetition_penalty"])
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise SamplingError(name, getattr(self, name), _RANGES[name])
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
-        ):
-            raise SamplingError("seed", self.seed, _RANGES["seed"])
-        lp = self.logprobs
-        if lp is not None and (
-            isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS
-        ):
-            raise SamplingError("logprobs", lp, _RANGES["logprobs"])
-        for t, b in (self.logit_bias or {}).items():
-            if (
-                isinstance(b, bool)
-                or not isinstance(b, int | float)
-                or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
-            ):
-                raise SamplingError("logit_bias", {t: b}, _RANGES["logit_bias"])
-        return self
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """logit_bias keys must be token ids of this model."""
-        for t in self.logit_bias or {}:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise SamplingError("logit_bias", t, f"token ids 0 <= id < {vocab_size}")
 
 
 class Sampler:
@@ -374,7 +271,7 @@ def _draw_nucleus(samplers, scaled: torch.Tensor, u: torch.Tensor, k: int):
     probs = torch.exp(vals - norm)
     cum = torch.cumsum(probs, dim=-1)
     kept = ((cum - probs) < top_p).sum(-1)
-    pick, ok = _pick(_keep_min_p(_keep_nucleus(probs, cum, top_p), min_p), u)
+    pick, ok = pick_rows(keep_min_p(keep_nucleus(probs, cum, top_p), min_p), u)
     at = vals.gather(1, pick.unsqueeze(1)).squeeze(1)
     after = vals.gather(1, (pick + 1).clamp(max=width - 1).unsqueeze(1)).squeeze(1)
     before = vals.gather(1, (pick - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -392,8 +289,8 @@ def _draw_wide(x: torch.Tensor, s: Sampler, u: torch.Tensor) -> int:
     if token is not None:
         return token
     sorted_p, order = torch.sort(probs, descending=True)
-    row = _keep_nucleus(sorted_p, torch.cumsum(sorted_p, -1), s.p.top_p)
-    return _inverse_cdf(_keep_min_p(row.unsqueeze(0), s.p.min_p), order.unsqueeze(0), x.unsqueeze(0), u)[0]
+    row = keep_nucleus(sorted_p, torch.cumsum(sorted_p, -1), s.p.top_p)
+    return inverse_cdf(keep_min_p(row.unsqueeze(0), s.p.min_p), order.unsqueeze(0), x.unsqueeze(0), u)[0]
 
 
 def _wide_token(probs: torch.Tensor, s: Sampler, u: torch.Tensor) -> int | None:
@@ -408,7 +305,7 @@ def _wide_token(probs: torch.Tensor, s: Sampler, u: torch.Tensor) -> int | None:
         cum = torch.cumsum(vals, -1)
         if int(((cum - vals) < s.p.top_p).sum()) >= idx.numel():
             continue  # the nucleus may run past these: a lower level
-        pick, ok = _pick(_keep_min_p(_keep_nucleus(vals, cum, s.p.top_p).unsqueeze(0), s.p.min_p), u)
+        pick, ok = pick_rows(keep_min_p(keep_nucleus(vals, cum, s.p.top_p).unsqueeze(0), s.p.min_p), u)
         j = int(pick)
         if bool(ok) and vals[j + 1] != vals[j] and (j == 0 or vals[j - 1] != vals[j]):
             return int(idx[order[j]])
@@ -437,21 +334,11 @@ def _draw_sorted(samplers, scaled: torch.Tensor, u: torch.Tensor, k: int, full=N
     if ids is not None and bool((top_p < 1.0).any()):
         cum = torch.cumsum(probs, dim=-1)
         short = ((cum[:, -1:] < top_p) & ~top_k).squeeze(1)
-        probs = _keep_nucleus(probs, cum, top_p)
+        probs = keep_nucleus(probs, cum, top_p)
         if bool(short.any()):  # the nucleus is wider than the candidates: widen those rows
             return _redraw_wide(samplers, scaled, short, probs, ids, norm, top_p, k, u)
     min_p = torch.tensor([s.p.min_p for s in samplers], dtype=probs.dtype).unsqueeze(1)
-    return _inverse_cdf(_keep_min_p(probs, min_p), ids, scaled, u)
-
-
-def _keep_nucleus(sorted_probs: torch.Tensor, cum: torch.Tensor, top_p) -> torch.Tensor:
-    """Zero all but the smallest prefix of descending probabilities that reaches top_p (>= 1 token)."""
-    return sorted_probs.masked_fill((cum - sorted_probs) >= top_p, 0.0)
-
-
-def _keep_min_p(probs: torch.Tensor, min_p) -> torch.Tensor:
-    """Zero tokens less likely than min_p x the row's most likely token."""
-    return probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    return inverse_cdf(keep_min_p(probs, min_p), ids, scaled, u)
 
 
 def _redraw_wide(samplers, scaled, short, probs, ids, norm, top_p, k, u) -> list[int]:
@@ -465,7 +352,7 @@ def _redraw_wide(samplers, scaled, short, probs, ids, norm, top_p, k, u) -> list
         p = torch.exp(vals - norm[rows])
         cum = torch.cumsum(p, dim=-1)
         held = (cum[:, -1:] >= top_p[rows]).squeeze(1).tolist()
-        kept = _keep_nucleus(p, cum, top_p[rows])
+        kept = keep_nucleus(p, cum, top_p[rows])
         wide = {int(i): (kept[j], order[j]) for j, i in enumerate(rows.tolist()) if held[j]}
     out = []
     for i, s in enumerate(samplers):
@@ -476,29 +363,6 @@ def _redraw_wide(samplers, scaled, short, probs, ids, norm, top_p, k, u) -> list
             continue
         else:
             row, order = probs[i], ids[i]
-        row = _keep_min_p(row.unsqueeze(0), s.p.min_p)
-        out += _inverse_cdf(row, order.unsqueeze(0), scaled[i : i + 1], u[i : i + 1])
-    return out
-
-
-def _pick(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's inverse-CDF index for its uniform `u`, and whether the row's mass is usable."""
-    cum = torch.cumsum(probs, dim=-1)
-    total = cum[:, -1:]
-    pick = torch.searchsorted(cum, u * total, right=True).squeeze(1)
-    # u * total can round up to total: take the last token with probability > 0 instead
-    last = probs.shape[1] - 1 - torch.argmax(torch.flip(probs > 0, [1]).to(torch.uint8), dim=1)
-    return torch.minimum(pick, last), (torch.isfinite(total) & (total > 0)).squeeze(1)
-
-
-def _inverse_cdf(
-    probs: torch.Tensor, ids: torch.Tensor | None, scaled: torch.Tensor, u: torch.Tensor
-) -> list[int]:
-    pick, ok = _pick(probs, u)
-    if ids is not None:
-        pick = ids.gather(1, pick.unsqueeze(1)).squeeze(1)
-    out = pick.tolist()
-    for i, good in enumerate(ok.tolist()):
-        if not good:  # degenerate row (NaN/inf logits): fall back to its argmax
-            out[i] = int(torch.argmax(torch.nan_to_num(scaled[i], nan=-math.inf)))
+        row = keep_min_p(row.unsqueeze(0), s.p.min_p)
+        out += inverse_cdf(row, order.unsqueeze(0), scaled[i : i + 1], u[i : i + 1])
     return out

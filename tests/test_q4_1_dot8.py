@@ -130,7 +130,8 @@ def test_the_q8_head_in_tiles_is_the_exact_integer_product_and_looks_up_the_same
 
 def test_an_engine_with_q8act_is_batch_invariant_and_charged_exactly(q4_tiny_dir):  # noqa: F811
     """The tiny Q4_1 model under gguf-q8act: every prompt's greedy tokens alone equal those batched
-    with the others and with a 4-token prefill chunk; the plan charges exactly what the model holds
+    with the others, with a 4-token prefill chunk and with --speculate 3 (drafts verified as rows of
+    the same kernel, and some kept); the plan charges exactly what the model holds
     (plus the packed head copy the tiny shape keeps plain, as tests/test_q4_1.py states for gguf),
     less than gguf. Seen red: charging the tiles as gguf's float32 scales (plan above the model)."""
     from kvgate.request import GenerationRequest
@@ -154,7 +155,13 @@ def test_an_engine_with_q8act_is_batch_invariant_and_charged_exactly(q4_tiny_dir
         chunked = [h.result(60).token_ids for h in [e.submit(r) for r in reqs]]
     finally:
         e.shutdown()
-    assert batched == alone == chunked
+    e = engine(q4_tiny_dir, weights="gguf-q8act", q8_head="off", speculate=3)
+    try:
+        drafted = [h.result(60).token_ids for h in [e.submit(r) for r in reqs]]
+        assert e.core.state.counters.spec_accepted_tokens > 0  # drafts were verified and kept
+    finally:
+        e.shutdown()
+    assert batched == alone == chunked == drafted
     e = engine(q4_tiny_dir, weights="gguf", q8_head="off")
     try:
         assert q8_bytes < e.plan.weights_bytes

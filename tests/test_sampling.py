@@ -477,7 +477,7 @@ def test_a_rows_log_normalizer_has_the_same_bits_alone_and_among_other_rows():
     torch.logsumexp. Found by measuring: torch.logsumexp splits one row across threads but not
     several, and differed for 2-4 rows in 64 at 2 threads. Seen red with torch.logsumexp in place of
     row_logsumexp."""
-    from kvgate.sampling import row_logsumexp
+    from kvgate.draw_ops import row_logsumexp
 
     threads = torch.get_num_threads()
     for width in (49152, 50001):  # seed 1: torch.logsumexp differs alone vs grouped on 4 of these rows

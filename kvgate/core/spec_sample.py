@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from kvgate.sampling import Sampler, _candidates, _keep_min_p, _keep_nucleus, row_logsumexp
+from kvgate.draw_ops import keep_min_p, keep_nucleus, row_logsumexp
+from kvgate.sampling import Sampler, _candidates
 
 
 def distributions(sampler: Sampler, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -40,17 +41,17 @@ def distributions(sampler: Sampler, logits: torch.Tensor, rows: list[int]) -> to
         if p.top_p < 1.0:
             cum = torch.cumsum(probs, dim=-1)
             short = (cum[:, -1] < p.top_p).tolist() if not top_k else [False] * n
-            probs = _keep_nucleus(probs, cum, p.top_p)
+            probs = keep_nucleus(probs, cum, p.top_p)
         else:
             short = [False] * n
         dense = torch.zeros_like(scaled).scatter_(1, ids, probs)
         for i in (i for i, s in enumerate(short) if s):  # the nucleus is wider than the candidates
             sorted_p, order = torch.sort(torch.softmax(scaled[i], -1), descending=True)
-            kept = _keep_nucleus(sorted_p, torch.cumsum(sorted_p, -1), p.top_p)
+            kept = keep_nucleus(sorted_p, torch.cumsum(sorted_p, -1), p.top_p)
             dense[i] = torch.zeros(vocab).scatter_(0, order, kept)
     else:
         dense = torch.softmax(scaled, dim=-1)
-    dense = _keep_min_p(dense, p.min_p)
+    dense = keep_min_p(dense, p.min_p)
     total = dense.sum(-1, keepdim=True)
     for i, good in enumerate((torch.isfinite(total) & (total > 0)).squeeze(1).tolist()):
         if not good:

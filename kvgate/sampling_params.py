@@ -1,0 +1,102 @@
+"""A request's sampling parameters, validated: the ranges, the error that names a bad value, and the
+per-position log-probabilities a request can ask for (`kvgate.sampling` draws with them)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GREEDY_BELOW = 1e-5
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class SamplingError(ValueError):
+    """An out-of-range sampling value; the message names the parameter, the value and the range."""
+
+    def __init__(self, param: str, value, allowed: str):
+        super().__init__(f"{param}={value!r} is out of range: allowed {allowed}")
+        self.param = param
+
+
+_RANGES = {
+    "temperature": "0 <= temperature <= 2 (0 = greedy)",
+    "top_p": "0 < top_p <= 1",
+    "top_k": "an integer >= 1, or 0 / -1 for no limit",
+    "min_p": "0 <= min_p <= 1",
+    "repetition_penalty": "0 < repetition_penalty <= 2",
+    "presence_penalty": "-2 <= presence_penalty <= 2",
+    "frequency_penalty": "-2 <= frequency_penalty <= 2",
+    "seed": "a 64-bit integer, -2**63 <= seed < 2**64 (a negative seed is used as its two's complement)",
+    "logprobs": f"an integer 0 <= top logprobs <= {MAX_TOP_LOGPROBS}",
+    "logit_bias": f"token ids in the vocabulary with biases -{LOGIT_BIAS_LIMIT:g} <= bias <= {LOGIT_BIAS_LIMIT:g}",
+}
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One position's log-probabilities: the chosen token's and the `top` most likely (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
+    grammar: object | None = None  # kvgate.structured.compiler.Grammar: every token must keep it valid
+
+    def validate(self) -> SamplingParams:
+        def finite(name, v):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise SamplingError(name, v, f"a finite number, {_RANGES[name]}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+            finite(name, getattr(self, name))
+        finite("frequency_penalty", self.frequency_penalty)
+        if not 0.0 <= self.temperature <= 2.0:
+            raise SamplingError("temperature", self.temperature, _RANGES["temperature"])
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError("top_p", self.top_p, _RANGES["top_p"])
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise SamplingError("top_k", self.top_k, _RANGES["top_k"])
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError("min_p", self.min_p, _RANGES["min_p"])
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingError("repetition_penalty", self.repetition_penalty, _RANGES["repetition_penalty"])
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(name, getattr(self, name), _RANGES[name])
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
+            raise SamplingError("seed", self.seed, _RANGES["seed"])
+        lp = self.logprobs
+        if lp is not None and (
+            isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS
+        ):
+            raise SamplingError("logprobs", lp, _RANGES["logprobs"])
+        for t, b in (self.logit_bias or {}).items():
+            if (
+                isinstance(b, bool)
+                or not isinstance(b, int | float)
+                or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
+            ):
+                raise SamplingError("logit_bias", {t: b}, _RANGES["logit_bias"])
+        return self
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """logit_bias keys must be token ids of this model."""
+        for t in self.logit_bias or {}:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise SamplingError("logit_bias", t, f"token ids 0 <= id < {vocab_size}")
