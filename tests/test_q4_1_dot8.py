@@ -177,32 +177,10 @@ def test_q8act_decodes_smollm2_as_the_full_model_does_within_the_stated_toleranc
     head in float, 4 of 8), and while the tokens agree, the chosen token's log-probability differs by
     at most 0.5 (measured 0.21). Seen red: swapping the k of the high and low nibbles in the kernel
     (0 of 8 prompts agreed)."""
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-    from kvgate.request import GenerationRequest, Token
-    from kvgate.sampling import SamplingParams
-    from tests.test_real_batching import PROMPTS
+    from tests.test_quant import greedy_agreement
 
     steps = 24
-    runs = {}
-    for fmt in ("full", "gguf-q8act"):
-        e = Engine.from_model("default", EngineConfig(weights=fmt, memory_limit="2GiB", dtype="float32"))
-        e.start()
-        try:
-            out = []
-            for p in PROMPTS:
-                sp = SamplingParams(temperature=0, logprobs=0)
-                h = e.submit(GenerationRequest(e.tokenizer.encode(p), sp, steps, ignore_eos=True))
-                out.append([(ev.token_id, ev.logprobs.logprob) for ev in h if isinstance(ev, Token)])
-            runs[fmt] = out
-        finally:
-            e.shutdown()
-    same, worst = 0, 0.0
-    for ref, got in zip(runs["full"], runs["gguf-q8act"], strict=True):
-        assert len(ref) == len(got) == steps
-        agree = next((i for i, (a, b) in enumerate(zip(ref, got)) if a[0] != b[0]), steps)
-        same += agree == steps
-        worst = max([worst] + [abs(a[1] - b[1]) for a, b in zip(ref[:agree], got[:agree])])
+    same, worst = greedy_agreement("gguf-q8act", steps)
     print(
         f"\ngguf-q8act vs full: {same}/8 prompts identical for {steps} tokens; max logprob error {worst:.4f}"
     )

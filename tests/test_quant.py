@@ -141,16 +141,25 @@ def test_int4_decodes_smollm2_as_the_full_model_does_within_the_stated_tolerance
     (measured: 6 of 8 for 48 tokens; one diverged at token 3 on a near-tie, one at 43), and while the
     tokens agree, the chosen token's log-probability differs by at most 0.5 (measured max printed).
     Broken by (seen red): quantizing the LM head too (all 8 prompts diverged within 13 tokens)."""
+    steps = 24
+    same, worst = greedy_agreement("int4", steps)
+    print(f"\nint4 vs full: {same}/8 prompts identical for {steps} tokens; max logprob error {worst:.4f}")
+    assert same >= 6 and worst <= 0.5, (same, worst)
+
+
+def greedy_agreement(fmt: str, steps: int) -> tuple[int, float]:
+    """SmolLM2 under `--weights fmt` against `--weights full` on the 8 real prompts, greedy: how many
+    prompts give full's first `steps` tokens, and the largest difference of the chosen token's
+    log-probability while the tokens agree."""
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest, Token
     from kvgate.sampling import SamplingParams
     from tests.test_real_batching import PROMPTS
 
-    steps = 24
     runs = {}
-    for fmt in ("full", "int4"):
-        e = Engine.from_model("default", EngineConfig(weights=fmt, memory_limit="2GiB", dtype="float32"))
+    for name in ("full", fmt):
+        e = Engine.from_model("default", EngineConfig(weights=name, memory_limit="2GiB", dtype="float32"))
         e.start()
         try:
             out = []
@@ -158,14 +167,13 @@ def test_int4_decodes_smollm2_as_the_full_model_does_within_the_stated_tolerance
                 sp = SamplingParams(temperature=0, logprobs=0)
                 h = e.submit(GenerationRequest(e.tokenizer.encode(p), sp, steps, ignore_eos=True))
                 out.append([(ev.token_id, ev.logprobs.logprob) for ev in h if isinstance(ev, Token)])
-            runs[fmt] = out
+            runs[name] = out
         finally:
             e.shutdown()
     same, worst = 0, 0.0
-    for ref, got in zip(runs["full"], runs["int4"]):
+    for ref, got in zip(runs["full"], runs[fmt], strict=True):
         assert len(ref) == len(got) == steps
         agree = next((i for i, (a, b) in enumerate(zip(ref, got)) if a[0] != b[0]), steps)
         same += agree == steps
         worst = max([worst] + [abs(a[1] - b[1]) for a, b in zip(ref[:agree], got[:agree])])
-    print(f"\nint4 vs full: {same}/8 prompts identical for {steps} tokens; max logprob error {worst:.4f}")
-    assert same >= 6 and worst <= 0.5, (same, worst)
+    return same, worst

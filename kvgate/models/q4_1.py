@@ -50,6 +50,22 @@ def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return codes.contiguous(), d.contiguous(), m.contiguous()
 
 
+def exact_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`q4_1_blocks` of a matrix that must be exact Q4_1 blocks (placement has checked the checkpoint)."""
+    blocks = q4_1_blocks(weight.float())
+    if blocks is None:
+        raise ValueError(f"a {tuple(weight.shape)} matrix is not exact Q4_1 blocks (see q4_1_blocks)")
+    return blocks
+
+
+def kernels():
+    """kvgate's C++ kernels, or the error that says why they did not build."""
+    ext = native.extension()
+    if ext is None:
+        raise RuntimeError(native.unavailable() or "kvgate's C++ kernels are unavailable")
+    return ext
+
+
 class Q41Linear:
     """`y = x @ W.T + bias` with W held as Q4_1 blocks; float32 inside, `x`'s dtype out.
 
@@ -61,17 +77,10 @@ class Q41Linear:
     __slots__ = ("codes", "d", "m", "bias", "nbytes", "_ext")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        blocks = q4_1_blocks(weight.float())
-        if blocks is None:
-            raise ValueError(f"a {tuple(weight.shape)} matrix is not exact Q4_1 blocks (see q4_1_blocks)")
-        self.codes, self.d, self.m = blocks
+        self.codes, self.d, self.m = exact_blocks(weight)
         self.bias = bias
-        self.nbytes = q4_1_bytes(*weight.shape)
-        if bias is not None:
-            self.nbytes += bias.numel() * bias.element_size()
-        self._ext = native.extension()
-        if self._ext is None:
-            raise RuntimeError(native.unavailable() or "kvgate's C++ kernels are unavailable")
+        self.nbytes = q4_1_bytes(*weight.shape) + (0 if bias is None else bias.numel() * bias.element_size())
+        self._ext = kernels()
 
     def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         y = self._ext.q4_1_matmul(

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgate.models import native
-from kvgate.models.q4_1 import QBLOCK, q4_1_blocks
+from kvgate.models.q4_1 import QBLOCK, exact_blocks, kernels
 
 TILE = 8  # output rows per packed tile
 
@@ -70,18 +69,13 @@ class Q41Dot8Linear:
     __slots__ = ("packed", "out_features", "bias", "nbytes", "_ext")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        blocks = q4_1_blocks(weight.float())
-        if blocks is None:
-            raise ValueError(f"a {tuple(weight.shape)} matrix is not exact Q4_1 blocks (see q4_1_blocks)")
-        self.packed = q4_1_pack8(*blocks)
+        self.packed = q4_1_pack8(*exact_blocks(weight))
         self.out_features = weight.shape[0]
         self.bias = bias
-        self.nbytes = q4_1_dot8_bytes(*weight.shape)
-        if bias is not None:
-            self.nbytes += bias.numel() * bias.element_size()
-        self._ext = native.extension()
-        if self._ext is None:
-            raise RuntimeError(native.unavailable() or "kvgate's C++ kernels are unavailable")
+        self.nbytes = q4_1_dot8_bytes(*weight.shape) + (
+            0 if bias is None else bias.numel() * bias.element_size()
+        )
+        self._ext = kernels()
 
     def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         y = self._ext.q4_1_dot8(x.float(), self.packed, self.out_features)

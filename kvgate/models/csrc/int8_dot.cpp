@@ -248,13 +248,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q8_rows(torch::Tensor x)
   return {q, d, s};
 }
 
-torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == TILE_BLOCK,
-              "q4_1_dot8: packed must be uint8 [N/8, K/32, ", TILE_BLOCK, "], got ", packed.sizes());
+namespace {
+
+// The shared driver: checks the shapes, rounds x to 8-bit blocks, then runs every (tile, group of up
+// to MR rows) through `group(rows, xq, xd, xs, K, tile, y, ldy, width)`. Threads split the tiles.
+template <class Group>
+torch::Tensor run_tiles(const char* name, torch::Tensor x, torch::Tensor packed, int64_t N, int64_t block_bytes,
+                        int64_t grain, Group group) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == block_bytes, name,
+              ": packed must be uint8 [N/8, K/32, ", block_bytes, "], got ", packed.sizes());
   const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QB, M = x.size(0);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
-              "q4_1_dot8: x must be float32 [rows, ", K, "], got ", x.sizes(), " ", x.dtype());
-  TORCH_CHECK(N > (T - 1) * NT && N <= T * NT, "q4_1_dot8: N=", N, " does not fit ", T, " tiles of 8");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, name, ": x must be float32 [rows, ",
+              K, "], got ", x.sizes(), " ", x.dtype());
+  TORCH_CHECK(N > (T - 1) * NT && N <= T * NT, name, ": N=", N, " does not fit ", T, " tiles of 8");
   auto [xq, xd, xs] = q8_rows(x);
   auto pc = packed.contiguous();
   auto y = torch::empty({M, N}, x.options());
@@ -262,41 +268,27 @@ torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const float *xdp = xd.data_ptr<float>(), *xsp = xs.data_ptr<float>();
   const uint8_t* wp = pc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t width = std::min(NT, N - t * NT);
       for (int64_t r = 0; r < M; r += MR) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - r));
-        tile_group(rows, qp + r * K, xdp + r * nb, xsp + r * nb, K, wp + t * nb * TILE_BLOCK, yp + r * N + t * NT,
-                   N, width);
+        group(rows, qp + r * K, xdp + r * nb, xsp + r * nb, K, wp + t * nb * block_bytes, yp + r * N + t * NT, N,
+              width);
       }
     }
   });
   return y;
 }
 
+}  // namespace
+
+torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return run_tiles("q4_1_dot8", x, packed, N, TILE_BLOCK, 4, tile_group);
+}
+
 torch::Tensor q8_dot8(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == Q8_BLOCK,
-              "q8_dot8: packed must be uint8 [N/8, K/32, ", Q8_BLOCK, "], got ", packed.sizes());
-  const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QB, M = x.size(0);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
-              "q8_dot8: x must be float32 [rows, ", K, "], got ", x.sizes(), " ", x.dtype());
-  TORCH_CHECK(N > (T - 1) * NT && N <= T * NT, "q8_dot8: N=", N, " does not fit ", T, " tiles of 8");
-  auto [xq, xd, xs] = q8_rows(x);
-  auto pc = packed.contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  const int8_t* qp = xq.data_ptr<int8_t>();
-  const float* xdp = xd.data_ptr<float>();
-  const uint8_t* wp = pc.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t width = std::min(NT, N - t * NT);
-      for (int64_t r = 0; r < M; r += MR) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, M - r));
-        q8_tile_group(rows, qp + r * K, xdp + r * nb, K, wp + t * nb * Q8_BLOCK, yp + r * N + t * NT, N, width);
-      }
-    }
-  });
-  return y;
+  return run_tiles("q8_dot8", x, packed, N, Q8_BLOCK, 16,
+                   [](int rows, const int8_t* xq, const float* xd, const float*, int64_t K, const uint8_t* w, float* y,
+                      int64_t ldy, int64_t width) { q8_tile_group(rows, xq, xd, K, w, y, ldy, width); });
 }
