@@ -15,12 +15,14 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     torch splits a single long row's reduction across threads but gives each of several rows one
     thread, so a row alone and the same row among others differed in the last bit (2 rows in 64 at
     2 threads, SmolLM2's 49,152 vocabulary). Reducing chunks of 1,024 first (never split: below
-    torch's grain), then the chunks' results, sums every row in one fixed order."""
+    torch's grain), then the chunks' results, sums every row in one fixed order. For float32 rows (the
+    sampler's): a 16-bit dtype would round the chunks' results before the outer reduction."""
     n, width = x.shape
     pad = -width % LSE_CHUNK
     if pad:
         x = torch.nn.functional.pad(x, (0, pad), value=-math.inf)
-    return torch.logsumexp(torch.logsumexp(x.reshape(n, -1, LSE_CHUNK), -1), -1, keepdim=True)
+    chunks = torch.logsumexp(x.reshape(n, (width + pad) // LSE_CHUNK, LSE_CHUNK), -1)
+    return torch.logsumexp(chunks, -1, keepdim=True)
 
 
 def keep_nucleus(sorted_probs: torch.Tensor, cum: torch.Tensor, top_p) -> torch.Tensor:

@@ -79,6 +79,30 @@ def test_the_kernel_is_the_exact_integer_product_and_row_invariant():
         assert torch.equal(lin(x[start:end], decode_rows=1), full[start:end]), (start, end)
 
 
+def test_a_nan_or_inf_activation_gives_nan_outputs_for_its_row_only():
+    """A NaN or an inf in a row's activations makes that row's outputs NaN, as a float matmul's would
+    be (the sampler then falls back for that row), and leaves the other rows' bits alone; a block of
+    values too small for 127 / max to be finite counts as zeros. Seen red before the fix: a NaN was
+    dropped by max() and cast to int (undefined; -127 on x86), giving finite outputs."""
+    torch.manual_seed(7)
+    w = ggml_q4_1(torch.randn(16, 64) * 0.05)
+    lin = Q41Dot8Linear(w, None)
+    x = torch.randn(4, 64)
+    clean = lin(x)
+    bad = x.clone()
+    bad[1, 3] = float("nan")
+    bad[2, 40] = float("inf")
+    bad[3, :32] = 1e-38
+    y = lin(bad)
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    assert torch.equal(y[0], clean[0])
+    tiny = bad[3:4].clone()
+    tiny[0, :32] = 0
+    assert torch.equal(y[3], lin(tiny)[0])
+    q, d, s = native.extension().q8_rows(bad)
+    assert torch.isnan(d[1, 0]) and torch.isnan(s[2, 1]) and d[3, 0] == 0 and not q[3, :32].any()
+
+
 def test_the_tiles_hold_the_files_values():
     """Unpacking the tiles gives back every code, d and m of q4_1_blocks, with padding rows zero.
     Seen red: packing the scales by block instead of by row (d of row n at block b went to row b)."""
@@ -109,14 +133,18 @@ def ggml_q8_0(x: torch.Tensor) -> torch.Tensor:
 def test_the_q8_head_in_tiles_is_the_exact_integer_product_and_looks_up_the_same_rows():
     """`Q8DotTable` (the LM head under gguf-q8act): against the float64 value of the integer sums
     (relative 1e-6) for 203 rows (a padded last tile) and 1..13 input rows, each row's output the same
-    bits alone and among all; its lookup gives `Q8Table`'s floats for every row. Seen red: dropping
-    w's sign from x in the AVX2 loop (exactness); gathering the scales of the wrong lane (lookup)."""
+    bits alone and among all; its lookup gives `Q8Table`'s floats for every row and refuses ids
+    outside the table (padding rows included). Seen red: dropping w's sign from x in the AVX2 loop
+    (exactness); gathering the scales of the wrong lane (lookup)."""
     torch.manual_seed(6)
     codes, scales = q8_blocks(ggml_q8_0(torch.randn(203, 96) * 0.05))
     plain, tiled = Q8Table(codes, scales), Q8DotTable(codes, scales)
     assert tiled.nbytes == q8_dot_bytes(203, 96) == 26 * 3 * 288
     ids = torch.arange(203)
     assert torch.equal(tiled.embed(ids, torch.float32), plain.embed(ids, torch.float32))
+    for wrong in (203, 207, -1):  # a padding row, past it, negative: refused as index_select refuses
+        with pytest.raises(IndexError):
+            tiled.embed(torch.tensor([5, wrong]), torch.float32)
     x = torch.randn(13, 96)
     y = tiled(x)
     q, d, _ = reference_rows(x)

@@ -159,11 +159,12 @@ class Placement:
 
 
 def resolve_q8_head(
-    name: str, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, packed: bool
+    name: str, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, packed: bool, fmt: str = "gguf"
 ) -> tuple[bool, str]:
     """auto: on where the tied embeddings are exact Q8_0 blocks, the device is a CPU, the C++ kernel
-    builds, and a short probe measures it at least as fast as the plain head; on: insist (an error
-    naming what is missing); off: never."""
+    builds, and a short probe measures it at least as fast as the plain head (the kernel `fmt` would
+    run: gguf-q8act's integer one, else the float one); on: insist (an error naming what is missing);
+    off: never."""
     if name not in ("auto", "on", "off"):
         raise DeviceError(f"--q8-head {name!r} is not one of auto, on, off")
     if name == "off":
@@ -184,7 +185,7 @@ def resolve_q8_head(
         return False, f"off: {why}"
     if name == "on":
         return True, "on (--q8-head on)"
-    p = probe_q8_head(*blocks, dtype, packed)
+    p = probe_q8_head(*blocks, dtype, packed, dot8=fmt == "gguf-q8act")  # the kernel that would run
     log.info(
         "Q8 head probe: %s ms Q8 vs %s ms plain head (1 + 8 rows, one thread)", p["q8_ms"], p["plain_ms"]
     )
@@ -210,7 +211,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
             f"--speculate {cfg.speculate} is out of range: draft tokens per step are 0 (off) to {MAX_SPECULATE}"
         )
     packed = resolve_packing(cfg.pack_weights, device, dtype)  # quantized: the head (and any unquantizable)
-    q8_head, q8_reason = resolve_q8_head(cfg.q8_head, loaded, device, dtype, packed)
+    q8_head, q8_reason = resolve_q8_head(cfg.q8_head, loaded, device, dtype, packed, fmt)
     if fmt in GGUF_FORMATS and weights_note is None:  # auto has checked them
         check_gguf_blocks(loaded, fmt)
     spec = loaded.spec

@@ -6,8 +6,9 @@ also rounds each block of 32 activations of a row to `d * code` (code an int8, d
 every layer matmul, so a block's products are exact integers: one AVX2 `maddubs` does 32 of them
 where a float FMA does 8 (csrc/int8_dot.cpp). The price is that rounding: the logits move by about
 1e-2 relative and greedy tokens can part from full's after some steps (tests/test_q4_1_dot8.py
-states how far on the default model); the LM head and everything between the matmuls stay as
-`gguf` computes them.
+states how far on the default model). With the Q8_0 table (`--q8-head`), the LM head rounds its input
+the same way (`kvgate.models.q8_head.Q8DotTable`); everything between the matmuls stays as `gguf`
+computes it.
 
 What is kept: a row's activations are rounded from that row alone and every output sums its blocks
 in one fixed order, so batching, chunking and drafts never change a row's numbers, and the weights

@@ -6,7 +6,8 @@ instead of 4) loses nothing: a looked-up embedding row is widened to the very sa
 head computes with the very same weight values (the C++ kernel in csrc/block_matmul.cpp widens each
 weight as `scale * float(code)`, one rounding, exactly as the float table holds it). What changes is
 only the summation order of the head's dot products (~1e-6), the same for every row whatever the
-rows beside it.
+rows beside it. (`Q8DotTable`, at the end, is `--weights gguf-q8act`'s: it also rounds the head's
+input to 8-bit blocks, which changes the logits more, as that format states.)
 
 What it buys, measured on a 2-vCPU AVX2 EPYC (SmolLM2, 49,152 x 576, one thread): the head at 1 row
 3.4 ms instead of 7.8 ms for oneDNN on the packed float32 copy, 7.7 against 11.8 ms at 8 rows, 15.1
@@ -85,17 +86,24 @@ def keep_q8(q8_ms: float, plain_ms: float) -> bool:
     return q8_ms <= plain_ms * KEEP_WITHIN
 
 
-def probe(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, packed: bool, reps: int = 7) -> dict:
+def probe(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    packed: bool,
+    reps: int = 7,
+    dot8: bool = False,
+) -> dict:
     """Time the Q8 head against the plain one it would replace on an 8,192-row slice, at 1 and 8 rows:
     {"q8_ms", "plain_ms", "keep": bool (`keep_q8`)}. Each is the least CPU time of `reps` calls on one thread
     (the calling thread's own clock), so other work on a busy machine does not decide it; both kernels
-    split their output features over threads alike."""
+    split their output features over threads alike. `dot8`: time `Q8DotTable` (gguf-q8act's head)."""
     import time
 
     from kvgate.models.linear import Linear
 
     n = min(8192, codes.shape[0])
-    q8 = Q8Table(codes[:n].contiguous(), scales[:n].contiguous())
+    q8 = (Q8DotTable if dot8 else Q8Table)(codes[:n].contiguous(), scales[:n].contiguous())
     plain = Linear(
         (scales[:n].unsqueeze(-1) * codes[:n].float().view(n, -1, QBLOCK)).view(n, -1).to(dtype), None, packed
     )
@@ -158,6 +166,8 @@ class Q8DotTable(Q8Table):
         self.nbytes = self.packed.numel()
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < self.rows):  # as index_select would
+            raise IndexError(f"token ids must be in [0, {self.rows}), got {ids.min()}..{ids.max()}")
         t, nb = self.packed.shape[0], self.packed.shape[1]
         tile, lane, n = ids // TILE, ids % TILE, len(ids)
         codes = self.packed[..., : TILE * QBLOCK].view(t, nb, 8, TILE, 4)[

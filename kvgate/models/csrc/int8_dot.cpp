@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -38,16 +39,30 @@ constexpr int64_t NIBBLES = NT * QB / 2;     // a tile's code bytes per block
 constexpr int64_t TILE_BLOCK = NIBBLES + 2 * NT * 2;  // then its 8 d and 8 m as fp16: 160 bytes
 constexpr int MR = 4;          // activation rows per register tile
 
+// A block whose max|x| is not finite (a NaN or inf activation) gets d = s = NaN and zero codes, so
+// its outputs are NaN, as a float matmul's would be (and the sampler's degenerate-row fallback sees
+// them); a block too small for 127 / max|x| to be finite (max|x| < 4e-37) is a block of zeros.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   for (int64_t b = 0; b < K / QB; ++b) {
     const float* xb = x + b * QB;
     float amax = 0.f;
-    for (int64_t j = 0; j < QB; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float db = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    bool finite = true;
+    for (int64_t j = 0; j < QB; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      finite = finite && std::isfinite(xb[j]);
+    }
+    const float id = 127.f / amax;
+    if (!finite || !std::isfinite(id)) {
+      std::fill(q + b * QB, q + (b + 1) * QB, int8_t{0});
+      d[b] = s[b] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const float db = amax / 127.f;
     int sum = 0;
     for (int64_t j = 0; j < QB; ++j) {
-      const int c = static_cast<int>(std::nearbyint(xb[j] * id));  // the default mode: nearest, ties even
-      q[b * QB + j] = static_cast<int8_t>(std::clamp(c, -127, 127));
+      // the default rounding mode: nearest, ties to even; |x * id| <= 127 (+ an ulp), clamped as a float
+      const float c = std::nearbyint(std::clamp(xb[j] * id, -127.f, 127.f));
+      q[b * QB + j] = static_cast<int8_t>(c);
       sum += q[b * QB + j];
     }
     d[b] = db;
@@ -147,7 +162,8 @@ void tile_rows(const int8_t* xq, const float* xd, const float* xs, int64_t K, co
 // ---- Q8_0 tables (the LM head): tiles of 8 rows, per block 8 x 32 bytes whose byte n * 4 + j of group g
 // is row n's int8 code for k = 4g + j, then the 8 rows' scales as float32 (288 bytes). AVX2 has no
 // signed x signed byte product, so each group multiplies |w| by x with w's sign (`sign`), as llama.cpp
-// does; a pair of such products fits 16 bits (2 x 127 x 127), so each group is widened to 32 bits.
+// does; a pair of such products fits 16 bits (2 x 127 x 127: q8_blocks never makes a -128 code, and
+// even one would fit), so each group is widened to 32 bits.
 constexpr int64_t Q8_CODES = NT * QB;               // a tile's code bytes per block
 constexpr int64_t Q8_BLOCK = Q8_CODES + NT * 4;     // then its 8 float32 scales: 288 bytes
 
@@ -232,6 +248,7 @@ void tile_group(int rows, const int8_t* xq, const float* xd, const float* xs, in
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q8_rows(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu(), "q8_rows: a CPU tensor only, got ", x.device());
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % QB == 0,
               "q8_rows: x must be float32 [rows, K] with K a multiple of 32, got ", x.sizes(), " ", x.dtype());
   const int64_t M = x.size(0), K = x.size(1), nb = K / QB;
@@ -255,12 +272,14 @@ namespace {
 template <class Group>
 torch::Tensor run_tiles(const char* name, torch::Tensor x, torch::Tensor packed, int64_t N, int64_t block_bytes,
                         int64_t grain, Group group) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), name, ": CPU tensors only, got ", x.device(), " and ",
+              packed.device());
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == block_bytes, name,
               ": packed must be uint8 [N/8, K/32, ", block_bytes, "], got ", packed.sizes());
   const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QB, M = x.size(0);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, name, ": x must be float32 [rows, ",
               K, "], got ", x.sizes(), " ", x.dtype());
-  TORCH_CHECK(N > (T - 1) * NT && N <= T * NT, name, ": N=", N, " does not fit ", T, " tiles of 8");
+  TORCH_CHECK(N > 0 && N > (T - 1) * NT && N <= T * NT, name, ": N=", N, " does not fit ", T, " tiles of 8");
   auto [xq, xd, xs] = q8_rows(x);
   auto pc = packed.contiguous();
   auto y = torch::empty({M, N}, x.options());
