@@ -1,0 +1,101 @@
+"""The C++ kernels' scalar fallback (the build for a CPU without AVX2, e.g. an ARM laptop) computes what
+the AVX2 build computes. Every machine CI runs on has AVX2, so without this test the fallback would
+only ever be compiled by its users.
+
+A subprocess builds the kernels as for a CPU without AVX2/FMA/F16C (kvgate.models.native's flags
+from an empty flag set; a separate cache entry, about two minutes once) and runs them on fixed
+inputs; this process compares with its own build."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgate.models import native
+from tests.test_q4_1 import ggml_q4_1
+from tests.test_q4_1_dot8 import ggml_q8_0
+
+pytestmark = pytest.mark.skipif(
+    native.extension() is None, reason=f"kvgate's C++ kernels did not build: {native.unavailable()}"
+)
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    import kvgate.models.native as native
+    native.cpu_flags = lambda: set()  # build as for a CPU without AVX2, FMA and F16C
+    assert native.compile_flags() == ["-O3", "-fopenmp"], native.compile_flags()
+    ext = native.extension()
+    assert ext is not None, native.unavailable()
+    from tests.test_scalar_fallback import outputs
+    torch.save(outputs(ext), sys.argv[1])
+    """
+)
+
+
+def inputs() -> dict:
+    g = torch.Generator().manual_seed(11)
+    from kvgate.models.q4_1 import q4_1_blocks
+    from kvgate.models.q4_1_dot8 import q4_1_pack8
+    from kvgate.models.q8_head import q8_blocks, q8_pack8
+
+    w4 = ggml_q4_1(torch.randn(203, 96, generator=g) * 0.05)
+    w8 = ggml_q8_0(torch.randn(203, 96, generator=g) * 0.05)
+    x = torch.randn(9, 96, generator=g)
+    x[4, 7] = float("nan")
+    codes, d, m = q4_1_blocks(w4)
+    c8, s8 = q8_blocks(w8)
+    return {
+        "x": x,
+        "q4": (codes, d, m),
+        "tiles4": q4_1_pack8(codes, d, m),
+        "q8": (c8, s8),
+        "tiles8": q8_pack8(c8, s8),
+    }
+
+
+def outputs(ext) -> dict:
+    """Each kernel's result on `inputs()`: the int-dot ones, the float block matmuls, the layer ops."""
+    i = inputs()
+    x = i["x"]
+    clean = torch.cat([x[:4], x[5:]])
+    return {
+        "q8_rows": ext.q8_rows(x),
+        "q4_1_dot8": ext.q4_1_dot8(x, i["tiles4"], 203),
+        "q8_dot8": ext.q8_dot8(x, i["tiles8"], 203),
+        "q4_1_matmul": ext.q4_1_matmul(clean, *i["q4"], 3),
+        "q8_matmul": ext.q8_matmul(clean, *i["q8"]),
+        "rms_norm": ext.rms_norm(clean, torch.linspace(0.5, 1.5, 96), 1e-5),
+    }
+
+
+@pytest.mark.slow
+def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
+    """The integer-dot kernels (and the activation rounding) give the same bits in both builds: exact
+    integer sums, then the same float ops in the same order (NaN rows included). The float block
+    matmuls and RMSNorm sum in another order without AVX2: within 1e-5. Seen red: the scalar Q4_1
+    int-dot adding m_w * d_x instead of m_w * s_x."""
+    if not {"avx2", "fma", "f16c"} <= native.cpu_flags():
+        pytest.skip("this CPU builds the scalar path already: nothing to compare")
+    out = tmp_path / "scalar.pt"
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).parents[1],
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    scalar, avx2 = torch.load(out), outputs(native.extension())
+    for a, b in zip(scalar["q8_rows"], avx2["q8_rows"], strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    for name in ("q4_1_dot8", "q8_dot8"):
+        a, b = scalar[name], avx2[name]
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
+    for name in ("q4_1_matmul", "q8_matmul", "rms_norm"):
+        torch.testing.assert_close(scalar[name], avx2[name], atol=1e-5, rtol=1e-5, msg=name)
