@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.limits.weight_format,
             plan.limits.quant_act_bytes,
             q8_head=plan.limits.q8_head,
+            flash_prefill=plan.limits.flash_prefill,
         )  # draft positions (--speculate) are decode rows here: counted in rows and logits rows
         return plan_mod.step_workspace(engine.spec, dtype_bytes, lim, plan.block_size)
 

@@ -121,7 +121,7 @@ def test_a_model_step_with_the_ops_gives_the_plain_forwards_logits(ext, tmp_path
 
     def step(decodes, prefills):
         k0, v0 = kv.k.clone(), kv.v.clone()  # each run writes its tokens' K/V into the same pool
-        batch, d_rows, p_rows, _ = build_step(decodes, prefills, bs, 3, 4096, torch.device("cpu"))
+        batch, d_rows, p_rows, _ = build_step(decodes, prefills, bs, 4096, torch.device("cpu"))
         logits = model.forward(batch, kv)
         kv.k.copy_(k0), kv.v.copy_(v0)
         return logits, d_rows, p_rows

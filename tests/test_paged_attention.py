@@ -156,7 +156,7 @@ def test_a_decode_rows_hidden_state_is_the_same_bits_alone_and_batched(op, tmp_p
         model.paged_attention = paged
         for batch_rows, r in (([rows[3]], 0), (rows, 3)):
             k0, v0 = kv.k.clone(), kv.v.clone()  # the step writes its tokens' K/V: same pool for each run
-            batch, where, _, _ = build_step(batch_rows, [], BS, 3, 4096, torch.device("cpu"))
+            batch, where, _, _ = build_step(batch_rows, [], BS, 4096, torch.device("cpu"))
             out.append(model.forward(batch, kv)[where[r]])
             kv.k.copy_(k0), kv.v.copy_(v0)
     paged_alone, paged_batched, gather_alone, gather_batched = out

@@ -146,14 +146,17 @@ def test_blocks_and_concurrency_by_hand(dtype_bytes, per_token):
 
 def test_workspace_terms_cover_the_tensors_they_name():
     """Each term is at least the tensors a step really makes (float32 logits of every row, float32
-    attention scores of a prefill chunk at full context, gathered K and V of a decode group, the
+    attention mask and output of a prefill chunk at full context (its scores off CPU), gathered K and V of a decode group, the
     per-layer activations), and the total is the standing terms plus the largest transient.
     Broken by: under-counting a term (e.g. logits x 0) or summing a wrong set."""
     plan = smollm2_plan("4GiB", 4, max_model_len=1024)
     L, bd = plan.limits, plan.workspace_breakdown
     T, S, C = L.prefill_chunk + L.max_seqs, L.max_seqs, L.prefill_chunk
     assert bd["logits"] >= S * 49152 * 4
-    assert bd["prefill_attention"] >= 2 * 9 * C * 1024 * 4  # scores and softmax, float32
+    # on CPU SDPA's fused kernel makes no scores: the float mask it makes of the bool one, the output
+    assert L.flash_prefill and bd["prefill_attention"] >= C * 1024 * 4 + C * 9 * 64 * 4
+    # elsewhere (CUDA, a masked chunk with grouped heads) the math path's scores and softmax, float32
+    assert W._prefill_attention(C, 1024, 9, 3, 64, 4, flash=False) >= 2 * 9 * C * 1024 * 4
     assert bd["layer_activations"] >= 2 * L.attn_token_cap * 3 * 64 * 4 + T * (2 * 576 + 960 + 2 * 1536) * 4
     assert bd["mlp"] >= 2 * T * 1536 * 4
     assert bd["penalty_state"] == S * 49152 * 5
@@ -249,7 +252,9 @@ def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
         **kw,
     )
     min_kv = P.MIN_KV_POSITIONS * full.kv_bytes_per_token
-    small = W.StepLimits(16, 1, W.attn_cap(1, 512), 512, packed_weights=kw["packed_weights"])
+    small = W.StepLimits(
+        16, 1, W.attn_cap(1, 512), 512, packed_weights=kw["packed_weights"], flash_prefill=True
+    )
     lo = full.weights_bytes + min_kv + W.workspace_bytes(tiny_spec, 4, small)
     limit = lo + (full.weights_bytes + min_kv + full.workspace_bytes - lo) // 3
     plan = make_plan(

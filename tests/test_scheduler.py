@@ -89,7 +89,7 @@ class Harness:
         )
         self.inbox = Inbox()
         runner = ModelRunner(
-            self.forward, block_size=block_size, group_size=2, attn_token_cap=4096, device=torch.device("cpu")
+            self.forward, block_size=block_size, attn_token_cap=4096, device=torch.device("cpu")
         )
         self.core = EngineCore(cfg, TOK, runner, self.inbox)
         self.gate = AdmissionGate(cfg, self.inbox, lambda: self.core.snapshot)

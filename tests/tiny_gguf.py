@@ -184,7 +184,6 @@ def prompt_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
         [],
         [PrefillInput(0, list(ids), 0, list(range(nblk)), True)],
         block_size,
-        spec.num_heads // spec.num_kv_heads,
         1 << 20,
         model.device,
     )

@@ -126,7 +126,6 @@ class Engine:
         self.runner = ModelRunner(
             lambda batch: self.model.forward(batch, self.kv),
             block_size=p.block_size,
-            group_size=spec.num_heads // spec.num_kv_heads,
             attn_token_cap=p.limits.attn_token_cap,
             device=self.device,
         )

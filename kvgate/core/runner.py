@@ -31,13 +31,11 @@ class ModelRunner:
         model_forward: Callable[[StepBatch], torch.Tensor],
         *,
         block_size: int,
-        group_size: int,
         attn_token_cap: int,
         device: torch.device,
     ):
         self.model_forward = model_forward
         self.block_size = block_size
-        self.group_size = group_size
         self.attn_token_cap = attn_token_cap
         self.device = device
 
@@ -51,7 +49,6 @@ class ModelRunner:
                 so.decodes,
                 so.prefills,
                 self.block_size,
-                self.group_size,
                 self.attn_token_cap,
                 self.device,
                 so.verifies,

@@ -48,7 +48,6 @@ def build_step(
     decodes: list[DecodeInput],
     prefills: list[PrefillInput],
     block_size: int,
-    group_size: int,
     attn_token_cap: int,
     device: torch.device,
     verifies: list[VerifyInput] = (),
@@ -108,7 +107,7 @@ def build_step(
                 n,
                 ctx,
                 torch.tensor(p.blocks[:nblk], dtype=torch.long, device=device),
-                causal.repeat(group_size, 1).to(device),
+                causal.to(device),
             )
         )
         if p.wants_logits:

@@ -283,6 +283,7 @@ def make_plan(
         "quant_act_bytes": quant_act_bytes,
         "speculate": speculate,
         "q8_head": q8_head,
+        "flash_prefill": not device.startswith("cuda"),
     }
     requested = StepLimits(
         prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, **wk

@@ -36,6 +36,10 @@ class StepLimits:
     speculate: int = 0
     # The tied embedding table held as Q8_0 blocks (kvgate.models.q8_head): a lookup widens the rows.
     q8_head: bool = False
+    # Prefill attention by SDPA's fused CPU kernel (kvgate.models.llama passes it the grouped heads and
+    # a [chunk, context] mask): no score matrix is made. False (CUDA: a masked chunk with grouped heads
+    # takes the math path) charges the materialized scores.
+    flash_prefill: bool = False
 
     @property
     def context(self) -> int:
@@ -101,10 +105,9 @@ def step_workspace(
     group's gathered K/V and the last prefill span's) stay alive together until the next layer
     rebinds them: those are `layer_activations`, counted in full. On top of them one transient at a
     time is alive: RMSNorm's float32 temporaries, a residual add, RoPE, one decode group's attention,
-    one prefill chunk's attention (CPU math SDPA: float32 scores, softmax, a -inf mask and scaled
-    copies), the MLP, or the logits of the batch with one row's sampling. `workspace_total` adds the
-    standing terms and the largest transient; every term was checked against a measured step
-    (tests/test_memory.py, tests/memory_probe.py).
+    one prefill chunk's attention (`_prefill_attention`), the MLP, or the logits of the batch with one
+    row's sampling. `workspace_total` adds the standing terms and the largest transient; every term
+    was checked against a measured step (tests/test_memory.py, tests/memory_probe.py).
     """
     b, f = dtype_bytes, 4
     C, S = limits.prefill_chunk, limits.max_seqs
@@ -112,7 +115,6 @@ def step_workspace(
     K1 = 1 + limits.speculate  # positions a decoding row brings to a step (its token and the drafts)
     LR = limits.max_logit_rows
     H, KVH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    g = H // KVH
     h, inter, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     Lp = padded_len(limits.context, block_size)
     cap = limits.attn_token_cap
@@ -121,13 +123,13 @@ def step_workspace(
     upcast = b != 4  # float16/bfloat16: math SDPA and RMSNorm work in float32, logits are cast
     gemms = [(h, (H + 2 * KVH) * D), (H * D, h), (h, 2 * inter), (inter, h), (h, V)]
     return {
-        # ids, positions, slots; logits index; decode block tables and masks; prefill masks (and the
-        # causal temporary build_step makes them from); per-span block tables; gathered cos/sin
+        # ids, positions, slots; logits index; decode block tables and masks; prefill masks (on CUDA
+        # also their host copies); per-span block tables; gathered cos/sin
         "step_inputs": 3 * T * 8
         + LR * 8
         + cap // block_size * 8
         + cap
-        + (g + 1) * C * Lp
+        + 2 * C * Lp
         + S * (Lp // block_size) * 8
         + 2 * T * D * b
         # draft positions (speculation) run as decode rows of their own: a mask and a block table each
@@ -165,14 +167,7 @@ def step_workspace(
         "rope": 2 * QK,
         # the next group's K (or V) gathered while this one's is alive, its output, the float mask
         "decode_attention": cap * kv_tok + LR * H * D * b + cap * f,
-        # scores and softmax in float32 (+ a quarter for the -inf test), bool and float masks, scaled
-        # q and k in float32 (upcast q/k/v first for 16-bit dtypes), the output, the next span's gather
-        "prefill_attention": (9 * H * C * Lp * f) // 4
-        + g * C * Lp * (f + 1)
-        + (2 * C * H * D + Lp * KVH * D) * f
-        + ((C * H * D + 2 * Lp * KVH * D) * f if upcast else 0)
-        + 2 * C * H * D * b
-        + Lp * kv_tok,
+        "prefill_attention": _prefill_attention(C, Lp, H, KVH, D, b, limits.flash_prefill),
         # gate/up output while the previous layer's is alive; SiLU and the product
         "mlp": 2 * T * inter * b,
         # the sampled rows' hidden states and norm, logits in the model dtype and as float32, and the
@@ -184,6 +179,27 @@ def step_workspace(
         + (LR * V * f if upcast else 0)
         + SAMPLING_TEMPS * min(max(S, K1), SAMPLE_ROWS) * V * f,
     }
+
+
+def _prefill_attention(C: int, Lp: int, H: int, KVH: int, D: int, b: int, flash: bool) -> int:
+    """One prefill chunk's attention transient (C queries over Lp positions), plus the next span's gather."""
+    f, kv_tok = 4, KVH * D * b
+    if flash:
+        # the float mask SDPA makes of the bool one and a bool temporary; the output, its row-major
+        # copy and a float32 copy of q; the log-sum-exp per query. Measured (VmHWM of the chunk's
+        # attention, float32 and bfloat16, chunks of 16-2048 over contexts up to 8192): 0.2-0.95 of this.
+        return C * Lp * (f + 1) + C * H * D * (2 * b + f) + C * H * f + Lp * kv_tok
+    # scores and softmax in float32 (+ a quarter for the -inf test), bool and float masks, scaled
+    # q and k in float32 (upcast q/k/v first for 16-bit dtypes), the output
+    g, upcast = H // KVH, b != 4
+    return (
+        (9 * H * C * Lp * f) // 4
+        + g * C * Lp * (f + 1)
+        + (2 * C * H * D + Lp * KVH * D) * f
+        + ((C * H * D + 2 * Lp * KVH * D) * f if upcast else 0)
+        + 2 * C * H * D * b
+        + Lp * kv_tok
+    )
 
 
 def _gemm_scratch(gemms: list[tuple[int, int]], T: int, b: int, limits: StepLimits) -> int:

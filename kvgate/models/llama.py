@@ -6,8 +6,12 @@ layer is deliberately short: RMSNorm -> fused QKV matmul -> RoPE on q and k toge
 the pool -> attention over the row's blocks -> output projection -> RMSNorm -> fused gate/up matmul ->
 SiLU * up -> down projection. Logits are computed only for the tokens the sampler needs.
 
-Attention uses grouped queries without repeating K/V: a row's queries are viewed as
-`[kv_heads, group * q_len, head_dim]`, so each KV head is read once for the queries that share it.
+Attention uses grouped queries without repeating K/V in the step's own code: a decode row's queries are
+viewed as `[kv_heads, group, head_dim]`; a prefill chunk goes to SDPA as q `[1, heads, q_len, D]` and
+K/V `[1, kv_heads, context, D]` with `enable_gqa`, `is_causal` for a prompt's first chunk and a
+`[q_len, context]` mask after a cached prefix or an earlier chunk. On CPU that is twice as fast as the
+`[kv_heads, group * q_len, D]` view with a group-repeated mask it replaced (SmolLM2, 256-token prompt:
+3.2 -> 1.3-1.8 ms a layer; `is_causal` and the mask give the same bits).
 
 Decode rows take one of two paths, chosen at startup (`kvgate.models.paged_attention.resolve`): the
 paged CPU kernel runs every decode row of the step in one call per layer, reading K/V from the pool
@@ -65,7 +69,7 @@ class PrefillSpan:
     q_len: int
     ctx_len: int
     block_table: torch.Tensor  # [blocks covering ctx_len] long
-    mask: torch.Tensor  # [group * q_len, ctx_len] bool
+    mask: torch.Tensor  # [q_len, ctx_len] bool, True = attend (shared by the query heads)
 
 
 @dataclass
@@ -80,6 +84,21 @@ class StepBatch:
     # with block 0 to the longest row's, and its context length (position + 1)
     decode_tables: torch.Tensor | None = None  # [R, max_blocks] long
     decode_lens: torch.Tensor | None = None  # [R] long
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf: PrefillSpan):
+    """One prompt chunk's attention, `[q_len, heads * head_dim]`, from the step's `q [T, heads, D]`:
+    SDPA over the chunk's gathered context with grouped heads (`enable_gqa`), causal for a prompt's first
+    chunk, masked after a cached prefix or an earlier chunk. On CPU this takes SDPA's fused kernel,
+    which makes no score matrix (`kvgate.memory.workspace._prefill_attention` charges what it does make)."""
+    n = pf.q_len
+    qp = q[pf.start : pf.start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    kp = k_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
+    vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
+    whole = pf.ctx_len == n  # a prompt's first chunk: plain causal, no mask to read
+    mask = None if whole else pf.mask
+    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=whole, enable_gqa=True)
+    return op[0].transpose(0, 1).reshape(n, -1)
 
 
 def matmul_shapes(spec: ModelSpec, step_tokens: int, logit_rows: int) -> list[tuple[int, int, int]]:
@@ -214,7 +233,6 @@ class LlamaModel:
         """Run one step; return float32 logits `[len(batch.logits_index), vocab]`."""
         s = self.spec
         H, KVH, D = s.num_heads, s.num_kv_heads, s.head_dim
-        g = H // KVH
         T = batch.input_ids.shape[0]
         eps = s.rms_norm_eps
         ops = self.layer_ops
@@ -267,12 +285,7 @@ class LlamaModel:
                     og = gather_attention(qg, k_pool, v_pool, grp.block_tables, grp.mask)
                     attn[grp.start : grp.end] = og.reshape(grp.end - grp.start, H * D)
             for pf in batch.prefills:
-                n = pf.q_len
-                qp = q[pf.start : pf.start + n].view(n, KVH, g, D).permute(1, 2, 0, 3).reshape(KVH, g * n, D)
-                kp = k_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
-                vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1)
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pf.mask)
-                attn[pf.start : pf.start + n] = op.view(KVH, g, n, D).permute(2, 0, 1, 3).reshape(n, H * D)
+                attn[pf.start : pf.start + pf.q_len] = prefill_attention(q, k_pool, v_pool, pf)
             o = o_proj(attn, n_dec)
             if ops is not None:
                 h = ops.add_rms_norm_(x, o, ln2, eps)
