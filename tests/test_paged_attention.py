@@ -42,11 +42,17 @@ def reference(q, k, v, tables, lens):
     return gather_attention(q.float(), k.float(), v.float(), tables, mask)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 2, 8), (3, 3, 32), (8, 1, 24)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    [(4, 2, 16), (6, 2, 8), (3, 3, 32), (8, 1, 24), (9, 3, 64), (4, 2, 72), (2, 2, 128), (2, 1, 12)],
+)
 def test_matches_the_gather_path_float32(op, heads, kv_heads, dim):
     """float32, GQA groups 1..8, 1..17 rows, contexts ending mid-block and spanning up to ten blocks,
-    int64 and int32 block tables. Seen red (each also turned the engine test red): the kernel reading only the full blocks of a row
-    (`L = lens[r] - lens[r] % bs`), and reading the next KV head's K/V (`(kh + 1) % KVH`)."""
+    int64 and int32 block tables; head_dim 64 and 128 (the AVX2 loops' whole 64-column chunks), 8-72
+    (a part chunk) and 12 (not a multiple of 8: the plain loops). Seen red (each also turned the engine
+    test red): the kernel reading only the full blocks of a row (`L = lens[r] - lens[r] % bs`), and
+    reading the next KV head's K/V (`(kh + 1) % KVH`); in the AVX2 loops, the part chunk skipped
+    (`D - c >= 64` as the only case) and the scores of 8 positions summed in the wrong lane order."""
     for rows in range(1, 18):
         q, k, v, tables, lens = case(rows, heads, kv_heads, dim, torch.float32, seed=rows)
         want = reference(q, k, v, tables, lens)
@@ -68,6 +74,17 @@ def test_matches_the_gather_path_bfloat16(op):
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
         sdpa = gather_attention(q, k, v, tables, length_mask(lens, tables.shape[1] * BS))
         assert (got.float() - want).abs().max() <= (sdpa.float() - want).abs().max() + 1e-2
+
+
+def test_matches_the_gather_path_float16(op):
+    """float16 pools and queries (the AVX2 loops convert by F16C), accumulated in float32: within
+    float16's rounding of the float32 answer."""
+    for rows in (1, 5, 17):
+        q, k, v, tables, lens = case(rows, 6, 2, 64, torch.float16, seed=200 + rows)
+        want = reference(q, k, v, tables, lens)
+        got = op(q, k, v, tables, lens, 64**-0.5)
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
 
 
 def test_a_row_gets_the_same_bits_alone_and_among_sixteen_others(op):
