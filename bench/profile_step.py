@@ -46,7 +46,13 @@ def family(name: str) -> str:
 
 
 def setup(
-    rows: int, context: int, dtype: str, weights: str = "full", q8_head: str = "auto", attention: str = "auto"
+    rows: int,
+    context: int,
+    dtype: str,
+    weights: str = "full",
+    q8_head: str = "auto",
+    attention: str = "auto",
+    kv_dtype: str = "auto",
 ):
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
@@ -62,6 +68,7 @@ def setup(
             weights=weights,
             q8_head=q8_head,
             decode_attention=attention,
+            kv_dtype=kv_dtype,
         ),
     )
     core = e.core

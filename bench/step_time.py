@@ -19,9 +19,11 @@ import torch
 from bench.profile_step import setup
 
 
-def decode_ms(rows: int, weights: str, steps: int, context: int = 300) -> tuple[list[float], list[float]]:
+def decode_ms(
+    rows: int, weights: str, steps: int, context: int = 300, kv_dtype: str = "auto"
+) -> tuple[list[float], list[float]]:
     """Wall and process CPU ms of `steps` decode steps (CPU time: less hurt by other processes)."""
-    e = setup(rows, context, "float32", weights)
+    e = setup(rows, context, "float32", weights, kv_dtype=kv_dtype)
     core, inbox = e.core, e.inbox
     try:
         for _ in range(3):
@@ -37,7 +39,9 @@ def decode_ms(rows: int, weights: str, steps: int, context: int = 300) -> tuple[
         e.shutdown()
 
 
-def prefill_ms(tokens: int, weights: str, reps: int = 3) -> tuple[list[float], list[float]]:
+def prefill_ms(
+    tokens: int, weights: str, reps: int = 3, kv_dtype: str = "auto"
+) -> tuple[list[float], list[float]]:
     """The step that prefills one `tokens`-long prompt (distinct prompts: no prefix-cache hits)."""
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
@@ -45,7 +49,12 @@ def prefill_ms(tokens: int, weights: str, reps: int = 3) -> tuple[list[float], l
     from kvgate.sampling import SamplingParams
 
     cfg = EngineConfig(
-        dtype="float32", memory_limit="4GiB", max_seqs=1, weights=weights, prefill_chunk=tokens
+        dtype="float32",
+        memory_limit="4GiB",
+        max_seqs=1,
+        weights=weights,
+        prefill_chunk=tokens,
+        kv_dtype=kv_dtype,
     )
     e = Engine.from_model("default", cfg)
     core, out, cpu = e.core, [], []
@@ -73,16 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill step (0: skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--kv-dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     for rows in a.rows:
-        ms, cpu = decode_ms(rows, a.weights, a.steps)
+        ms, cpu = decode_ms(rows, a.weights, a.steps, kv_dtype=a.kv_dtype)
         med = statistics.median(ms)
         print(
             json.dumps(
                 {
                     "weights": a.weights,
+                    "kv_dtype": a.kv_dtype,
                     "rows": rows,
                     "step_ms": round(med, 2),
                     "min_ms": round(min(ms), 2),
@@ -93,11 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if a.prefill:
-        ms, cpu = prefill_ms(a.prefill, a.weights)
+        ms, cpu = prefill_ms(a.prefill, a.weights, kv_dtype=a.kv_dtype)
         print(
             json.dumps(
                 {
                     "weights": a.weights,
+                    "kv_dtype": a.kv_dtype,
                     "prefill": a.prefill,
                     "step_ms": round(statistics.median(ms), 2),
                     "min_ms": round(min(ms), 2),

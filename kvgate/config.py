@@ -69,6 +69,7 @@ class EngineConfig:
     weights: str = "auto"  # auto | full | int8 | int4 | gguf | gguf-q8act (auto: gguf where exact Q4_1 blocks, else full)
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
     decode_attention: str = "auto"  # auto | paged | gather (kvgate.models.paged_attention)
+    kv_dtype: str = "auto"  # auto | float32 | float16 | bfloat16: the KV cache's dtype (auto: the model's)
     speculate: int = (
         0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
     )
@@ -158,6 +159,14 @@ ENGINE_FLAGS = [
         "(auto: a startup probe measures both)",
     ),
     (
+        "--kv-dtype",
+        str,
+        "auto",
+        "auto | float32 | float16 | bfloat16: the KV cache's dtype (auto: the model's). float16 under a "
+        "float32 model halves the KV bytes per token, as llama.cpp's default f16 cache does: twice the "
+        "tokens in the same memory and half the reads per decode step; logits move ~1e-3",
+    ),
+    (
         "--step-timeout",
         float,
         None,
@@ -208,6 +217,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         q8_head=a.q8_head,
         weights=a.weights,
         decode_attention=a.decode_attention,
+        kv_dtype=a.kv_dtype,
         speculate=a.speculate,
         step_timeout=a.step_timeout,
         prefix_cache=a.prefix_cache,

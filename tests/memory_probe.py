@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--memory-limit", default="1GiB")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--weights", default="full", help="full | int8 | int4 | gguf")
+    ap.add_argument("--weights", default="full", help="full | int8 | int4 | gguf | gguf-q8act")
+    ap.add_argument("--kv-dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     ap.add_argument("--speculate", type=int, default=0, help="draft tokens per greedy row and step")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-seqs", type=int, default=8)
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queue_wait=600.0,
         threads=a.threads,
         weights=a.weights,
+        kv_dtype=a.kv_dtype,
         speculate=a.speculate,
     )
     t0 = time.monotonic()
@@ -311,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.limits.quant_act_bytes,
             q8_head=plan.limits.q8_head,
             flash_prefill=plan.limits.flash_prefill,
+            kv_bytes=plan.limits.kv_bytes,
         )  # draft positions (--speculate) are decode rows here: counted in rows and logits rows
         return plan_mod.step_workspace(engine.spec, dtype_bytes, lim, plan.block_size)
 

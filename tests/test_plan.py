@@ -156,7 +156,7 @@ def test_workspace_terms_cover_the_tensors_they_name():
     # on CPU SDPA's fused kernel makes no scores: the float mask it makes of the bool one, the output
     assert L.flash_prefill and bd["prefill_attention"] >= C * 1024 * 4 + C * 9 * 64 * 4
     # elsewhere (CUDA, a masked chunk with grouped heads) the math path's scores and softmax, float32
-    assert W._prefill_attention(C, 1024, 9, 3, 64, 4, flash=False) >= 2 * 9 * C * 1024 * 4
+    assert W._prefill_attention(C, 1024, 9, 3, 64, 4, 3 * 64 * 4, flash=False) >= 2 * 9 * C * 1024 * 4
     assert bd["layer_activations"] >= 2 * L.attn_token_cap * 3 * 64 * 4 + T * (2 * 576 + 960 + 2 * 1536) * 4
     assert bd["mlp"] >= 2 * T * 1536 * 4
     assert bd["penalty_state"] == S * 49152 * 5

@@ -62,11 +62,11 @@ def test_chunk_after_a_prefix(n, ctx):
 PROBE = r"""
 import json, sys, torch
 from kvgate.models.llama import PrefillSpan, prefill_attention
-n, ctx, dt = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3])
+n, ctx, dt, kv = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3]), getattr(torch, sys.argv[4])
 H, KVH, D, BS = 9, 3, 64, 16  # SmolLM2's heads
 nblk = -(-ctx // BS)
-k_pool = torch.randn(nblk, BS, KVH, D).to(dt)
-v_pool = torch.randn(nblk, BS, KVH, D).to(dt)
+k_pool = torch.randn(nblk, BS, KVH, D).to(kv)
+v_pool = torch.randn(nblk, BS, KVH, D).to(kv)
 q = torch.randn(n, H, D).to(dt)
 mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
 span = PrefillSpan(0, n, ctx, torch.arange(nblk), mask)
@@ -87,22 +87,30 @@ with torch.inference_mode():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
 @pytest.mark.parametrize(
-    "n, ctx, dtype", [(256, 4096, "float32"), (256, 256, "float32"), (512, 8192, "bfloat16")]
+    "n, ctx, dtype, kv",
+    [
+        (256, 4096, "float32", "float32"),
+        (256, 256, "float32", "float32"),
+        (512, 8192, "bfloat16", "bfloat16"),
+        (256, 4096, "float32", "float16"),  # --kv-dtype float16: the gathers widened to float32
+    ],
 )
-def test_allocations_within_the_planned_term(n, ctx, dtype):
+def test_allocations_within_the_planned_term(n, ctx, dtype, kv):
     """The chunk's peak RSS rise (the gathered K/V included, which the plan counts among the layer's
-    activations) is at most the CPU term plus those gathers and 1 MiB of page and allocator rounding."""
+    activations, in the pool's dtype and widened) is at most the CPU term plus those gathers and 1 MiB
+    of page and allocator rounding."""
     from kvgate.memory.workspace import _prefill_attention
 
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(n), str(ctx), dtype], capture_output=True, text=True
-    )
+    args = [sys.executable, "-c", PROBE, str(n), str(ctx), dtype, kv]
+    out = subprocess.run(args, capture_output=True, text=True)
     if out.returncode != 0 and "clear_refs" in out.stderr:
         pytest.skip("/proc/self/clear_refs is not writable here: the high-water mark cannot be reset")
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     b = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    kvb = torch.tensor([], dtype=getattr(torch, kv)).element_size()
     lp = -(-ctx // 16) * 16
-    gathers = 2 * lp * 3 * 64 * b
-    term = _prefill_attention(n, lp, 9, 3, 64, b, flash=True)
+    kv_tok = 3 * 64 * (kvb + (b if kvb != b else 0))  # as step_workspace counts it
+    gathers = 2 * lp * kv_tok
+    term = _prefill_attention(n, lp, 9, 3, 64, b, kv_tok, flash=True)
     assert r["rise"] <= term + gathers + (1 << 20), (r, term, gathers)

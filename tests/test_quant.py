@@ -147,10 +147,10 @@ def test_int4_decodes_smollm2_as_the_full_model_does_within_the_stated_tolerance
     assert same >= 6 and worst <= 0.5, (same, worst)
 
 
-def greedy_agreement(fmt: str, steps: int) -> tuple[int, float]:
-    """SmolLM2 under `--weights fmt` against `--weights full` on the 8 real prompts, greedy: how many
-    prompts give full's first `steps` tokens, and the largest difference of the chosen token's
-    log-probability while the tokens agree."""
+def greedy_agreement(fmt: str, steps: int, **extra) -> tuple[int, float]:
+    """SmolLM2 under `--weights fmt` (and any other `EngineConfig` fields in `extra`) against
+    `--weights full` on the 8 real prompts, greedy: how many prompts give full's first `steps` tokens,
+    and the largest difference of the chosen token's log-probability while the tokens agree."""
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest, Token
@@ -158,8 +158,8 @@ def greedy_agreement(fmt: str, steps: int) -> tuple[int, float]:
     from tests.test_real_batching import PROMPTS
 
     runs = {}
-    for name in ("full", fmt):
-        e = Engine.from_model("default", EngineConfig(weights=name, memory_limit="2GiB", dtype="float32"))
+    for name, more in (("ref", {"weights": "full"}), ("got", {"weights": fmt, **extra})):
+        e = Engine.from_model("default", EngineConfig(memory_limit="2GiB", dtype="float32", **more))
         e.start()
         try:
             out = []
@@ -171,7 +171,7 @@ def greedy_agreement(fmt: str, steps: int) -> tuple[int, float]:
         finally:
             e.shutdown()
     same, worst = 0, 0.0
-    for ref, got in zip(runs["full"], runs[fmt], strict=True):
+    for ref, got in zip(runs["ref"], runs["got"], strict=True):
         assert len(ref) == len(got) == steps
         agree = next((i for i, (a, b) in enumerate(zip(ref, got)) if a[0] != b[0]), steps)
         same += agree == steps

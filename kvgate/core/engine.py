@@ -105,7 +105,8 @@ class Engine:
             )
         self.ledger.reserve("workspace", p.workspace_bytes, "step workspace", lifetime="step")
         self.ledger.reserve("kv_cache", p.kv_pool_bytes, "KV pool")
-        self.kv = KVPool(spec, p.kv_blocks, p.block_size, self.dtype, self.device)
+        self.kv_dtype = place.kv_dtype or self.dtype
+        self.kv = KVPool(spec, p.kv_blocks, p.block_size, self.kv_dtype, self.device)
         self.tokenizer = TextTokenizer(loaded.tokenizer)
         self.sched_cfg = SchedulerConfig(
             block_size=p.block_size,
@@ -120,7 +121,7 @@ class Engine:
             max_ttft=cfg.max_ttft,
             prefix_cache=prefix_cache_flag(cfg.prefix_cache),
             speculate=p.limits.speculate,
-            cache_root=f"{spec.architecture}|{spec.name}|{p.dtype}|{loaded.source}".encode(),
+            cache_root=f"{spec.architecture}|{spec.name}|{p.dtype}|{self.kv_dtype}|{loaded.source}".encode(),
         )
         self.inbox = Inbox()
         self.runner = ModelRunner(

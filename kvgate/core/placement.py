@@ -156,6 +156,7 @@ class Placement:
     q8_head: bool = False  # tied embeddings held as their exact Q8_0 blocks (kvgate.models.q8_head)
     q8_head_reason: str = ""  # why it is on or off, with the probe's numbers when it ran
     paged_attention: bool = False  # decode attention by the paged CPU kernel (else gather + SDPA)
+    kv_dtype: torch.dtype | None = None  # the KV pool's dtype (None: the model's)
 
 
 def resolve_q8_head(
@@ -194,12 +195,30 @@ def resolve_q8_head(
     return False, "off: a startup probe measured the plain head over 1.5x faster (--q8-head on insists)"
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """auto: the model's dtype. Else the named one, when it is the model's or a 16-bit cache under a
+    float32 model (what the K/V write, the paged kernel and the gather paths convert)."""
+    if name == "auto":
+        return dtype
+    if name not in _DTYPES:
+        raise DeviceError(f"--kv-dtype {name!r} is not one of auto, {', '.join(_DTYPES)}")
+    kv = _DTYPES[name]
+    if kv != dtype and dtype != torch.float32:
+        model = str(dtype).removeprefix("torch.")
+        raise DeviceError(
+            f"--kv-dtype {name} under a {model} model: a KV cache other than the model's dtype must be a "
+            f"16-bit one under a float32 model. Use --kv-dtype auto ({model}), or --dtype float32."
+        )
+    return kv
+
+
 def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None = None) -> Placement:
     """Resolve device, dtype and packing, warm the packed kernels and choose the decode attention path
     (by a measured probe under auto, `kvgate.models.paged_attention`; their memory belongs in the
     measured overhead), measure that overhead, and make the plan (its notes say which attention)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype)
     weights_note = None
     if cfg.weights == "auto":
         name, weights_note = auto_weights(loaded, device)
@@ -253,10 +272,15 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else (4 if fmt in GGUF_FORMATS else 2),
         speculate=cfg.speculate,
         q8_head=q8_head,
+        kv_dtype_bytes=torch.finfo(kv_dtype).bits // 8,
     )
     if q8_head or cfg.q8_head != "auto" or "probe" in q8_reason:  # a choice worth stating
         plan.notes.append(f"LM head and embeddings as Q8_0 blocks: {q8_reason}")
     plan.notes.append(f"decode attention: {why}")
     if weights_note is not None:
         plan.notes.append(f"weights: {weights_note}")
-    return Placement(device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason, paged)
+    if kv_dtype != dtype:
+        plan.notes.append(
+            f"KV cache in {str(kv_dtype).removeprefix('torch.')} (--kv-dtype), the model in {plan.dtype}"
+        )
+    return Placement(device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason, paged, kv_dtype)

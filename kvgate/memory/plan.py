@@ -249,6 +249,7 @@ def make_plan(
     quant_act_bytes: int = 2,
     speculate: int = 0,
     q8_head: bool = False,
+    kv_dtype_bytes: int | None = None,
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
@@ -264,7 +265,7 @@ def make_plan(
         q8_head=q8_head,
     )
     overhead = runtime_overhead_bytes(device) if overhead_bytes is None else overhead_bytes
-    per_token = spec.kv_bytes_per_token(dtype_bytes)
+    per_token = spec.kv_bytes_per_token(kv_dtype_bytes or dtype_bytes)  # --kv-dtype: the pool's own
     block_bytes = per_token * block_size
     min_kv = -(-min(MIN_KV_POSITIONS, max_model_len) // block_size) * block_bytes
     notes: list[str] = []
@@ -284,6 +285,7 @@ def make_plan(
         "speculate": speculate,
         "q8_head": q8_head,
         "flash_prefill": not device.startswith("cuda"),
+        "kv_bytes": kv_dtype_bytes or dtype_bytes,
     }
     requested = StepLimits(
         prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, **wk

@@ -40,6 +40,8 @@ class StepLimits:
     # a [chunk, context] mask): no score matrix is made. False (CUDA: a masked chunk with grouped heads
     # takes the math path) charges the materialized scores.
     flash_prefill: bool = False
+    # Bytes per K/V value in the pool (`--kv-dtype`); 0 = the model dtype's.
+    kv_bytes: int = 0
 
     @property
     def context(self) -> int:
@@ -119,7 +121,10 @@ def step_workspace(
     Lp = padded_len(limits.context, block_size)
     cap = limits.attn_token_cap
     QK = T * (H + KVH) * D * b  # rotated q and k of the step
-    kv_tok = KVH * D * b  # one position's K (or V) across the KV heads
+    kvb = limits.kv_bytes or b
+    # one position's K (or V) across the KV heads, as gathered: in the pool's dtype, and converted to the
+    # model's when the two differ (--kv-dtype; the paged decode kernel reads the pool in place)
+    kv_tok = KVH * D * (kvb + (b if kvb != b else 0))
     upcast = b != 4  # float16/bfloat16: math SDPA and RMSNorm work in float32, logits are cast
     gemms = [(h, (H + 2 * KVH) * D), (H * D, h), (h, 2 * inter), (inter, h), (h, V)]
     return {
@@ -167,7 +172,7 @@ def step_workspace(
         "rope": 2 * QK,
         # the next group's K (or V) gathered while this one's is alive, its output, the float mask
         "decode_attention": cap * kv_tok + LR * H * D * b + cap * f,
-        "prefill_attention": _prefill_attention(C, Lp, H, KVH, D, b, limits.flash_prefill),
+        "prefill_attention": _prefill_attention(C, Lp, H, KVH, D, b, kv_tok, limits.flash_prefill),
         # gate/up output while the previous layer's is alive; SiLU and the product
         "mlp": 2 * T * inter * b,
         # the sampled rows' hidden states and norm, logits in the model dtype and as float32, and the
@@ -181,9 +186,10 @@ def step_workspace(
     }
 
 
-def _prefill_attention(C: int, Lp: int, H: int, KVH: int, D: int, b: int, flash: bool) -> int:
-    """One prefill chunk's attention transient (C queries over Lp positions), plus the next span's gather."""
-    f, kv_tok = 4, KVH * D * b
+def _prefill_attention(C: int, Lp: int, H: int, KVH: int, D: int, b: int, kv_tok: int, flash: bool) -> int:
+    """One prefill chunk's attention transient (C queries over Lp positions), plus the next span's gather
+    (`kv_tok` bytes a position)."""
+    f = 4
     if flash:
         # the float mask SDPA makes of the bool one and a bool temporary; the output, its row-major
         # copy and a float32 copy of q; the log-sum-exp per query. Measured (VmHWM of the chunk's

@@ -95,6 +95,8 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     qp = q[pf.start : pf.start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     kp = k_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
     vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
+    if kp.dtype != q.dtype:  # a narrower KV cache (--kv-dtype)
+        kp, vp = kp.to(q.dtype), vp.to(q.dtype)
     whole = pf.ctx_len == n  # a prompt's first chunk: plain causal, no mask to read
     mask = None if whole else pf.mask
     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=whole, enable_gqa=True)
@@ -269,8 +271,8 @@ class LlamaModel:
                 q = qk[:, :H]
                 k_new = qk[:, H:]
                 v_new = qkv[:, (H + KVH) * D :].view(T, KVH, D)
-                k_pool.view(-1, KVH, D).index_copy_(0, batch.slots, k_new)
-                v_pool.view(-1, KVH, D).index_copy_(0, batch.slots, v_new)
+                k_pool.view(-1, KVH, D).index_copy_(0, batch.slots, k_new.to(k_pool.dtype))
+                v_pool.view(-1, KVH, D).index_copy_(0, batch.slots, v_new.to(v_pool.dtype))
             if self.paged_attention and n_dec:  # every decode row in one call, reading the pool in place
                 od = paged(q[:n_dec], k_pool, v_pool, batch.decode_tables, batch.decode_lens, D**-0.5)
                 if n_dec == T:

@@ -11,7 +11,8 @@
 //   and k heads of the fused QKV rows in place, then the new k and v rows copied into the pools at
 //   their slots. Each value is round(round(x * cos) + round(-/+x' * sin)), the three roundings of the
 //   PyTorch expression `qk * cos + rotate_half(qk) * sin`: bit-identical to it. This file is compiled
-//   without FMA contraction for that reason.
+//   without FMA contraction for that reason. Float16 or bfloat16 pools (`--kv-dtype`) get each value
+//   rounded to nearest even, as `Tensor.to` rounds.
 #pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
@@ -98,10 +99,12 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
   const int64_t D = cos.size(1), half = D / 2, width = (heads + 2 * kv_heads) * D;
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == width, "rope_write_kv_: qkv has ", qkv.size(1), " columns, expected (",
               heads, " + 2 x ", kv_heads, ") x ", D);
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == torch::kFloat32 &&
-                  v_pool.scalar_type() == torch::kFloat32 && k_pool.sizes() == v_pool.sizes() &&
-                  k_pool.numel() % (kv_heads * D) == 0,
-              "rope_write_kv_: the pools must be contiguous float32 tensors of whole [kv_heads, head_dim] slots");
+  const auto pool_type = k_pool.scalar_type();
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.scalar_type() == pool_type &&
+                  (pool_type == torch::kFloat32 || pool_type == torch::kFloat16 || pool_type == torch::kBFloat16) &&
+                  k_pool.sizes() == v_pool.sizes() && k_pool.numel() % (kv_heads * D) == 0,
+              "rope_write_kv_: the pools must be contiguous float32, float16 or bfloat16 tensors (both the same) "
+              "of whole [kv_heads, head_dim] slots; got ", k_pool.scalar_type(), " and ", v_pool.scalar_type());
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous(),
               "rope_write_kv_: slots must be a contiguous int64 [tokens] tensor");
   const int64_t nslots = k_pool.numel() / (kv_heads * D);
@@ -112,8 +115,6 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
-  float* kp = k_pool.data_ptr<float>();
-  float* vp = v_pool.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     float* row = qp + t * width;
     const float* c = cp + t * D;
@@ -128,8 +129,19 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
         x[i + half] = hi;
       }
     }
-    const int64_t kv = kv_heads * D;
-    std::copy(row + heads * D, row + heads * D + kv, kp + sp[t] * kv);
-    std::copy(row + heads * D + kv, row + heads * D + 2 * kv, vp + sp[t] * kv);
   }
+  const int64_t kv = kv_heads * D;
+  auto write = [&](auto* kp, auto* vp) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = qp + t * width + heads * D;
+      std::copy(row, row + kv, kp + sp[t] * kv);  // converting, rounding to nearest even
+      std::copy(row + kv, row + 2 * kv, vp + sp[t] * kv);
+    }
+  };
+  if (pool_type == torch::kFloat32)
+    write(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
+  else if (pool_type == torch::kFloat16)
+    write(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>());
+  else
+    write(k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
 }

@@ -1,7 +1,8 @@
 // Decode attention that reads the paged K/V pool in place (kvgate.models.paged_attention).
 //
 // kvgate::paged_decode_attention(q [R, H, D], k_pool [N, bs, KVH, D], v_pool, block_tables [R, maxblk]
-// int64/int32, context_lens [R] int64, scale) -> out [R, H, D] in q's dtype.
+// int64/int32, context_lens [R] int64, scale) -> out [R, H, D] in q's dtype. The pools are in q's dtype,
+// or float16 / bfloat16 under float32 q (a narrower KV cache, `--kv-dtype`).
 //
 // Each (row, kv head) pair's `group = H / KVH` queries are scored against the row's first
 // context_lens[r] positions, found through its block table, with a two-pass softmax accumulated in
@@ -222,19 +223,21 @@ inline void prefetch(const void* p, int64_t n) {
 // One task: row r's KV heads [kh0, kh1), each with its `g` queries. Per position the heads of a task
 // are adjacent in the pool, so a task covering all heads reads each block as one contiguous stretch.
 // Each (row, head)'s arithmetic is the same fixed sequence whichever heads share its task.
-template <typename T, typename I>
+template <typename Q, typename T, typename I>
 struct Attend {
-  const T *q, *k, *v;
+  const Q* q;
+  const T *k, *v;
   int64_t q_row_stride, q_head_stride;
   const I* tables;
   int64_t maxblk;
   const int64_t* lens;
-  T* out;
+  Q* out;
   int64_t H, KVH, D, bs;
   float scale;
 
   struct Scratch {
     std::vector<float> qf, acc, buf, scores, denom;
+    std::vector<int64_t> offs;
   };
 
   void operator()(int64_t r, int64_t kh0, int64_t kh1, Scratch& s) const {
@@ -246,17 +249,22 @@ struct Attend {
     s.scores.resize(static_cast<size_t>(gq * L));
     float *qf = s.qf.data(), *acc = s.acc.data(), *buf = s.buf.data(), *scores = s.scores.data();
     for (int64_t i = 0; i < gq; ++i) {
-      const T* src = q + r * q_row_stride + (kh0 * g + i) * q_head_stride;
+      const Q* src = q + r * q_row_stride + (kh0 * g + i) * q_head_stride;
       for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(src[d]);
     }
     bool vec = false;  // the AVX2 loops: float32, float16 or bfloat16 pools with head_dim % 8 == 0
 #ifdef KVGATE_AVX2_EXP
     vec = kVectorPool<T> && D % 8 == 0;
 #endif
-    // position t's heads [kh0, kh1) in `pool`
-    auto pos = [&](const T* pool, int64_t t) {
-      return pool + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * pos_stride + kh0 * D;
-    };
+    // position t's heads [kh0, kh1) in `pool`, from offsets walked once per task: the block size is not
+    // a compile-time constant, and a division per position and query was most of a 16-row call
+    s.offs.resize(L);
+    int64_t* offs = s.offs.data();
+    for (int64_t t = 0, blk = 0, j = 0; t < L; ++t) {
+      offs[t] = (static_cast<int64_t>(table[blk]) * bs + j) * pos_stride + kh0 * D;
+      if (++j == bs) j = 0, ++blk;
+    }
+    auto pos = [offs](const T* pool, int64_t t) { return pool + offs[t]; };
     const int64_t span = nh * D * static_cast<int64_t>(sizeof(T));
     auto ahead = [&](const T* pool, int64_t t, int64_t n) {
       for (int64_t u = t; u < t + n && u < L; ++u) prefetch(pos(pool, u), span);
@@ -380,19 +388,19 @@ struct Attend {
       }
     }
     for (int64_t i = 0; i < gq; ++i) {
-      T* dst = out + (r * H + kh0 * g + i) * D;
+      Q* dst = out + (r * H + kh0 * g + i) * D;
       const float inv = s.denom[i] > 0.f ? 1.f / s.denom[i] : 0.f;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[i * D + d] * inv);
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(acc[i * D + d] * inv);
     }
   }
 };
 
-template <typename T, typename I>
-void run(const T* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, const T* v, const I* tables,
-         int64_t maxblk, const int64_t* lens, T* out, int64_t R, int64_t H, int64_t KVH, int64_t D,
+template <typename Q, typename T, typename I>
+void run(const Q* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, const T* v, const I* tables,
+         int64_t maxblk, const int64_t* lens, Q* out, int64_t R, int64_t H, int64_t KVH, int64_t D,
          int64_t bs, double scale) {
-  const Attend<T, I> attend{q,   k, v, q_row_stride, q_head_stride, tables, maxblk, lens, out, H, KVH, D, bs,
-                            static_cast<float>(scale)};
+  const Attend<Q, T, I> attend{q,   k, v, q_row_stride, q_head_stride, tables, maxblk, lens, out, H, KVH, D, bs,
+                               static_cast<float>(scale)};
   // Whole rows (a task streams each block as one stretch) while every thread gets one; the last
   // R % threads rows split by KV head so that, e.g., a lone row still uses every thread.
   const int64_t threads = omp_get_max_threads();
@@ -400,7 +408,7 @@ void run(const T* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, co
   const int64_t split = (R - whole) * KVH;
 #pragma omp parallel
   {
-    typename Attend<T, I>::Scratch s;
+    typename Attend<Q, T, I>::Scratch s;
 #pragma omp for schedule(static) nowait
     for (int64_t r = 0; r < whole; ++r) attend(r, 0, KVH, s);
 #pragma omp for schedule(static)
@@ -421,8 +429,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
               "paged_decode_attention wants q [R, H, D] and k_pool = v_pool [N, bs, KVH, D]; got q ",
               q.sizes(), ", k_pool ", k_pool.sizes(), ", v_pool ", v_pool.sizes());
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "the K/V pools must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
-              "q and the pools must share a dtype; got ", q.scalar_type(), " and ", k_pool.scalar_type());
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "the K and V pools must share a dtype; got ",
+              k_pool.scalar_type(), " and ", v_pool.scalar_type());
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() ||
+                  (q.scalar_type() == at::kFloat &&
+                   (k_pool.scalar_type() == at::kHalf || k_pool.scalar_type() == at::kBFloat16)),
+              "q and the pools must share a dtype, or q be float32 over float16/bfloat16 pools; got q ",
+              q.scalar_type(), " and pools ", k_pool.scalar_type());
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_pool.size(1), KVH = k_pool.size(2);
   TORCH_CHECK(k_pool.size(3) == D, "head_dim of q (", D, ") and of the pool (", k_pool.size(3), ") differ");
@@ -449,15 +462,28 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                     " is ", t[r * maxblk + b], ", outside the pool's ", N, " blocks");
   });
   auto out = at::empty({R, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  // q (and the output) in scalar_t; the pools in scalar_t too, or float16/bfloat16 under float32 q
+  auto with_pool = [&](auto qp, auto* op, auto pool_type) {
+    using T = decltype(pool_type);
+    const T* k = reinterpret_cast<const T*>(k_pool.data_ptr());
+    const T* v = reinterpret_cast<const T*>(v_pool.data_ptr());
+    if (block_tables.scalar_type() == at::kLong)
+      run(qp, q.stride(0), q.stride(1), k, v, block_tables.data_ptr<int64_t>(), maxblk, lens, op, R, H, KVH, D, bs,
+          scale);
+    else
+      run(qp, q.stride(0), q.stride(1), k, v, block_tables.data_ptr<int32_t>(), maxblk, lens, op, R, H, KVH, D, bs,
+          scale);
+  };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    if (block_tables.scalar_type() == at::kLong) {
-      run<scalar_t, int64_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pool.data_ptr<scalar_t>(),
-                             v_pool.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), maxblk, lens,
-                             out.data_ptr<scalar_t>(), R, H, KVH, D, bs, scale);
-    } else {
-      run<scalar_t, int32_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pool.data_ptr<scalar_t>(),
-                             v_pool.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), maxblk, lens,
-                             out.data_ptr<scalar_t>(), R, H, KVH, D, bs, scale);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    if (k_pool.scalar_type() == q.scalar_type()) {
+      with_pool(qp, op, scalar_t{});
+    } else if constexpr (std::is_same_v<scalar_t, float>) {
+      if (k_pool.scalar_type() == at::kHalf)
+        with_pool(qp, op, c10::Half{});
+      else
+        with_pool(qp, op, c10::BFloat16{});
     }
   });
   return out;
