@@ -42,15 +42,35 @@ constexpr int MR = 4;          // activation rows per register tile
 // A block whose max|x| is not finite (a NaN or inf activation) gets d = s = NaN and zero codes, so
 // its outputs are NaN, as a float matmul's would be (and the sampler's degenerate-row fallback sees
 // them); a block too small for 127 / max|x| to be finite (max|x| < 4e-37) is a block of zeros.
+// With AVX2 a block is 4 vectors: the same max, the same products, clamps and ties-to-even rounding
+// (`round_ps` to nearest, which is `nearbyint` in the default mode) and the same integer sum, so the
+// two builds give the same bits (tests/test_scalar_fallback.py); about 8x faster, which was 7-12% of
+// a 256-row prefill matmul.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   for (int64_t b = 0; b < K / QB; ++b) {
     const float* xb = x + b * QB;
     float amax = 0.f;
     bool finite = true;
+#ifdef KVGATE_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    __m256 v[4], m = _mm256_setzero_ps();
+    int ok = 0xFF;
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      const __m256 a = _mm256_andnot_ps(sign, v[i]);
+      ok &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));  // false for inf and NaN
+      m = _mm256_max_ps(m, a);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    finite = ok == 0xFF;
+#else
     for (int64_t j = 0; j < QB; ++j) {
       amax = std::max(amax, std::fabs(xb[j]));
       finite = finite && std::isfinite(xb[j]);
     }
+#endif
     const float id = 127.f / amax;
     if (!finite || !std::isfinite(id)) {
       std::fill(q + b * QB, q + (b + 1) * QB, int8_t{0});
@@ -59,12 +79,29 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     }
     const float db = amax / 127.f;
     int sum = 0;
+#ifdef KVGATE_AVX2
+    const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[i], vid), lo), hi);
+      c[i] = _mm256_cvtps_epi32(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    // int32 -> int8 keeping the order: the packs interleave 128-bit halves, the permute undoes it
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QB),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+    sum = _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1)));
+#else
     for (int64_t j = 0; j < QB; ++j) {
       // the default rounding mode: nearest, ties to even; |x * id| <= 127 (+ an ulp), clamped as a float
       const float c = std::nearbyint(std::clamp(xb[j] * id, -127.f, 127.f));
       q[b * QB + j] = static_cast<int8_t>(c);
       sum += q[b * QB + j];
     }
+#endif
     d[b] = db;
     s[b] = db * static_cast<float>(sum);
   }
