@@ -62,29 +62,20 @@ def test_matches_the_gather_path_float32(op, heads, kv_heads, dim):
         assert torch.equal(got32, got)
 
 
-def test_matches_the_gather_path_bfloat16(op):
-    """bfloat16 pools and queries, accumulated in float32: within bfloat16's rounding of the float32
-    answer, and no further from it than the gather path's own bfloat16 SDPA. Seen red: the kernel
-    reading only the full blocks of a row (`L = lens[r] - lens[r] % bs`)."""
+@pytest.mark.parametrize("dtype, dim, tol", [(torch.bfloat16, 16, 2e-2), (torch.float16, 64, 2e-3)])
+def test_matches_the_gather_path_16_bit(op, dtype, dim, tol):
+    """bfloat16 / float16 pools and queries (the AVX2 loops widen them by a shift / F16C), accumulated in
+    float32: within the dtype's rounding of the float32 answer, and no further from it than the gather
+    path's own 16-bit SDPA. Seen red: the kernel reading only the full blocks of a row
+    (`L = lens[r] - lens[r] % bs`)."""
     for rows in (1, 5, 17):
-        q, k, v, tables, lens = case(rows, 6, 2, 16, torch.bfloat16, seed=100 + rows)
+        q, k, v, tables, lens = case(rows, 6, 2, dim, dtype, seed=100 + rows)
         want = reference(q, k, v, tables, lens)
-        got = op(q, k, v, tables, lens, 16**-0.5)
-        assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+        got = op(q, k, v, tables, lens, dim**-0.5)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
         sdpa = gather_attention(q, k, v, tables, length_mask(lens, tables.shape[1] * BS))
-        assert (got.float() - want).abs().max() <= (sdpa.float() - want).abs().max() + 1e-2
-
-
-def test_matches_the_gather_path_float16(op):
-    """float16 pools and queries (the AVX2 loops convert by F16C), accumulated in float32: within
-    float16's rounding of the float32 answer."""
-    for rows in (1, 5, 17):
-        q, k, v, tables, lens = case(rows, 6, 2, 64, torch.float16, seed=200 + rows)
-        want = reference(q, k, v, tables, lens)
-        got = op(q, k, v, tables, lens, 64**-0.5)
-        assert got.dtype == torch.float16
-        torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+        assert (got.float() - want).abs().max() <= (sdpa.float() - want).abs().max() + tol
 
 
 def test_a_row_gets_the_same_bits_alone_and_among_sixteen_others(op):
