@@ -1,7 +1,7 @@
 """Cold-cache speed of the paged decode attention kernel (kvgate/models/csrc/paged_attention.cpp).
 
     KVGATE_EXT_DIR=... .venv/bin/python -m bench.attention_kernel [--rows 1 4 16] [--context 300 1000]
-        [--layers 30] [--repeats 5]
+        [--layers 30] [--repeats 5] [--kv-dtype float32]
 
 SmolLM2's geometry (9 query heads, 3 KV heads, head_dim 64, block size 16, float32). Each layer has its
 own K/V pool, as in serving, and all layers share one scattered block table; the caches are flushed
@@ -20,8 +20,11 @@ import torch
 H, KVH, D, BS = 9, 3, 64, 16
 
 
-def cold_ms(op, rows: int, context: int, layers: int = 30, repeats: int = 5) -> float:
-    """Fastest ms for `layers` calls of `op`, each on its own pool, starting from flushed caches."""
+def cold_ms(
+    op, rows: int, context: int, layers: int = 30, repeats: int = 5, kv_dtype: torch.dtype = torch.float32
+) -> float:
+    """Fastest ms for `layers` calls of `op`, each on its own pool (in `kv_dtype`: `--kv-dtype`),
+    starting from flushed caches."""
     gen = torch.Generator().manual_seed(0)
     nblk = -(-context // BS)
     tables = torch.randperm(rows * nblk, generator=gen).view(rows, nblk)
@@ -29,8 +32,8 @@ def cold_ms(op, rows: int, context: int, layers: int = 30, repeats: int = 5) -> 
     pools = [
         (
             torch.randn(rows, H, D, generator=gen),
-            torch.randn(rows * nblk, BS, KVH, D, generator=gen),
-            torch.randn(rows * nblk, BS, KVH, D, generator=gen),
+            torch.randn(rows * nblk, BS, KVH, D, generator=gen).to(kv_dtype),
+            torch.randn(rows * nblk, BS, KVH, D, generator=gen).to(kv_dtype),
         )
         for _ in range(layers)
     ]
@@ -51,7 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, nargs="+", default=[300, 1000])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kv-dtype", default="float32", help="float32 | float16 | bfloat16: the pools' dtype")
     a = ap.parse_args(argv)
+    kv = getattr(torch, a.kv_dtype)
     from bench.cpu import cpu_line, machine_info
     from kvgate.models.paged_attention import kernel
 
@@ -64,13 +69,14 @@ def main(argv=None) -> int:
         f"{cpu_line(m)} Load at start {m['loadavg_at_start'][0]:.1f}; torch threads {torch.get_num_threads()}"
     )
     print()
+    print(f"K/V pools in {a.kv_dtype}")
     print(f"| rows | context | ms per {a.layers} layers | K/V GB/s |")
     print("|---|---|---|---|")
     with torch.inference_mode():
         for context in a.context:
             for rows in a.rows:
-                ms = cold_ms(op, rows, context, a.layers, a.repeats)
-                gb = rows * context * KVH * D * 4 * 2 * a.layers / 1e9
+                ms = cold_ms(op, rows, context, a.layers, a.repeats, kv)
+                gb = rows * context * KVH * D * kv.itemsize * 2 * a.layers / 1e9
                 print(f"| {rows} | {context} | {ms:.2f} | {gb / ms * 1e3:.1f} |")
     return 0
 

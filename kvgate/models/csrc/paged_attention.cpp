@@ -15,9 +15,11 @@
 //
 // With AVX2 and head_dim % 8 == 0 (float32, float16 and bfloat16 pools) the loops are vector code:
 // scores of 8 positions at once with one accumulator each, summed across lanes together (`sum8`),
-// and each query's weighted V sum held in registers 64 columns at a time. Against the plain loops'
-// per-dot horizontal sums and memory accumulators: 1.39 -> 1.10 ms for one row x 300 positions x 30
-// layers from DRAM (AVX2 EPYC), 5.4 -> 3.4 ms at 1,000 positions; 16 rows stay bound by the reads.
+// and the weighted V sums of up to 3 queries of a head held in registers 32 columns at a time, so a
+// V value is loaded once for the three (`wsum32`). Against the plain loops' per-dot horizontal sums
+// and memory accumulators: 1.39 -> 1.10 ms for one row x 300 positions x 30 layers from DRAM (AVX2
+// EPYC), 5.4 -> 3.4 ms at 1,000 positions; 16 rows x 300 from cache 7.8 -> 6.2 ms, from DRAM they
+// stay at ~14 ms, bound by the reads (15 GB/s; 48 positions of prefetch or huge pages: no change).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -120,27 +122,39 @@ inline float dot1x(const float* qi, const T* k, int64_t D) {
   return sum1(a);
 }
 
-// out[0, 64) = sum_t p[t] * at(t)[0, 64), t = 0..L-1 in order, the 64 sums in eight registers;
-// `each(t)` runs first at every position (a prefetch).
-template <class At, class Each>
-inline void wsum64(const float* p, int64_t L, At at, float* out, Each each) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+// For NQ <= 3 queries q (scores p + q L, sums out + q D): out[q][0, 32) = sum_t p[q][t] * at(t)[0, 32),
+// t = 0..L-1 in order, the 4 NQ sums in registers; `each(t)` runs first at every position (a prefetch).
+template <int NQ, class At, class Each>
+inline void wsum32(const float* p, int64_t L, At at, float* out, int64_t D, Each each) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+  __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
   for (int64_t t = 0; t < L; ++t) {
     each(t);
-    const __m256 w = _mm256_set1_ps(p[t]);
     const auto* x = at(t);
-    a0 = _mm256_fmadd_ps(w, load8(x), a0);
-    a1 = _mm256_fmadd_ps(w, load8(x + 8), a1);
-    a2 = _mm256_fmadd_ps(w, load8(x + 16), a2);
-    a3 = _mm256_fmadd_ps(w, load8(x + 24), a3);
-    a4 = _mm256_fmadd_ps(w, load8(x + 32), a4);
-    a5 = _mm256_fmadd_ps(w, load8(x + 40), a5);
-    a6 = _mm256_fmadd_ps(w, load8(x + 48), a6);
-    a7 = _mm256_fmadd_ps(w, load8(x + 56), a7);
+    const __m256 w0 = _mm256_set1_ps(p[t]);
+    const __m256 w1 = NQ > 1 ? _mm256_set1_ps(p[L + t]) : w0;
+    const __m256 w2 = NQ > 2 ? _mm256_set1_ps(p[2 * L + t]) : w0;
+#define KVGATE_COL(j, A0, A1, A2)                  \
+  {                                               \
+    const __m256 xj = load8(x + 8 * j);           \
+    A0 = _mm256_fmadd_ps(w0, xj, A0);             \
+    if constexpr (NQ > 1) A1 = _mm256_fmadd_ps(w1, xj, A1); \
+    if constexpr (NQ > 2) A2 = _mm256_fmadd_ps(w2, xj, A2); \
   }
-  _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2);
-  _mm256_storeu_ps(out + 24, a3), _mm256_storeu_ps(out + 32, a4), _mm256_storeu_ps(out + 40, a5);
-  _mm256_storeu_ps(out + 48, a6), _mm256_storeu_ps(out + 56, a7);
+    KVGATE_COL(0, a00, a10, a20) KVGATE_COL(1, a01, a11, a21) KVGATE_COL(2, a02, a12, a22)
+    KVGATE_COL(3, a03, a13, a23)
+#undef KVGATE_COL
+  }
+  _mm256_storeu_ps(out, a00), _mm256_storeu_ps(out + 8, a01), _mm256_storeu_ps(out + 16, a02);
+  _mm256_storeu_ps(out + 24, a03);
+  if constexpr (NQ > 1) {
+    _mm256_storeu_ps(out + D, a10), _mm256_storeu_ps(out + D + 8, a11), _mm256_storeu_ps(out + D + 16, a12);
+    _mm256_storeu_ps(out + D + 24, a13);
+  }
+  if constexpr (NQ > 2) {
+    _mm256_storeu_ps(out + 2 * D, a20), _mm256_storeu_ps(out + 2 * D + 8, a21);
+    _mm256_storeu_ps(out + 2 * D + 16, a22), _mm256_storeu_ps(out + 2 * D + 24, a23);
+  }
 }
 
 // The same for the last n < 8 vectors of a row (head_dim not a multiple of 64), summed in `out`.
@@ -347,23 +361,32 @@ struct Attend {
     // Pass 2: acc_i = sum_t p[i][t] * v_t
     if (vec) {
 #ifdef KVGATE_AVX2_EXP
-      // query by query, 64 columns at a time in registers, positions in order; the task's first query
-      // brings V into cache (the prefetches), the others read it from there
+      // up to 3 queries of a head together, 32 columns at a time in registers, positions in order: each
+      // V value is loaded once for the three (and 12 independent sums keep the FMA units busy); the
+      // task's first pass brings V into cache (the prefetches), the others read it from there
       if constexpr (kVectorPool<T>) {
         for (int64_t h = 0; h < nh; ++h)
-          for (int64_t i = h * g; i < (h + 1) * g; ++i)
-            for (int64_t c = 0; c < D; c += 64) {
+          for (int64_t i0 = h * g; i0 < (h + 1) * g; i0 += 3) {
+            const int64_t nq = std::min<int64_t>(3, (h + 1) * g - i0);
+            const float* pi = scores + i0 * L;
+            for (int64_t c = 0; c + 32 <= D; c += 32) {
               auto at = [&](int64_t t) { return pos(v, t) + h * D + c; };
-              const float* pi = scores + i * L;
-              float* ai = acc + i * D + c;
-              if (D - c >= 64) {
-                wsum64(pi, L, at, ai, [&](int64_t t) {
-                  if (i == 0 && c == 0) ahead(v, t + kAhead, 1);
-                });
-              } else {
-                wsum(pi, L, at, ai, (D - c) / 8);
-              }
+              auto each = [&](int64_t t) {
+                if (i0 == 0 && c == 0) ahead(v, t + kAhead, 1);
+              };
+              float* ai = acc + i0 * D + c;
+              if (nq == 3)
+                wsum32<3>(pi, L, at, ai, D, each);
+              else if (nq == 2)
+                wsum32<2>(pi, L, at, ai, D, each);
+              else
+                wsum32<1>(pi, L, at, ai, D, each);
             }
+            if (const int64_t c = D - D % 32; c < D) {  // the last D % 32 columns, query by query
+              auto at = [&](int64_t t) { return pos(v, t) + h * D + c; };
+              for (int64_t i = i0; i < i0 + nq; ++i) wsum(scores + i * L, L, at, acc + i * D + c, (D - c) / 8);
+            }
+          }
       }
 #endif
     }
