@@ -196,10 +196,12 @@ def _prefill_attention(C: int, Lp: int, H: int, KVH: int, D: int, b: int, kv_tok
         # attention, float32 and bfloat16, chunks of 16-2048 over contexts up to 8192): 0.2-0.95 of this.
         return C * Lp * (f + 1) + C * H * D * (2 * b + f) + C * H * f + Lp * kv_tok
     # scores and softmax in float32 (+ a quarter for the -inf test), bool and float masks, scaled
-    # q and k in float32 (upcast q/k/v first for 16-bit dtypes), the output
+    # q and k in float32 (upcast q/k/v first for 16-bit dtypes), the output; K and V repeated per
+    # query head (the math path's `enable_gqa`; not measured: no CUDA machine was at hand)
     g, upcast = H // KVH, b != 4
     return (
         (9 * H * C * Lp * f) // 4
+        + 2 * H * Lp * D * f
         + g * C * Lp * (f + 1)
         + (2 * C * H * D + Lp * KVH * D) * f
         + ((C * H * D + 2 * Lp * KVH * D) * f if upcast else 0)
