@@ -23,6 +23,11 @@ RMSNorm fused with the residual add, and RoPE fused with the K/V write, one call
 PyTorch expressions make 5-9 (1.2x a whole decode step at 1-4 rows). RoPE and the write are bit for
 bit the PyTorch expressions; RMSNorm differs from F.rms_norm by its sum's order only (an ulp).
 
+A step whose tokens are all decode rows, on a model whose every layer kernel is kvgate's own
+(`--weights gguf` or `gguf-q8act`, paged attention), runs the layer loop below as one C++ call
+(`kvgate.models.decode_stack`): the same kernels in the same order, so the same bits, without the
+loop's Python between them.
+
 On CPU in float32 every weight matrix is prepacked once for oneDNN (`kvgate.models.linear`): 2.5-3x
 faster batched matmuls, and a row's matmul results no longer depend on how many rows share the step.
 The paged kernel gives decode attention the same property; the gather path's CPU SDPA does not (a
@@ -38,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
-from kvgate.models import native
+from kvgate.models import decode_stack, native
 from kvgate.models.linear import Linear, packs_weights, row_buckets
 from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
@@ -211,6 +216,8 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
         self.sin = emb.sin().to(device=self.device, dtype=dtype)
+        # decode-only steps run the layers in one C++ call where every kernel is kvgate's own
+        self.decode_stack = decode_stack.build(self)
 
     def set_row_buckets(self, step_tokens: int, logit_rows: int) -> None:
         """Round each matmul's rows up to the buckets `warm_kernels` ran (see kvgate.models.linear)."""
@@ -252,7 +259,14 @@ class LlamaModel:
         else:
             x = F.embedding(batch.input_ids, self.embed)
         pending = None  # the last residual branch, added to x by the next norm
-        for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
+        stacked = self.decode_stack is not None and n_dec == T  # every token a decode row
+        if stacked:  # the same kernels in the same order in one C++ call (kvgate.models.decode_stack)
+            x = self.decode_stack.run(
+                x, kv.k, kv.v, cos, sin, batch.slots, batch.decode_tables, batch.decode_lens
+            )
+        for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(
+            () if stacked else self.layers
+        ):
             k_pool = kv.k[li]
             v_pool = kv.v[li]
             if ops is not None:
@@ -297,7 +311,8 @@ class LlamaModel:
             gu = gate_up_proj(h, n_dec)
             inter = gu.shape[-1] // 2
             pending = down_proj(F.silu(gu[:, :inter]) * gu[:, inter:], n_dec)
-        x = x + pending
+        if pending is not None:
+            x = x + pending
         rows = x[batch.logits_index]
         h = (
             ops.rms_norm(rows, self.norm, eps)

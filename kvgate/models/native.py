@@ -28,6 +28,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "bindings.cpp",
     "block_matmul.cpp",
+    "decode_stack.cpp",
     "int8_dot.cpp",
     "layer_ops.cpp",
     "paged_attention.cpp",

@@ -1,5 +1,6 @@
 // The Python module of kvgate's C++ kernels: block matmuls (block_matmul.cpp), the integer-dot kernels
-// of --weights gguf-q8act (int8_dot.cpp) and the small layer ops (layer_ops.cpp). The paged attention
+// of --weights gguf-q8act (int8_dot.cpp), the small layer ops (layer_ops.cpp) and the decode-only
+// layer stack (decode_stack.cpp). The paged attention
 // kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
 #include <torch/extension.h>
 
@@ -14,6 +15,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                     torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool);
+void bind_decode_stack(pybind11::module& mod);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_matmul", &q8_matmul, "float32 x times Q8_0 blocks (codes int8, scales float32)");
@@ -30,4 +32,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of each row times w");
   mod.def("rope_write_kv_", &rope_write_kv_,
           "rotate-half RoPE on the q and k heads of fused QKV rows in place, then k and v into the pools at slots");
+  bind_decode_stack(mod);
 }

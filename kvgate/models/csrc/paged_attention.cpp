@@ -514,6 +514,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
 
 }  // namespace
 
+// The same kernel for C++ callers (decode_stack.cpp), without the dispatcher.
+at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale);
+}
+
 TORCH_LIBRARY(kvgate, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "

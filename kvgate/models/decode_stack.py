@@ -1,0 +1,55 @@
+"""The layer stack of a decode-only step in one C++ call (kvgate/models/csrc/decode_stack.cpp).
+
+`build(model)` returns a `DecodeStack` for a model whose forward would call only kvgate's C++ kernels
+between the embedding and the final norm: CPU, float32, the C++ layer ops, the paged decode kernel,
+and every layer matmul a `Q41Linear` (`--weights gguf`) or `Q41Dot8Linear` (`gguf-q8act`) without a
+bias. Any other model gets None and keeps the Python loop.
+
+The forward uses the stack for steps whose tokens are all decode rows (no prompt chunk, no verify
+span). It runs the same kernels in the same order as the loop, with ATen's own SiLU and multiply, so
+the logits are bit for bit the loop's (tests/test_decode_stack.py). What it saves is the loop's cost
+between kernels: at one row ~12 Python-level calls and tensor ops a layer, 30 layers. It releases
+the GIL while it runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvgate.models import native
+from kvgate.models.q4_1 import Q41Linear
+from kvgate.models.q4_1_dot8 import Q41Dot8Linear
+
+# KVGATE_DECODE_STACK=0 keeps the Python loop for every step (to compare the two; nothing else changes)
+ENV = "KVGATE_DECODE_STACK"
+
+
+def _parts(lin) -> tuple[list, int] | None:
+    """A matrix as the C++ stack takes it: ([packed] or [codes, d, m], out_features)."""
+    if getattr(lin, "bias", None) is not None:
+        return None
+    if isinstance(lin, Q41Dot8Linear):
+        return [lin.packed], lin.out_features
+    if isinstance(lin, Q41Linear):
+        return [lin.codes, lin.d, lin.m], lin.codes.shape[0]
+    return None
+
+
+def build(model):
+    """The model's `DecodeStack`, or None where the forward must keep its loop (see the module doc)."""
+    if os.environ.get(ENV, "1") == "0" or model.layer_ops is None or not model.paged_attention:
+        return None
+    ext = native.extension()
+    if ext is None or not hasattr(ext, "DecodeStack"):
+        return None
+    norms, mats, outs = [], [], []
+    for ln1, qkv, o, ln2, gate_up, down in model.layers:
+        norms += [ln1, ln2]
+        for lin in (qkv, o, gate_up, down):
+            found = _parts(lin)
+            if found is None:
+                return None
+            mats.append(found[0])
+            outs.append(found[1])
+    s = model.spec
+    return ext.DecodeStack(norms, mats, outs, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps)

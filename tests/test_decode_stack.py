@@ -1,0 +1,132 @@
+"""The decode-only layer stack in one C++ call (kvgate/models/decode_stack.py, csrc/decode_stack.cpp):
+for `--weights gguf` and `gguf-q8act` a decode-only step's logits and K/V writes are bit for bit the
+Python loop's, the stack runs exactly for decode-only steps, and models it cannot run (float weights,
+biases) keep the loop. Skipped, saying why, only where the C++ kernels cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvgate.models import native
+
+pytestmark = pytest.mark.skipif(
+    native.extension() is None, reason=f"kvgate's C++ kernels did not build: {native.unavailable()}"
+)
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def q4_smol_dir(tmp_path_factory):
+    """A tiny model with SmolLM2's head geometry (9 heads over 3 KV heads of 64) whose layer matrices
+    are exact Q4_1 blocks, as a Q4_1 GGUF holds them."""
+    from tests.test_q4_1 import ggml_q4_1
+    from tests.tiny_model import make_tiny_hf_dir
+
+    geometry = dict(hidden=576, heads=9, kv_heads=3, inter=256)
+    path = make_tiny_hf_dir(tmp_path_factory.mktemp("q4-smol"), tie=True, geometry=geometry)
+    w = load_file(str(path / "model.safetensors"))
+    for name in [n for n in w if n.endswith("proj.weight")]:
+        w[name] = ggml_q4_1(w[name]).contiguous()
+    save_file(w, str(path / "model.safetensors"))
+    return path
+
+
+def model_and_pool(path, fmt: str, kv_dtype=torch.float32):
+    from kvgate.core.kv_cache import KVPool
+    from kvgate.models import load_model
+    from kvgate.models.llama import LlamaModel
+
+    loaded = load_model(str(path))
+    model = LlamaModel(
+        loaded.spec, loaded.weights, torch.float32, "cpu", weights_format=fmt, paged_attention=True
+    )
+    kv = KVPool(loaded.spec, 300, BS, kv_dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    return model, kv
+
+
+def step(model, kv, decodes, prefills=()):
+    """One forward; the logits and the pools as it left them (the pools are restored afterwards)."""
+    from kvgate.core.step_inputs import build_step
+
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    batch, _, _, _ = build_step(list(decodes), list(prefills), BS, 4096, torch.device("cpu"))
+    logits = model.forward(batch, kv)
+    after = kv.k.clone(), kv.v.clone()
+    kv.k.copy_(k0), kv.v.copy_(v0)
+    return logits, after
+
+
+@pytest.mark.parametrize(
+    "fmt,kv_dtype",
+    [("gguf", torch.float32), ("gguf-q8act", torch.float32), ("gguf-q8act", torch.float16)],
+)
+def test_a_decode_only_step_is_the_python_loop_bit_for_bit(q4_smol_dir, fmt, kv_dtype):
+    """1 and 7 decode rows at contexts 3-40 (several blocks, partial last blocks): the stack's logits
+    and the K/V it writes equal the Python loop's exactly. Seen red: the stack returning x without the
+    last layer's down projection added."""
+    from kvgate.core.step_inputs import DecodeInput
+
+    model, kv = model_and_pool(q4_smol_dir, fmt, kv_dtype)
+    stack = model.decode_stack
+    assert stack is not None and stack.layers() == len(model.layers)
+    rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
+    for decodes in ([rows[4]], rows):
+        with_stack = step(model, kv, decodes)
+        model.decode_stack = None
+        loop = step(model, kv, decodes)
+        model.decode_stack = stack
+        assert torch.equal(with_stack[0], loop[0])
+        assert all(torch.equal(a, b) for a, b in zip(with_stack[1], loop[1], strict=True))
+
+
+class Refuses:
+    """A stand-in stack that fails the test if the forward calls it."""
+
+    def run(self, *args):
+        raise AssertionError("the stack ran for a step with a prompt chunk")
+
+
+def test_steps_with_a_prompt_chunk_keep_the_loop(q4_smol_dir):
+    """A step holding a prompt chunk (alone, or beside decode rows) never goes to the stack; a
+    decode-only step does. Seen red: the forward's condition as `n_dec > 0` instead of `n_dec == T`."""
+    from kvgate.core.step_inputs import DecodeInput, PrefillInput
+
+    model, kv = model_and_pool(q4_smol_dir, "gguf-q8act")
+    stack, calls = model.decode_stack, []
+
+    class Counting:
+        def run(self, *args):
+            calls.append(len(args[0]))
+            return stack.run(*args)
+
+    row = DecodeInput(0, 9, 10, [0, 1, 2])
+    prompt = PrefillInput(1, list(range(20, 29)), 0, [3, 4, 5], True)
+    model.decode_stack = Refuses()
+    step(model, kv, [row], [prompt])
+    step(model, kv, [], [prompt])
+    model.decode_stack = Counting()
+    step(model, kv, [row, DecodeInput(2, 9, 7, [6, 7])])
+    assert calls == [2]
+
+
+def test_models_the_stack_cannot_run_keep_the_loop(q4_smol_dir, tiny_dir, monkeypatch):
+    """Float weights (`full`), the gather attention path and the environment switch each leave
+    `decode_stack` None. Seen red: `build` without its paged-attention check."""
+    from kvgate.models import decode_stack, load_model
+    from kvgate.models.llama import LlamaModel
+
+    loaded = load_model(str(tiny_dir))
+    full = LlamaModel(loaded.spec, loaded.weights, torch.float32, "cpu", paged_attention=True)
+    assert full.decode_stack is None
+    model, _ = model_and_pool(q4_smol_dir, "gguf")
+    model.paged_attention = False
+    assert decode_stack.build(model) is None
+    model.paged_attention = True
+    assert decode_stack.build(model) is not None
+    monkeypatch.setenv(decode_stack.ENV, "0")
+    assert decode_stack.build(model) is None
