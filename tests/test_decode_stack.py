@@ -1,7 +1,7 @@
 """The decode-only layer stack in one C++ call (kvgate/models/decode_stack.py, csrc/decode_stack.cpp):
 for `--weights gguf` and `gguf-q8act` a decode-only step's logits and K/V writes are bit for bit the
 Python loop's, the stack runs exactly for decode-only steps, and models it cannot run (float weights,
-biases) keep the loop. Skipped, saying why, only where the C++ kernels cannot be built."""
+the gather attention path) keep the loop. Skipped, saying why, only where the C++ kernels cannot be built."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ between the embedding and the final norm: CPU, float32, the C++ layer ops, the p
 and every layer matmul a `Q41Linear` (`--weights gguf`) or `Q41Dot8Linear` (`gguf-q8act`) without a
 bias. Any other model gets None and keeps the Python loop.
 
-The forward uses the stack for steps whose tokens are all decode rows (no prompt chunk, no verify
-span). It runs the same kernels in the same order as the loop, with ATen's own SiLU and multiply, so
+The forward uses the stack for steps whose tokens are all decode rows (a verify span's positions
+are decode rows too; a prompt chunk is not). It runs the same kernels in the same order as the loop, with ATen's own SiLU and multiply, so
 the logits are bit for bit the loop's (tests/test_decode_stack.py). What it saves is the loop's cost
 between kernels: at one row ~12 Python-level calls and tensor ops a layer, 30 layers. It releases
 the GIL while it runs.
@@ -40,7 +40,7 @@ def build(model):
     if os.environ.get(ENV, "1") == "0" or model.layer_ops is None or not model.paged_attention:
         return None
     ext = native.extension()
-    if ext is None or not hasattr(ext, "DecodeStack"):
+    if ext is None:
         return None
     norms, mats, outs = [], [], []
     for ln1, qkv, o, ln2, gate_up, down in model.layers:

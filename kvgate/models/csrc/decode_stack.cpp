@@ -7,11 +7,11 @@
 //
 // so its result is bit for bit the loop's. What it removes is the loop's per-layer cost outside the
 // kernels: ~12 Python-level tensor ops and calls per layer (slices, views, SiLU * up, the argument
-// conversions of 6 calls), about a fifth of a one-row step. It runs without the GIL, so the server's
-// thread can stream tokens while a step computes.
+// conversions of 6 calls); a one-row gguf-q8act step went from 10.75 to 9.43 ms. It runs without the
+// GIL, so the server's thread can stream tokens while a step computes.
 //
-// It takes only steps where every token is a decode row (no prompt chunk, no draft to verify): the
-// forward keeps its Python loop for every other step.
+// It takes only steps where every token is a decode row (verify positions are decode rows too); a step
+// holding a prompt chunk keeps the Python loop.
 #include <torch/extension.h>
 
 #include <cmath>
