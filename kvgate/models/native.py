@@ -30,9 +30,11 @@ SOURCES = (
     "block_matmul.cpp",
     "decode_stack.cpp",
     "int8_dot.cpp",
+    "int8_vnni.cpp",
     "layer_ops.cpp",
     "paged_attention.cpp",
 )  # one module
+HEADERS = ("int8_layout.h",)  # included by the sources: part of the cache key
 _state: dict = {}
 
 
@@ -49,13 +51,15 @@ def compile_flags() -> list[str]:
     flags = cpu_flags()
     isa = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
     isa += ["-mavx512f"] if "avx512f" in flags else []
+    if isa and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:  # int8_vnni.cpp's kernels
+        isa += ["-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     return ["-O3", "-fopenmp", *isa]
 
 
 def cache_dir() -> Path:
     base = Path(os.environ.get("KVGATE_EXT_DIR") or Path.home() / ".cache" / "kvgate" / "ext")
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         h.update((CSRC / name).read_bytes())
     h.update(f"{torch.__version__} {' '.join(compile_flags())}".encode())
     return base / f"kvgate_native_{h.hexdigest()[:16]}"
@@ -69,7 +73,7 @@ def extension():
     try:
         module = _cached(cache_dir())
         if module is not None:
-            _state["module"], _state["why"] = module, None
+            _state["module"], _state["why"] = module, _apply_int8_isa(module)
             return module
         from torch.utils.cpp_extension import load
 
@@ -102,7 +106,20 @@ def extension():
         )
         log.warning(why)
     _state["module"], _state["why"] = module, why
+    if module is not None:
+        _state["why"] = _apply_int8_isa(module)
     return module
+
+
+def _apply_int8_isa(module) -> None:
+    """`KVGATE_INT8_ISA=avx2` keeps gguf-q8act on its AVX2 tile kernels in a build that also has the
+    AVX-512 VNNI ones (the same bits, about 2x slower at 16 rows and more: for A/B runs and to rule
+    them out); unset or `auto` takes the fastest built. A name the build cannot take is logged."""
+    isa = os.environ.get("KVGATE_INT8_ISA", "auto")
+    try:
+        module.set_int8_isa(isa)
+    except RuntimeError as exc:
+        log.warning("KVGATE_INT8_ISA=%s ignored: %s", isa, exc)
 
 
 def _cached(out: Path):
@@ -130,8 +147,10 @@ def unavailable() -> str | None:
 
 if __name__ == "__main__":
     t = time.monotonic()
-    ok = extension() is not None
+    ext = extension()
+    ok = ext is not None
     print(
         f"kvgate C++ kernels: {'ready' if ok else unavailable()} ({time.monotonic() - t:.1f} s, {cache_dir()})"
+        + (f"; gguf-q8act tiles: {ext.int8_isa()}" if ok else "")
     )
     raise SystemExit(0 if ok else 1)

@@ -4,6 +4,7 @@
 // kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
 #include <torch/extension.h>
 
+#include <string>
 #include <tuple>
 
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d);
@@ -16,6 +17,8 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                     torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool);
 void bind_decode_stack(pybind11::module& mod);
+std::string int8_isa();
+std::string set_int8_isa(const std::string& isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_matmul", &q8_matmul, "float32 x times Q8_0 blocks (codes int8, scales float32)");
@@ -32,5 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of each row times w");
   mod.def("rope_write_kv_", &rope_write_kv_,
           "rotate-half RoPE on the q and k heads of fused QKV rows in place, then k and v into the pools at slots");
+  mod.def("int8_isa", &int8_isa, "the instruction set the gguf-q8act tile kernels run: avx512-vnni, avx2 or scalar");
+  mod.def("set_int8_isa", &set_int8_isa,
+          "'avx2' runs the AVX2 tile kernels in an AVX-512 VNNI build (same bits; tests and A/B benchmarks), "
+          "'auto' the fastest built; returns int8_isa()");
   bind_decode_stack(mod);
 }

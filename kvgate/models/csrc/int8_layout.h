@@ -1,0 +1,33 @@
+// The packed tile layouts of --weights gguf-q8act (kvgate.models.q4_1_dot8.q4_1_pack8 and
+// kvgate.models.q8_head.q8_pack8), shared by the AVX2/scalar kernels (int8_dot.cpp) and the AVX-512
+// VNNI ones (int8_vnni.cpp).
+#pragma once
+#include <cstdint>
+
+namespace kvgate_int8 {
+
+constexpr int64_t QB = 32;                            // values per block
+constexpr int64_t NT = 8;                             // output rows per packed tile
+constexpr int64_t NIBBLES = NT * QB / 2;              // a Q4_1 tile's code bytes per block
+constexpr int64_t TILE_BLOCK = NIBBLES + 2 * NT * 2;  // then its 8 d and 8 m as fp16: 160 bytes
+constexpr int64_t Q8_CODES = NT * QB;                 // a Q8_0 tile's code bytes per block
+constexpr int64_t Q8_BLOCK = Q8_CODES + NT * 4;       // then its 8 float32 scales: 288 bytes
+
+// What the activations of one call look like once rounded (int8_dot.cpp's q8_rows): M rows of K codes,
+// per row and block a scale d and s = d * (sum of the block's codes).
+struct Rounded {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t M, K;
+};
+
+// The AVX-512 VNNI kernels, compiled where the build has them (int8_vnni.cpp): each fills y [M, N]
+// from T packed tiles, threads splitting pairs of tiles, and gives the AVX2 kernels' bits. `vnni_built`
+// says whether they exist in this build; `vnni_enabled` whether calls take them (set_int8_isa).
+bool vnni_built();
+bool& vnni_enabled();
+void q4_1_dot8_vnni(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y);
+void q8_dot8_vnni(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y);
+
+}  // namespace kvgate_int8
