@@ -54,10 +54,14 @@ class Server:
                 raise RuntimeError(
                     f"{self.name} exited with {self.proc.returncode}; see {rel(self.log_path)}"
                 )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.ready_url, timeout=2).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = httpx.get(self.ready_url, timeout=2)
+                if r.status_code == 200:
                     log(f"{self.name} ready (pid {self.proc.pid})")
                     return self
+                if r.status_code == 503 and r.json().get("status") == "failed":  # kvgate's failed load
+                    self.stop()
+                    raise RuntimeError(f"{self.name} failed to load: {r.json().get('reason')}")
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s; see {rel(self.log_path)}")
