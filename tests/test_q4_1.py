@@ -181,3 +181,25 @@ def test_dtype_auto_is_float32_under_the_gguf_formats_even_where_bf16_is_fast(mo
         e.shutdown()
     monkeypatch.setattr(placement, "cpu_has_fast_bf16", lambda: False)
     assert placement.resolve_dtype("auto", cpu, "full") == torch.float32
+
+
+@pytest.mark.parametrize("n", [203, 16, 17])
+def test_decode_rows_in_pairs_of_weight_rows_give_the_bits_of_a_row_alone(n):
+    """With AVX-512, calls of 5+ decode rows take two weight rows per zmm (dot_rows2, up to 8 activation
+    rows per group); fewer rows, and the odd last weight row of a tile, take the AVX2 loop. Each row
+    must get what it gets alone (1 row: the AVX2 loop), for Q4_1 and Q8_0 blocks, whatever the number
+    of rows beside it. On a CPU without AVX-512 both sides take the AVX2 loop and this checks row
+    invariance only. Seen red (AVX-512 EPYC): the two halves' sums stored to each other's outputs;
+    the odd last weight row skipped (its output left unwritten)."""
+    from kvgate.models.q8_head import q8_blocks
+    from tests.test_q4_1_dot8 import ggml_q8_0
+
+    torch.manual_seed(n)
+    ext = native.extension()
+    q4 = q4_1_blocks(ggml_q4_1(torch.randn(n, 96) * 0.05))
+    q8 = q8_blocks(ggml_q8_0(torch.randn(n, 96) * 0.05))
+    x = torch.randn(21, 96)
+    for name, fn in (("q4_1", lambda a: ext.q4_1_matmul(a, *q4, -1)), ("q8", lambda a: ext.q8_matmul(a, *q8))):
+        alone = torch.cat([fn(x[i : i + 1]) for i in range(len(x))])
+        for rows in (4, 5, 8, 9, 13, 16, 21):
+            assert torch.equal(fn(x[:rows]), alone[:rows]), (name, rows)
