@@ -110,7 +110,12 @@ class SchedulerConfig:
 ENGINE_FLAGS = [
     # flag, type, default, help
     ("--device", str, "auto", "auto | cpu | cuda | cuda:N (a missing device is an error, never a fallback)"),
-    ("--dtype", str, "auto", "auto | bfloat16 | float16 | float32 (auto: float32 under the gguf formats on CPU, else bf16 only where it is fast)"),
+    (
+        "--dtype",
+        str,
+        "auto",
+        "auto | bfloat16 | float16 | float32 (auto: float32 under the gguf formats on CPU, else bf16 only where it is fast)",
+    ),
     ("--memory-limit", str, "auto", "bytes (4GiB), fraction of device memory (0.5), or auto"),
     ("--kv-cache-bytes", str, None, "explicit KV pool size (default: what the memory limit leaves)"),
     ("--block-size", int, 16, "KV block size in tokens"),

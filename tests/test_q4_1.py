@@ -199,7 +199,10 @@ def test_decode_rows_in_pairs_of_weight_rows_give_the_bits_of_a_row_alone(n):
     q4 = q4_1_blocks(ggml_q4_1(torch.randn(n, 96) * 0.05))
     q8 = q8_blocks(ggml_q8_0(torch.randn(n, 96) * 0.05))
     x = torch.randn(21, 96)
-    for name, fn in (("q4_1", lambda a: ext.q4_1_matmul(a, *q4, -1)), ("q8", lambda a: ext.q8_matmul(a, *q8))):
+    for name, fn in (
+        ("q4_1", lambda a: ext.q4_1_matmul(a, *q4, -1)),
+        ("q8", lambda a: ext.q8_matmul(a, *q8)),
+    ):
         alone = torch.cat([fn(x[i : i + 1]) for i in range(len(x))])
         for rows in (4, 5, 8, 9, 13, 16, 21):
             assert torch.equal(fn(x[:rows]), alone[:rows]), (name, rows)
