@@ -28,14 +28,30 @@ SCRIPT = textwrap.dedent(
     """
     import sys, torch
     import kvgate.models.native as native
-    native.cpu_flags = lambda: set()  # build as for a CPU without AVX2, FMA and F16C
-    assert native.compile_flags() == ["-O3", "-fopenmp"], native.compile_flags()
+    flags = set(sys.argv[2].split(",")) - {""}
+    native.cpu_flags = lambda: flags  # build as for a CPU that lists only these flags
+    assert native.compile_flags() == ["-O3", "-fopenmp"] + sys.argv[3].split(), native.compile_flags()
     ext = native.extension()
     assert ext is not None, native.unavailable()
     from tests.test_scalar_fallback import outputs
     torch.save(outputs(ext), sys.argv[1])
     """
 )
+
+
+def build_as(tmp_path, flags: set[str], expect: str) -> dict:
+    """`outputs()` from a subprocess that builds the kernels as for a CPU listing only `flags` (its own
+    cache entry: about two minutes once); `expect` is the ISA part of the compile flags it must get."""
+    out = tmp_path / "other.pt"
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(out), ",".join(sorted(flags)), expect],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).parents[1],
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out)
 
 
 def inputs() -> dict:
@@ -48,10 +64,12 @@ def inputs() -> dict:
     w8 = ggml_q8_0(torch.randn(203, 96, generator=g) * 0.05)
     x = torch.randn(9, 96, generator=g)
     x[4, 7] = float("nan")
+    wide = torch.randn(21, 96, generator=g)  # more rows: the AVX-512 paths' 8- and 12-row groups
     codes, d, m = q4_1_blocks(w4)
     c8, s8 = q8_blocks(w8)
     return {
         "x": x,
+        "wide": wide,
         "q4": (codes, d, m),
         "tiles4": q4_1_pack8(codes, d, m),
         "q8": (c8, s8),
@@ -71,7 +89,27 @@ def outputs(ext) -> dict:
         "q4_1_matmul": ext.q4_1_matmul(clean, *i["q4"], 3),
         "q8_matmul": ext.q8_matmul(clean, *i["q8"]),
         "rms_norm": ext.rms_norm(clean, torch.linspace(0.5, 1.5, 96), 1e-5),
+        "q4_1_dot8_wide": ext.q4_1_dot8(i["wide"], i["tiles4"], 203),
+        "q8_dot8_wide": ext.q8_dot8(i["wide"], i["tiles8"], 203),
+        "q4_1_matmul_wide": ext.q4_1_matmul(i["wide"], *i["q4"], 9),  # 9 decode rows, 12 prompt rows
+        "q8_matmul_wide": ext.q8_matmul(i["wide"], *i["q8"]),
+        "paged_attention": attention(),
     }
+
+
+def attention() -> list[torch.Tensor]:
+    """Paged decode attention over float32, float16 and bfloat16 pools (SmolLM2's heads), 7 rows of
+    1-128 positions."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        k = torch.randn(64, 16, 3, 64, generator=g).to(dt)
+        v = torch.randn(64, 16, 3, 64, generator=g).to(dt)
+        tables = torch.randperm(64, generator=g)[:56].view(7, 8).contiguous()
+        lens = torch.tensor([1, 7, 8, 9, 33, 100, 128])
+        q = torch.randn(7, 9, 64, generator=g)
+        out.append(torch.ops.kvgate.paged_decode_attention(q, k, v, tables, lens, 0.125))
+    return out
 
 
 @pytest.mark.slow
@@ -82,16 +120,7 @@ def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
     int-dot adding m_w * d_x instead of m_w * s_x."""
     if not {"avx2", "fma", "f16c"} <= native.cpu_flags():
         pytest.skip("this CPU builds the scalar path already: nothing to compare")
-    out = tmp_path / "scalar.pt"
-    run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=Path(__file__).parents[1],
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    scalar, avx2 = torch.load(out), outputs(native.extension())
+    scalar, avx2 = build_as(tmp_path, set(), ""), outputs(native.extension())
     for a, b in zip(scalar["q8_rows"], avx2["q8_rows"], strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
     for name in ("q4_1_dot8", "q8_dot8"):
@@ -99,3 +128,26 @@ def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
     for name in ("q4_1_matmul", "q8_matmul", "rms_norm"):
         torch.testing.assert_close(scalar[name], avx2[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+AVX2 = {"avx2", "fma", "f16c"}
+
+
+@pytest.mark.slow
+def test_the_avx512_paths_compute_what_the_avx2_build_computes(tmp_path):
+    """On a CPU with AVX-512 (F, BW, VL; VNNI where listed) this process runs the zmm paths: the VNNI
+    int8 tiles, the 12-row prefill tile and the paired decode rows of the float block matmuls, the
+    one-pass scores and 64-column V sums of paged attention. Each keeps the AVX2 loops' per-output
+    operations in the same order, so a build for an AVX2-only CPU must give the same bits, every
+    kernel, NaN rows included. Seen red: the paired decode rows with their two halves swapped; the
+    V pass's last 16 columns not stored (each in the AVX-512 build, restored)."""
+    if not {"avx512f", "avx512bw", "avx512vl"} <= native.cpu_flags():
+        pytest.skip("this CPU lists no AVX-512 F/BW/VL: the AVX2 build is this process's own")
+    avx2, wide = build_as(tmp_path, AVX2, "-mavx2 -mfma -mf16c"), outputs(native.extension())
+    assert avx2.keys() == wide.keys()
+    for name, a in avx2.items():
+        b = wide[name]
+        for x, y in zip(
+            a if isinstance(a, (tuple, list)) else [a], b if isinstance(b, (tuple, list)) else [b]
+        ):
+            assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num()), name

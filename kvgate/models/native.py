@@ -3,8 +3,10 @@
 `extension()` builds them with torch's cpp_extension (g++ and ninja; about 30-40 s on 2 cores, once)
 into `$KVGATE_EXT_DIR` (default `~/.cache/kvgate/ext`)`/<key>`, where the key covers the sources, the
 torch version and the CPU's vector flags: a cache carried to another CPU class is rebuilt, never run.
-Flags come from /proc/cpuinfo (AVX2 and FMA when listed), never `-march=native`: an AMX machine is one
-of the CPU classes these kernels must run on, and the kernels need nothing beyond AVX2.
+Flags come from /proc/cpuinfo (AVX2, FMA and F16C when listed; AVX-512 F, BW and VL, and VNNI, when
+listed, for the zmm paths), never `-march=native`: an AMX machine is one of the CPU classes these
+kernels must run on. The kernels need nothing beyond AVX2; the AVX-512 paths give the AVX2 build's
+bits (tests/test_scalar_fallback.py builds both on an AVX-512 CPU and compares every kernel).
 
 When the build is impossible (no compiler, no ninja, a failed compile) `extension()` returns None and
 `unavailable()` says why and what to install; every caller then keeps its plain PyTorch path.
@@ -51,8 +53,9 @@ def compile_flags() -> list[str]:
     flags = cpu_flags()
     isa = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
     isa += ["-mavx512f"] if "avx512f" in flags else []
-    if isa and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:  # int8_vnni.cpp's kernels
-        isa += ["-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+    if isa and {"avx512f", "avx512bw", "avx512vl"} <= flags:  # 32 ymm registers (paged attention)
+        isa += ["-mavx512bw", "-mavx512vl"]
+        isa += ["-mavx512vnni"] if "avx512_vnni" in flags else []  # int8_vnni.cpp's kernels
     return ["-O3", "-fopenmp", *isa]
 
 
