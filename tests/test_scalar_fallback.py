@@ -4,7 +4,8 @@ only ever be compiled by its users.
 
 A subprocess builds the kernels as for a CPU without AVX2/FMA/F16C (kvgate.models.native's flags
 from an empty flag set; a separate cache entry, about two minutes once) and runs them on fixed
-inputs; this process compares with its own build."""
+inputs; this process compares with its own build. On a CPU with AVX-512 a second subprocess builds
+them as for an AVX2-only CPU, so that the zmm paths this process runs are held to the AVX2 bits."""
 
 from __future__ import annotations
 
