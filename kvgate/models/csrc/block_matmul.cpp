@@ -55,6 +55,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+#ifdef KVGATE_AVX512
+inline __m512 halves(float lo, float hi) {  // lo in lanes 0-7, hi in 8-15
+  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(lo), _mm512_set1_ps(hi));
+}
+
+inline __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+#endif
+
 struct Q8Row {
   const int8_t* q;
   const float* d;
@@ -65,6 +73,17 @@ struct Q8Row {
       w[j] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
     }
   }
+#ifdef KVGATE_AVX512
+  // rows a and b's values 8j..8j+7 of block b as one zmm (a in lanes 0-7): widen's values, in half the ops
+  static inline void widen2(int64_t b, const Q8Row& ra, const Q8Row& rb, __m512 w[4]) {
+    const __m512 s = halves(ra.d[b], rb.d[b]);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i ca = load16(ra.q + b * QBLOCK + 16 * h), cb = load16(rb.q + b * QBLOCK + 16 * h);
+      w[2 * h] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(ca, cb))));
+      w[2 * h + 1] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(ca, cb))));
+    }
+  }
+#endif
 };
 
 struct Q41Row {
@@ -80,6 +99,18 @@ struct Q41Row {
                               _mm256_srli_epi32(e1, 4)};  // values 0..7, 8..15, 16..23, 24..31
     for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(codes[j]), o);
   }
+#ifdef KVGATE_AVX512
+  static inline void widen2(int64_t b, const Q41Row& ra, const Q41Row& rb, __m512 w[4]) {
+    const __m512 s = halves(ra.d[b], rb.d[b]), o = halves(ra.m[b], rb.m[b]);
+    const __m128i qa = load16(ra.q + b * (QBLOCK / 2)), qb = load16(rb.q + b * (QBLOCK / 2));
+    const __m512i nib = _mm512_set1_epi32(0x0F);
+    const __m512i e0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(qa, qb));  // bytes 0..7 of a, then of b
+    const __m512i e1 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(qa, qb));  // bytes 8..15
+    const __m512i codes[4] = {_mm512_and_si512(e0, nib), _mm512_and_si512(e1, nib), _mm512_srli_epi32(e0, 4),
+                              _mm512_srli_epi32(e1, 4)};  // values 0..7, 8..15, 16..23, 24..31 of each
+    for (int j = 0; j < 4; ++j) w[j] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(codes[j]), o);
+  }
+#endif
 };
 
 template <int R, class Row>
@@ -110,12 +141,11 @@ void dot_rows(const float* x, int64_t K, const Row& row, float* y, int64_t ldy) 
 // SmolLM2's 30 layers from DRAM: 5 rows 9.1 -> 6.3 ms, 16 rows 19.9-20.6 -> 15.5-16.4 ms; 4 rows level
 // (5.5 against 5.6), so fewer than 5 rows keep dot_rows. A whole gguf step at 8 rows 22.4-23.3 ->
 // 19.8-20.1 ms, at 16 rows within the noise (35-42 against 36-37 ms): the widening, not the FMAs,
-// is most of what is left (each row group widens the weights again).
+// is most of what is left (each row group widens the weights again). Widening the pair straight into
+// zmm (`widen2`: both rows' bytes in one 16-byte vector, half the ops of two `widen`s and a join):
+// 16 rows 14.7-14.8 -> 13.8-14.3 ms, the Q8_0 head at 16 rows 3.8-3.9 -> 3.3-3.4 ms. Pairs for 1-4 rows
+// too were slower (1 row 3.2-3.4 -> 3.8 ms), as interleaved weight rows were on AVX2 (above).
 constexpr int64_t MROWS2 = 8;
-
-inline __m512 join(__m256 lo, __m256 hi) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-}
 
 inline __m512 twice(const float* p) {  // the 8 floats at p in both halves
   return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
@@ -127,13 +157,12 @@ void dot_rows2(const float* x, int64_t K, const Row& ra, const Row& rb, float* y
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int a = 0; a < ACC; ++a) acc[r][a] = _mm512_setzero_ps();
-  Vec wa[4], wb[4];
+  __m512 w2[4];
   for (int64_t b = 0; b < K / QBLOCK; ++b) {
-    ra.widen(b, wa);
-    rb.widen(b, wb);
+    Row::widen2(b, ra, rb, w2);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512 w = join(wa[j], wb[j]);
+      const __m512 w = w2[j];
       const int64_t k = b * QBLOCK + 8 * j;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][j % ACC] = _mm512_fmadd_ps(twice(x + r * K + k), w, acc[r][j % ACC]);
