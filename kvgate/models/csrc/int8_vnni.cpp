@@ -69,6 +69,31 @@ inline __m512i bcast4(const int8_t* p) {  // the 4 bytes at p in every 32-bit la
 // R rows against tiles w0 (outputs 0-7) and w1 (8-15) of Q4_1: per block, 4 groups of 4 k per lane
 // for the low nibbles (k = 8g + j) and the high ones (k = 8g + 4 + j), then per row
 // acc = fma(dot, d_w * d_x, acc), acc = fma(m_w, s_x, acc) as int8_dot.cpp's tile_rows.
+// Asks for both tiles' block PF blocks ahead of block p0 / p1 (BLOCK bytes each).
+template <int64_t BLOCK>
+inline void prefetch_pair(const uint8_t* p0, const uint8_t* p1) {
+  for (int64_t o = 0; o < BLOCK; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p0 + PF * BLOCK + o), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p1 + PF * BLOCK + o), _MM_HINT_T0);
+  }
+}
+
+template <int R, int C>
+inline void zero_sums(__m512i (&s)[R][C]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) s[r][c] = _mm512_setzero_si512();
+}
+
+template <int C>
+inline __m512i chain_sum(const __m512i (&s)[C]) {  // the chains added in order: exact integers
+  __m512i sum = s[0];
+#pragma GCC unroll 4
+  for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, s[c]);
+  return sum;
+}
+
 // Few rows leave few independent `vpdpbusd` chains (one row: 8 in a row per block, each waiting on the
 // last); so 1 row sums into 4 chains and 2-3 rows into 2, added at the block's end (exact integers).
 template <int R>
@@ -89,15 +114,9 @@ void q4_pair(const Rounded& x, int64_t r0, const uint8_t* w0, const uint8_t* w1,
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *p0 = w0 + b * TILE_BLOCK, *p1 = w1 + b * TILE_BLOCK;
-    for (int64_t o = 0; o < TILE_BLOCK; o += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p0 + PF * TILE_BLOCK + o), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p1 + PF * TILE_BLOCK + o), _MM_HINT_T0);
-    }
+    prefetch_pair<TILE_BLOCK>(p0, p1);
     __m512i s[R][C];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) s[r][c] = _mm512_setzero_si512();
+    zero_sums(s);
 #pragma GCC unroll 4
     for (int g = 0; g < 4; ++g) {
       const __m512i v = pair_bytes(p0 + 32 * g, p1 + 32 * g);
@@ -113,10 +132,7 @@ void q4_pair(const Rounded& x, int64_t r0, const uint8_t* w0, const uint8_t* w1,
     const __m512 mw = pair_fp16(p0 + NIBBLES + 16, p1 + NIBBLES + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m512i sum = s[r][0];
-#pragma GCC unroll 4
-      for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, s[r][c]);
-      const __m512 dot = _mm512_cvtepi32_ps(sum);
+      const __m512 dot = _mm512_cvtepi32_ps(chain_sum(s[r]));
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
       acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
     }
@@ -139,15 +155,9 @@ void q8_pair(const Rounded& x, int64_t r0, const uint8_t* w0, const uint8_t* w1,
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t *p0 = w0 + b * Q8_BLOCK, *p1 = w1 + b * Q8_BLOCK;
-    for (int64_t o = 0; o < Q8_BLOCK; o += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p0 + PF * Q8_BLOCK + o), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p1 + PF * Q8_BLOCK + o), _MM_HINT_T0);
-    }
+    prefetch_pair<Q8_BLOCK>(p0, p1);
     __m512i s[R][C];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) s[r][c] = _mm512_setzero_si512();
+    zero_sums(s);
 #pragma GCC unroll 4
     for (int g = 0; g < 8; ++g) {
       const __m512i v = pair_bytes(p0 + 32 * g, p1 + 32 * g);
@@ -162,10 +172,8 @@ void q8_pair(const Rounded& x, int64_t r0, const uint8_t* w0, const uint8_t* w1,
     const __m512 dw = _mm512_castsi512_ps(pair_bytes(p0 + Q8_CODES, p1 + Q8_CODES));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m512i sum = s[r][0];
-#pragma GCC unroll 4
-      for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, s[r][c]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chain_sum(s[r])), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])),
+                               acc[r]);
     }
   }
 #pragma GCC unroll 8
