@@ -59,9 +59,10 @@ class Server:
                 if r.status_code == 200:
                     log(f"{self.name} ready (pid {self.proc.pid})")
                     return self
-                if r.status_code == 503 and r.json().get("status") == "failed":  # kvgate's failed load
+                body = r.json() if r.status_code == 503 else {}
+                if body.get("status") == "failed":  # kvgate's /health after a failed load
                     self.stop()
-                    raise RuntimeError(f"{self.name} failed to load: {r.json().get('reason')}")
+                    raise RuntimeError(f"{self.name} failed to load: {body.get('reason')}")
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s; see {rel(self.log_path)}")

@@ -76,7 +76,8 @@ def extension():
     try:
         module = _cached(cache_dir())
         if module is not None:
-            _state["module"], _state["why"] = module, _apply_int8_isa(module)
+            _apply_int8_isa(module)
+            _state["module"], _state["why"] = module, None
             return module
         from torch.utils.cpp_extension import load
 
@@ -108,9 +109,9 @@ def extension():
             "or `pip install ninja`) and restart to use them."
         )
         log.warning(why)
-    _state["module"], _state["why"] = module, why
     if module is not None:
-        _state["why"] = _apply_int8_isa(module)
+        _apply_int8_isa(module)
+    _state["module"], _state["why"] = module, why
     return module
 
 

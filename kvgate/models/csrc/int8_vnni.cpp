@@ -66,9 +66,6 @@ inline __m512i bcast4(const int8_t* p) {  // the 4 bytes at p in every 32-bit la
   return _mm512_set1_epi32(v);
 }
 
-// R rows against tiles w0 (outputs 0-7) and w1 (8-15) of Q4_1: per block, 4 groups of 4 k per lane
-// for the low nibbles (k = 8g + j) and the high ones (k = 8g + 4 + j), then per row
-// acc = fma(dot, d_w * d_x, acc), acc = fma(m_w, s_x, acc) as int8_dot.cpp's tile_rows.
 // Asks for both tiles' block PF blocks ahead of block p0 / p1 (BLOCK bytes each).
 template <int64_t BLOCK>
 inline void prefetch_pair(const uint8_t* p0, const uint8_t* p1) {
@@ -101,6 +98,9 @@ constexpr int chains() {
   return R == 1 ? 4 : (R < 4 ? 2 : 1);
 }
 
+// R rows against tiles w0 (outputs 0-7) and w1 (8-15) of Q4_1: per block, 4 groups of 4 k per lane
+// for the low nibbles (k = 8g + j) and the high ones (k = 8g + 4 + j), then per row
+// acc = fma(dot, d_w * d_x, acc), acc = fma(m_w, s_x, acc) as int8_dot.cpp's tile_rows.
 template <int R>
 void q4_pair(const Rounded& x, int64_t r0, const uint8_t* w0, const uint8_t* w1, float* y, int64_t ldy,
              __mmask16 keep) {
