@@ -170,3 +170,34 @@ def test_a_decode_rows_hidden_state_is_the_same_bits_alone_and_batched(op, tmp_p
     paged_alone, paged_batched, gather_alone, gather_batched = out
     assert torch.equal(paged_alone, paged_batched)
     torch.testing.assert_close(gather_alone, paged_alone, atol=1e-4, rtol=1e-4)
+
+
+def test_long_contexts_split_into_chunks_keep_the_answer_and_the_bits(op):
+    """Contexts past the kernel's 128-position chunk (129, 256, 300, 601 ...: several chunks, merged)
+    match the gather path, and a row's bits are the same alone, among others and on one thread: a lone
+    row's chunks are spread over the threads, whole rows are not, and neither may show. Seen red: the
+    merge adding the chunks without rescaling them to the common max (w = 1), and each chunk after the
+    first starting one position late (`t0 = c * kChunk + 1`)."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, bs, pool = 9, 3, 64, 16, 240
+    k = torch.randn(pool, bs, kv_heads, dim, generator=gen)
+    v = torch.randn(pool, bs, kv_heads, dim, generator=gen)
+    lens = torch.tensor([601, 129, 300, 128, 256, 1, 430])
+    rows = len(lens)
+    q = torch.randn(rows, heads, dim, generator=gen) * 3  # peaked softmax: chunk maxima differ
+    width = -(-int(lens.max()) // bs)
+    tables = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in range(rows)])
+    mask = length_mask(lens, width * bs)
+    want = gather_attention(q, k, v, tables, mask)
+    together = op(q, k, v, tables, lens, dim**-0.5)
+    torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = op(q, k, v, tables, lens, dim**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, together)
+    for r in range(rows):
+        alone = op(q[r : r + 1], k, v, tables[r : r + 1], lens[r : r + 1], dim**-0.5)
+        assert torch.equal(alone[0], together[r]), r
