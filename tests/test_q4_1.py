@@ -183,26 +183,28 @@ def test_dtype_auto_is_float32_under_the_gguf_formats_even_where_bf16_is_fast(mo
     assert placement.resolve_dtype("auto", cpu, "full") == torch.float32
 
 
-@pytest.mark.parametrize("n", [203, 16, 17])
-def test_decode_rows_in_pairs_of_weight_rows_give_the_bits_of_a_row_alone(n):
-    """With AVX-512, calls of 5+ decode rows take two weight rows per zmm (dot_rows2, up to 8 activation
-    rows per group); fewer rows, and the odd last weight row of a tile, take the AVX2 loop. Each row
-    must get what it gets alone (1 row: the AVX2 loop), for Q4_1 and Q8_0 blocks, whatever the number
-    of rows beside it. On a CPU without AVX-512 both sides take the AVX2 loop and this checks row
-    invariance only. Seen red (AVX-512 EPYC): the two halves' sums stored to each other's outputs;
-    the odd last weight row skipped (its output left unwritten)."""
+@pytest.mark.parametrize("n,k", [(203, 96), (16, 128), (17, 96)])
+def test_decode_rows_in_groups_give_the_bits_of_a_row_alone(n, k):
+    """Decode rows go through the weights in groups of up to 4 activation rows (the AVX-512 build's
+    dot_rows16: four 16-lane sums per row, even and odd blocks apart; the AVX2 loop: two 8-lane sums).
+    Each row must get what it gets alone, for Q4_1 and Q8_0 blocks, whatever the number of rows
+    beside it, and be the dequantized weights' product within float32 rounding; 96 columns are an odd
+    number of blocks (the last one taken alone). Seen red (AVX-512 EPYC): the odd last block skipped
+    (the reference check), each row of a group reading the group's first row (the alone check)."""
     from kvgate.models.q8_head import q8_blocks
     from tests.test_q4_1_dot8 import ggml_q8_0
 
     torch.manual_seed(n)
     ext = native.extension()
-    q4 = q4_1_blocks(ggml_q4_1(torch.randn(n, 96) * 0.05))
-    q8 = q8_blocks(ggml_q8_0(torch.randn(n, 96) * 0.05))
-    x = torch.randn(21, 96)
-    for name, fn in (
-        ("q4_1", lambda a: ext.q4_1_matmul(a, *q4, -1)),
-        ("q8", lambda a: ext.q8_matmul(a, *q8)),
+    w4, w8 = ggml_q4_1(torch.randn(n, k) * 0.05), ggml_q8_0(torch.randn(n, k) * 0.05)
+    q4, q8 = q4_1_blocks(w4), q8_blocks(w8)
+    x = torch.randn(21, k)
+    for name, fn, w in (
+        ("q4_1", lambda a: ext.q4_1_matmul(a, *q4, -1), w4),
+        ("q8", lambda a: ext.q8_matmul(a, *q8), w8),
     ):
         alone = torch.cat([fn(x[i : i + 1]) for i in range(len(x))])
-        for rows in (4, 5, 8, 9, 13, 16, 21):
+        want = (x.double() @ w.double().T).float()
+        torch.testing.assert_close(alone, want, atol=1e-5, rtol=1e-5, msg=name)
+        for rows in (2, 3, 4, 5, 8, 9, 13, 16, 21):
             assert torch.equal(fn(x[:rows]), alone[:rows]), (name, rows)

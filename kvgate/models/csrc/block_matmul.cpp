@@ -8,8 +8,9 @@
 //
 // Two kinds of rows, each always computed the same way, whatever else is in the call:
 // - decode rows (the first `decode_rows` of x; every row for q8_matmul): each output is one thread's
-//   2 x 8 running sums over K in order, added in one fixed order. Tiles of 16 weight rows meet the
-//   activations in groups of up to 4 rows, so the widened weights are reused for 4 rows in L1.
+//   running sums over K in order, added in one fixed order: 2 x 8 lanes in the AVX2 build, 4 x 16 in
+//   the AVX-512 one (dot_rows16). Tiles of 16 weight rows meet the activations in groups of up to 4
+//   rows, so the widened weights are reused for 4 rows in L1.
 // - prefill rows (q4_1_matmul's rows from `decode_rows` on): a tile of 16 weight rows is widened once
 //   into a float panel laid out k-major, then blocks of activation rows run a 6 x 16 register tile of
 //   broadcast-FMAs over it (a GEMM's shape: 8 loads per 12 FMAs, where the decode loop needs one load
@@ -43,7 +44,6 @@ constexpr int64_t QBLOCK = 32;
 constexpr int ACC = 2;         // running sums per row (independent FMA chains: j even, j odd)
 constexpr int64_t MROWS = 4;   // activation rows that share each widened weight vector
 constexpr int64_t NTILE = 16;  // weight rows whose codes stay in L1 while every row group passes
-constexpr int64_t PAIR_FROM_ROWS = 5;  // with AVX-512, calls of this many rows and more take dot_rows2
 
 #ifdef KVGATE_AVX2
 using Vec = __m256;
@@ -56,11 +56,10 @@ inline float hsum(__m256 v) {
 }
 
 #ifdef KVGATE_AVX512
-inline __m512 halves(float lo, float hi) {  // lo in lanes 0-7, hi in 8-15
-  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(lo), _mm512_set1_ps(hi));
-}
-
 inline __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
 #endif
 
 struct Q8Row {
@@ -74,14 +73,11 @@ struct Q8Row {
     }
   }
 #ifdef KVGATE_AVX512
-  // rows a and b's values 8j..8j+7 of block b as one zmm (a in lanes 0-7): widen's values, in half the ops
-  static inline void widen2(int64_t b, const Q8Row& ra, const Q8Row& rb, __m512 w[4]) {
-    const __m512 s = halves(ra.d[b], rb.d[b]);
-    for (int h = 0; h < 2; ++h) {
-      const __m128i ca = load16(ra.q + b * QBLOCK + 16 * h), cb = load16(rb.q + b * QBLOCK + 16 * h);
-      w[2 * h] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(ca, cb))));
-      w[2 * h + 1] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(ca, cb))));
-    }
+  // block b's values 0..15 in lo, 16..31 in hi: widen's values, four to a zmm op
+  inline void widen16(int64_t b, __m512& lo, __m512& hi) const {
+    const __m512 s = _mm512_set1_ps(d[b]);
+    lo = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(q + b * QBLOCK))));
+    hi = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(q + b * QBLOCK + 16))));
   }
 #endif
 };
@@ -100,15 +96,14 @@ struct Q41Row {
     for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(codes[j]), o);
   }
 #ifdef KVGATE_AVX512
-  static inline void widen2(int64_t b, const Q41Row& ra, const Q41Row& rb, __m512 w[4]) {
-    const __m512 s = halves(ra.d[b], rb.d[b]), o = halves(ra.m[b], rb.m[b]);
-    const __m128i qa = load16(ra.q + b * (QBLOCK / 2)), qb = load16(rb.q + b * (QBLOCK / 2));
-    const __m512i nib = _mm512_set1_epi32(0x0F);
-    const __m512i e0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(qa, qb));  // bytes 0..7 of a, then of b
-    const __m512i e1 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(qa, qb));  // bytes 8..15
-    const __m512i codes[4] = {_mm512_and_si512(e0, nib), _mm512_and_si512(e1, nib), _mm512_srli_epi32(e0, 4),
-                              _mm512_srli_epi32(e1, 4)};  // values 0..7, 8..15, 16..23, 24..31 of each
-    for (int j = 0; j < 4; ++j) w[j] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(codes[j]), o);
+  // block b's values 0..15 in lo, 16..31 in hi, looked up in the block's 16 levels fma(d, c, m), c =
+  // 0..15 (vpermps reads a lane's low 4 bits: the low nibble, or the high one after a shift): widen's
+  // values in 6 ops per block instead of 17
+  inline void widen16(int64_t b, __m512& lo, __m512& hi) const {
+    const __m512 levels = _mm512_fmadd_ps(_mm512_set1_ps(d[b]), iota16(), _mm512_set1_ps(m[b]));
+    const __m512i bytes = _mm512_cvtepu8_epi32(load16(q + b * (QBLOCK / 2)));
+    lo = _mm512_permutexvar_ps(bytes, levels);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), levels);
   }
 #endif
 };
@@ -134,60 +129,65 @@ void dot_rows(const float* x, int64_t K, const Row& row, float* y, int64_t ldy) 
   }
 }
 #ifdef KVGATE_AVX512
-// Two weight rows per zmm: lanes 0-7 hold row a's 8 running sums, lanes 8-15 row b's, so each FMA does
-// the work of two AVX2 ones and each activation vector is loaded once for both rows. Every output's
-// lanes see the same products in the same order as in dot_rows and are added by the same `hsum`, so
-// the bits are dot_rows's. Up to 8 activation rows share the widened pair (16 zmm sums). Zen 5 EPYC,
-// SmolLM2's 30 layers from DRAM: 5 rows 9.1 -> 6.3 ms, 16 rows 19.9-20.6 -> 15.5-16.4 ms; 4 rows level
-// (5.5 against 5.6), so fewer than 5 rows keep dot_rows. A whole gguf step at 8 rows 22.4-23.3 ->
-// 19.8-20.1 ms, at 16 rows within the noise (35-42 against 36-37 ms): the widening, not the FMAs,
-// is most of what is left (each row group widens the weights again). Widening the pair straight into
-// zmm (`widen2`: both rows' bytes in one 16-byte vector, half the ops of two `widen`s and a join):
-// 16 rows 14.7-14.8 -> 13.8-14.3 ms, the Q8_0 head at 16 rows 3.8-3.9 -> 3.3-3.4 ms. Pairs for 1-4 rows
-// too were slower (1 row 3.2-3.4 -> 3.8 ms), as interleaved weight rows were on AVX2 (above).
-constexpr int64_t MROWS2 = 8;
-
-inline __m512 twice(const float* p) {  // the 8 floats at p in both halves
-  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
-}
+// The AVX-512 build's decode rows (every call, 1 row or 64): four zmm running sums per row, values
+// 0..15 and 16..31 of the even blocks and of the odd ones, folded as (A0 + A1) + (B0 + B1), then its two
+// halves added and the 8 lanes by `hsum`. The AVX2 loop keeps two 8-lane sums per row, and its FMAs
+// wait on their own latency at one row (8 cycles a block): this one has four independent chains and
+// a 6-op widening (`widen16`), so one row streams the weights at the memory's pace. So the two builds
+// add in different orders (each within 1e-5 of the other); on one build a row's bits never depend on
+// the rows beside it. Up to 4 rows share each widened block (16 sums). It replaced the paired-rows
+// loop (two weight rows per zmm, from 5 rows) and the AVX2 loop below 5 rows: Zen 5 EPYC, SmolLM2's 30
+// gguf layers from DRAM, 2 threads: 1 row 3.9 -> 2.8-3.0 ms, 4 rows 6.3 -> 4.0-4.3, 8 rows 9.3-10.6 ->
+// 8.4-8.5, 16 rows 16.9-17.1 -> 14.9-15.0. At one row a thread now waits on the codes' loads (software
+// prefetch 4-16 rows ahead: within the noise, not kept).
+constexpr int64_t MROWS16 = 4;
 
 template <int R, class Row>
-void dot_rows2(const float* x, int64_t K, const Row& ra, const Row& rb, float* y, int64_t ldy) {
-  __m512 acc[R][ACC];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < ACC; ++a) acc[r][a] = _mm512_setzero_ps();
-  __m512 w2[4];
-  for (int64_t b = 0; b < K / QBLOCK; ++b) {
-    Row::widen2(b, ra, rb, w2);
+void dot_rows16(const float* x, int64_t K, const Row& row, float* y, int64_t ldy) {
+  __m512 a[R][4];
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512 w = w2[j];
-      const int64_t k = b * QBLOCK + 8 * j;
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][j % ACC] = _mm512_fmadd_ps(twice(x + r * K + k), w, acc[r][j % ACC]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+  const int64_t nb = K / QBLOCK;
+  __m512 lo, hi;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    row.widen16(b, lo, hi);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + b * QBLOCK), lo, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + b * QBLOCK + 16), hi, a[r][1]);
+    }
+    row.widen16(b + 1, lo, hi);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      a[r][2] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + (b + 1) * QBLOCK), lo, a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + (b + 1) * QBLOCK + 16), hi, a[r][3]);
     }
   }
-#pragma GCC unroll 8
+  if (b < nb) {  // an odd last block: the even sums
+    row.widen16(b, lo, hi);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + b * QBLOCK), lo, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + b * QBLOCK + 16), hi, a[r][1]);
+    }
+  }
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    __m512 t = acc[r][0];
-    if constexpr (ACC == 2) t = _mm512_add_ps(acc[r][0], acc[r][1]);
-    y[r * ldy] = hsum(_mm512_castps512_ps256(t));
-    y[r * ldy + 1] = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+    const __m512 t = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][2]), _mm512_add_ps(a[r][1], a[r][3]));
+    y[r * ldy] = hsum(_mm256_add_ps(_mm512_castps512_ps256(t),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1))));
   }
 }
 
 template <class Row>
-void dot_group2(const float* x, int64_t rows, int64_t K, const Row& ra, const Row& rb, float* y, int64_t N) {
+void dot_group16(const float* x, int64_t rows, int64_t K, const Row& row, float* y, int64_t N) {
   switch (rows) {
-    case 8: dot_rows2<8>(x, K, ra, rb, y, N); break;
-    case 7: dot_rows2<7>(x, K, ra, rb, y, N); break;
-    case 6: dot_rows2<6>(x, K, ra, rb, y, N); break;
-    case 5: dot_rows2<5>(x, K, ra, rb, y, N); break;
-    case 4: dot_rows2<4>(x, K, ra, rb, y, N); break;
-    case 3: dot_rows2<3>(x, K, ra, rb, y, N); break;
-    case 2: dot_rows2<2>(x, K, ra, rb, y, N); break;
-    case 1: dot_rows2<1>(x, K, ra, rb, y, N); break;
+    case 4: dot_rows16<4>(x, K, row, y, N); break;
+    case 3: dot_rows16<3>(x, K, row, y, N); break;
+    case 2: dot_rows16<2>(x, K, row, y, N); break;
+    case 1: dot_rows16<1>(x, K, row, y, N); break;
     default: break;
   }
 }
@@ -251,26 +251,19 @@ void dot_group(const float* x, int64_t rows, int64_t K, const Row& row, float* y
 template <class RowOf>
 void cols(const float* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, RowOf row_of) {
 #ifdef KVGATE_AVX512
-  if (M >= PAIR_FROM_ROWS) {
-    for (int64_t t = n0; t < n1; t += NTILE) {
-      const int64_t t1 = std::min(t + NTILE, n1);
-      for (int64_t m = 0; m < M; m += MROWS2) {
-        const int64_t rows = std::min(MROWS2, M - m);
-        int64_t n = t;
-        for (; n + 1 < t1; n += 2) dot_group2(x + m * K, rows, K, row_of(n), row_of(n + 1), y + m * N + n, N);
-        for (; n < t1; ++n)
-          for (int64_t r = 0; r < rows; r += MROWS)
-            dot_group(x + (m + r) * K, std::min(MROWS, rows - r), K, row_of(n), y + (m + r) * N + n, N);
-      }
-    }
-    return;
-  }
+  constexpr int64_t group = MROWS16;
+#else
+  constexpr int64_t group = MROWS;
 #endif
   for (int64_t t = n0; t < n1; t += NTILE) {
     const int64_t t1 = std::min(t + NTILE, n1);
-    for (int64_t m = 0; m < M; m += MROWS) {
-      const int64_t rows = std::min(MROWS, M - m);
+    for (int64_t m = 0; m < M; m += group) {
+      const int64_t rows = std::min(group, M - m);
+#ifdef KVGATE_AVX512
+      for (int64_t n = t; n < t1; ++n) dot_group16(x + m * K, rows, K, row_of(n), y + m * N + n, N);
+#else
       for (int64_t n = t; n < t1; ++n) dot_group(x + m * K, rows, K, row_of(n), y + m * N + n, N);
+#endif
     }
   }
 }
