@@ -172,25 +172,35 @@ def test_a_decode_rows_hidden_state_is_the_same_bits_alone_and_batched(op, tmp_p
     torch.testing.assert_close(gather_alone, paged_alone, atol=1e-4, rtol=1e-4)
 
 
-def test_long_contexts_split_into_chunks_keep_the_answer_and_the_bits(op):
+@pytest.mark.parametrize(
+    "bs,dim,dtype,tol",
+    [
+        (16, 64, torch.float32, 1e-5),
+        (12, 64, torch.float32, 1e-5),
+        (16, 12, torch.float32, 1e-5),
+        (16, 64, torch.float16, 2e-3),
+    ],
+)
+def test_long_contexts_split_into_chunks_keep_the_answer_and_the_bits(op, bs, dim, dtype, tol):
     """Contexts past the kernel's 128-position chunk (129, 256, 300, 601 ...: several chunks, merged)
     match the gather path, and a row's bits are the same alone, among others and on one thread: a lone
-    row's chunks are spread over the threads, whole rows are not, and neither may show. Seen red: the
-    merge adding the chunks without rescaling them to the common max (w = 1), and each chunk after the
-    first starting one position late (`t0 = c * kChunk + 1`)."""
+    row's chunks are spread over the threads, whole rows are not, and neither may show. Block size 12
+    puts chunk starts mid-block; head_dim 12 takes the plain loops; float16 pools the widening ones.
+    Seen red: the merge adding the chunks without rescaling them to the common max (w = 1), and each
+    chunk after the first starting one position late (`t0 = c * kChunk + 1`)."""
     gen = torch.Generator().manual_seed(11)
-    heads, kv_heads, dim, bs, pool = 9, 3, 64, 16, 240
-    k = torch.randn(pool, bs, kv_heads, dim, generator=gen)
-    v = torch.randn(pool, bs, kv_heads, dim, generator=gen)
+    heads, kv_heads, pool = 9, 3, 64 * 16 // bs * 4
+    k = torch.randn(pool, bs, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(pool, bs, kv_heads, dim, generator=gen).to(dtype)
     lens = torch.tensor([601, 129, 300, 128, 256, 1, 430])
     rows = len(lens)
-    q = torch.randn(rows, heads, dim, generator=gen) * 3  # peaked softmax: chunk maxima differ
+    q = (torch.randn(rows, heads, dim, generator=gen) * 3).to(dtype)  # peaked softmax: chunk maxima differ
     width = -(-int(lens.max()) // bs)
     tables = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in range(rows)])
     mask = length_mask(lens, width * bs)
-    want = gather_attention(q, k, v, tables, mask)
+    want = gather_attention(q.float(), k.float(), v.float(), tables, mask)
     together = op(q, k, v, tables, lens, dim**-0.5)
-    torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(together.float(), want, atol=tol, rtol=tol)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

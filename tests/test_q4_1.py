@@ -189,8 +189,11 @@ def test_decode_rows_in_groups_give_the_bits_of_a_row_alone(n, k):
     dot_rows16: four 16-lane sums per row, even and odd blocks apart; the AVX2 loop: two 8-lane sums).
     Each row must get what it gets alone, for Q4_1 and Q8_0 blocks, whatever the number of rows
     beside it, and be the dequantized weights' product within float32 rounding; 96 columns are an odd
-    number of blocks (the last one taken alone). Seen red (AVX-512 EPYC): the odd last block skipped
-    (the reference check), each row of a group reading the group's first row (the alone check)."""
+    number of blocks (the last one taken alone). The identity's rows as decode rows give back each
+    weight itself, which pins the widened weights to the bit (one product per output, the rest
+    zeros). Seen red (AVX-512 EPYC): the odd last block skipped (the reference check), each row of a
+    group reading the group's first row (the alone check), the Q4_1 levels built from d one ulp up
+    (only the identity check)."""
     from kvgate.models.q8_head import q8_blocks
     from tests.test_q4_1_dot8 import ggml_q8_0
 
@@ -208,3 +211,4 @@ def test_decode_rows_in_groups_give_the_bits_of_a_row_alone(n, k):
         torch.testing.assert_close(alone, want, atol=1e-5, rtol=1e-5, msg=name)
         for rows in (2, 3, 4, 5, 8, 9, 13, 16, 21):
             assert torch.equal(fn(x[:rows]), alone[:rows]), (name, rows)
+        assert torch.equal(fn(torch.eye(k)).T, w), name

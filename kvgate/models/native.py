@@ -6,7 +6,9 @@ torch version and the CPU's vector flags: a cache carried to another CPU class i
 Flags come from /proc/cpuinfo (AVX2, FMA and F16C when listed; AVX-512 F, BW and VL, and VNNI, when
 listed, for the zmm paths), never `-march=native`: an AMX machine is one of the CPU classes these
 kernels must run on. The kernels need nothing beyond AVX2; the AVX-512 paths give the AVX2 build's
-bits (tests/test_scalar_fallback.py builds both on an AVX-512 CPU and compares every kernel).
+bits, except the float block matmuls' decode rows, which the AVX-512 build sums in another fixed
+order (tests/test_scalar_fallback.py builds both on an AVX-512 CPU and compares every kernel: those
+rows within 1e-5, the rest bit for bit).
 
 When the build is impossible (no compiler, no ninja, a failed compile) `extension()` returns None and
 `unavailable()` says why and what to install; every caller then keeps its plain PyTorch path.

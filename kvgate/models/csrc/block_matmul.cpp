@@ -129,9 +129,10 @@ void dot_rows(const float* x, int64_t K, const Row& row, float* y, int64_t ldy) 
   }
 }
 #ifdef KVGATE_AVX512
-// The AVX-512 build's decode rows (every call, 1 row or 64): four zmm running sums per row, values
-// 0..15 and 16..31 of the even blocks and of the odd ones, folded as (A0 + A1) + (B0 + B1), then its two
-// halves added and the 8 lanes by `hsum`. The AVX2 loop keeps two 8-lane sums per row, and its FMAs
+// The AVX-512 build's decode rows (every call, 1 row or 64): four zmm running sums per row, A_p over
+// values 0..15 and B_p over values 16..31 of the blocks of parity p (even blocks p = 0, odd p = 1; an odd
+// last block is an even one), folded as (A_0 + A_1) + (B_0 + B_1), then its two halves added and the 8
+// lanes by `hsum`. The AVX2 loop keeps two 8-lane sums per row, and its FMAs
 // wait on their own latency at one row (8 cycles a block): this one has four independent chains and
 // a 6-op widening (`widen16`), so one row streams the weights at the memory's pace. So the two builds
 // add in different orders (each within 1e-5 of the other); on one build a row's bits never depend on

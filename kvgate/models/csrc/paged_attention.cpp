@@ -9,8 +9,8 @@
 // softmax accumulated in float32 per chunk, the chunks merged in order (rescaled to the largest max, as
 // flash-decoding merges its splits). An OpenMP task is a whole row (all its KV heads and chunks, so
 // each position's K or V is read as one contiguous stretch, each block as one) or, for the last
-// R % threads rows, one (row, chunk, kv head), so a lone row spreads evenly over every thread whatever
-// its length; tasks prefetch the positions ahead of them across the scattered blocks. A (row, kv head,
+// R % threads rows, one (row, chunk, kv head), so a lone row longer than a chunk spreads evenly over
+// the threads (one of up to 128 positions splits by KV head only: 2:1 for SmolLM2's 3); tasks prefetch the positions ahead of them across the scattered blocks. A (row, kv head,
 // chunk)'s arithmetic and the merge are the same fixed loops whichever task, thread or other rows share
 // the call: a row's output is bit-identical whether it is computed alone or among other rows (on one
 // machine and build). Chunks instead of one (row, kv head) task per head for a lone row (SmolLM2's 3
@@ -327,7 +327,7 @@ inline void prefetch(const void* p, int64_t n) {
 // two-pass softmax, and the chunks' partial results are merged in chunk order (`merge`). The chunks
 // depend on the context length only, so they let a lone row spread over every thread (by chunk and
 // KV head) without its bits depending on the split. 128 positions: a one-row step at 256-384
-// positions splits into 6-9 pieces, enough to balance 2 threads (measured below).
+// positions splits into 6-9 pieces, enough to balance 2 threads (measured in the file's opening).
 constexpr int64_t kChunk = 128;
 
 inline int64_t chunks_of(int64_t L) { return (L + kChunk - 1) / kChunk; }
