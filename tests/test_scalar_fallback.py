@@ -120,8 +120,9 @@ def attention() -> list[torch.Tensor]:
 def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
     """The integer-dot kernels (and the activation rounding) give the same bits in both builds: exact
     integer sums, then the same float ops in the same order (NaN rows included). The float block
-    matmuls and RMSNorm sum in another order without AVX2: within 1e-5. Seen red: the scalar Q4_1
-    int-dot adding m_w * d_x instead of m_w * s_x."""
+    matmuls, RMSNorm and paged attention (its plain loops, chunked contexts included) sum in another
+    order without AVX2: within 1e-5. Seen red: the scalar Q4_1 int-dot adding m_w * d_x instead of
+    m_w * s_x; the plain attention loop's last positions scored 1% high."""
     if not {"avx2", "fma", "f16c"} <= native.cpu_flags():
         pytest.skip("this CPU builds the scalar path already: nothing to compare")
     scalar, avx2 = build_as(tmp_path, set(), ""), outputs(native.extension())
@@ -132,6 +133,8 @@ def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
     for name in ("q4_1_matmul", "q8_matmul", "rms_norm"):
         torch.testing.assert_close(scalar[name], avx2[name], atol=1e-5, rtol=1e-5, msg=name)
+    for a, b in zip(scalar["paged_attention"], avx2["paged_attention"], strict=True):  # plain loops, chunks
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg="paged_attention")
 
 
 AVX2 = {"avx2", "fma", "f16c"}
