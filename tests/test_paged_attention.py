@@ -211,3 +211,24 @@ def test_long_contexts_split_into_chunks_keep_the_answer_and_the_bits(op, bs, di
     for r in range(rows):
         alone = op(q[r : r + 1], k, v, tables[r : r + 1], lens[r : r + 1], dim**-0.5)
         assert torch.equal(alone[0], together[r]), r
+
+
+def test_a_dominant_position_in_any_lane_wins_the_softmax(op):
+    """One position's key points along the query, 240 above every other score: the softmax must
+    put all its weight there (the output is that position's value, finite), wherever the position
+    falls among the 8-lane vectors of the max and the scalar tail. Seen red: the vector max leaving
+    its last lane out of the reduction (a dominant position in that lane got exp(+240), outside the
+    exp's range, and the output came out wrong); the tests above all stayed green, since a softmax
+    is the same sum for any small enough shift."""
+    gen = torch.Generator().manual_seed(5)
+    dim, bs, L = 64, 4, 20
+    q = torch.randn(1, 1, dim, generator=gen)
+    q = q / q.norm() * 8
+    for p in range(L):
+        k = torch.randn(L // bs, bs, 1, dim, generator=gen) * 0.01
+        v = torch.randn(L // bs, bs, 1, dim, generator=gen)
+        k.view(L, dim)[p] = q[0, 0] * 30  # score 30 * |q|^2 * dim**-0.5 = 30 * 64 / 8 = 240 at p
+        tables = torch.arange(L // bs).view(1, -1)
+        out = op(q, k, v, tables, torch.tensor([L]), dim**-0.5)
+        assert torch.isfinite(out).all(), p
+        torch.testing.assert_close(out[0, 0], v.view(L, dim)[p], atol=1e-5, rtol=1e-5)
