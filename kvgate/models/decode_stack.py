@@ -6,7 +6,7 @@ and every layer matmul a `Q41Linear` (`--weights gguf`) or `Q41Dot8Linear` (`ggu
 bias. Any other model gets None and keeps the Python loop.
 
 The forward uses the stack for steps whose tokens are all decode rows (a verify span's positions
-are decode rows too; a prompt chunk is not). It runs the same kernels in the same order as the loop, with ATen's own SiLU and multiply, so
+are decode rows too; a prompt chunk is not). It runs the same kernels in the same order as the loop (SiLU * up included: both call silu_mul), so
 the logits are bit for bit the loop's (tests/test_decode_stack.py). What it saves is the loop's cost
 between kernels: at one row ~12 Python-level calls and tensor ops a layer, 30 layers. It releases
 the GIL while it runs.

@@ -310,7 +310,8 @@ class LlamaModel:
                 h = F.rms_norm(x, (s.hidden_size,), ln2, eps)
             gu = gate_up_proj(h, n_dec)
             inter = gu.shape[-1] // 2
-            pending = down_proj(F.silu(gu[:, :inter]) * gu[:, inter:], n_dec)
+            act = ops.silu_mul(gu) if ops is not None else F.silu(gu[:, :inter]) * gu[:, inter:]
+            pending = down_proj(act, n_dec)
         if pending is not None:
             x = x + pending
         rows = x[batch.logits_index]

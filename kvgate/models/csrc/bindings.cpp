@@ -14,6 +14,7 @@ torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q8_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gu);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                     torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool);
 void bind_decode_stack(pybind11::module& mod);
@@ -33,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_dot8", &q8_dot8, "float32 x, rounded to 8-bit blocks, times a Q8_0 table in tiles of 8 rows (q8_pack8)");
   mod.def("rms_norm", &rms_norm, "RMSNorm of each row of a float32 [rows, hidden] tensor times w");
   mod.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of each row times w");
+  mod.def("silu_mul", &silu_mul, "SiLU(gate) * up of fused [rows, 2 x intermediate] gate_up rows");
   mod.def("rope_write_kv_", &rope_write_kv_,
           "rotate-half RoPE on the q and k heads of fused QKV rows in place, then k and v into the pools at slots");
   mod.def("int8_isa", &int8_isa, "the instruction set the gguf-q8act tile kernels run: avx512-vnni, avx2 or scalar");

@@ -3,7 +3,7 @@
 // same kernels, in the same order, as the Python loop in kvgate.models.llama.LlamaModel.forward:
 //
 //   h = rms_norm(x) (or x += pending; rms_norm)  ->  qkv  ->  rope_write_kv_  ->  paged attention
-//   ->  o  ->  x += o; rms_norm  ->  gate_up  ->  silu(gate) * up (ATen's own ops)  ->  down = pending
+//   ->  o  ->  x += o; rms_norm  ->  gate_up  ->  silu_mul (SiLU(gate) * up)  ->  down = pending
 //
 // so its result is bit for bit the loop's. What it removes is the loop's per-layer cost outside the
 // kernels: ~12 Python-level tensor ops and calls per layer (slices, views, SiLU * up, the argument
@@ -21,6 +21,7 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d, tor
 torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gu);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                     torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool);
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -82,9 +83,7 @@ class DecodeStack {
       auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
       auto attn = paged_attention_rows(q, k_pool, v_pool, tables, lens, scale).view({T, H * D});
       h = add_rms_norm_(x, m[1](attn), norms_[2 * li + 1], eps_);
-      auto gu = m[2](h);
-      const int64_t inter = gu.size(1) / 2;
-      pending = m[3](at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter));
+      pending = m[3](silu_mul(m[2](h)));
     }
     return x + pending;
   }

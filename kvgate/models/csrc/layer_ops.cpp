@@ -13,9 +13,16 @@
 //   PyTorch expression `qk * cos + rotate_half(qk) * sin`: bit-identical to it. This file is compiled
 //   without FMA contraction for that reason. Float16 or bfloat16 pools (`--kv-dtype`) get each value
 //   rounded to nearest even, as `Tensor.to` rounds.
+// - silu_mul(gu) -> act: the MLP's SiLU(gate) * up from the fused [rows, 2 inter] gate_up output, in
+//   one pass, 8 columns at a time: with e = exp(-|g|) (never overflowing), SiLU(g) = g / (1 + e) for
+//   g >= 0 and g e / (1 + e) below (the same value, stable at both ends). Within a few ulp of
+//   F.silu(g) * u; a column's arithmetic depends on its index only, so a row's values never depend on
+//   the other rows. The decode stack and the Python loop both call it, so their bits agree. One call
+//   instead of ATen's silu, mul and their slices: ~8 us -> ~1 us a layer at one row.
 #pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +31,7 @@
 #include <immintrin.h>
 #define KVGATE_AVX2 1
 #endif
+#include "vec_exp.h"
 
 namespace {
 
@@ -69,7 +77,43 @@ torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, double e
   return h;
 }
 
+inline float silu_one(float g) {
+  const float e = std::exp(-std::fabs(g));
+  return (g >= 0.f ? g : g * e) / (1.f + e);
+}
+
 }  // namespace
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.device().is_cpu() && gu.scalar_type() == torch::kFloat32 && gu.dim() == 2 && gu.is_contiguous() &&
+                  gu.size(1) % 2 == 0,
+              "silu_mul: gu must be a contiguous float32 CPU [rows, 2 x intermediate] tensor, got ", gu.sizes(), " ",
+              gu.scalar_type());
+  const int64_t R = gu.size(0), inter = gu.size(1) / 2;
+  auto act = torch::empty({R, inter}, gu.options());
+  const float* src = gu.data_ptr<float>();
+  float* dst = act.data_ptr<float>();
+  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = src + r * 2 * inter;
+      const float* u = g + inter;
+      float* a = dst + r * inter;
+      int64_t i = 0;
+#ifdef KVGATE_AVX2_EXP
+      const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 e = kvgate_vec::exp8(_mm256_or_ps(x, sign));  // exp(-|x|)
+        const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+        const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), neg);
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < inter; ++i) a[i] = silu_one(g[i]) * u[i];
+    }
+  });
+  return act;
+}
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_rows(x, w, "rms_norm");
