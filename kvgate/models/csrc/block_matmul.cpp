@@ -136,12 +136,11 @@ void dot_rows(const float* x, int64_t K, const Row& row, float* y, int64_t ldy) 
 // wait on their own latency at one row (8 cycles a block): this one has four independent chains and
 // a 6-op widening (`widen16`), so one row streams the weights at the memory's pace. So the two builds
 // add in different orders (each within 1e-5 of the other); on one build a row's bits never depend on
-// the rows beside it. Up to 4 rows share each widened block (16 sums). It replaced the paired-rows
+// the rows beside it. Up to MROWS = 4 rows share each widened block (16 sums). It replaced the paired-rows
 // loop (two weight rows per zmm, from 5 rows) and the AVX2 loop below 5 rows: Zen 5 EPYC, SmolLM2's 30
 // gguf layers from DRAM, 2 threads: 1 row 3.9 -> 2.8-3.0 ms, 4 rows 6.3 -> 4.0-4.3, 8 rows 9.3-10.6 ->
 // 8.4-8.5, 16 rows 16.9-17.1 -> 14.9-15.0. At one row a thread now waits on the codes' loads (software
 // prefetch 4-16 rows ahead: within the noise, not kept).
-constexpr int64_t MROWS16 = 4;
 
 template <int R, class Row>
 void dot_rows16(const float* x, int64_t K, const Row& row, float* y, int64_t ldy) {
@@ -149,31 +148,20 @@ void dot_rows16(const float* x, int64_t K, const Row& row, float* y, int64_t ldy
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+  // block blk into sums p (values 0..15) and p + 1 (values 16..31)
+  auto add_block = [&](int64_t blk, int p) {
+    __m512 lo, hi;
+    row.widen16(blk, lo, hi);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      a[r][p] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + blk * QBLOCK), lo, a[r][p]);
+      a[r][p + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + blk * QBLOCK + 16), hi, a[r][p + 1]);
+    }
+  };
   const int64_t nb = K / QBLOCK;
-  __m512 lo, hi;
   int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    row.widen16(b, lo, hi);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + b * QBLOCK), lo, a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + b * QBLOCK + 16), hi, a[r][1]);
-    }
-    row.widen16(b + 1, lo, hi);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      a[r][2] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + (b + 1) * QBLOCK), lo, a[r][2]);
-      a[r][3] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + (b + 1) * QBLOCK + 16), hi, a[r][3]);
-    }
-  }
-  if (b < nb) {  // an odd last block: the even sums
-    row.widen16(b, lo, hi);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + b * QBLOCK), lo, a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + b * QBLOCK + 16), hi, a[r][1]);
-    }
-  }
+  for (; b + 2 <= nb; b += 2) add_block(b, 0), add_block(b + 1, 2);
+  if (b < nb) add_block(b, 0);  // an odd last block: the even sums
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     const __m512 t = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][2]), _mm512_add_ps(a[r][1], a[r][3]));
@@ -182,16 +170,6 @@ void dot_rows16(const float* x, int64_t K, const Row& row, float* y, int64_t ldy
   }
 }
 
-template <class Row>
-void dot_group16(const float* x, int64_t rows, int64_t K, const Row& row, float* y, int64_t N) {
-  switch (rows) {
-    case 4: dot_rows16<4>(x, K, row, y, N); break;
-    case 3: dot_rows16<3>(x, K, row, y, N); break;
-    case 2: dot_rows16<2>(x, K, row, y, N); break;
-    case 1: dot_rows16<1>(x, K, row, y, N); break;
-    default: break;
-  }
-}
 #endif
 #else
 // Without AVX2: the same values and the same order (8 running sums over K, added as the AVX2 path adds).
@@ -237,13 +215,23 @@ void dot_rows(const float* x, int64_t K, const Row& row, float* y, int64_t ldy) 
 }
 #endif
 
+// A group of up to MROWS decode rows against one weight row, by this build's loop.
+template <int R, class Row>
+inline void decode_rows(const float* x, int64_t K, const Row& row, float* y, int64_t ldy) {
+#ifdef KVGATE_AVX512
+  dot_rows16<R>(x, K, row, y, ldy);
+#else
+  dot_rows<R>(x, K, row, y, ldy);
+#endif
+}
+
 template <class Row>
 void dot_group(const float* x, int64_t rows, int64_t K, const Row& row, float* y, int64_t N) {
   switch (rows) {
-    case 4: dot_rows<4>(x, K, row, y, N); break;
-    case 3: dot_rows<3>(x, K, row, y, N); break;
-    case 2: dot_rows<2>(x, K, row, y, N); break;
-    case 1: dot_rows<1>(x, K, row, y, N); break;
+    case 4: decode_rows<4>(x, K, row, y, N); break;
+    case 3: decode_rows<3>(x, K, row, y, N); break;
+    case 2: decode_rows<2>(x, K, row, y, N); break;
+    case 1: decode_rows<1>(x, K, row, y, N); break;
     default: break;
   }
 }
@@ -251,20 +239,11 @@ void dot_group(const float* x, int64_t rows, int64_t K, const Row& row, float* y
 // Output features [n0, n1): `row_of(n)` gives weight row n.
 template <class RowOf>
 void cols(const float* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, RowOf row_of) {
-#ifdef KVGATE_AVX512
-  constexpr int64_t group = MROWS16;
-#else
-  constexpr int64_t group = MROWS;
-#endif
   for (int64_t t = n0; t < n1; t += NTILE) {
     const int64_t t1 = std::min(t + NTILE, n1);
-    for (int64_t m = 0; m < M; m += group) {
-      const int64_t rows = std::min(group, M - m);
-#ifdef KVGATE_AVX512
-      for (int64_t n = t; n < t1; ++n) dot_group16(x + m * K, rows, K, row_of(n), y + m * N + n, N);
-#else
+    for (int64_t m = 0; m < M; m += MROWS) {
+      const int64_t rows = std::min(MROWS, M - m);
       for (int64_t n = t; n < t1; ++n) dot_group(x + m * K, rows, K, row_of(n), y + m * N + n, N);
-#endif
     }
   }
 }

@@ -10,8 +10,8 @@
 // flash-decoding merges its splits). An OpenMP task is a whole row (all its KV heads and chunks, so
 // each position's K or V is read as one contiguous stretch, each block as one) or, for the last
 // R % threads rows, one (row, chunk, kv head), so a lone row longer than a chunk spreads evenly over
-// the threads (one of up to 128 positions splits by KV head only: 2:1 for SmolLM2's 3); tasks prefetch the positions ahead of them across the scattered blocks. A (row, kv head,
-// chunk)'s arithmetic and the merge are the same fixed loops whichever task, thread or other rows share
+// the threads (one of up to 128 positions splits by KV head only: 2:1 for SmolLM2's 3); tasks prefetch
+// the positions ahead of them across the scattered blocks. A (row, kv head, chunk)'s arithmetic and the merge are the same fixed loops whichever task, thread or other rows share
 // the call: a row's output is bit-identical whether it is computed alone or among other rows (on one
 // machine and build). Chunks instead of one (row, kv head) task per head for a lone row (SmolLM2's 3
 // KV heads put 2 on one thread, 1 on the other): Zen 5 EPYC, cold, 30 layers, one row at 4,000
