@@ -1,6 +1,7 @@
 """Plain wall time of engine steps, no profiler: decode steps at each row count and one prefill chunk.
 
     python -m bench.step_time [--rows 1 4 16] [--weights full] [--steps 20] [--prefill 256]
+        [--prefill-attention auto | kernel | sdpa]
 
 Prints one JSON line per measurement (`{"weights", "rows" or "prefill", "step_ms", ...}`), so runs of
 two checkouts can be interleaved and their medians compared (bench/profile_step.py gives the split by
@@ -40,7 +41,7 @@ def decode_ms(
 
 
 def prefill_ms(
-    tokens: int, weights: str, reps: int = 3, kv_dtype: str = "auto"
+    tokens: int, weights: str, reps: int = 3, kv_dtype: str = "auto", attention: str = "auto"
 ) -> tuple[list[float], list[float]]:
     """The step that prefills one `tokens`-long prompt (distinct prompts: no prefix-cache hits)."""
     from kvgate.config import EngineConfig
@@ -55,6 +56,7 @@ def prefill_ms(
         weights=weights,
         prefill_chunk=tokens,
         kv_dtype=kv_dtype,
+        prefill_attention=attention,
     )
     e = Engine.from_model("default", cfg)
     core, out, cpu = e.core, [], []
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill step (0: skip)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--kv-dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    ap.add_argument("--prefill-attention", default="auto", help="auto | kernel | sdpa (the prefill step's)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -104,13 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if a.prefill:
-        ms, cpu = prefill_ms(a.prefill, a.weights, kv_dtype=a.kv_dtype)
+        ms, cpu = prefill_ms(a.prefill, a.weights, kv_dtype=a.kv_dtype, attention=a.prefill_attention)
         print(
             json.dumps(
                 {
                     "weights": a.weights,
                     "kv_dtype": a.kv_dtype,
                     "prefill": a.prefill,
+                    "prefill_attention": a.prefill_attention,
                     "step_ms": round(statistics.median(ms), 2),
                     "min_ms": round(min(ms), 2),
                     "cpu_ms": round(statistics.median(cpu), 2),

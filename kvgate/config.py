@@ -69,6 +69,7 @@ class EngineConfig:
     weights: str = "auto"  # auto | full | int8 | int4 | gguf | gguf-q8act (auto: gguf where exact Q4_1 blocks, else full)
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
     decode_attention: str = "auto"  # auto | paged | gather (kvgate.models.paged_attention)
+    prefill_attention: str = "auto"  # auto | kernel | sdpa (kvgate.models.prefill_attention)
     kv_dtype: str = "auto"  # auto | float32 | float16 | bfloat16: the KV cache's dtype (auto: the model's)
     speculate: int = (
         0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
@@ -164,6 +165,13 @@ ENGINE_FLAGS = [
         "(auto: a startup probe measures both)",
     ),
     (
+        "--prefill-attention",
+        str,
+        "auto",
+        "auto | kernel | sdpa: prompt-chunk attention by the paged CPU kernel or by gather + SDPA "
+        "(auto: the kernel where it builds for the model and a startup probe measures it faster)",
+    ),
+    (
         "--kv-dtype",
         str,
         "auto",
@@ -222,6 +230,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         q8_head=a.q8_head,
         weights=a.weights,
         decode_attention=a.decode_attention,
+        prefill_attention=a.prefill_attention,
         kv_dtype=a.kv_dtype,
         speculate=a.speculate,
         step_timeout=a.step_timeout,

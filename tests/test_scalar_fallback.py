@@ -95,7 +95,27 @@ def outputs(ext) -> dict:
         "q4_1_matmul_wide": ext.q4_1_matmul(i["wide"], *i["q4"], 9),  # 9 decode rows, 12 prompt rows
         "q8_matmul_wide": ext.q8_matmul(i["wide"], *i["q8"]),
         "paged_attention": attention(),
+        **(
+            {"prefill_attention": prefill(ext)} if ext.prefill_attention_lanes() else {}
+        ),  # not built: no AVX2
     }
+
+
+def prefill(ext) -> list[torch.Tensor]:
+    """Prompt-chunk attention over float32, float16 and bfloat16 pools (SmolLM2's heads): a whole
+    prompt of 45 tokens and a chunk of 21 after a prefix of 80 (lanes left spare in both)."""
+    g = torch.Generator().manual_seed(6)
+    out = []
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        k = torch.randn(12, 16, 3, 64, generator=g).to(dt)
+        v = torch.randn(12, 16, 3, 64, generator=g).to(dt)
+        table = torch.randperm(12, generator=g)[:7].contiguous()
+        q = torch.randn(50, 9, 64, generator=g)
+        for start, n, ctx in ((2, 45, 45), (0, 21, 101)):
+            o = torch.empty(n, 9 * 64)
+            ext.prefill_attention_(o, q, k, v, table, start, n, ctx, 0.125)
+            out.append(o)
+    return out
 
 
 def attention() -> list[torch.Tensor]:
@@ -144,12 +164,13 @@ AVX2 = {"avx2", "fma", "f16c"}
 def test_the_avx512_paths_compute_what_the_avx2_build_computes(tmp_path):
     """On a CPU with AVX-512 (F, BW, VL; VNNI where listed) this process runs the zmm paths: the VNNI
     int8 tiles, the 12-row prefill tile of the float block matmuls, the one-pass scores and 64-column
-    V sums of paged attention. Each keeps the AVX2 loops' per-output operations in the same order, so
+    V sums of paged attention, the 16-lane prefill attention (its 8-lane build does each lane's
+    operations in the same order). Each keeps the AVX2 loops' per-output operations in the same order, so
     a build for an AVX2-only CPU must give the same bits, every kernel, NaN rows included. The one
     exception is the float block matmuls' decode rows: the AVX-512 build sums them in 4 x 16 lanes
     (dot_rows16) where the AVX2 build sums 2 x 8, so those are held to 1e-5. Seen red: the V pass's
-    last 16 columns not stored; dot_rows16 leaving its fourth sum out of the fold (each in the AVX-512
-    build, restored)."""
+    last 16 columns not stored; dot_rows16 leaving its fourth sum out of the fold; the 16-lane prefill
+    attention dividing by `rcp14` instead of `div` (each in the AVX-512 build, restored)."""
     if not {"avx512f", "avx512bw", "avx512vl"} <= native.cpu_flags():
         pytest.skip("this CPU lists no AVX-512 F/BW/VL: the AVX2 build is this process's own")
     avx2, wide = build_as(tmp_path, AVX2, "-mavx2 -mfma -mf16c"), outputs(native.extension())

@@ -92,6 +92,7 @@ class Engine:
             act=place.quant_act or torch.bfloat16,
             q8_head=place.q8_head,
             paged_attention=place.paged_attention,
+            prefill_kernel=place.prefill_kernel,
         )
         # The plan may have shrunk the step below what was warmed: its new maximum is then one bucket
         # that was not (a few MiB of oneDNN kernels at most, inside the overhead's slack).

@@ -20,6 +20,7 @@ from kvgate.models import LoadedModel, native
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
 from kvgate.models.paged_attention import resolve as resolve_decode_attention
+from kvgate.models.prefill_attention import resolve as resolve_prefill_attention
 from kvgate.models.q4_1 import q4_1_blocks
 from kvgate.models.q8_head import probe as probe_q8_head
 from kvgate.models.q8_head import q8_blocks
@@ -165,6 +166,7 @@ class Placement:
     q8_head_reason: str = ""  # why it is on or off, with the probe's numbers when it ran
     paged_attention: bool = False  # decode attention by the paged CPU kernel (else gather + SDPA)
     kv_dtype: torch.dtype | None = None  # the KV pool's dtype (None: the model's)
+    prefill_kernel: bool = False  # prompt-chunk attention by the paged CPU kernel (else gather + SDPA)
 
 
 def resolve_q8_head(
@@ -257,9 +259,19 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
             spec.head_dim,
             cfg.block_size,
         )
+        prefill_kernel, prefill_why = resolve_prefill_attention(
+            cfg.prefill_attention,
+            device,
+            dtype,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            cfg.block_size,
+        )
     except ValueError as exc:
         raise DeviceError(str(exc)) from None
     log.info("decode attention: %s", why)
+    log.info("prefill attention: %s", prefill_why)
     if overhead_bytes is None:
         overhead_bytes = runtime_overhead_bytes(str(device), checkpoint_bytes(loaded))
     plan = make_plan(
@@ -285,10 +297,13 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     if q8_head or cfg.q8_head != "auto" or "probe" in q8_reason:  # a choice worth stating
         plan.notes.append(f"LM head and embeddings as Q8_0 blocks: {q8_reason}")
     plan.notes.append(f"decode attention: {why}")
+    plan.notes.append(f"prefill attention: {prefill_why}")
     if weights_note is not None:
         plan.notes.append(f"weights: {weights_note}")
     if kv_dtype != dtype:
         plan.notes.append(
             f"KV cache in {str(kv_dtype).removeprefix('torch.')} (--kv-dtype), the model in {plan.dtype}"
         )
-    return Placement(device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason, paged, kv_dtype)
+    return Placement(
+        device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason, paged, kv_dtype, prefill_kernel
+    )

@@ -188,7 +188,9 @@ def step_workspace(
 
 def _prefill_attention(C: int, Lp: int, H: int, KVH: int, D: int, b: int, kv_tok: int, flash: bool) -> int:
     """One prefill chunk's attention transient (C queries over Lp positions), plus the next span's gather
-    (`kv_tok` bytes a position)."""
+    (`kv_tok` bytes a position). These are the SDPA path's; the CPU prefill kernel
+    (`kvgate.models.prefill_attention`) writes into the step's attention output and keeps ~50 KiB of
+    scratch a thread, so the same term bounds it too (tests/test_prefill_kernel.py measures it)."""
     f = 4
     if flash:
         # the float mask SDPA makes of the bool one and a bool temporary; the output, its row-major

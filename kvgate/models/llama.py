@@ -16,7 +16,9 @@ K/V `[1, kv_heads, context, D]` with `enable_gqa`, `is_causal` for a prompt's fi
 Decode rows take one of two paths, chosen at startup (`kvgate.models.paged_attention.resolve`): the
 paged CPU kernel runs every decode row of the step in one call per layer, reading K/V from the pool
 in place; the gather path copies each group's blocks (`index_select`) and runs SDPA with a mask
-(CUDA, or where the kernel cannot be built or measures slower). Prefill chunks always use SDPA.
+(CUDA, or where the kernel cannot be built or measures slower). Prefill chunks take the paged CPU
+prefill kernel on CPU in float32 (`kvgate.models.prefill_attention`: in place, causal blocks skipped,
+4x SDPA's speed at 256 tokens), else the SDPA path above.
 
 On CPU in float32 the glue between the matmuls is kvgate's own C++ (kvgate/models/csrc/layer_ops.cpp):
 RMSNorm fused with the residual add, and RoPE fused with the K/V write, one call each where the
@@ -47,6 +49,8 @@ from kvgate.models import decode_stack, native
 from kvgate.models.linear import Linear, packs_weights, row_buckets
 from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
+from kvgate.models.prefill_attention import run as run_prefill
+from kvgate.models.prefill_attention import unsupported as unsupported_prefill
 from kvgate.models.q4_1 import Q41Linear
 from kvgate.models.q4_1_dot8 import Q41Dot8Linear
 from kvgate.models.q8_head import Q8DotTable, Q8Table, q8_blocks
@@ -127,6 +131,7 @@ class LlamaModel:
         act: torch.dtype = torch.bfloat16,
         q8_head: bool = False,
         paged_attention: bool = False,
+        prefill_kernel: bool = False,
     ):
         """`pack`: prepack the weight matrices (`Linear`); None = wherever `packs_weights` says.
         `weights_format` int8 / int4: hold every layer matrix that allows it quantized (`Quantized`),
@@ -134,7 +139,9 @@ class LlamaModel:
         `q8_head`: hold the tied embedding table as its exact Q8_0 blocks (`kvgate.models.q8_head`),
         for the lookup and the LM head alike; placement decides (`kvgate.core.placement`).
         `paged_attention`: run decode attention with the paged CPU kernel (`kvgate.models.paged_attention`;
-        the caller has checked it builds and chosen it by its probe), else gather + SDPA per group."""
+        the caller has checked it builds and chosen it by its probe), else gather + SDPA per group.
+        `prefill_kernel`: run prompt-chunk attention with the paged CPU kernel
+        (`kvgate.models.prefill_attention`, chosen by its probe), else gather + SDPA per chunk."""
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
@@ -142,6 +149,11 @@ class LlamaModel:
         if paged_attention and (self.device.type != "cpu" or paged_kernel() is None):
             raise ValueError(f"the paged decode attention kernel cannot run here ({self.device}); use gather")
         self.paged_attention = paged_attention
+        if prefill_kernel and unsupported_prefill(self.device, dtype, spec.head_dim) is not None:
+            raise ValueError(
+                f"the prefill attention kernel cannot run here: {unsupported_prefill(self.device, dtype, spec.head_dim)}"
+            )
+        self.prefill_kernel = native.extension() if prefill_kernel else None
         # float32 on CPU: RMSNorm and RoPE + K/V write by kvgate's C++ ops (kvgate/models/csrc/layer_ops.cpp)
         self.layer_ops = native.extension() if self.device.type == "cpu" and dtype == torch.float32 else None
         quant = weights_format != "full"
@@ -301,7 +313,18 @@ class LlamaModel:
                     og = gather_attention(qg, k_pool, v_pool, grp.block_tables, grp.mask)
                     attn[grp.start : grp.end] = og.reshape(grp.end - grp.start, H * D)
             for pf in batch.prefills:
-                attn[pf.start : pf.start + pf.q_len] = prefill_attention(q, k_pool, v_pool, pf)
+                if self.prefill_kernel is not None:  # in place: no gathered context, no mask
+                    run_prefill(
+                        self.prefill_kernel,
+                        attn[pf.start : pf.start + pf.q_len],
+                        q,
+                        k_pool,
+                        v_pool,
+                        pf,
+                        D**-0.5,
+                    )
+                else:
+                    attn[pf.start : pf.start + pf.q_len] = prefill_attention(q, k_pool, v_pool, pf)
             o = o_proj(attn, n_dec)
             if ops is not None:
                 h = ops.add_rms_norm_(x, o, ln2, eps)

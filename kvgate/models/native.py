@@ -37,6 +37,7 @@ SOURCES = (
     "int8_vnni.cpp",
     "layer_ops.cpp",
     "paged_attention.cpp",
+    "prefill_attention.cpp",
 )  # one module
 HEADERS = ("int8_layout.h", "vec_exp.h")  # included by the sources: part of the cache key
 _state: dict = {}

@@ -1,6 +1,6 @@
 // The Python module of kvgate's C++ kernels: block matmuls (block_matmul.cpp), the integer-dot kernels
 // of --weights gguf-q8act (int8_dot.cpp), the small layer ops (layer_ops.cpp) and the decode-only
-// layer stack (decode_stack.cpp). The paged attention
+// layer stack (decode_stack.cpp), prompt-chunk attention (prefill_attention.cpp). The paged decode attention
 // kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
 #include <torch/extension.h>
 
@@ -18,6 +18,10 @@ torch::Tensor silu_mul(torch::Tensor gu);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                     torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool);
 void bind_decode_stack(pybind11::module& mod);
+int64_t prefill_attention_lanes();
+void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_pool,
+                        const torch::Tensor& v_pool, const torch::Tensor& block_table, int64_t start, int64_t n,
+                        int64_t ctx, double scale);
 std::string int8_isa();
 std::string set_int8_isa(const std::string& isa);
 
@@ -41,5 +45,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_int8_isa", &set_int8_isa,
           "'avx2' runs the AVX2 tile kernels in an AVX-512 VNNI build (same bits; tests and A/B benchmarks), "
           "'auto' the fastest built; returns int8_isa()");
+  mod.def("prefill_attention_lanes", &prefill_attention_lanes,
+          "the vector lanes of prefill_attention_ in this build (head_dim must be a multiple); 0: not built");
+  mod.def("prefill_attention_", &prefill_attention_,
+          "a prompt chunk's causal attention over the paged pool, written into out [n, heads * head_dim]",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
   bind_decode_stack(mod);
 }
