@@ -249,25 +249,10 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         rows = cfg.max_seqs * (1 + cfg.speculate)  # each decoding row and its drafts
         shapes = matmul_shapes(spec, cfg.prefill_chunk + rows, rows)
         warm_kernels(shapes[:-1] if q8_head else shapes, dtype)  # the last is the LM head
+    geometry = (device, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, cfg.block_size)
     try:
-        paged, why = resolve_decode_attention(
-            cfg.decode_attention,
-            device,
-            dtype,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            cfg.block_size,
-        )
-        prefill_kernel, prefill_why = resolve_prefill_attention(
-            cfg.prefill_attention,
-            device,
-            dtype,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            cfg.block_size,
-        )
+        paged, why = resolve_decode_attention(cfg.decode_attention, *geometry)
+        prefill_kernel, prefill_why = resolve_prefill_attention(cfg.prefill_attention, *geometry)
     except ValueError as exc:
         raise DeviceError(str(exc)) from None
     log.info("decode attention: %s", why)

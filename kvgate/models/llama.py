@@ -149,10 +149,9 @@ class LlamaModel:
         if paged_attention and (self.device.type != "cpu" or paged_kernel() is None):
             raise ValueError(f"the paged decode attention kernel cannot run here ({self.device}); use gather")
         self.paged_attention = paged_attention
-        if prefill_kernel and unsupported_prefill(self.device, dtype, spec.head_dim) is not None:
-            raise ValueError(
-                f"the prefill attention kernel cannot run here: {unsupported_prefill(self.device, dtype, spec.head_dim)}"
-            )
+        why = unsupported_prefill(self.device, dtype, spec.head_dim) if prefill_kernel else None
+        if why is not None:
+            raise ValueError(f"the prefill attention kernel cannot run here: {why}")
         self.prefill_kernel = native.extension() if prefill_kernel else None
         # float32 on CPU: RMSNorm and RoPE + K/V write by kvgate's C++ ops (kvgate/models/csrc/layer_ops.cpp)
         self.layer_ops = native.extension() if self.device.type == "cpu" and dtype == torch.float32 else None

@@ -23,7 +23,6 @@ import logging
 import time
 
 import torch
-import torch.nn.functional as F
 
 from kvgate.models import native
 
@@ -47,7 +46,7 @@ def unsupported(device, dtype: torch.dtype, head_dim: int) -> str | None:
     lanes = ext.prefill_attention_lanes()
     if lanes == 0:
         return "this build has no vector prefill attention (it needs AVX2, FMA and F16C)"
-    if head_dim % lanes or head_dim % 8:
+    if head_dim % lanes:  # lanes is 8 or 16
         return f"head_dim {head_dim} is not a multiple of this build's {lanes} vector lanes"
     return None
 
@@ -61,18 +60,12 @@ def run(
     )
 
 
-def sdpa(q, k_pool, v_pool, table, n: int) -> torch.Tensor:
-    """The SDPA path for a first chunk of `n` tokens (`llama.prefill_attention`'s whole-prompt case)."""
-    qp = q[:n].transpose(0, 1).unsqueeze(0)
-    kp = k_pool.index_select(0, table).flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
-    vp = v_pool.index_select(0, table).flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
-    return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-
-
 @functools.cache
 def probe(heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[float, float]:
     """Fastest seconds per call of the kernel and of gather + SDPA on one `PROBE_TOKENS` chunk shaped
     like the model's, timed alternately (a few ms in all)."""
+    from kvgate.models.llama import PrefillSpan, prefill_attention  # llama imports this module
+
     ext = native.extension()
     gen = torch.Generator().manual_seed(0)
     n = PROBE_TOKENS
@@ -83,12 +76,13 @@ def probe(heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[fl
     table = torch.randperm(nblk, generator=gen)
     out = torch.empty(n, heads * head_dim)
     scale = head_dim**-0.5
+    span = PrefillSpan(0, n, n, table, torch.empty(0))  # a whole prompt: causal, no mask read
 
     def kernel():
         ext.prefill_attention_(out, q, k, v, table, 0, n, n, scale)
 
     def gather():
-        sdpa(q, k, v, table, n)
+        prefill_attention(q, k, v, span)
 
     best = [float("inf"), float("inf")]
     with torch.inference_mode():

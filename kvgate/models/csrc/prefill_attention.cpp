@@ -276,7 +276,7 @@ void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::
   const int64_t H = q.size(1), D = q.size(2), N = k_pool.size(0), bs = k_pool.size(1), KVH = k_pool.size(2);
   TORCH_CHECK(k_pool.size(3) == D && KVH > 0 && H % KVH == 0, "prefill_attention_: ", H, " query heads of ", D,
               " over pools of ", KVH, " KV heads of ", k_pool.size(3));
-  TORCH_CHECK(D % 8 == 0 && D % W == 0, "prefill_attention_: head_dim ", D, " is not a multiple of ", W,
+  TORCH_CHECK(D % W == 0, "prefill_attention_: head_dim ", D, " is not a multiple of ", W,
               " (the build's vector lanes); use SDPA");
   TORCH_CHECK(n >= 1 && start >= 0 && start + n <= q.size(0) && ctx >= n, "prefill_attention_: rows [", start, ", ",
               start + n, ") of ", q.size(0), " queries at context ", ctx);
