@@ -50,6 +50,7 @@ from kvgate.models.linear import Linear, packs_weights, row_buckets
 from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
 from kvgate.models.prefill_attention import run as run_prefill
+from kvgate.models.prefill_attention import sdpa as prefill_attention  # the SDPA path (tests call it here)
 from kvgate.models.prefill_attention import unsupported as unsupported_prefill
 from kvgate.models.q4_1 import Q41Linear
 from kvgate.models.q4_1_dot8 import Q41Dot8Linear
@@ -93,23 +94,6 @@ class StepBatch:
     # with block 0 to the longest row's, and its context length (position + 1)
     decode_tables: torch.Tensor | None = None  # [R, max_blocks] long
     decode_lens: torch.Tensor | None = None  # [R] long
-
-
-def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf: PrefillSpan):
-    """One prompt chunk's attention, `[q_len, heads * head_dim]`, from the step's `q [T, heads, D]`:
-    SDPA over the chunk's gathered context with grouped heads (`enable_gqa`), causal for a prompt's first
-    chunk, masked after a cached prefix or an earlier chunk. On CPU this takes SDPA's fused kernel,
-    which makes no score matrix (`kvgate.memory.workspace._prefill_attention` charges what it does make)."""
-    n = pf.q_len
-    qp = q[pf.start : pf.start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    kp = k_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
-    vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
-    if kp.dtype != q.dtype:  # a narrower KV cache (--kv-dtype)
-        kp, vp = kp.to(q.dtype), vp.to(q.dtype)
-    whole = pf.ctx_len == n  # a prompt's first chunk: plain causal, no mask to read
-    mask = None if whole else pf.mask
-    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=whole, enable_gqa=True)
-    return op[0].transpose(0, 1).reshape(n, -1)
 
 
 def matmul_shapes(spec: ModelSpec, step_tokens: int, logit_rows: int) -> list[tuple[int, int, int]]:

@@ -2,8 +2,9 @@
 
 `run(ext, out, q, k_pool, v_pool, span, scale)` computes one prompt chunk's causal attention
 (csrc/prefill_attention.cpp) into `out` (the chunk's rows of the step's attention output), with no
-gathered copy of the context and no mask tensor. The SDPA path it replaces (`llama.prefill_attention`)
-gathers the chunk's blocks and runs PyTorch's CPU flash kernel, which with a causal mask still scores
+gathered copy of the context and no mask tensor. The SDPA path it replaces (`sdpa` below, which
+`llama` also names `prefill_attention`) gathers the chunk's blocks and runs PyTorch's CPU flash
+kernel, which with a causal mask still scores
 every key of its 256-key split and repeats K/V for each query head of a group: one SmolLM2 layer at
 256 prompt tokens took 1.1 ms there, 0.27 ms here (Zen 5 EPYC, 2 threads).
 
@@ -21,8 +22,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from kvgate.models import native
 
@@ -60,12 +63,28 @@ def run(
     )
 
 
+def sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf) -> torch.Tensor:
+    """The gather + SDPA path: one prompt chunk's (`pf`, a `PrefillSpan`) attention, `[q_len, heads *
+    head_dim]`, from the step's `q [T, heads, D]`:
+    SDPA over the chunk's gathered context with grouped heads (`enable_gqa`), causal for a prompt's first
+    chunk, masked after a cached prefix or an earlier chunk. On CPU this takes SDPA's fused kernel,
+    which makes no score matrix (`kvgate.memory.workspace._prefill_attention` charges what it does make)."""
+    n = pf.q_len
+    qp = q[pf.start : pf.start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    kp = k_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
+    vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
+    if kp.dtype != q.dtype:  # a narrower KV cache (--kv-dtype)
+        kp, vp = kp.to(q.dtype), vp.to(q.dtype)
+    whole = pf.ctx_len == n  # a prompt's first chunk: plain causal, no mask to read
+    mask = None if whole else pf.mask
+    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=whole, enable_gqa=True)
+    return op[0].transpose(0, 1).reshape(n, -1)
+
+
 @functools.cache
 def probe(heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[float, float]:
     """Fastest seconds per call of the kernel and of gather + SDPA on one `PROBE_TOKENS` chunk shaped
     like the model's, timed alternately (a few ms in all)."""
-    from kvgate.models.llama import PrefillSpan, prefill_attention  # llama imports this module
-
     ext = native.extension()
     gen = torch.Generator().manual_seed(0)
     n = PROBE_TOKENS
@@ -76,13 +95,13 @@ def probe(heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[fl
     table = torch.randperm(nblk, generator=gen)
     out = torch.empty(n, heads * head_dim)
     scale = head_dim**-0.5
-    span = PrefillSpan(0, n, n, table, torch.empty(0))  # a whole prompt: causal, no mask read
+    span = SimpleNamespace(start=0, q_len=n, ctx_len=n, block_table=table, mask=None)  # a whole prompt
 
     def kernel():
         ext.prefill_attention_(out, q, k, v, table, 0, n, n, scale)
 
     def gather():
-        prefill_attention(q, k, v, span)
+        sdpa(q, k, v, span)
 
     best = [float("inf"), float("inf")]
     with torch.inference_mode():
