@@ -53,7 +53,10 @@ def setup(
     q8_head: str = "auto",
     attention: str = "auto",
     kv_dtype: str = "auto",
+    temperature: float = 0.7,
 ):
+    """An engine with `rows` requests all decoding at `context` (top-p 0.9 at `temperature`; 0 is greedy,
+    what bench.compare sends)."""
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
     from kvgate.request import GenerationRequest, RequestHandle
@@ -75,7 +78,7 @@ def setup(
     for i in range(rows):
         prompt = [100 + (i * 13 + k) % 40000 for k in range(context)]
         req = GenerationRequest(
-            prompt, SamplingParams(temperature=0.7, top_p=0.9, seed=i), 2048, ignore_eos=True
+            prompt, SamplingParams(temperature=temperature, top_p=0.9, seed=i), 2048, ignore_eos=True
         )
         e.gate.submit(RequestHandle(req, lambda rid: None))  # driven below without a worker thread
     # submissions reach the core's state through the inbox on its next tick: run until every row is

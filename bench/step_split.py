@@ -42,7 +42,9 @@ class TimedOps:
         self.rope_write_kv_ = timed(acc, "layer ops", ops.rope_write_kv_)
 
 
-def split(rows: int, weights: str, context: int, steps: int, kv_dtype: str = "auto") -> dict:
+def split(
+    rows: int, weights: str, context: int, steps: int, kv_dtype: str = "auto", temperature: float = 0.7
+) -> dict:
     import kvgate.core.runner as runner_mod
     import kvgate.models.llama as llama_mod
     from kvgate.models.q4_1 import Q41Linear
@@ -50,7 +52,7 @@ def split(rows: int, weights: str, context: int, steps: int, kv_dtype: str = "au
     from kvgate.models.q8_head import Q8DotTable, Q8Table
 
     acc: dict[str, float] = defaultdict(float)
-    e = setup(rows, context, "float32", weights, kv_dtype=kv_dtype)
+    e = setup(rows, context, "float32", weights, kv_dtype=kv_dtype, temperature=temperature)
     saved = (Q41Linear.__call__, Q8Table.__call__, llama_mod.paged_kernel, runner_mod.sample_batch)
     saved_q8act = (Q41Dot8Linear.__call__, Q8DotTable.__call__)  # --weights gguf-q8act's kernels
     try:
@@ -91,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kv-dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    ap.add_argument("--temperature", type=float, default=0.7, help="0: greedy, as bench.compare sends")
     a = ap.parse_args(argv)
     m = machine_info()
-    results = [split(r, a.weights, a.context, a.steps, a.kv_dtype) for r in a.rows]
+    results = [split(r, a.weights, a.context, a.steps, a.kv_dtype, a.temperature) for r in a.rows]
     names = [
         "Q4_1 matmuls",
         "Q8_0 head",
@@ -105,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         f"{cpu_line(m)} Load at start {m['loadavg_at_start'][0]:.1f}; weights {a.weights}, decode at context "
-        f"{a.context}, top-p sampling, wall ms per step"
+        f"{a.context}, "
+        + ("greedy" if a.temperature == 0 else f"top-p 0.9 at temperature {a.temperature}")
+        + ", wall ms per step"
     )
     print()
     print("| rows | step | " + " | ".join(names) + " |")

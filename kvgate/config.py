@@ -153,7 +153,7 @@ ENGINE_FLAGS = [
         str,
         "auto",
         "auto | full | int8 | int4 | gguf | gguf-q8act: gguf holds a Q4_1 file's own blocks, full's numbers "
-        "at 0.75 B per weight; gguf-q8act also rounds activations to 8-bit blocks for integer dot products "
+        "(to float32 rounding) at 0.625 B per weight; gguf-q8act also rounds activations to 8-bit blocks for integer dot products "
         "as llama.cpp does (faster; logits move ~1e-2); int8 / int4 re-quantize (CPU; faster at few rows, "
         "slower at many); auto: gguf where every layer matrix is exact Q4_1 blocks on CPU, else full",
     ),

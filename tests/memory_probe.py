@@ -137,9 +137,14 @@ def weights_resident(model) -> tuple[int, int, int]:
 
 
 def matrix_tensors(lin) -> list:
-    """A `Linear`'s weight and bias; a `Quantized` layer's codes, scales and bias; a `Q41Linear`'s codes,
-    d, m and bias; a `Q8Table`'s codes and scales."""
-    names = ("codes", "scales", "d", "m", "bias") if hasattr(lin, "codes") else ("weight", "bias")
+    """A `Linear`'s weight and bias; a `Quantized` layer's codes, scales and bias; a `Q41Linear`'s or
+    `Q41Dot8Linear`'s tiles and bias; a `Q8Table`'s codes and scales."""
+    import torch
+
+    if isinstance(getattr(lin, "packed", None), torch.Tensor):  # (a `Linear`'s `packed` is a flag)
+        names = ("packed", "bias")
+    else:
+        names = ("codes", "scales", "d", "m", "bias") if hasattr(lin, "codes") else ("weight", "bias")
     return [t for t in (getattr(lin, n, None) for n in names) if t is not None]
 
 

@@ -1,5 +1,5 @@
 """`--weights gguf`: layer matrices held as a Q4_1 file's own blocks (kvgate/models/q4_1.py and the C++
-kernel in kvgate/models/csrc/block_matmul.cpp): exact values, refused where not exact, row-invariant,
+kernel in kvgate/models/csrc/q4_1_matmul.cpp): exact values, refused where not exact, row-invariant,
 the same greedy tokens as `--weights full`, and the bytes charged exactly."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvgate.models import native
-from kvgate.models.q4_1 import Q41Linear, q4_1_blocks, q4_1_bytes
+from kvgate.models.q4_1 import Q41Linear, q4_1_blocks, q4_1_bytes, q4_1_pack16
 from tests.tiny_model import make_tiny_hf_dir
 
 pytestmark = pytest.mark.skipif(
@@ -110,7 +110,7 @@ def engine(path, **cfg):
 
 def test_gguf_weights_give_full_weights_tokens_and_are_charged_exactly(q4_tiny_dir, tiny_dir):
     """The tiny Q4_1 model's greedy tokens with `--weights gguf` equal `--weights full` (4 prompts,
-    batched and alone); the plan charges exactly what the model holds, 0.75 B per layer weight
+    batched and alone); the plan charges exactly what the model holds, 0.625 B per layer weight
     instead of 4; a model whose matrices are not Q4_1 is refused by name. Seen red: charging the
     blocks as int4 (plan and model disagreed); loading the matrices in the model dtype first (the
     bfloat16 model then held bf16-rounded values, which are not Q4_1 blocks)."""
@@ -133,7 +133,7 @@ def test_gguf_weights_give_full_weights_tokens_and_are_charged_exactly(q4_tiny_d
     planned, held = plans["gguf"]
     assert planned - held == 264 * 64 * 4  # the packed head copy the tiny shape keeps plain (as for full)
     mats = sum(n * k for n, k in [(64 + 2 * 32, 64), (64, 64), (256, 64), (64, 128)]) * 2  # 2 layers
-    assert plans["full"][0] - planned == mats * 4 - mats * 3 // 4
+    assert plans["full"][0] - planned == mats * 4 - mats * 5 // 8  # 0.625 B a value: nibbles, fp16 d and m
     e = engine(q4_tiny_dir, weights="gguf", dtype="bfloat16", q8_head="off")  # blocks from the float32 file
     try:
         assert e.plan.weights_bytes == e.model.weight_bytes  # bf16: no packed head copy
@@ -185,15 +185,17 @@ def test_dtype_auto_is_float32_under_the_gguf_formats_even_where_bf16_is_fast(mo
 
 @pytest.mark.parametrize("n,k", [(203, 96), (16, 128), (17, 96)])
 def test_decode_rows_in_groups_give_the_bits_of_a_row_alone(n, k):
-    """Decode rows go through the weights in groups of up to 4 activation rows (the AVX-512 build's
-    dot_rows16: four 16-lane sums per row, even and odd blocks apart; the AVX2 loop: two 8-lane sums).
-    Each row must get what it gets alone, for Q4_1 and Q8_0 blocks, whatever the number of rows
-    beside it, and be the dequantized weights' product within float32 rounding; 96 columns are an odd
-    number of blocks (the last one taken alone). The identity's rows as decode rows give back each
-    weight itself, which pins the widened weights to the bit (one product per output, the rest
-    zeros). Seen red (AVX-512 EPYC): the odd last block skipped (the reference check), each row of a
-    group reading the group's first row (the alone check), the Q4_1 levels built from d one ulp up
-    (only the identity check)."""
+    """Decode rows go through the weights in groups: Q4_1 tiles take 8, 4, 2 or 1 rows against 1, 2, 4
+    or 8 tiles of 16 outputs side by side (the AVX-512 build; AVX2 2 or 1 rows); Q8_0 groups of up to
+    4 rows (dot_rows16: four 16-lane sums per row). Each row must get what it gets alone, whatever the
+    number of rows beside it, and be the dequantized weights' product within float32 rounding; 96
+    columns are an odd number of blocks, 203 and 17 outputs end in a partial tile. The identity's rows
+    as decode rows give back each weight itself, which pins the widened weights to the bit (one
+    product per output, the rest zeros). Seen red (AVX-512 EPYC), Q8_0: the odd last block skipped
+    (the reference check), each row of a group reading the group's first row (the alone check);
+    Q4_1: every row of a group taking the first row's block sums of x (the alone check), the m term
+    left out (the reference check), the partial tile's outputs not copied out (the
+    reference check)."""
     from kvgate.models.q8_head import q8_blocks
     from tests.test_q4_1_dot8 import ggml_q8_0
 
@@ -203,7 +205,7 @@ def test_decode_rows_in_groups_give_the_bits_of_a_row_alone(n, k):
     q4, q8 = q4_1_blocks(w4), q8_blocks(w8)
     x = torch.randn(21, k)
     for name, fn, w in (
-        ("q4_1", lambda a: ext.q4_1_matmul(a, *q4, -1), w4),
+        ("q4_1", lambda a: ext.q4_1_matmul(a, q4_1_pack16(*q4), n, -1), w4),
         ("q8", lambda a: ext.q8_matmul(a, *q8), w8),
     ):
         alone = torch.cat([fn(x[i : i + 1]) for i in range(len(x))])

@@ -24,14 +24,14 @@ from kvgate.models.q4_1_dot8 import Q41Dot8Linear
 ENV = "KVGATE_DECODE_STACK"
 
 
-def _parts(lin) -> tuple[list, int] | None:
-    """A matrix as the C++ stack takes it: ([packed] or [codes, d, m], out_features)."""
+def _parts(lin) -> tuple[object, int, str] | None:
+    """A matrix as the C++ stack takes it: (its tiles, out_features, kind)."""
     if getattr(lin, "bias", None) is not None:
         return None
     if isinstance(lin, Q41Dot8Linear):
-        return [lin.packed], lin.out_features
+        return lin.packed, lin.out_features, "q4_1_dot8"
     if isinstance(lin, Q41Linear):
-        return [lin.codes, lin.d, lin.m], lin.codes.shape[0]
+        return lin.packed, lin.out_features, "q4_1"
     return None
 
 
@@ -42,7 +42,7 @@ def build(model):
     ext = native.extension()
     if ext is None:
         return None
-    norms, mats, outs = [], [], []
+    norms, mats, outs, kinds = [], [], [], []
     for ln1, qkv, o, ln2, gate_up, down in model.layers:
         norms += [ln1, ln2]
         for lin in (qkv, o, gate_up, down):
@@ -51,5 +51,6 @@ def build(model):
                 return None
             mats.append(found[0])
             outs.append(found[1])
+            kinds.append(found[2])
     s = model.spec
-    return ext.DecodeStack(norms, mats, outs, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps)
+    return ext.DecodeStack(norms, mats, outs, kinds, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps)

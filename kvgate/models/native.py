@@ -38,6 +38,7 @@ SOURCES = (
     "layer_ops.cpp",
     "paged_attention.cpp",
     "prefill_attention.cpp",
+    "q4_1_matmul.cpp",
 )  # one module
 HEADERS = ("int8_layout.h", "vec_exp.h")  # included by the sources: part of the cache key
 _state: dict = {}

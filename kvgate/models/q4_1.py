@@ -4,14 +4,19 @@ at a fifth of its bytes.
 A GGUF Q4_1 block is 32 values `d * q + m`, q in 0..15, with fp16 `d` and `m`; the float table kvgate
 loads from such a file holds exactly those values. `q4_1_blocks` recovers the codes and both scales
 (m is the block's minimum, d its span / 15 rounded to fp16) and accepts them only if they give back
-every value bit for bit, so a matrix that was never Q4_1 is never quantized. The C++ kernel
-(kvgate/models/csrc/block_matmul.cpp) widens each weight as `fma(d, q, m)` (d * q is exact in float32,
-so that is one rounding, as gguf's own `d * q + m`) and multiplies in float32 in a fixed order per
-output: `--weights gguf` computes with the very weights `--weights full` holds, and a row's result
-never depends on the rows beside it. Unlike `--weights int4`, whose kernel needs bfloat16 activations
-and re-rounds d and m, nothing here is approximated; only the summation order differs from oneDNN's.
+every value bit for bit, so a matrix that was never Q4_1 is never quantized. `q4_1_pack16` lays them
+out as the C++ kernel's tiles of 16 rows (kvgate/models/csrc/q4_1_matmul.cpp), which multiplies in
+float32 in a fixed order per output, so a row's result never depends on the rows beside it:
+- prompt rows use the exact weights, `fma(d, q, m)` (d * q is exact in float32: one rounding, as gguf's
+  own `d * q + m`), one running sum over k per output;
+- decode rows compute each block as `d * sum(q x) + m * sum(x)` (llama.cpp's factoring of a Q4_1 dot;
+  no per-weight scaling), which differs from the exact weights' sum at float32 rounding only.
+So `--weights gguf` computes with the values `--weights full` holds, and nothing is approximated
+beyond float32 rounding (unlike `--weights int4`, whose kernel needs bfloat16 activations and re-rounds
+d and m); the summation order differs from oneDNN's.
 
-Bytes: half a byte per value plus a float32 d and m per 32 values, 0.75 B per value against 4.
+Bytes: half a byte per value plus an fp16 d and m per 32 values (the file's own), 0.625 B per value
+against 4, over the rows padded to a multiple of 16.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import torch
 from kvgate.models import native
 
 QBLOCK = 32
+TILE = 16  # output rows per tile
+TILE_BLOCK = TILE * QBLOCK // 2 + 2 * TILE * 2  # bytes per tile and block: 256 of codes, fp16 d and m
 
 
 def q4_1_bytes(out_features: int, in_features: int) -> int:
-    """Bytes `Q41Linear` holds for an [out, in] matrix (no bias): nibbles plus float32 d and m."""
-    n, k = out_features, in_features
-    return n * k // 2 + 2 * (n * k // QBLOCK) * 4
+    """Bytes `Q41Linear` holds for an [out, in] matrix (no bias): `q4_1_pack16`'s tiles."""
+    return -(-out_features // TILE) * (in_features // QBLOCK) * TILE_BLOCK
 
 
 def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -58,6 +64,34 @@ def exact_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return blocks
 
 
+def q4_1_pack16(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """`q4_1_blocks`'s (codes [N, K/2], d, m [N, K/32]) as the kernel's tiles: uint8 [T, K/32, 320] with
+    T = ceil(N / 16). In tile t, block b, byte 16 p + j holds row 16 t + j's code for k = 2p in its low
+    nibble and k = 2p + 1 in its high; bytes 256.. hold the 16 rows' d, then their m, as fp16 (exact:
+    q4_1_blocks's d and m are fp16 values, checked). Padding rows are zero codes and scales."""
+    n, half = codes.shape
+    nb = half * 2 // QBLOCK
+    t = -(-n // TILE)
+    pad = t * TILE - n
+    blocks = codes.view(n, nb, QBLOCK // 2)
+    values = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [N, nb, 32] in k order
+    if pad:
+        values = torch.cat([values, values.new_zeros(pad, nb, QBLOCK)])
+        d = torch.cat([d, d.new_zeros(pad, nb)])
+        m = torch.cat([m, m.new_zeros(pad, nb)])
+    v = values.view(t, TILE, nb, QBLOCK // 2, 2).permute(0, 2, 3, 1, 4)  # [T, nb, p, row, pair]
+    nibbles = (v[..., 0] | (v[..., 1] << 4)).reshape(t, nb, TILE * QBLOCK // 2)
+
+    def scales(s: torch.Tensor) -> torch.Tensor:  # [T, nb, 16] fp16 as [T, nb, 32] bytes
+        f = s.view(t, TILE, nb).transpose(1, 2)
+        h = f.half()
+        if not torch.equal(h.float(), f):
+            raise ValueError("Q4_1 scales must be fp16 values (q4_1_blocks checks this)")
+        return h.contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, scales(d), scales(m)], dim=-1).contiguous()
+
+
 def kernels():
     """kvgate's C++ kernels, or the error that says why they did not build."""
     ext = native.extension()
@@ -71,20 +105,21 @@ class Q41Linear:
 
     `decode_rows`: the first that many rows of x are decode rows, the rest prefill rows (None: all
     decode rows). The kernel computes each kind one fixed way: decode rows as they would be alone
-    (the loop that is fastest for a few rows), prefill rows with a GEMM-shaped loop 1.2-1.3x faster
-    at prompt sizes. Both multiply by the same widened weights; their sums differ in order only."""
+    (tiles of codes times broadcast activations, factored per block), prefill rows with a GEMM over the
+    exact widened weights. The two differ at float32 rounding only (see the module doc)."""
 
-    __slots__ = ("codes", "d", "m", "bias", "nbytes", "_ext")
+    __slots__ = ("packed", "out_features", "bias", "nbytes", "_ext")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.codes, self.d, self.m = exact_blocks(weight)
+        self.packed = q4_1_pack16(*exact_blocks(weight))
+        self.out_features = weight.shape[0]
         self.bias = bias
         self.nbytes = q4_1_bytes(*weight.shape) + (0 if bias is None else bias.numel() * bias.element_size())
         self._ext = kernels()
 
     def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         y = self._ext.q4_1_matmul(
-            x.float(), self.codes, self.d, self.m, -1 if decode_rows is None else decode_rows
+            x.float(), self.packed, self.out_features, -1 if decode_rows is None else decode_rows
         )
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if self.bias is None else y + self.bias

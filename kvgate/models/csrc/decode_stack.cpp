@@ -15,9 +15,10 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
-torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t decode_rows);
+torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows);
 torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
@@ -29,32 +30,35 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
 
 namespace {
 
-// One weight matrix: Q4_1 tiles for the 8-bit-activation kernel ([packed]), or the gguf path's
-// codes, d and m ([codes, d, m]).
+// One weight matrix: Q4_1 tiles, for the float kernel (kind "q4_1", q4_1_pack16) or the 8-bit-activation
+// one ("q4_1_dot8", q4_1_pack8).
 struct Mat {
-  std::vector<torch::Tensor> parts;
+  torch::Tensor packed;
   int64_t out_features;
+  bool dot8;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (parts.size() == 1) return q4_1_dot8(x, parts[0], out_features);
-    return q4_1_matmul(x, parts[0], parts[1], parts[2], x.size(0));  // every row a decode row
+    if (dot8) return q4_1_dot8(x, packed, out_features);
+    return q4_1_matmul(x, packed, out_features, x.size(0));  // every row a decode row
   }
 };
 
 class DecodeStack {
  public:
-  // norms: 2 per layer (input, post-attention); mats: 4 per layer (qkv, o, gate_up, down), each [packed]
-  // or [codes, d, m], with out_features alongside.
-  DecodeStack(std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> mats,
-              std::vector<int64_t> out_features, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+  // norms: 2 per layer (input, post-attention); mats: 4 per layer (qkv, o, gate_up, down), each with its
+  // out_features and kind ("q4_1" or "q4_1_dot8") alongside.
+  DecodeStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> mats, std::vector<int64_t> out_features,
+              std::vector<std::string> kinds, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : norms_(std::move(norms)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
-    TORCH_CHECK(mats.size() == out_features.size() && mats.size() == 2 * norms_.size() && !mats.empty(),
-                "DecodeStack: want 2 norms and 4 matrices per layer; got ", norms_.size(), " norms and ", mats.size(),
-                " matrices");
+    TORCH_CHECK(mats.size() == out_features.size() && mats.size() == kinds.size() &&
+                    mats.size() == 2 * norms_.size() && !mats.empty(),
+                "DecodeStack: want 2 norms and 4 matrices (each with out_features and a kind) per layer; got ",
+                norms_.size(), " norms, ", mats.size(), " matrices, ", out_features.size(), " out_features, ",
+                kinds.size(), " kinds");
     for (size_t i = 0; i < mats.size(); ++i) {
-      TORCH_CHECK(mats[i].size() == 1 || mats[i].size() == 3, "DecodeStack: matrix ", i,
-                  " must be [packed] or [codes, d, m]");
-      mats_.push_back(Mat{std::move(mats[i]), out_features[i]});
+      TORCH_CHECK(kinds[i] == "q4_1" || kinds[i] == "q4_1_dot8", "DecodeStack: matrix ", i, "'s kind must be ",
+                  "'q4_1' or 'q4_1_dot8', got '", kinds[i], "'");
+      mats_.push_back(Mat{std::move(mats[i]), out_features[i], kinds[i] == "q4_1_dot8"});
     }
   }
 
@@ -99,8 +103,8 @@ class DecodeStack {
 
 void bind_decode_stack(pybind11::module& mod) {
   pybind11::class_<DecodeStack>(mod, "DecodeStack")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>, std::vector<int64_t>,
-                          int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
+                          std::vector<std::string>, int64_t, int64_t, int64_t, double>())
       .def("layers", &DecodeStack::layers)
       .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the layer stack of a decode-only step; x is updated in place, x + the last layer's output returned");

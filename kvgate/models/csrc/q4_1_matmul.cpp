@@ -1,0 +1,445 @@
+// y[m, n] = sum_k x[m, k] * w[n, k] for a Q4_1 weight matrix (--weights gguf) times float32 activations.
+// A Q4_1 block is 32 values w = d * c + m, c in 0..15, d and m fp16 (the file's own).
+//
+// Layout (q4_1_pack16 in kvgate/models/q4_1.py): tiles of 16 output rows, uint8 [T, K/32, 320]. Per block
+// of 32 k, bytes 16p + j (p = 0..15) hold output j's codes at k = 2p (low nibble) and k = 2p + 1 (high),
+// then the 16 outputs' d and m as fp16 (bytes 256 and 288). Output rows past N are zero codes and
+// scales. So 16 bytes widen to the codes of 16 outputs at two k, one output per lane: a GEMM's shape,
+// where the rows of the first layout each needed a horizontal sum and their own widening per k.
+//
+// Two kinds of rows, each always computed the same way, whatever else is in the call:
+// - decode rows (the first `decode_rows` of x): per output and block, one FMA chain s = sum_k c_k x_k
+//   over the block's k in order, then acc = fma(d, s, acc) and acc = fma(m, xs_b, acc), blocks in
+//   order, where xs_b is the block's sum of x (`block_sum`, a fixed tree). That is d * sum(c x) +
+//   m * sum(x), the factoring llama.cpp's Q4_1 dot uses: the codes need no scaling per weight, so a
+//   16-byte load widens 32 weights in 4 ops (vpermps looks a nibble up in the floats 0..15). Against the
+//   exact widened weights it differs at float32 rounding (2-3e-7 of the largest output on random
+//   matrices). Every build (AVX-512, AVX2, scalar) does these operations lane for lane: the same bits.
+// - prefill rows (from `decode_rows` on): a tile is widened once into a float panel of the exact
+//   weights fma(d, c, m) (d * c is exact in float32: one rounding, as gguf's own d * c + m), k-major,
+//   then blocks of activation rows run a 12 x 16 (AVX2: 6 x 16) register tile of broadcast-FMAs over
+//   it. Each output is one running sum over k = 0..K-1 in order: the same bits in every build.
+// So a row's result never depends on how many rows share the call: a decode row (or a speculative row
+// verified as one) is computed as it would be alone, a prompt token's row the same way however the
+// prompt is chunked. Threads split the tiles.
+//
+// Measured against the row layout it replaced (weights of 0.75 B, rows widened one at a time, 4 x 16
+// lane sums per row; Zen 5 EPYC, 2 threads, SmolLM2's 30 layers from DRAM): 1 row 2.16-2.46 ->
+// 1.89-2.05 ms, 4 rows 3.7-4.1 -> 3.0-3.3, 8 rows 8.1 -> 5.3-5.4, 16 rows 15.4-16.3 -> 10.0-11.5; at
+// 0.625 B a weight. Without the software prefetch the tiles' 8 streams ran at 23 GB/s (1 row 2.9 ms).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVGATE_T_AVX2 1
+#if defined(__AVX512F__)
+#define KVGATE_T_AVX512 1
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t QBLOCK = 32;
+constexpr int64_t TILE = 16;         // output rows per tile
+constexpr int64_t TILE_BYTES = 320;  // per tile and block: 256 B of codes, 16 fp16 d, 16 fp16 m
+constexpr int64_t D_OFF = 256, M_OFF = 288;
+// Blocks ahead of its use a tile's bytes are asked for (into L1): a thread reads up to 8 tiles side by
+// side, more streams than the hardware prefetcher follows. 2-4 measured alike, 8 slower, none 1.45x.
+constexpr int64_t AHEAD = 3;
+
+// an fp16 scale as float32 (the scalar build's; F16C converts in the vector ones)
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// sum of x[0, 32) as a fixed tree: v_j = x_j + x_{j+16}, then halves added down to one (every build).
+inline float block_sum(const float* x) {
+#if defined(KVGATE_T_AVX2)
+  const __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 16)),
+                                 _mm256_add_ps(_mm256_loadu_ps(x + 8), _mm256_loadu_ps(x + 24)));
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(w, _mm_movehdup_ps(w)));
+#else
+  float t[8], u[4];
+  for (int j = 0; j < 8; ++j) t[j] = (x[j] + x[j + 16]) + (x[j + 8] + x[j + 24]);
+  for (int j = 0; j < 4; ++j) u[j] = t[j] + t[j + 4];
+  return (u[0] + u[2]) + (u[1] + u[3]);
+#endif
+}
+
+inline void prefetch_block(const uint8_t* p) {
+#if defined(KVGATE_T_AVX2)
+  for (int64_t l = 0; l < TILE_BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T0);
+#else
+  (void)p;
+#endif
+}
+
+// ---- decode rows: R rows x NT tiles side by side (see the file's opening for the arithmetic) ----
+#if defined(KVGATE_T_AVX512)
+template <int R, int NT>
+void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
+                  int64_t ldy) {
+  const int64_t K = nb * QBLOCK;
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[R][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b + AHEAD < nb)
+      for (int t = 0; t < NT; ++t) prefetch_block(w + t * tstride + (b + AHEAD) * TILE_BYTES);
+    __m512 s[R][NT];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) s[r][t] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; ++p) {
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) {
+        const __m512i c = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * tstride + b * TILE_BYTES + 16 * p)));
+        const __m512 c0 = _mm512_permutexvar_ps(c, levels);  // reads each lane's low 4 bits
+        const __m512 c1 = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), levels);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + r * K + b * QBLOCK + 2 * p;
+          s[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), c0, s[r][t]);
+          s[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), c1, s[r][t]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* wb = w + t * tstride + b * TILE_BYTES;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + D_OFF)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + M_OFF)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        acc[r][t] = _mm512_fmadd_ps(d, s[r][t], acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), acc[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(y + r * ldy + TILE * t, acc[r][t]);
+}
+// rows per group and the tiles each group takes side by side: 8 FMA chains in flight in each case
+constexpr int64_t MAX_GROUP = 8;
+inline int group_tiles(int64_t rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : rows >= 2 ? 4 : 8; }
+#elif defined(KVGATE_T_AVX2)
+// The same per lane in two 8-lane halves (outputs 0..7 from the low 8 bytes of each 16, 8..15 from the
+// high), codes widened by a mask, a shift and a convert (AVX2's vpermps indexes 8 lanes only).
+template <int R, int NT>
+void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
+                  int64_t ldy) {
+  const int64_t K = nb * QBLOCK;
+  const __m256i low = _mm256_set1_epi32(15);
+  __m256 acc[R][NT][2];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b + AHEAD < nb)
+      for (int t = 0; t < NT; ++t) prefetch_block(w + t * tstride + (b + AHEAD) * TILE_BYTES);
+    __m256 s[R][NT][2];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) s[r][t][0] = s[r][t][1] = _mm256_setzero_ps();
+    for (int p = 0; p < 16; ++p) {
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* q = w + t * tstride + b * TILE_BYTES + 16 * p;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
+          const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(c, low));
+          const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+          for (int r = 0; r < R; ++r) {
+            const float* xr = x + r * K + b * QBLOCK + 2 * p;
+            s[r][t][h] = _mm256_fmadd_ps(_mm256_set1_ps(xr[0]), c0, s[r][t][h]);
+            s[r][t][h] = _mm256_fmadd_ps(_mm256_set1_ps(xr[1]), c1, s[r][t][h]);
+          }
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* wb = w + t * tstride + b * TILE_BYTES;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + D_OFF + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + M_OFF + 16 * h)));
+        for (int r = 0; r < R; ++r) {
+          acc[r][t][h] = _mm256_fmadd_ps(d, s[r][t][h], acc[r][t][h]);
+          acc[r][t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r][t][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) {
+      _mm256_storeu_ps(y + r * ldy + TILE * t, acc[r][t][0]);
+      _mm256_storeu_ps(y + r * ldy + TILE * t + 8, acc[r][t][1]);
+    }
+}
+constexpr int64_t MAX_GROUP = 2;  // 16 ymm registers: 2 rows x 1 tile x 4 sums, or 1 row x 2 tiles
+inline int group_tiles(int64_t rows) { return rows >= 2 ? 1 : 2; }
+#else
+// Without AVX2: the same operations per output, one at a time.
+template <int R, int NT>
+void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
+                  int64_t ldy) {
+  const int64_t K = nb * QBLOCK;
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t)
+      for (int64_t j = 0; j < TILE; ++j) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* wb = w + t * tstride + b * TILE_BYTES;
+          const float* xr = x + r * K + b * QBLOCK;
+          float s = 0.f;
+          for (int p = 0; p < 16; ++p) {
+            s = std::fma(xr[2 * p], float(wb[16 * p + j] & 15), s);
+            s = std::fma(xr[2 * p + 1], float(wb[16 * p + j] >> 4), s);
+          }
+          acc = std::fma(half_at(wb + D_OFF + 2 * j), s, acc);
+          acc = std::fma(half_at(wb + M_OFF + 2 * j), xs[r * nb + b], acc);
+        }
+        y[r * ldy + TILE * t + j] = acc;
+      }
+}
+constexpr int64_t MAX_GROUP = 1;
+inline int group_tiles(int64_t) { return 1; }
+#endif
+
+template <int R>
+void decode_group(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, int nt,
+                  float* y, int64_t ldy) {
+  switch (nt) {
+    case 8: decode_tiles<R, 8>(x, xs, nb, w, tstride, y, ldy); break;
+    case 4: decode_tiles<R, 4>(x, xs, nb, w, tstride, y, ldy); break;
+    case 2: decode_tiles<R, 2>(x, xs, nb, w, tstride, y, ldy); break;
+    default: decode_tiles<R, 1>(x, xs, nb, w, tstride, y, ldy); break;
+  }
+}
+
+// `rows` (1..MAX_GROUP, a power of two below it or MAX_GROUP) decode rows against `nt` tiles.
+void decode_rows(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, int64_t rows,
+                 int nt, float* y, int64_t ldy) {
+  switch (rows) {
+#if defined(KVGATE_T_AVX512)
+    case 8: decode_group<8>(x, xs, nb, w, tstride, nt, y, ldy); break;
+    case 4: decode_group<4>(x, xs, nb, w, tstride, nt, y, ldy); break;
+#endif
+#if defined(KVGATE_T_AVX2)
+    case 2: decode_group<2>(x, xs, nb, w, tstride, nt, y, ldy); break;
+#endif
+    default: decode_group<1>(x, xs, nb, w, tstride, nt, y, ldy); break;
+  }
+}
+
+// Decode rows [0, M) against tiles [t0, t1): 8 tiles at a time, every row group over them while they
+// are in cache; a tile past N's last full one goes through a 16-wide buffer.
+void decode_cols(const float* x, const float* xs, int64_t M, int64_t N, int64_t nb, const uint8_t* w, float* y,
+                 int64_t t0, int64_t t1) {
+  const int64_t K = nb * QBLOCK, tstride = nb * TILE_BYTES, full = N / TILE;
+  std::vector<float> spare;
+  for (int64_t c0 = t0; c0 < t1; c0 += 8) {
+    const int64_t c1 = std::min(c0 + 8, t1);
+    for (int64_t m = 0; m < M;) {
+      const int64_t avail = std::min(M - m, MAX_GROUP);
+      int64_t rows = 1;
+      while (rows * 2 <= avail) rows *= 2;
+      if (avail == MAX_GROUP) rows = MAX_GROUP;
+      int64_t t = c0;
+      const int64_t end = std::min(c1, full);
+      for (int nt = group_tiles(rows); nt >= 1; nt /= 2)  // fewer tiles side by side only at a range's end
+        for (; t + nt <= end; t += nt)
+          decode_rows(x + m * K, xs + m * nb, nb, w + t * tstride, tstride, rows, nt, y + m * N + t * TILE, N);
+      if (t < c1) {  // the last, partial tile
+        spare.resize(static_cast<size_t>(rows * TILE));
+        decode_rows(x + m * K, xs + m * nb, nb, w + t * tstride, tstride, rows, 1, spare.data(), TILE);
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy(spare.data() + r * TILE, spare.data() + r * TILE + (N - t * TILE), y + (m + r) * N + t * TILE);
+      }
+      m += rows;
+    }
+  }
+}
+
+// ---- prefill rows: a tile's exact weights as a k-major panel, and a broadcast-FMA register tile ----
+#if defined(KVGATE_T_AVX512)
+constexpr int PROWS = 12;  // activation rows per register tile (12 zmm running sums)
+#else
+constexpr int PROWS = 6;   // activation rows per register tile (6 x 2 running sums)
+#endif
+constexpr int64_t PBLOCK_FLOATS = 128 * 1024;  // activations per pass over the panels (512 KiB: half an L2)
+
+// panel[k * TILE + j] = fma(d_j, c_j(k), m_j) for tile `w` (nb blocks).
+void widen_panel(const uint8_t* w, int64_t nb, float* panel) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * TILE_BYTES;
+    float* pb = panel + b * QBLOCK * TILE;
+#if defined(KVGATE_T_AVX512)
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + D_OFF)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + M_OFF)));
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int p = 0; p < 16; ++p) {
+      const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16 * p)));
+      _mm512_store_ps(pb + 2 * p * TILE, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(c, low)), m));
+      _mm512_store_ps(pb + (2 * p + 1) * TILE, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), m));
+    }
+#elif defined(KVGATE_T_AVX2)
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + D_OFF + 16 * h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + M_OFF + 16 * h)));
+      for (int p = 0; p < 16; ++p) {
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 16 * p + 8 * h)));
+        _mm256_store_ps(pb + 2 * p * TILE + 8 * h, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(c, low)), m));
+        _mm256_store_ps(pb + (2 * p + 1) * TILE + 8 * h,
+                        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), m));
+      }
+    }
+#else
+    for (int64_t j = 0; j < TILE; ++j) {
+      const float d = half_at(wb + D_OFF + 2 * j), m = half_at(wb + M_OFF + 2 * j);
+      for (int p = 0; p < 16; ++p) {
+        pb[2 * p * TILE + j] = std::fma(d, float(wb[16 * p + j] & 15), m);
+        pb[(2 * p + 1) * TILE + j] = std::fma(d, float(wb[16 * p + j] >> 4), m);
+      }
+    }
+#endif
+  }
+}
+
+// y[r, 0..width) for R rows of x against one panel; every output is fma(x[k], w[k], sum) for k in order.
+#if defined(KVGATE_T_AVX512)
+// A panel row is one zmm and 12 activation rows share it: per k one load and 12 FMAs for 192 products,
+// where the AVX2 tile needs 2 loads and 12 FMAs for 96. Each lane is still its own output's sum in k
+// order, so the bits are the AVX2 tile's (and the scalar build's).
+template <int R>
+void panel_tile(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
+                int64_t ldy, int64_t width) {
+  __m512 a[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w = _mm512_loadu_ps(panel + k * TILE);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, a[r]);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, a[r]);
+}
+#elif defined(KVGATE_T_AVX2)
+template <int R>
+void panel_tile(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
+                int64_t ldy, int64_t width) {
+  // named sums, not an array: GCC kept a 6 x 2 array on the stack, storing all 12 every k (2x slower)
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+         a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_load_ps(panel + k * TILE), w1 = _mm256_load_ps(panel + k * TILE + 8);
+#define KVGATE_ROW(r, A0, A1)                                    \
+  if constexpr (R > r) {                                         \
+    const __m256 xb = _mm256_broadcast_ss(x + r * K + k);        \
+    A0 = _mm256_fmadd_ps(xb, w0, A0);                            \
+    A1 = _mm256_fmadd_ps(xb, w1, A1);                            \
+  }
+    KVGATE_ROW(0, a00, a01) KVGATE_ROW(1, a10, a11) KVGATE_ROW(2, a20, a21)
+    KVGATE_ROW(3, a30, a31) KVGATE_ROW(4, a40, a41) KVGATE_ROW(5, a50, a51)
+#undef KVGATE_ROW
+  }
+  const __m256 acc[PROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[TILE];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    std::copy(out, out + width, y + r * ldy);
+  }
+}
+#else
+template <int R>
+void panel_tile(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int64_t width) {
+  float acc[R][TILE] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < TILE; ++c) acc[r][c] = std::fma(x[r * K + k], panel[k * TILE + c], acc[r][c]);
+  for (int r = 0; r < R; ++r) std::copy(acc[r], acc[r] + width, y + r * ldy);
+}
+#endif
+
+void panel_group(const float* x, int64_t rows, int64_t K, const float* panel, float* y, int64_t ldy,
+                 int64_t width) {
+  switch (rows) {
+#if defined(KVGATE_T_AVX512)
+    case 12: panel_tile<12>(x, K, panel, y, ldy, width); break;
+    case 11: panel_tile<11>(x, K, panel, y, ldy, width); break;
+    case 10: panel_tile<10>(x, K, panel, y, ldy, width); break;
+    case 9: panel_tile<9>(x, K, panel, y, ldy, width); break;
+    case 8: panel_tile<8>(x, K, panel, y, ldy, width); break;
+    case 7: panel_tile<7>(x, K, panel, y, ldy, width); break;
+#endif
+    case 6: panel_tile<6>(x, K, panel, y, ldy, width); break;
+    case 5: panel_tile<5>(x, K, panel, y, ldy, width); break;
+    case 4: panel_tile<4>(x, K, panel, y, ldy, width); break;
+    case 3: panel_tile<3>(x, K, panel, y, ldy, width); break;
+    case 2: panel_tile<2>(x, K, panel, y, ldy, width); break;
+    case 1: panel_tile<1>(x, K, panel, y, ldy, width); break;
+    default: break;
+  }
+}
+
+// Prefill rows x[0, M) against tiles [t0, t1).
+void prefill_cols(const float* x, float* y, int64_t M, int64_t N, int64_t nb, const uint8_t* w, int64_t t0,
+                  int64_t t1) {
+  if (M <= 0 || t0 >= t1) return;
+  const int64_t K = nb * QBLOCK;
+  std::vector<float> buf(K * TILE + 16);
+  float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  const int64_t pblock = std::max<int64_t>(1, PBLOCK_FLOATS / K / PROWS) * PROWS;
+  for (int64_t mb = 0; mb < M; mb += pblock) {
+    const int64_t mb1 = std::min(mb + pblock, M);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t width = std::min(TILE, N - t * TILE);
+      widen_panel(w + t * nb * TILE_BYTES, nb, panel);
+      for (int64_t m = mb; m < mb1; m += PROWS)
+        panel_group(x + m * K, std::min<int64_t>(PROWS, mb1 - m), K, panel, y + m * N + t * TILE, N, width);
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == TILE_BYTES &&
+                  packed.size(0) == (N + TILE - 1) / TILE,
+              "q4_1_matmul: want tiles uint8 [", (N + TILE - 1) / TILE, ", K/32, ", TILE_BYTES, "] for ", N,
+              " outputs (q4_1_pack16), got ", packed.sizes(), " ", packed.dtype());
+  const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QBLOCK, M = x.size(0);
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+              "q4_1_matmul: x must be float32 [rows, ", K, "], got ", x.sizes(), " ", x.dtype());
+  const int64_t Md = decode_rows < 0 ? M : std::min(decode_rows, M);  // rows [Md, M) are prefill rows
+  auto xc = x.contiguous(), pc = packed.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = pc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  std::vector<float> xs(static_cast<size_t>(Md * nb));  // each decode row's block sums
+  for (int64_t i = 0; i < Md * nb; ++i) xs[i] = block_sum(xp + i * QBLOCK);
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    decode_cols(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
+    prefill_cols(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
+  });
+  return y;
+}
