@@ -138,11 +138,13 @@ def weights_resident(model) -> tuple[int, int, int]:
 
 def matrix_tensors(lin) -> list:
     """A `Linear`'s weight and bias; a `Quantized` layer's codes, scales and bias; a `Q41Linear`'s or
-    `Q41Dot8Linear`'s tiles and bias; a `Q8Table`'s codes and scales."""
+    `Q41Dot8Linear`'s tiles and bias; a `Q8Table`'s or `Q8DotTable`'s tiles."""
     import torch
 
     if isinstance(getattr(lin, "packed", None), torch.Tensor):  # (a `Linear`'s `packed` is a flag)
         names = ("packed", "bias")
+    elif hasattr(lin, "tiles"):
+        names = ("tiles",)
     else:
         names = ("codes", "scales", "d", "m", "bias") if hasattr(lin, "codes") else ("weight", "bias")
     return [t for t in (getattr(lin, n, None) for n in names) if t is not None]

@@ -185,18 +185,16 @@ def test_dtype_auto_is_float32_under_the_gguf_formats_even_where_bf16_is_fast(mo
 
 @pytest.mark.parametrize("n,k", [(203, 96), (16, 128), (17, 96)])
 def test_decode_rows_in_groups_give_the_bits_of_a_row_alone(n, k):
-    """Decode rows go through the weights in groups: Q4_1 tiles take 8, 4, 2 or 1 rows against 1, 2, 4
-    or 8 tiles of 16 outputs side by side (the AVX-512 build; AVX2 2 or 1 rows); Q8_0 groups of up to
-    4 rows (dot_rows16: four 16-lane sums per row). Each row must get what it gets alone, whatever the
-    number of rows beside it, and be the dequantized weights' product within float32 rounding; 96
-    columns are an odd number of blocks, 203 and 17 outputs end in a partial tile. The identity's rows
-    as decode rows give back each weight itself, which pins the widened weights to the bit (one
-    product per output, the rest zeros). Seen red (AVX-512 EPYC), Q8_0: the odd last block skipped
-    (the reference check), each row of a group reading the group's first row (the alone check);
-    Q4_1: every row of a group taking the first row's block sums of x (the alone check), the m term
-    left out (the reference check), the partial tile's outputs not copied out (the
-    reference check)."""
-    from kvgate.models.q8_head import q8_blocks
+    """Decode rows go through the weights in groups: 8, 4, 2 or 1 rows against 1, 2, 4 or 8 tiles of 16
+    outputs side by side (the AVX-512 build; AVX2 2 or 1 rows), for Q4_1 and Q8_0 tiles alike. Each
+    row must get what it gets alone, whatever the number of rows beside it, and be the dequantized
+    weights' product within float32 rounding; 96 columns are an odd number of blocks, 203 and 17
+    outputs end in a partial tile. The identity's rows as decode rows give back each weight itself,
+    which pins the widened weights to the bit (one product per output, the rest zeros). Seen red
+    (AVX-512 EPYC), Q4_1: every row of a group taking the first row's block sums of x (the alone
+    check), the m term left out (the reference check), the partial tile's outputs not copied out
+    (the reference check); Q8_0: the codes widened unsigned (the reference check)."""
+    from kvgate.models.q8_head import q8_blocks, q8_pack16
     from tests.test_q4_1_dot8 import ggml_q8_0
 
     torch.manual_seed(n)
@@ -206,7 +204,7 @@ def test_decode_rows_in_groups_give_the_bits_of_a_row_alone(n, k):
     x = torch.randn(21, k)
     for name, fn, w in (
         ("q4_1", lambda a: ext.q4_1_matmul(a, q4_1_pack16(*q4), n, -1), w4),
-        ("q8", lambda a: ext.q8_matmul(a, *q8), w8),
+        ("q8", lambda a: ext.q8_matmul(a, q8_pack16(*q8), n), w8),
     ):
         alone = torch.cat([fn(x[i : i + 1]) for i in range(len(x))])
         want = (x.double() @ w.double().T).float()

@@ -1,5 +1,5 @@
 """Tied embeddings held as their exact Q8_0 blocks (`--q8-head`, kvgate/models/q8_head.py and the C++
-kernel in kvgate/models/csrc/block_matmul.cpp): exact where it is used, never used where it is not,
+kernel in kvgate/models/csrc/tile_matmul.cpp): exact where it is used, never used where it is not,
 row-invariant, the same greedy tokens, and weights charged to the byte."""
 
 from __future__ import annotations

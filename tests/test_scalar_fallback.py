@@ -59,7 +59,7 @@ def inputs() -> dict:
     g = torch.Generator().manual_seed(11)
     from kvgate.models.q4_1 import q4_1_blocks, q4_1_pack16
     from kvgate.models.q4_1_dot8 import q4_1_pack8
-    from kvgate.models.q8_head import q8_blocks, q8_pack8
+    from kvgate.models.q8_head import q8_blocks, q8_pack8, q8_pack16
 
     w4 = ggml_q4_1(torch.randn(203, 96, generator=g) * 0.05)
     w8 = ggml_q8_0(torch.randn(203, 96, generator=g) * 0.05)
@@ -73,7 +73,7 @@ def inputs() -> dict:
         "wide": wide,
         "q4": (q4_1_pack16(codes, d, m), 203),
         "tiles4": q4_1_pack8(codes, d, m),
-        "q8": (c8, s8),
+        "q8": (q8_pack16(c8, s8), 203),
         "tiles8": q8_pack8(c8, s8),
     }
 
@@ -139,10 +139,10 @@ def attention() -> list[torch.Tensor]:
 @pytest.mark.slow
 def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
     """The integer-dot kernels (and the activation rounding) give the same bits in both builds: exact
-    integer sums, then the same float ops in the same order (NaN rows included); so does the Q4_1
-    float matmul (its decode and prompt rows do each lane's FMAs in the same order in every build).
-    The Q8_0 float matmul, RMSNorm and paged attention (its plain loops, chunked contexts included)
-    sum in another order without AVX2: within 1e-5. Seen red: the scalar Q4_1 int-dot adding m_w * d_x
+    integer sums, then the same float ops in the same order (NaN rows included); so do the Q4_1 and
+    Q8_0 float matmuls (their tiles' decode and prompt rows do each lane's FMAs in the same order in
+    every build). RMSNorm and paged attention (its plain loops, chunked contexts included) sum in
+    another order without AVX2: within 1e-5. Seen red: the scalar Q4_1 int-dot adding m_w * d_x
     instead of m_w * s_x; the plain attention loop's last positions scored 1% high; the scalar Q4_1
     decode loop adding m * xs before d * s (each in the scalar build, restored)."""
     if not {"avx2", "fma", "f16c"} <= native.cpu_flags():
@@ -150,10 +150,10 @@ def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
     scalar, avx2 = build_as(tmp_path, set(), ""), outputs(native.extension())
     for a, b in zip(scalar["q8_rows"], avx2["q8_rows"], strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
-    for name in ("q4_1_dot8", "q8_dot8", "q4_1_matmul", "q4_1_matmul_wide"):
+    for name in ("q4_1_dot8", "q8_dot8", "q4_1_matmul", "q4_1_matmul_wide", "q8_matmul", "q8_matmul_wide"):
         a, b = scalar[name], avx2[name]
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
-    for name in ("q8_matmul", "rms_norm"):
+    for name in ("rms_norm",):
         torch.testing.assert_close(scalar[name], avx2[name], atol=1e-5, rtol=1e-5, msg=name)
     for a, b in zip(scalar["paged_attention"], avx2["paged_attention"], strict=True):  # plain loops, chunks
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg="paged_attention")
@@ -169,18 +169,14 @@ def test_the_avx512_paths_compute_what_the_avx2_build_computes(tmp_path):
     V sums of paged attention, the 16-lane prefill attention (its 8-lane build does each lane's
     operations in the same order). Each keeps the AVX2 loops' per-output operations in the same order, so
     a build for an AVX2-only CPU must give the same bits, every kernel, NaN rows included, the Q4_1
-    tiles' 8-row decode groups and their vpermps lookup of the codes included. The one exception is
-    the Q8_0 float matmul: the AVX-512 build sums it in 4 x 16 lanes (dot_rows16) where the AVX2 build
-    sums 2 x 8, so it is held to 1e-5. Seen red: the V pass's last 16 columns not stored; dot_rows16
-    leaving its fourth sum out of the fold; the 16-lane prefill attention dividing by `rcp14` instead
+    and Q8_0 tiles' 8-row decode groups and the vpermps lookup of the Q4_1 codes included. Seen red:
+    the V pass's last 16 columns not stored; the 16-lane prefill attention dividing by `rcp14` instead
     of `div`; the Q4_1 tiles adding m * sum(x) before d * sum(c x) (each in the AVX-512 build,
     restored)."""
     if not {"avx512f", "avx512bw", "avx512vl"} <= native.cpu_flags():
         pytest.skip("this CPU lists no AVX-512 F/BW/VL: the AVX2 build is this process's own")
     avx2, wide = build_as(tmp_path, AVX2, "-mavx2 -mfma -mf16c"), outputs(native.extension())
     assert avx2.keys() == wide.keys()
-    for name in ("q8_matmul", "q8_matmul_wide"):  # dot_rows16's order: within 1e-5
-        torch.testing.assert_close(avx2.pop(name), wide.pop(name), atol=1e-5, rtol=1e-5, msg=name)
     for name, a in avx2.items():
         b = wide[name]
         for x, y in zip(

@@ -132,8 +132,8 @@ def weight_bytes(
     head). `weight_format` int8 / int4: every matrix `kvgate.models.quant` can quantize is held as its
     codes and scales (`quantized_matrix_bytes`) instead of `dtype_bytes` per value; the LM head stays
     in the model dtype (`kvgate.models.llama`). `q8_head`: the tied embedding table (lookup and head)
-    is held once, as Q8_0 codes and scales (`kvgate.models.q8_head.q8_bytes`; in tiles of 8 rows under
-    gguf-q8act, `q8_dot_bytes`)."""
+    is held once, as Q8_0 codes and scales (`kvgate.models.q8_head.q8_bytes`, in tiles of 16 rows; in
+    tiles of 8 rows under gguf-q8act, `q8_dot_bytes`)."""
     h = spec.hidden_size
     if params is None:
         per_layer = (

@@ -31,14 +31,13 @@ log = logging.getLogger("kvgate.native")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "bindings.cpp",
-    "block_matmul.cpp",
     "decode_stack.cpp",
     "int8_dot.cpp",
     "int8_vnni.cpp",
     "layer_ops.cpp",
     "paged_attention.cpp",
     "prefill_attention.cpp",
-    "q4_1_matmul.cpp",
+    "tile_matmul.cpp",
 )  # one module
 HEADERS = ("int8_layout.h", "vec_exp.h")  # included by the sources: part of the cache key
 _state: dict = {}

@@ -2,17 +2,17 @@
 
 GGUF files keep SmolLM2's tied embedding table as Q8_0, so the float table kvgate loads is exactly
 `scale x code` for every block of 32. Holding the codes and scales instead (1.125 bytes per value
-instead of 4) loses nothing: a looked-up embedding row is widened to the very same floats, and the LM
-head computes with the very same weight values (the C++ kernel in csrc/block_matmul.cpp widens each
-weight as `scale * float(code)`, one rounding, exactly as the float table holds it). What changes is
-only the summation order of the head's dot products (~1e-6), the same for every row whatever the
-rows beside it. (`Q8DotTable`, at the end, is `--weights gguf-q8act`'s: it also rounds the head's
-input to 8-bit blocks, which changes the logits more, as that format states.)
+instead of 4) loses nothing in the lookup: a looked-up embedding row is widened to the very same
+floats. The LM head (the C++ kernel in csrc/tile_matmul.cpp, over tiles of 16 rows, `q8_pack16`)
+computes each block as `scale * sum(code x)`, the factoring llama.cpp's block dots use, which differs
+from the float table's dot product at float32 rounding (~1e-7 of the output), the same for every row
+whatever the rows beside it. (`Q8DotTable`, at the end, is `--weights gguf-q8act`'s: it also rounds
+the head's input to 8-bit blocks, which changes the logits more, as that format states.)
 
-What it buys, measured on a 2-vCPU AVX2 EPYC (SmolLM2, 49,152 x 576, one thread): the head at 1 row
-3.4 ms instead of 7.8 ms for oneDNN on the packed float32 copy, 7.7 against 11.8 ms at 8 rows, 15.1
-against 17.3 at 16 (even at 32), and 194 MiB of weights (the float table plus the packed head copy,
-226 MiB, become 32 MiB).
+What it buys, measured on a 2-vCPU AVX2 EPYC (SmolLM2, 49,152 x 576, one thread, with the row layout
+the tiles replaced): the head at 1 row 3.4 ms instead of 7.8 ms for oneDNN on the packed float32 copy,
+7.7 against 11.8 ms at 8 rows, 15.1 against 17.3 at 16 (even at 32), and 194 MiB of weights (the float
+table plus the packed head copy, 226 MiB, become 32 MiB).
 
 Used only where it is exact: `q8_blocks` returns None unless every block round-trips bit for bit,
 so a checkpoint with a genuinely float head (safetensors, a random test model) is never quantized.
@@ -45,31 +45,65 @@ def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return codes.reshape(n, k), scales.contiguous()
 
 
+ROWS16 = 16  # table rows per tile of `Q8Table`
+ROWS16_BLOCK = ROWS16 * QBLOCK + ROWS16 * 4  # a tile's bytes per block: int8 codes, then float32 scales
+
+
 def q8_bytes(vocab: int, hidden: int) -> int:
-    """Bytes of a Q8 table: one byte per value plus a float32 scale per 32 values."""
-    return vocab * hidden + vocab * (hidden // QBLOCK) * 4
+    """Bytes of a Q8 table: one byte per value plus a float32 scale per 32 values, over the rows padded
+    to a multiple of 16 (`q8_pack16`)."""
+    return -(-vocab // ROWS16) * (hidden // QBLOCK) * ROWS16_BLOCK
+
+
+def q8_pack16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`q8_blocks`'s (codes int8 [N, K], scales [N, K/32]) as uint8 tiles [ceil(N/16), K/32, 576]: in tile
+    t, block b, byte 16 k + j is row 16 t + j's code for k, and bytes 512.. are the 16 rows' scales as
+    float32. Padding rows are zero codes and scales."""
+    n, k = codes.shape
+    nb, t = k // QBLOCK, -(-n // ROWS16)
+    if t == 0:
+        return torch.empty(0, nb, ROWS16_BLOCK, dtype=torch.uint8, device=codes.device)
+    pad = t * ROWS16 - n
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scales = torch.cat([scales, scales.new_zeros(pad, nb)])
+    c = codes.view(t, ROWS16, nb, QBLOCK).permute(0, 2, 3, 1).reshape(t, nb, ROWS16 * QBLOCK)
+    s = scales.view(t, ROWS16, nb).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([c.view(torch.uint8), s], dim=-1).contiguous()
 
 
 class Q8Table:
-    """A [vocab, hidden] table as Q8 blocks: `embed(ids)` looks rows up, `__call__(x)` is the LM head
-    `x @ table.T` in float32 (the kernel from `kvgate.models.native`)."""
+    """A [vocab, hidden] table as Q8 blocks in tiles of 16 rows (`q8_pack16`): `embed(ids)` looks rows
+    up, `__call__(x)` is the LM head `x @ table.T` in float32 (the kernel from `kvgate.models.native`)."""
 
-    __slots__ = ("codes", "scales", "nbytes", "_ext")
+    __slots__ = ("tiles", "rows", "nbytes", "_ext")
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        self.codes, self.scales = codes, scales
-        self.nbytes = codes.numel() + scales.numel() * 4
+        self.tiles, self.rows = q8_pack16(codes, scales), codes.shape[0]
+        self.nbytes = self.tiles.numel()
         self._ext = native.extension()
         if self._ext is None:
             raise RuntimeError(native.unavailable() or "kvgate's C++ kernels are unavailable")
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        rows = self.codes.index_select(0, ids).float().view(len(ids), -1, QBLOCK)
-        rows.mul_(self.scales.index_select(0, ids).unsqueeze(-1))
-        return rows.view(len(ids), -1).to(dtype)
+        """Rows `ids` as `dtype`: each row's codes and scales gathered from its tile, widened as the float
+        table holds them."""
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < self.rows):  # as index_select would
+            raise IndexError(f"token ids must be in [0, {self.rows}), got {ids.min()}..{ids.max()}")
+        t, nb = self.tiles.shape[0], self.tiles.shape[1]
+        tile, lane, n = ids // ROWS16, ids % ROWS16, len(ids)
+        codes = self.tiles[..., : ROWS16 * QBLOCK].view(t, nb, QBLOCK, ROWS16)[
+            tile, :, :, lane
+        ]  # [n, nb, 32]
+        scales = self.tiles[..., ROWS16 * QBLOCK :].view(t, nb, ROWS16, 4)[
+            tile, :, lane, :
+        ]  # [n, nb, 4] bytes
+        rows = codes.view(torch.int8).float()
+        rows.mul_(scales.contiguous().view(torch.float32))
+        return rows.view(n, -1).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ext.q8_matmul(x.float(), self.codes, self.scales)
+        return self._ext.q8_matmul(x.float(), self.tiles, self.rows)
 
 
 # auto keeps the Q8 head unless the plain one measures clearly faster. The probe's slice is cache-hot
@@ -158,7 +192,7 @@ class Q8DotTable(Q8Table):
     its input rows to 8-bit blocks and sums integer products (csrc/int8_dot.cpp), as the layers do.
     The lookup gathers a row's codes and scales from the tiles: the same floats as `Q8Table.embed`."""
 
-    __slots__ = ("packed", "rows")
+    __slots__ = ("packed",)
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         super().__init__(codes[:0], scales[:0])  # the tiles below hold the table

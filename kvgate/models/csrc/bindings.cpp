@@ -1,5 +1,5 @@
-// The Python module of kvgate's C++ kernels: the Q8_0 and Q4_1 float matmuls (block_matmul.cpp,
-// q4_1_matmul.cpp), the integer-dot kernels
+// The Python module of kvgate's C++ kernels: the Q8_0 and Q4_1 float matmuls (tile_matmul.cpp), the
+// integer-dot kernels
 // of --weights gguf-q8act (int8_dot.cpp), the small layer ops (layer_ops.cpp) and the decode-only
 // layer stack (decode_stack.cpp), prompt-chunk attention (prefill_attention.cpp). The paged decode attention
 // kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
@@ -8,7 +8,7 @@
 #include <string>
 #include <tuple>
 
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor d);
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q8_rows(torch::Tensor x);
 torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
@@ -27,7 +27,7 @@ std::string int8_isa();
 std::string set_int8_isa(const std::string& isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q8_matmul", &q8_matmul, "float32 x times Q8_0 blocks (codes int8, scales float32)");
+  mod.def("q8_matmul", &q8_matmul, "float32 x times a Q8_0 table in tiles of 16 rows (q8_pack16) for N outputs");
   mod.def("q4_1_matmul", &q4_1_matmul,
           "float32 x times Q4_1 weights in tiles of 16 rows (q4_1_pack16) for N outputs; rows from decode_rows "
           "on take the prefill loop (-1: every row is a decode row)",

@@ -1,32 +1,39 @@
-// y[m, n] = sum_k x[m, k] * w[n, k] for a Q4_1 weight matrix (--weights gguf) times float32 activations.
-// A Q4_1 block is 32 values w = d * c + m, c in 0..15, d and m fp16 (the file's own).
-//
-// Layout (q4_1_pack16 in kvgate/models/q4_1.py): tiles of 16 output rows, uint8 [T, K/32, 320]. Per block
-// of 32 k, bytes 16p + j (p = 0..15) hold output j's codes at k = 2p (low nibble) and k = 2p + 1 (high),
-// then the 16 outputs' d and m as fp16 (bytes 256 and 288). Output rows past N are zero codes and
-// scales. So 16 bytes widen to the codes of 16 outputs at two k, one output per lane: a GEMM's shape,
-// where the rows of the first layout each needed a horizontal sum and their own widening per k.
+// y[m, n] = sum_k x[m, k] * w[n, k] for a weight matrix held as GGUF blocks of 32 values, times float32
+// activations, from tiles of 16 output rows:
+//   Q4_1 (--weights gguf's layers; q4_1_matmul, tiles from q4_1_pack16 in kvgate/models/q4_1.py):
+//     w = d * c + m, c in 0..15, d and m fp16 (the file's own). uint8 [T, K/32, 320]: per block of 32 k,
+//     bytes 16p + j (p = 0..15) hold output j's codes at k = 2p (low nibble) and k = 2p + 1 (high), then
+//     the 16 outputs' d and m as fp16 (bytes 256 and 288).
+//   Q8_0 (the LM head GGUF files keep as Q8_0; q8_matmul, tiles from q8_pack16 in kvgate/models/q8_head.py):
+//     w = d * c, c int8. uint8 [T, K/32, 576]: per block, bytes 16k + j hold output j's code at k, then
+//     the 16 outputs' d as float32 (bytes 512..575).
+// Output rows past N are zero codes and scales. So 16 (Q4_1: 32) weights of 16 outputs widen from one
+// 16-byte load, one output per lane: a GEMM's shape, where rows laid out one after another each needed
+// their own widening per k and a horizontal sum.
 //
 // Two kinds of rows, each always computed the same way, whatever else is in the call:
-// - decode rows (the first `decode_rows` of x): per output and block, one FMA chain s = sum_k c_k x_k
-//   over the block's k in order, then acc = fma(d, s, acc) and acc = fma(m, xs_b, acc), blocks in
-//   order, where xs_b is the block's sum of x (`block_sum`, a fixed tree). That is d * sum(c x) +
-//   m * sum(x), the factoring llama.cpp's Q4_1 dot uses: the codes need no scaling per weight, so a
-//   16-byte load widens 32 weights in 4 ops (vpermps looks a nibble up in the floats 0..15). Against the
-//   exact widened weights it differs at float32 rounding (2-3e-7 of the largest output on random
-//   matrices). Every build (AVX-512, AVX2, scalar) does these operations lane for lane: the same bits.
-// - prefill rows (from `decode_rows` on): a tile is widened once into a float panel of the exact
-//   weights fma(d, c, m) (d * c is exact in float32: one rounding, as gguf's own d * c + m), k-major,
-//   then blocks of activation rows run a 12 x 16 (AVX2: 6 x 16) register tile of broadcast-FMAs over
-//   it. Each output is one running sum over k = 0..K-1 in order: the same bits in every build.
+// - decode rows (the first `decode_rows` of x; every row for q8_matmul): per output and block, one FMA
+//   chain s = sum_k c_k x_k over the block's k in order, then acc = fma(d, s, acc) (Q4_1: then also
+//   acc = fma(m, xs_b, acc), xs_b the block's sum of x by a fixed tree, `block_sum`), blocks in order.
+//   That is d * sum(c x) + m * sum(x), the factoring llama.cpp's block dots use: the codes need no
+//   scaling per weight, so a 16-byte load widens 32 Q4_1 weights in 4 ops (vpermps looks a nibble up
+//   in the floats 0..15). Against the exact widened weights it differs at float32 rounding (2-3e-7 of
+//   the largest output on random matrices). Every build (AVX-512, AVX2, scalar) does these operations
+//   lane for lane: the same bits.
+// - prefill rows (q4_1_matmul's rows from `decode_rows` on): a tile is widened once into a float panel
+//   of the exact weights fma(d, c, m) (d * c is exact in float32: one rounding, as gguf's own
+//   d * c + m), k-major, then blocks of activation rows run a 12 x 16 (AVX2: 6 x 16) register tile of
+//   broadcast-FMAs over it. Each output is one running sum over k = 0..K-1 in order: the same bits in
+//   every build.
 // So a row's result never depends on how many rows share the call: a decode row (or a speculative row
 // verified as one) is computed as it would be alone, a prompt token's row the same way however the
 // prompt is chunked. Threads split the tiles.
 //
-// Measured against the row layout it replaced (weights of 0.75 B, rows widened one at a time, 4 x 16
-// lane sums per row; Zen 5 EPYC, 2 threads, SmolLM2's 30 layers from DRAM): 1 row 2.16-2.46 ->
-// 1.89-2.05 ms, 4 rows 3.7-4.1 -> 3.0-3.3, 8 rows 8.1 -> 5.3-5.4, 16 rows 15.4-16.3 -> 10.0-11.5; at
-// 0.625 B a weight. Without the software prefetch the tiles' 8 streams ran at 23 GB/s (1 row 2.9 ms).
+// Measured against the row layouts these replaced (Q4_1 at 0.75 B a weight, rows widened one at a time,
+// 4 x 16 lane sums per row; Zen 5 EPYC, 2 threads, SmolLM2's 30 layers from DRAM, random weights): 1 row
+// 2.16-2.48 -> 1.89-2.39 ms, 4 rows 3.7-4.1 -> 3.0-3.96, 8 rows 8.1-8.4 -> 5.3-5.4, 16 rows 15.4-16.3 ->
+// 10.0-11.5; at 0.625 B a weight. Without the software prefetch the tiles' 8 streams ran at 23 GB/s (1
+// row 2.9 ms).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -46,9 +53,7 @@
 namespace {
 
 constexpr int64_t QBLOCK = 32;
-constexpr int64_t TILE = 16;         // output rows per tile
-constexpr int64_t TILE_BYTES = 320;  // per tile and block: 256 B of codes, 16 fp16 d, 16 fp16 m
-constexpr int64_t D_OFF = 256, M_OFF = 288;
+constexpr int64_t TILE = 16;  // output rows per tile
 // Blocks ahead of its use a tile's bytes are asked for (into L1): a thread reads up to 8 tiles side by
 // side, more streams than the hardware prefetcher follows. 2-4 measured alike, 8 slower, none 1.45x.
 constexpr int64_t AHEAD = 3;
@@ -76,9 +81,72 @@ inline float block_sum(const float* x) {
 #endif
 }
 
+// The two block formats' tiles: a tile-block's bytes, its codes as floats, its scales.
+struct Q41 {
+  static constexpr int64_t BYTES = 320;  // 256 B of codes, 16 fp16 d, 16 fp16 m
+  static constexpr bool HAS_M = true;
+  static float code(const uint8_t* wb, int64_t k, int64_t j) {
+    const uint8_t c = wb[16 * (k / 2) + j];
+    return float(k % 2 ? c >> 4 : c & 15);
+  }
+  static float d(const uint8_t* wb, int64_t j) { return half_at(wb + 256 + 2 * j); }
+  static float m(const uint8_t* wb, int64_t j) { return half_at(wb + 288 + 2 * j); }
+#if defined(KVGATE_T_AVX512)
+  // the 16 outputs' codes at k = 2p (c0) and 2p + 1 (c1)
+  static void widen(const uint8_t* wb, int p, __m512& c0, __m512& c1) {
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16 * p)));
+    c0 = _mm512_permutexvar_ps(c, levels);  // reads each lane's low 4 bits
+    c1 = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), levels);
+  }
+  static __m512 d16(const uint8_t* wb) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256))); }
+  static __m512 m16(const uint8_t* wb) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 288))); }
+#endif
+#if defined(KVGATE_T_AVX2)
+  // outputs 8h .. 8h + 7 (AVX2's vpermps indexes 8 lanes only: a mask, a shift and a convert)
+  static void widen8(const uint8_t* wb, int p, int h, __m256& c0, __m256& c1) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 16 * p + 8 * h)));
+    c0 = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15)));
+    c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+  }
+  static __m256 d8(const uint8_t* wb, int h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 256 + 16 * h))); }
+  static __m256 m8(const uint8_t* wb, int h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 288 + 16 * h))); }
+#endif
+};
+
+struct Q80 {
+  static constexpr int64_t BYTES = 576;  // 512 B of int8 codes, 16 float32 d
+  static constexpr bool HAS_M = false;
+  static float code(const uint8_t* wb, int64_t k, int64_t j) { return float(static_cast<int8_t>(wb[16 * k + j])); }
+  static float d(const uint8_t* wb, int64_t j) {
+    float f;
+    std::memcpy(&f, wb + 512 + 4 * j, 4);
+    return f;
+  }
+  static float m(const uint8_t*, int64_t) { return 0.f; }
+#if defined(KVGATE_T_AVX512)
+  static void widen(const uint8_t* wb, int p, __m512& c0, __m512& c1) {
+    c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 32 * p))));
+    c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 32 * p + 16))));
+  }
+  static __m512 d16(const uint8_t* wb) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 512)); }
+  static __m512 m16(const uint8_t*) { return _mm512_setzero_ps(); }
+#endif
+#if defined(KVGATE_T_AVX2)
+  static void widen8(const uint8_t* wb, int p, int h, __m256& c0, __m256& c1) {
+    c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 32 * p + 8 * h))));
+    c1 = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 32 * p + 16 + 8 * h))));
+  }
+  static __m256 d8(const uint8_t* wb, int h) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 512) + 8 * h); }
+  static __m256 m8(const uint8_t*, int) { return _mm256_setzero_ps(); }
+#endif
+};
+
+template <class F>
 inline void prefetch_block(const uint8_t* p) {
 #if defined(KVGATE_T_AVX2)
-  for (int64_t l = 0; l < TILE_BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T0);
+  for (int64_t l = 0; l < F::BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T0);
 #else
   (void)p;
 #endif
@@ -86,11 +154,10 @@ inline void prefetch_block(const uint8_t* p) {
 
 // ---- decode rows: R rows x NT tiles side by side (see the file's opening for the arithmetic) ----
 #if defined(KVGATE_T_AVX512)
-template <int R, int NT>
+template <class F, int R, int NT>
 void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
                   int64_t ldy) {
   const int64_t K = nb * QBLOCK;
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[R][NT];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -98,7 +165,7 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (b + AHEAD < nb)
-      for (int t = 0; t < NT; ++t) prefetch_block(w + t * tstride + (b + AHEAD) * TILE_BYTES);
+      for (int t = 0; t < NT; ++t) prefetch_block<F>(w + t * tstride + (b + AHEAD) * F::BYTES);
     __m512 s[R][NT];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -108,10 +175,8 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
     for (int p = 0; p < 16; ++p) {
 #pragma GCC unroll 8
       for (int t = 0; t < NT; ++t) {
-        const __m512i c = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + t * tstride + b * TILE_BYTES + 16 * p)));
-        const __m512 c0 = _mm512_permutexvar_ps(c, levels);  // reads each lane's low 4 bits
-        const __m512 c1 = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), levels);
+        __m512 c0, c1;
+        F::widen(w + t * tstride + b * F::BYTES, p, c0, c1);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const float* xr = x + r * K + b * QBLOCK + 2 * p;
@@ -122,13 +187,14 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
     }
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-      const uint8_t* wb = w + t * tstride + b * TILE_BYTES;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + D_OFF)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + M_OFF)));
+      const uint8_t* wb = w + t * tstride + b * F::BYTES;
+      const __m512 d = F::d16(wb);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        acc[r][t] = _mm512_fmadd_ps(d, s[r][t], acc[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), acc[r][t]);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(d, s[r][t], acc[r][t]);
+      if constexpr (F::HAS_M) {
+        const __m512 m = F::m16(wb);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), acc[r][t]);
       }
     }
   }
@@ -141,29 +207,25 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
 constexpr int64_t MAX_GROUP = 8;
 inline int group_tiles(int64_t rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : rows >= 2 ? 4 : 8; }
 #elif defined(KVGATE_T_AVX2)
-// The same per lane in two 8-lane halves (outputs 0..7 from the low 8 bytes of each 16, 8..15 from the
-// high), codes widened by a mask, a shift and a convert (AVX2's vpermps indexes 8 lanes only).
-template <int R, int NT>
+// The same per lane in two 8-lane halves (outputs 0..7, 8..15).
+template <class F, int R, int NT>
 void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
                   int64_t ldy) {
   const int64_t K = nb * QBLOCK;
-  const __m256i low = _mm256_set1_epi32(15);
   __m256 acc[R][NT][2];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (b + AHEAD < nb)
-      for (int t = 0; t < NT; ++t) prefetch_block(w + t * tstride + (b + AHEAD) * TILE_BYTES);
+      for (int t = 0; t < NT; ++t) prefetch_block<F>(w + t * tstride + (b + AHEAD) * F::BYTES);
     __m256 s[R][NT][2];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < NT; ++t) s[r][t][0] = s[r][t][1] = _mm256_setzero_ps();
     for (int p = 0; p < 16; ++p) {
       for (int t = 0; t < NT; ++t) {
-        const uint8_t* q = w + t * tstride + b * TILE_BYTES + 16 * p;
         for (int h = 0; h < 2; ++h) {
-          const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
-          const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(c, low));
-          const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+          __m256 c0, c1;
+          F::widen8(w + t * tstride + b * F::BYTES, p, h, c0, c1);
           for (int r = 0; r < R; ++r) {
             const float* xr = x + r * K + b * QBLOCK + 2 * p;
             s[r][t][h] = _mm256_fmadd_ps(_mm256_set1_ps(xr[0]), c0, s[r][t][h]);
@@ -173,13 +235,13 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
       }
     }
     for (int t = 0; t < NT; ++t) {
-      const uint8_t* wb = w + t * tstride + b * TILE_BYTES;
+      const uint8_t* wb = w + t * tstride + b * F::BYTES;
       for (int h = 0; h < 2; ++h) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + D_OFF + 16 * h)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + M_OFF + 16 * h)));
-        for (int r = 0; r < R; ++r) {
-          acc[r][t][h] = _mm256_fmadd_ps(d, s[r][t][h], acc[r][t][h]);
-          acc[r][t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r][t][h]);
+        const __m256 d = F::d8(wb, h);
+        for (int r = 0; r < R; ++r) acc[r][t][h] = _mm256_fmadd_ps(d, s[r][t][h], acc[r][t][h]);
+        if constexpr (F::HAS_M) {
+          const __m256 m = F::m8(wb, h);
+          for (int r = 0; r < R; ++r) acc[r][t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r][t][h]);
         }
       }
     }
@@ -194,7 +256,7 @@ constexpr int64_t MAX_GROUP = 2;  // 16 ymm registers: 2 rows x 1 tile x 4 sums,
 inline int group_tiles(int64_t rows) { return rows >= 2 ? 1 : 2; }
 #else
 // Without AVX2: the same operations per output, one at a time.
-template <int R, int NT>
+template <class F, int R, int NT>
 void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
                   int64_t ldy) {
   const int64_t K = nb * QBLOCK;
@@ -203,15 +265,12 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
       for (int64_t j = 0; j < TILE; ++j) {
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* wb = w + t * tstride + b * TILE_BYTES;
+          const uint8_t* wb = w + t * tstride + b * F::BYTES;
           const float* xr = x + r * K + b * QBLOCK;
           float s = 0.f;
-          for (int p = 0; p < 16; ++p) {
-            s = std::fma(xr[2 * p], float(wb[16 * p + j] & 15), s);
-            s = std::fma(xr[2 * p + 1], float(wb[16 * p + j] >> 4), s);
-          }
-          acc = std::fma(half_at(wb + D_OFF + 2 * j), s, acc);
-          acc = std::fma(half_at(wb + M_OFF + 2 * j), xs[r * nb + b], acc);
+          for (int64_t k = 0; k < QBLOCK; ++k) s = std::fma(xr[k], F::code(wb, k, j), s);
+          acc = std::fma(F::d(wb, j), s, acc);
+          if constexpr (F::HAS_M) acc = std::fma(F::m(wb, j), xs[r * nb + b], acc);
         }
         y[r * ldy + TILE * t + j] = acc;
       }
@@ -220,37 +279,40 @@ constexpr int64_t MAX_GROUP = 1;
 inline int group_tiles(int64_t) { return 1; }
 #endif
 
-template <int R>
+template <class F, int R>
 void decode_group(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, int nt,
                   float* y, int64_t ldy) {
   switch (nt) {
-    case 8: decode_tiles<R, 8>(x, xs, nb, w, tstride, y, ldy); break;
-    case 4: decode_tiles<R, 4>(x, xs, nb, w, tstride, y, ldy); break;
-    case 2: decode_tiles<R, 2>(x, xs, nb, w, tstride, y, ldy); break;
-    default: decode_tiles<R, 1>(x, xs, nb, w, tstride, y, ldy); break;
+    case 8: decode_tiles<F, R, 8>(x, xs, nb, w, tstride, y, ldy); break;
+    case 4: decode_tiles<F, R, 4>(x, xs, nb, w, tstride, y, ldy); break;
+    case 2: decode_tiles<F, R, 2>(x, xs, nb, w, tstride, y, ldy); break;
+    default: decode_tiles<F, R, 1>(x, xs, nb, w, tstride, y, ldy); break;
   }
 }
 
 // `rows` (1..MAX_GROUP, a power of two below it or MAX_GROUP) decode rows against `nt` tiles.
+template <class F>
 void decode_rows(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, int64_t rows,
                  int nt, float* y, int64_t ldy) {
   switch (rows) {
 #if defined(KVGATE_T_AVX512)
-    case 8: decode_group<8>(x, xs, nb, w, tstride, nt, y, ldy); break;
-    case 4: decode_group<4>(x, xs, nb, w, tstride, nt, y, ldy); break;
+    case 8: decode_group<F, 8>(x, xs, nb, w, tstride, nt, y, ldy); break;
+    case 4: decode_group<F, 4>(x, xs, nb, w, tstride, nt, y, ldy); break;
 #endif
 #if defined(KVGATE_T_AVX2)
-    case 2: decode_group<2>(x, xs, nb, w, tstride, nt, y, ldy); break;
+    case 2: decode_group<F, 2>(x, xs, nb, w, tstride, nt, y, ldy); break;
 #endif
-    default: decode_group<1>(x, xs, nb, w, tstride, nt, y, ldy); break;
+    default: decode_group<F, 1>(x, xs, nb, w, tstride, nt, y, ldy); break;
   }
 }
 
 // Decode rows [0, M) against tiles [t0, t1): 8 tiles at a time, every row group over them while they
-// are in cache; a tile past N's last full one goes through a 16-wide buffer.
+// are in cache; a tile past N's last full one goes through a 16-wide buffer. `xs`: each row's block sums
+// (Q4_1 only).
+template <class F>
 void decode_cols(const float* x, const float* xs, int64_t M, int64_t N, int64_t nb, const uint8_t* w, float* y,
                  int64_t t0, int64_t t1) {
-  const int64_t K = nb * QBLOCK, tstride = nb * TILE_BYTES, full = N / TILE;
+  const int64_t K = nb * QBLOCK, tstride = nb * F::BYTES, full = N / TILE;
   std::vector<float> spare;
   for (int64_t c0 = t0; c0 < t1; c0 += 8) {
     const int64_t c1 = std::min(c0 + 8, t1);
@@ -258,15 +320,15 @@ void decode_cols(const float* x, const float* xs, int64_t M, int64_t N, int64_t 
       const int64_t avail = std::min(M - m, MAX_GROUP);
       int64_t rows = 1;
       while (rows * 2 <= avail) rows *= 2;
-      if (avail == MAX_GROUP) rows = MAX_GROUP;
+      const float* xsr = F::HAS_M ? xs + m * nb : nullptr;
       int64_t t = c0;
       const int64_t end = std::min(c1, full);
       for (int nt = group_tiles(rows); nt >= 1; nt /= 2)  // fewer tiles side by side only at a range's end
         for (; t + nt <= end; t += nt)
-          decode_rows(x + m * K, xs + m * nb, nb, w + t * tstride, tstride, rows, nt, y + m * N + t * TILE, N);
+          decode_rows<F>(x + m * K, xsr, nb, w + t * tstride, tstride, rows, nt, y + m * N + t * TILE, N);
       if (t < c1) {  // the last, partial tile
         spare.resize(static_cast<size_t>(rows * TILE));
-        decode_rows(x + m * K, xs + m * nb, nb, w + t * tstride, tstride, rows, 1, spare.data(), TILE);
+        decode_rows<F>(x + m * K, xsr, nb, w + t * tstride, tstride, rows, 1, spare.data(), TILE);
         for (int64_t r = 0; r < rows; ++r)
           std::copy(spare.data() + r * TILE, spare.data() + r * TILE + (N - t * TILE), y + (m + r) * N + t * TILE);
       }
@@ -286,11 +348,11 @@ constexpr int64_t PBLOCK_FLOATS = 128 * 1024;  // activations per pass over the 
 // panel[k * TILE + j] = fma(d_j, c_j(k), m_j) for tile `w` (nb blocks).
 void widen_panel(const uint8_t* w, int64_t nb, float* panel) {
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + b * TILE_BYTES;
+    const uint8_t* wb = w + b * Q41::BYTES;
     float* pb = panel + b * QBLOCK * TILE;
 #if defined(KVGATE_T_AVX512)
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + D_OFF)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + M_OFF)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 288)));
     const __m512i low = _mm512_set1_epi32(15);
     for (int p = 0; p < 16; ++p) {
       const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16 * p)));
@@ -300,8 +362,8 @@ void widen_panel(const uint8_t* w, int64_t nb, float* panel) {
 #elif defined(KVGATE_T_AVX2)
     const __m256i low = _mm256_set1_epi32(15);
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + D_OFF + 16 * h)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + M_OFF + 16 * h)));
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 256 + 16 * h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 288 + 16 * h)));
       for (int p = 0; p < 16; ++p) {
         const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 16 * p + 8 * h)));
         _mm256_store_ps(pb + 2 * p * TILE + 8 * h, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(c, low)), m));
@@ -311,7 +373,7 @@ void widen_panel(const uint8_t* w, int64_t nb, float* panel) {
     }
 #else
     for (int64_t j = 0; j < TILE; ++j) {
-      const float d = half_at(wb + D_OFF + 2 * j), m = half_at(wb + M_OFF + 2 * j);
+      const float d = Q41::d(wb, j), m = Q41::m(wb, j);
       for (int p = 0; p < 16; ++p) {
         pb[2 * p * TILE + j] = std::fma(d, float(wb[16 * p + j] & 15), m);
         pb[(2 * p + 1) * TILE + j] = std::fma(d, float(wb[16 * p + j] >> 4), m);
@@ -412,23 +474,31 @@ void prefill_cols(const float* x, float* y, int64_t M, int64_t N, int64_t nb, co
     const int64_t mb1 = std::min(mb + pblock, M);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t width = std::min(TILE, N - t * TILE);
-      widen_panel(w + t * nb * TILE_BYTES, nb, panel);
+      widen_panel(w + t * nb * Q41::BYTES, nb, panel);
       for (int64_t m = mb; m < mb1; m += PROWS)
         panel_group(x + m * K, std::min<int64_t>(PROWS, mb1 - m), K, panel, y + m * N + t * TILE, N, width);
     }
   }
 }
 
+void check_tiles(const char* fn, const char* pack, const torch::Tensor& packed, int64_t N, int64_t bytes) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == bytes &&
+                  packed.size(0) == (N + TILE - 1) / TILE,
+              fn, ": want tiles uint8 [", (N + TILE - 1) / TILE, ", K/32, ", bytes, "] for ", N, " outputs (", pack,
+              "), got ", packed.sizes(), " ", packed.dtype());
+}
+
+void check_x(const char* fn, const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, fn, ": x must be float32 [rows, ",
+              K, "], got ", x.sizes(), " ", x.dtype());
+}
+
 }  // namespace
 
 torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows) {
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.size(2) == TILE_BYTES &&
-                  packed.size(0) == (N + TILE - 1) / TILE,
-              "q4_1_matmul: want tiles uint8 [", (N + TILE - 1) / TILE, ", K/32, ", TILE_BYTES, "] for ", N,
-              " outputs (q4_1_pack16), got ", packed.sizes(), " ", packed.dtype());
+  check_tiles("q4_1_matmul", "q4_1_pack16", packed, N, Q41::BYTES);
   const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QBLOCK, M = x.size(0);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
-              "q4_1_matmul: x must be float32 [rows, ", K, "], got ", x.sizes(), " ", x.dtype());
+  check_x("q4_1_matmul", x, K);
   const int64_t Md = decode_rows < 0 ? M : std::min(decode_rows, M);  // rows [Md, M) are prefill rows
   auto xc = x.contiguous(), pc = packed.contiguous();
   auto y = torch::empty({M, N}, x.options());
@@ -438,8 +508,21 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
   std::vector<float> xs(static_cast<size_t>(Md * nb));  // each decode row's block sums
   for (int64_t i = 0; i < Md * nb; ++i) xs[i] = block_sum(xp + i * QBLOCK);
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    decode_cols(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
+    decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
     prefill_cols(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
   });
+  return y;
+}
+
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  check_tiles("q8_matmul", "q8_pack16", packed, N, Q80::BYTES);
+  const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QBLOCK, M = x.size(0);
+  check_x("q8_matmul", x, K);
+  auto xc = x.contiguous(), pc = packed.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = pc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) { decode_cols<Q80>(xp, nullptr, M, N, nb, wp, yp, t0, t1); });
   return y;
 }
