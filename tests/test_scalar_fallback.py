@@ -144,7 +144,8 @@ def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
     every build). RMSNorm and paged attention (its plain loops, chunked contexts included) sum in
     another order without AVX2: within 1e-5. Seen red: the scalar Q4_1 int-dot adding m_w * d_x
     instead of m_w * s_x; the plain attention loop's last positions scored 1% high; the scalar Q4_1
-    decode loop adding m * xs before d * s (each in the scalar build, restored)."""
+    decode loop adding m * xs before d * s; the scalar Q8_0 loop summing a block in one chain
+    instead of its even and odd k apart (each in the scalar build, restored)."""
     if not {"avx2", "fma", "f16c"} <= native.cpu_flags():
         pytest.skip("this CPU builds the scalar path already: nothing to compare")
     scalar, avx2 = build_as(tmp_path, set(), ""), outputs(native.extension())

@@ -13,7 +13,8 @@
 //
 // Two kinds of rows, each always computed the same way, whatever else is in the call:
 // - decode rows (the first `decode_rows` of x; every row for q8_matmul): per output and block, one FMA
-//   chain s = sum_k c_k x_k over the block's k in order, then acc = fma(d, s, acc) (Q4_1: then also
+//   chain s = sum_k c_k x_k over the block's k in order (Q8_0: two, over the even and the odd k, then
+//   added, so one row needs only 4 tiles in flight), then acc = fma(d, s, acc) (Q4_1: then also
 //   acc = fma(m, xs_b, acc), xs_b the block's sum of x by a fixed tree, `block_sum`), blocks in order.
 //   That is d * sum(c x) + m * sum(x), the factoring llama.cpp's block dots use: the codes need no
 //   scaling per weight, so a 16-byte load widens 32 Q4_1 weights in 4 ops (vpermps looks a nibble up
@@ -85,6 +86,7 @@ inline float block_sum(const float* x) {
 struct Q41 {
   static constexpr int64_t BYTES = 320;  // 256 B of codes, 16 fp16 d, 16 fp16 m
   static constexpr bool HAS_M = true;
+  static constexpr int CHAINS = 1;  // a block's sum in one chain over k
   static float code(const uint8_t* wb, int64_t k, int64_t j) {
     const uint8_t c = wb[16 * (k / 2) + j];
     return float(k % 2 ? c >> 4 : c & 15);
@@ -117,6 +119,7 @@ struct Q41 {
 struct Q80 {
   static constexpr int64_t BYTES = 576;  // 512 B of int8 codes, 16 float32 d
   static constexpr bool HAS_M = false;
+  static constexpr int CHAINS = 2;  // a block's sum in two chains, even and odd k, then added
   static float code(const uint8_t* wb, int64_t k, int64_t j) { return float(static_cast<int8_t>(wb[16 * k + j])); }
   static float d(const uint8_t* wb, int64_t j) {
     float f;
@@ -166,11 +169,13 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
   for (int64_t b = 0; b < nb; ++b) {
     if (b + AHEAD < nb)
       for (int t = 0; t < NT; ++t) prefetch_block<F>(w + t * tstride + (b + AHEAD) * F::BYTES);
-    __m512 s[R][NT];
+    constexpr int C = F::CHAINS;
+    __m512 s[R][NT][C];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-      for (int t = 0; t < NT; ++t) s[r][t] = _mm512_setzero_ps();
+      for (int t = 0; t < NT; ++t)
+        for (int c = 0; c < C; ++c) s[r][t][c] = _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
 #pragma GCC unroll 8
@@ -180,8 +185,8 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const float* xr = x + r * K + b * QBLOCK + 2 * p;
-          s[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), c0, s[r][t]);
-          s[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), c1, s[r][t]);
+          s[r][t][0] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), c0, s[r][t][0]);
+          s[r][t][C - 1] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), c1, s[r][t][C - 1]);
         }
       }
     }
@@ -190,7 +195,8 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
       const uint8_t* wb = w + t * tstride + b * F::BYTES;
       const __m512 d = F::d16(wb);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(d, s[r][t], acc[r][t]);
+      for (int r = 0; r < R; ++r)
+        acc[r][t] = _mm512_fmadd_ps(d, C == 2 ? _mm512_add_ps(s[r][t][0], s[r][t][C - 1]) : s[r][t][0], acc[r][t]);
       if constexpr (F::HAS_M) {
         const __m512 m = F::m16(wb);
 #pragma GCC unroll 8
@@ -203,9 +209,13 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) _mm512_storeu_ps(y + r * ldy + TILE * t, acc[r][t]);
 }
-// rows per group and the tiles each group takes side by side: 8 FMA chains in flight in each case
+// rows per group and the tiles each group takes side by side: 8 FMA chains in flight (one row of Q8_0
+// runs 4 tiles of 2 chains: fewer streams)
 constexpr int64_t MAX_GROUP = 8;
-inline int group_tiles(int64_t rows) { return rows >= 8 ? 1 : rows >= 4 ? 2 : rows >= 2 ? 4 : 8; }
+template <class F>
+inline int group_tiles(int64_t rows) {
+  return rows >= 8 ? 1 : rows >= 4 ? 2 : rows >= 2 ? 4 : 8 / F::CHAINS;
+}
 #elif defined(KVGATE_T_AVX2)
 // The same per lane in two 8-lane halves (outputs 0..7, 8..15).
 template <class F, int R, int NT>
@@ -218,9 +228,12 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
   for (int64_t b = 0; b < nb; ++b) {
     if (b + AHEAD < nb)
       for (int t = 0; t < NT; ++t) prefetch_block<F>(w + t * tstride + (b + AHEAD) * F::BYTES);
-    __m256 s[R][NT][2];
+    constexpr int C = F::CHAINS;
+    __m256 s[R][NT][2][C];
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < NT; ++t) s[r][t][0] = s[r][t][1] = _mm256_setzero_ps();
+      for (int t = 0; t < NT; ++t)
+        for (int h = 0; h < 2; ++h)
+          for (int c = 0; c < C; ++c) s[r][t][h][c] = _mm256_setzero_ps();
     for (int p = 0; p < 16; ++p) {
       for (int t = 0; t < NT; ++t) {
         for (int h = 0; h < 2; ++h) {
@@ -228,8 +241,8 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
           F::widen8(w + t * tstride + b * F::BYTES, p, h, c0, c1);
           for (int r = 0; r < R; ++r) {
             const float* xr = x + r * K + b * QBLOCK + 2 * p;
-            s[r][t][h] = _mm256_fmadd_ps(_mm256_set1_ps(xr[0]), c0, s[r][t][h]);
-            s[r][t][h] = _mm256_fmadd_ps(_mm256_set1_ps(xr[1]), c1, s[r][t][h]);
+            s[r][t][h][0] = _mm256_fmadd_ps(_mm256_set1_ps(xr[0]), c0, s[r][t][h][0]);
+            s[r][t][h][C - 1] = _mm256_fmadd_ps(_mm256_set1_ps(xr[1]), c1, s[r][t][h][C - 1]);
           }
         }
       }
@@ -238,7 +251,10 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
       const uint8_t* wb = w + t * tstride + b * F::BYTES;
       for (int h = 0; h < 2; ++h) {
         const __m256 d = F::d8(wb, h);
-        for (int r = 0; r < R; ++r) acc[r][t][h] = _mm256_fmadd_ps(d, s[r][t][h], acc[r][t][h]);
+        for (int r = 0; r < R; ++r) {
+          const __m256 sum = C == 2 ? _mm256_add_ps(s[r][t][h][0], s[r][t][h][C - 1]) : s[r][t][h][0];
+          acc[r][t][h] = _mm256_fmadd_ps(d, sum, acc[r][t][h]);
+        }
         if constexpr (F::HAS_M) {
           const __m256 m = F::m8(wb, h);
           for (int r = 0; r < R; ++r) acc[r][t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), acc[r][t][h]);
@@ -252,8 +268,11 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
       _mm256_storeu_ps(y + r * ldy + TILE * t + 8, acc[r][t][1]);
     }
 }
-constexpr int64_t MAX_GROUP = 2;  // 16 ymm registers: 2 rows x 1 tile x 4 sums, or 1 row x 2 tiles
-inline int group_tiles(int64_t rows) { return rows >= 2 ? 1 : 2; }
+constexpr int64_t MAX_GROUP = 2;  // 16 ymm registers: 2 rows x 1 tile, or 1 row x 2 tiles (Q8_0: 1)
+template <class F>
+inline int group_tiles(int64_t rows) {
+  return rows >= 2 ? 1 : 2 / F::CHAINS;
+}
 #else
 // Without AVX2: the same operations per output, one at a time.
 template <class F, int R, int NT>
@@ -267,16 +286,22 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* wb = w + t * tstride + b * F::BYTES;
           const float* xr = x + r * K + b * QBLOCK;
-          float s = 0.f;
-          for (int64_t k = 0; k < QBLOCK; ++k) s = std::fma(xr[k], F::code(wb, k, j), s);
-          acc = std::fma(F::d(wb, j), s, acc);
+          float s[2] = {0.f, 0.f};  // Q8_0: even and odd k apart; Q4_1: one chain
+          for (int64_t k = 0; k < QBLOCK; ++k) {
+            float& sk = s[F::CHAINS == 2 ? k % 2 : 0];
+            sk = std::fma(xr[k], F::code(wb, k, j), sk);
+          }
+          acc = std::fma(F::d(wb, j), F::CHAINS == 2 ? s[0] + s[1] : s[0], acc);
           if constexpr (F::HAS_M) acc = std::fma(F::m(wb, j), xs[r * nb + b], acc);
         }
         y[r * ldy + TILE * t + j] = acc;
       }
 }
 constexpr int64_t MAX_GROUP = 1;
-inline int group_tiles(int64_t) { return 1; }
+template <class F>
+inline int group_tiles(int64_t) {
+  return 1;
+}
 #endif
 
 template <class F, int R>
@@ -323,7 +348,7 @@ void decode_cols(const float* x, const float* xs, int64_t M, int64_t N, int64_t 
       const float* xsr = F::HAS_M ? xs + m * nb : nullptr;
       int64_t t = c0;
       const int64_t end = std::min(c1, full);
-      for (int nt = group_tiles(rows); nt >= 1; nt /= 2)  // fewer tiles side by side only at a range's end
+      for (int nt = group_tiles<F>(rows); nt >= 1; nt /= 2)  // fewer tiles side by side only at a range's end
         for (; t + nt <= end; t += nt)
           decode_rows<F>(x + m * K, xsr, nb, w + t * tstride, tstride, rows, nt, y + m * N + t * TILE, N);
       if (t < c1) {  // the last, partial tile
