@@ -5,7 +5,7 @@ A GGUF Q4_1 block is 32 values `d * q + m`, q in 0..15, with fp16 `d` and `m`; t
 loads from such a file holds exactly those values. `q4_1_blocks` recovers the codes and both scales
 (m is the block's minimum, d its span / 15 rounded to fp16) and accepts them only if they give back
 every value bit for bit, so a matrix that was never Q4_1 is never quantized. `q4_1_pack16` lays them
-out as the C++ kernel's tiles of 16 rows (kvgate/models/csrc/q4_1_matmul.cpp), which multiplies in
+out as the C++ kernel's tiles of 16 rows (kvgate/models/csrc/tile_matmul.cpp), which multiplies in
 float32 in a fixed order per output, so a row's result never depends on the rows beside it:
 - prompt rows use the exact weights, `fma(d, q, m)` (d * q is exact in float32: one rounding, as gguf's
   own `d * q + m`), one running sum over k per output;
@@ -64,32 +64,46 @@ def exact_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return blocks
 
 
-def q4_1_pack16(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """`q4_1_blocks`'s (codes [N, K/2], d, m [N, K/32]) as the kernel's tiles: uint8 [T, K/32, 320] with
-    T = ceil(N / 16). In tile t, block b, byte 16 p + j holds row 16 t + j's code for k = 2p in its low
-    nibble and k = 2p + 1 in its high; bytes 256.. hold the 16 rows' d, then their m, as fp16 (exact:
-    q4_1_blocks's d and m are fp16 values, checked). Padding rows are zero codes and scales."""
+def tile_rows(
+    codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """`q4_1_blocks`'s (codes, d, m) as values in k order [T * rows, K/32, 32] and d, m [T * rows, K/32],
+    the rows padded with zero codes and scales to T = ceil(N / rows) tiles of `rows`; and T."""
     n, half = codes.shape
     nb = half * 2 // QBLOCK
-    t = -(-n // TILE)
-    pad = t * TILE - n
+    t = -(-n // rows)
+    pad = t * rows - n
     blocks = codes.view(n, nb, QBLOCK // 2)
     values = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [N, nb, 32] in k order
     if pad:
         values = torch.cat([values, values.new_zeros(pad, nb, QBLOCK)])
         d = torch.cat([d, d.new_zeros(pad, nb)])
         m = torch.cat([m, m.new_zeros(pad, nb)])
+    return values, d, m, t
+
+
+def fp16_scale_bytes(s: torch.Tensor, t: int, rows: int) -> torch.Tensor:
+    """Per-row scales [t * rows, nb] as each tile's fp16 values, [t, nb, rows] viewed as bytes; they must
+    be fp16 values already (q4_1_blocks's d and m are: checked)."""
+    f = s.view(t, rows, -1).transpose(1, 2)
+    h = f.half()
+    if not torch.equal(h.float(), f):
+        raise ValueError("Q4_1 scales must be fp16 values (q4_1_blocks checks this)")
+    return h.contiguous().view(torch.uint8)
+
+
+def q4_1_pack16(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """`q4_1_blocks`'s (codes [N, K/2], d, m [N, K/32]) as the kernel's tiles: uint8 [T, K/32, 320] with
+    T = ceil(N / 16). In tile t, block b, byte 16 p + j holds row 16 t + j's code for k = 2p in its low
+    nibble and k = 2p + 1 in its high; bytes 256.. hold the 16 rows' d, then their m, as fp16 (exact:
+    q4_1_blocks's d and m are fp16 values, checked). Padding rows are zero codes and scales."""
+    values, d, m, t = tile_rows(codes, d, m, TILE)
+    nb = values.shape[1]
     v = values.view(t, TILE, nb, QBLOCK // 2, 2).permute(0, 2, 3, 1, 4)  # [T, nb, p, row, pair]
     nibbles = (v[..., 0] | (v[..., 1] << 4)).reshape(t, nb, TILE * QBLOCK // 2)
-
-    def scales(s: torch.Tensor) -> torch.Tensor:  # [T, nb, 16] fp16 as [T, nb, 32] bytes
-        f = s.view(t, TILE, nb).transpose(1, 2)
-        h = f.half()
-        if not torch.equal(h.float(), f):
-            raise ValueError("Q4_1 scales must be fp16 values (q4_1_blocks checks this)")
-        return h.contiguous().view(torch.uint8)
-
-    return torch.cat([nibbles, scales(d), scales(m)], dim=-1).contiguous()
+    return torch.cat(
+        [nibbles, fp16_scale_bytes(d, t, TILE), fp16_scale_bytes(m, t, TILE)], dim=-1
+    ).contiguous()
 
 
 def kernels():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgate.models.q4_1 import QBLOCK, exact_blocks, kernels
+from kvgate.models.q4_1 import QBLOCK, exact_blocks, fp16_scale_bytes, kernels, tile_rows
 
 TILE = 8  # output rows per packed tile
 
@@ -40,26 +40,13 @@ def q4_1_pack8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.T
     with T = ceil(N / 8). In tile t, block b, byte 32 g + 4 n + j holds row 8t + n's code for k = 8g + j
     in its low nibble and k = 8g + 4 + j in its high nibble; bytes 128.. hold the 8 rows' d, then their
     m, as fp16 (exact: q4_1_blocks's d and m are fp16 values). Padding rows are zero codes and scales."""
-    n, half = codes.shape
-    nb = half * 2 // QBLOCK
-    t = -(-n // TILE)
-    pad = t * TILE - n
-    blocks = codes.view(n, nb, QBLOCK // 2)
-    values = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [N, nb, 32] in k order
-    if pad:
-        values = torch.cat([values, values.new_zeros(pad, nb, QBLOCK)])
-        d = torch.cat([d, d.new_zeros(pad, nb)])
-        m = torch.cat([m, m.new_zeros(pad, nb)])
+    values, d, m, t = tile_rows(codes, d, m, TILE)
+    nb = values.shape[1]
     v = values.view(t, TILE, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [T, nb, g, half, n, j]
     nibbles = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(t, nb, 4 * TILE * 4)
-
-    def scales(s: torch.Tensor) -> torch.Tensor:  # [T, nb, 8] fp16 as [T, nb, 16] bytes
-        half = s.view(t, TILE, nb).transpose(1, 2).half()
-        if not torch.equal(half.float(), s.view(t, TILE, nb).transpose(1, 2)):
-            raise ValueError("Q4_1 scales must be fp16 values (q4_1_blocks checks this)")
-        return half.contiguous().view(torch.uint8)
-
-    return torch.cat([nibbles, scales(d), scales(m)], dim=-1).contiguous()
+    return torch.cat(
+        [nibbles, fp16_scale_bytes(d, t, TILE), fp16_scale_bytes(m, t, TILE)], dim=-1
+    ).contiguous()
 
 
 class Q41Dot8Linear:

@@ -49,6 +49,16 @@ ROWS16 = 16  # table rows per tile of `Q8Table`
 ROWS16_BLOCK = ROWS16 * QBLOCK + ROWS16 * 4  # a tile's bytes per block: int8 codes, then float32 scales
 
 
+def _pad_rows(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """codes and scales with zero rows appended up to T = ceil(N / rows) tiles of `rows`; and T."""
+    n, nb = scales.shape
+    t = -(-n // rows)
+    if t * rows > n:
+        codes = torch.cat([codes, codes.new_zeros(t * rows - n, codes.shape[1])])
+        scales = torch.cat([scales, scales.new_zeros(t * rows - n, nb)])
+    return codes, scales, t
+
+
 def q8_bytes(vocab: int, hidden: int) -> int:
     """Bytes of a Q8 table: one byte per value plus a float32 scale per 32 values, over the rows padded
     to a multiple of 16 (`q8_pack16`)."""
@@ -59,14 +69,10 @@ def q8_pack16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`q8_blocks`'s (codes int8 [N, K], scales [N, K/32]) as uint8 tiles [ceil(N/16), K/32, 576]: in tile
     t, block b, byte 16 k + j is row 16 t + j's code for k, and bytes 512.. are the 16 rows' scales as
     float32. Padding rows are zero codes and scales."""
-    n, k = codes.shape
-    nb, t = k // QBLOCK, -(-n // ROWS16)
-    if t == 0:
+    nb = codes.shape[1] // QBLOCK
+    if codes.shape[0] == 0:
         return torch.empty(0, nb, ROWS16_BLOCK, dtype=torch.uint8, device=codes.device)
-    pad = t * ROWS16 - n
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        scales = torch.cat([scales, scales.new_zeros(pad, nb)])
+    codes, scales, t = _pad_rows(codes, scales, ROWS16)
     c = codes.view(t, ROWS16, nb, QBLOCK).permute(0, 2, 3, 1).reshape(t, nb, ROWS16 * QBLOCK)
     s = scales.view(t, ROWS16, nb).transpose(1, 2).contiguous().view(torch.uint8)
     return torch.cat([c.view(torch.uint8), s], dim=-1).contiguous()
@@ -85,11 +91,14 @@ class Q8Table:
         if self._ext is None:
             raise RuntimeError(native.unavailable() or "kvgate's C++ kernels are unavailable")
 
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < self.rows):  # as index_select would
+            raise IndexError(f"token ids must be in [0, {self.rows}), got {ids.min()}..{ids.max()}")
+
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` as `dtype`: each row's codes and scales gathered from its tile, widened as the float
         table holds them."""
-        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < self.rows):  # as index_select would
-            raise IndexError(f"token ids must be in [0, {self.rows}), got {ids.min()}..{ids.max()}")
+        self._check_ids(ids)
         t, nb = self.tiles.shape[0], self.tiles.shape[1]
         tile, lane, n = ids // ROWS16, ids % ROWS16, len(ids)
         codes = self.tiles[..., : ROWS16 * QBLOCK].view(t, nb, QBLOCK, ROWS16)[
@@ -176,12 +185,8 @@ def q8_pack8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`q8_blocks`'s (codes int8 [N, K], scales [N, K/32]) as uint8 tiles [ceil(N/8), K/32, 288]: in tile
     t, block b, byte 32 g + 4 n + j is row 8t + n's code for k = 4g + j, and bytes 256.. are the 8 rows'
     scales as float32. Padding rows are zero codes and scales."""
-    n, k = codes.shape
-    nb, t = k // QBLOCK, -(-n // TILE)
-    pad = t * TILE - n
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        scales = torch.cat([scales, scales.new_zeros(pad, nb)])
+    nb = codes.shape[1] // QBLOCK
+    codes, scales, t = _pad_rows(codes, scales, TILE)
     c = codes.view(t, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, TILE * QBLOCK)
     s = scales.view(t, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8)
     return torch.cat([c.view(torch.uint8), s], dim=-1).contiguous()
@@ -200,8 +205,7 @@ class Q8DotTable(Q8Table):
         self.nbytes = self.packed.numel()
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < self.rows):  # as index_select would
-            raise IndexError(f"token ids must be in [0, {self.rows}), got {ids.min()}..{ids.max()}")
+        self._check_ids(ids)
         t, nb = self.packed.shape[0], self.packed.shape[1]
         tile, lane, n = ids // TILE, ids % TILE, len(ids)
         codes = self.packed[..., : TILE * QBLOCK].view(t, nb, 8, TILE, 4)[
