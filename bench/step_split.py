@@ -40,6 +40,7 @@ class TimedOps:
         self.rms_norm = timed(acc, "layer ops", ops.rms_norm)
         self.add_rms_norm_ = timed(acc, "layer ops", ops.add_rms_norm_)
         self.rope_write_kv_ = timed(acc, "layer ops", ops.rope_write_kv_)
+        self.silu_mul = timed(acc, "layer ops", ops.silu_mul)
 
 
 def split(

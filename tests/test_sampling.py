@@ -13,6 +13,23 @@ from kvgate.sampling import Sampler, SamplingError, SamplingParams
 VOCAB = 64
 
 
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def draw_path(request, monkeypatch):
+    """Every test here runs on both draws: kvgate's C++ kernel (the CPU's) and the PyTorch path (off
+    the CPU, or where the kernels did not build)."""
+    import kvgate.sampling as sampling
+
+    if request.param == "native" and sampling.draw_kernel(torch.zeros(1, 2)) is None:
+        pytest.skip("kvgate's C++ kernels did not build")
+    monkeypatch.setattr(sampling, "NATIVE_DRAW", request.param == "native")
+    return request.param
+
+
+def torch_path_only(draw_path: str) -> None:
+    if draw_path == "native":
+        pytest.skip("a test of the PyTorch draw's own stages (the kernel's: tests/test_draw_kernel.py)")
+
+
 def draws(params: SamplingParams, logits: torch.Tensor, n: int, prompt: list[int] | None = None) -> list[int]:
     s = Sampler(params, prompt or [], logits.shape[-1])
     return [s.sample(logits) for _ in range(n)]
@@ -279,7 +296,7 @@ def test_top_p_wider_than_the_candidate_prefilter_still_draws_from_the_whole_nuc
     """With nearly flat logits the top-0.99 nucleus holds far more than TOP_P_CANDIDATES tokens: the
     sampler must fall back to a full sort, so tokens ranked past the prefilter get drawn. Broken by:
     skipping the fallback (only the top 1024 can ever be drawn)."""
-    from kvgate.sampling import TOP_P_CANDIDATES
+    from kvgate.draw_torch import TOP_P_CANDIDATES
 
     vocab = 4 * TOP_P_CANDIDATES
     logits = random_logits(7, vocab, scale=0.05)
@@ -289,12 +306,14 @@ def test_top_p_wider_than_the_candidate_prefilter_still_draws_from_the_whole_nuc
     assert max(int(rank[t]) for t in got) >= TOP_P_CANDIDATES
 
 
-def test_top_p_draws_the_same_tokens_whichever_candidates_first_hold_the_nucleus(monkeypatch):
+def test_top_p_draws_the_same_tokens_whichever_candidates_first_hold_the_nucleus(draw_path, monkeypatch):
     """Top-p looks at the TOP_P_FIRST most likely tokens, then at TOP_P_CANDIDATES, then sorts in
     full. Three rows whose nuclei need each stage (5, 391 and 6862 tokens of 8192), drawn together and
     alone with 20 seeds, give the very tokens of a sampler that starts at TOP_P_CANDIDATES (the one
     before the first stage existed). Seen red: the widened rows drawn without their nucleus cut
     (`kept` replaced by the raw probabilities)."""
+    torch_path_only(draw_path)
+    import kvgate.draw_torch as draw_torch
     import kvgate.sampling as sampling
 
     vocab = 8192
@@ -303,7 +322,7 @@ def test_top_p_draws_the_same_tokens_whichever_candidates_first_hold_the_nucleus
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=seed) for seed in range(20)]
 
     def tokens(first: int) -> tuple[list[list[int]], list[list[int]]]:
-        monkeypatch.setattr(sampling, "TOP_P_FIRST", first)
+        monkeypatch.setattr(draw_torch, "TOP_P_FIRST", first)
         together, alone = [], []
         for p in params:
             together.append(sampling.sample_batch([Sampler(p, [], vocab) for _ in range(3)], rows))
@@ -314,7 +333,7 @@ def test_top_p_draws_the_same_tokens_whichever_candidates_first_hold_the_nucleus
 
     staged, staged_alone = tokens(64)
     assert staged == staged_alone
-    old, _ = tokens(sampling.TOP_P_CANDIDATES)
+    old, _ = tokens(draw_torch.TOP_P_CANDIDATES)
     assert staged == old
     assert tokens(8)[0] == old  # a tiny first stage: every row widens
     assert len({t[0] for t in staged}) > 1 and len({t[2] for t in staged}) > 10  # the rows really sample
@@ -410,10 +429,11 @@ def lm_like_rows(seed: int, n: int, vocab: int) -> torch.Tensor:
 def top_p_tokens(monkeypatch, fast: bool, mix: dict, logits: list[torch.Tensor], order: list[int]) -> dict:
     """Each row's tokens over the steps of `logits`, batched in `order`; `fast=False`: the code before
     the threshold paths (a top-k over the vocabulary, a full sort for a wide nucleus)."""
+    import kvgate.draw_torch as draw_torch
     import kvgate.sampling as sampling
 
-    monkeypatch.setattr(sampling, "NUCLEUS_LEVEL", 1e-4 if fast else 0.0)
-    monkeypatch.setattr(sampling, "WIDE_LEVELS", (1e-5, 1e-6) if fast else ())
+    monkeypatch.setattr(draw_torch, "NUCLEUS_LEVEL", 1e-4 if fast else 0.0)
+    monkeypatch.setattr(draw_torch, "WIDE_LEVELS", (1e-5, 1e-6) if fast else ())
     vocab = logits[0].shape[-1]
     samplers = {i: Sampler(SamplingParams(seed=1000 + i, **mix), [], vocab) for i in order}
     out = {i: [] for i in order}
@@ -424,7 +444,7 @@ def top_p_tokens(monkeypatch, fast: bool, mix: dict, logits: list[torch.Tensor],
 
 
 @pytest.mark.parametrize("mix", TOP_P_MIXES, ids=[str(sorted(m.items())) for m in TOP_P_MIXES])
-def test_top_p_by_threshold_draws_the_very_tokens_of_the_sorted_path(monkeypatch, mix):
+def test_top_p_by_threshold_draws_the_very_tokens_of_the_sorted_path(draw_path, monkeypatch, mix):
     """Top-p rows without top-k sort only their likeliest tokens (`_draw_nucleus`; `_wide_token` for a
     nucleus past TOP_P_CANDIDATES); rows these cannot settle for certain go to the sorts. 16 rows x 3
     steps at vocab 16384, peaked to flat and with ties, draw exactly the tokens of the code before
@@ -432,13 +452,14 @@ def test_top_p_by_threshold_draws_the_very_tokens_of_the_sorted_path(monkeypatch
     (`at != after` in `_draw_nucleus`, `vals[j + 1] != vals[j]` in `_wide_token`: a coarse row draws
     the other token of a tied pair); `_wide_token` drawing without the nucleus cut; `_draw_rows`
     handing the unsettled rows the first rows' uniforms (`u[: len(redo)]` for `u[at]`)."""
-    import kvgate.sampling as sampling
+    torch_path_only(draw_path)
+    import kvgate.draw_torch as draw_torch
 
     logits = [lm_like_rows(10 * step + 1, 16, 16384) for step in range(3)]
     order = list(range(16))
     before = top_p_tokens(monkeypatch, False, mix, logits, order)
     seen: dict[str, list[bool]] = {"nucleus": [], "wide": []}
-    nucleus, wide = sampling._draw_nucleus, sampling._wide_token
+    nucleus, wide = draw_torch._draw_nucleus, draw_torch._wide_token
 
     def spy_nucleus(*a):
         out, norm = nucleus(*a)
@@ -450,19 +471,20 @@ def test_top_p_by_threshold_draws_the_very_tokens_of_the_sorted_path(monkeypatch
         seen["wide"].append(t is not None)
         return t
 
-    monkeypatch.setattr(sampling, "_draw_nucleus", spy_nucleus)
-    monkeypatch.setattr(sampling, "_wide_token", spy_wide)
+    monkeypatch.setattr(draw_torch, "_draw_nucleus", spy_nucleus)
+    monkeypatch.setattr(draw_torch, "_wide_token", spy_wide)
     assert top_p_tokens(monkeypatch, True, mix, logits, order) == before
     assert 0 < sum(seen["nucleus"]) < len(seen["nucleus"]), seen
     if mix["temperature"] >= 0.7 and mix["top_p"] < 0.99:  # nuclei past 1024 tokens, not most of all
         assert any(seen["wide"]), seen
 
 
-def test_top_p_by_threshold_gives_a_row_the_same_tokens_alone_or_batched(monkeypatch):
+def test_top_p_by_threshold_gives_a_row_the_same_tokens_alone_or_batched(draw_path, monkeypatch):
     """Each of 12 top-p rows draws the same tokens alone, batched in order and batched reversed (the
     batch is drawn `SAMPLE_ROWS` at a time, so rows meet other neighbours and other sorted rows).
     Seen red: `_draw_rows` handing the unsettled rows the first rows' uniforms (`u[: len(redo)]`
     for `u[at]`)."""
+    torch_path_only(draw_path)
     logits = [lm_like_rows(50 + step, 12, 16384) for step in range(3)]
     mix = dict(temperature=1.0, top_p=0.9)
     alone = {i: top_p_tokens(monkeypatch, True, mix, logits, [i])[i] for i in range(12)}

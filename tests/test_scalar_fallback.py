@@ -95,10 +95,30 @@ def outputs(ext) -> dict:
         "q4_1_matmul_wide": ext.q4_1_matmul(i["wide"], *i["q4"], 9),  # 9 decode rows, 12 prompt rows
         "q8_matmul_wide": ext.q8_matmul(i["wide"], *i["q8"]),
         "paged_attention": attention(),
+        "draw": draw(ext),
         **(
             {"prefill_attention": prefill(ext)} if ext.prefill_attention_lanes() else {}
         ),  # not built: no AVX2
     }
+
+
+def draw(ext) -> list[torch.Tensor]:
+    """The sampler's draw (draw.cpp): 12 rows of 5,003 logits (a vocabulary the lanes do not divide),
+    peaked to flat, under plain, top-k, top-p and min-p parameters, one row with a NaN and one greedy:
+    the tokens for fixed uniforms and the kept distributions."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(12, 5003, generator=g) * torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.2] * 2).unsqueeze(1)
+    x[3, 17] = float("nan")
+    temps = torch.tensor([1.0, 0.7, 1.0, 1.0, 1.5, 0.9, 1.2, 0.8, 1.0, 0.6, 0.0, 1.0])
+    top_k = torch.tensor([0, 0, 40, 0, 0, 300, 0, 5, 0, 0, 0, 0])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.9, 0.99, 0.5, 1.0, 0.9, 0.95, 0.3, 1.0, 0.9])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.02, 0.05, 0.0, 0.05, 0.0, 0.0, 0.0])
+    u = torch.rand(12, generator=g)
+    rows = torch.arange(12)
+    return [
+        ext.draw_tokens(x, rows, temps, top_k, top_p, min_p, u, 2),
+        ext.draw_probs(x, rows, temps, top_k, top_p, min_p, 2),
+    ]
 
 
 def prefill(ext) -> list[torch.Tensor]:
@@ -141,7 +161,7 @@ def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
     """The integer-dot kernels (and the activation rounding) give the same bits in both builds: exact
     integer sums, then the same float ops in the same order (NaN rows included); so do the Q4_1 and
     Q8_0 float matmuls (their tiles' decode and prompt rows do each lane's FMAs in the same order in
-    every build). RMSNorm and paged attention (its plain loops, chunked contexts included) sum in
+    every build), and so does the sampler's draw (its scalar exp is exp8's lanes one at a time). RMSNorm and paged attention (its plain loops, chunked contexts included) sum in
     another order without AVX2: within 1e-5. Seen red: the scalar Q4_1 int-dot adding m_w * d_x
     instead of m_w * s_x; the plain attention loop's last positions scored 1% high; the scalar Q4_1
     decode loop adding m * xs before d * s; the scalar Q8_0 loop summing a block in one chain
@@ -156,6 +176,8 @@ def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
     for name in ("rms_norm",):
         torch.testing.assert_close(scalar[name], avx2[name], atol=1e-5, rtol=1e-5, msg=name)
+    for a, b in zip(scalar["draw"], avx2["draw"], strict=True):  # exp8's lanes one at a time: the same w
+        assert torch.equal(a, b), "draw"
     for a, b in zip(scalar["paged_attention"], avx2["paged_attention"], strict=True):  # plain loops, chunks
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg="paged_attention")
 

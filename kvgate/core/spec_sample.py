@@ -21,7 +21,8 @@ import math
 import torch
 
 from kvgate.draw_ops import keep_min_p, keep_nucleus, row_logsumexp
-from kvgate.sampling import Sampler, _candidates
+from kvgate.draw_torch import candidates
+from kvgate.sampling import Sampler, draw_kernel, draw_params
 
 
 def distributions(sampler: Sampler, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -30,9 +31,14 @@ def distributions(sampler: Sampler, logits: torch.Tensor, rows: list[int]) -> to
     sampler's fallback). For rows without penalties, grammar or logprobs (`speculate.eligible`)."""
     p = sampler.p
     x = torch.stack([sampler.process(logits[r]) if sampler.processed else logits[r] for r in rows])
+    ext = draw_kernel(x)
+    if ext is not None:  # the C++ draw's own kept set and weights: the very distribution it draws from
+        n, vocab = x.shape
+        params = draw_params([sampler] * n, vocab)
+        return ext.draw_probs(x.contiguous(), torch.arange(n), *params, 1)  # one thread's scratch
     scaled = x.float() / p.temperature
     n, vocab = scaled.shape
-    k = _candidates(p, vocab)
+    k = candidates(p, vocab)
     top_k = 0 < p.top_k < vocab
     if k:
         vals, ids = torch.topk(scaled, k, dim=-1)

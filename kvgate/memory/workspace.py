@@ -79,8 +79,10 @@ TRANSIENT_TERMS = (
 
 GEMM_PANEL_COLUMNS = 4096  # MKL sgemm packs at most K x 4096 float32 of a weight per call (measured)
 KERNEL_SLACK = 1 << 20  # flash-attention per-thread blocks, small index temporaries, page rounding
-# vocab-sized float32 temporaries per row of a sampling group (kvgate.sampling.sample_batch); measured
-# at most 3.6 (4 rows, top-p with the full-sort fallback and penalties), rounded up
+# vocab-sized float32 temporaries per row of a sampling group (kvgate.sampling.sample_batch): the
+# PyTorch draw measured at most 3.6 (4 rows, top-p with the full-sort fallback and penalties); the C++
+# draw (kvgate/models/csrc/draw.cpp) at most 3.1 a thread, one thread a row of up to SAMPLE_ROWS, plus
+# one processed row's copy; rounded up
 SAMPLING_TEMPS = 5
 ROW_FIXED_BYTES = 16 << 10  # per running row: Row, sampler + torch.Generator, stop matcher, detokenizer
 # per position of a row: prompt ids / prompt / tokens list slots (3 x 8 B) and the int (28 B); for a

@@ -1,14 +1,13 @@
 """kvgate's own C++ CPU kernels (kvgate/models/csrc), compiled once per machine and cached.
 
-`extension()` builds them with torch's cpp_extension (g++ and ninja; about 30-40 s on 2 cores, once)
+`extension()` builds them with torch's cpp_extension (g++ and ninja; about 2 minutes on 2 cores, once)
 into `$KVGATE_EXT_DIR` (default `~/.cache/kvgate/ext`)`/<key>`, where the key covers the sources, the
 torch version and the CPU's vector flags: a cache carried to another CPU class is rebuilt, never run.
 Flags come from /proc/cpuinfo (AVX2, FMA and F16C when listed; AVX-512 F, BW and VL, and VNNI, when
 listed, for the zmm paths), never `-march=native`: an AMX machine is one of the CPU classes these
 kernels must run on. The kernels need nothing beyond AVX2; the AVX-512 paths give the AVX2 build's
-bits, except the float block matmuls' decode rows, which the AVX-512 build sums in another fixed
-order (tests/test_scalar_fallback.py builds both on an AVX-512 CPU and compares every kernel: those
-rows within 1e-5, the rest bit for bit).
+bits (tests/test_scalar_fallback.py builds both on an AVX-512 CPU and compares every kernel bit for
+bit, and the scalar build too: bit for bit but for RMSNorm and paged attention, within 1e-5).
 
 When the build is impossible (no compiler, no ninja, a failed compile) `extension()` returns None and
 `unavailable()` says why and what to install; every caller then keeps its plain PyTorch path.
@@ -32,6 +31,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "bindings.cpp",
     "decode_stack.cpp",
+    "draw.cpp",
     "int8_dot.cpp",
     "int8_vnni.cpp",
     "layer_ops.cpp",

@@ -1,7 +1,8 @@
 // The Python module of kvgate's C++ kernels: the Q8_0 and Q4_1 float matmuls (tile_matmul.cpp), the
 // integer-dot kernels
 // of --weights gguf-q8act (int8_dot.cpp), the small layer ops (layer_ops.cpp) and the decode-only
-// layer stack (decode_stack.cpp), prompt-chunk attention (prefill_attention.cpp). The paged decode attention
+// layer stack (decode_stack.cpp), prompt-chunk attention (prefill_attention.cpp), the sampler's draw
+// (draw.cpp). The paged decode attention
 // kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
 #include <torch/extension.h>
 
@@ -19,6 +20,12 @@ torch::Tensor silu_mul(torch::Tensor gu);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                     torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool);
 void bind_decode_stack(pybind11::module& mod);
+torch::Tensor draw_tokens(const torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& temps,
+                          const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& min_p,
+                          const torch::Tensor& u, int64_t max_threads);
+torch::Tensor draw_probs(const torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& temps,
+                         const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& min_p,
+                         int64_t max_threads);
 int64_t prefill_attention_lanes();
 void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_pool,
                         const torch::Tensor& v_pool, const torch::Tensor& block_table, int64_t start, int64_t n,
@@ -49,6 +56,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "the vector lanes of prefill_attention_ in this build (head_dim must be a multiple); 0: not built");
   mod.def("prefill_attention_", &prefill_attention_,
           "a prompt chunk's causal attention over the paged pool, written into out [n, heads * head_dim]",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("draw_tokens", &draw_tokens,
+          "one token per row of float32 logits[rows] (temperature, top-k, top-p, min-p per row; u: each row's "
+          "uniform), at most max_threads rows at a time",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("draw_probs", &draw_probs,
+          "the distribution draw_tokens draws each row's token from, as dense float32 probabilities",
           pybind11::call_guard<pybind11::gil_scoped_release>());
   bind_decode_stack(mod);
 }
