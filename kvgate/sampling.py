@@ -159,12 +159,13 @@ def sample_batch(samplers: list[Sampler], logits: torch.Tensor, rows: list[int] 
 
 
 def draw_kernel(logits: torch.Tensor):
-    """kvgate's C++ kernels when they draw these logits (`NATIVE_DRAW`, float32 on the CPU, built), else None."""
+    """kvgate's C++ kernels when they draw these logits (`NATIVE_DRAW`, float32 on the CPU, already
+    built), else None."""
     if not NATIVE_DRAW or logits.device.type != "cpu" or logits.dtype != torch.float32:
         return None
     from kvgate.models import native
 
-    ext = native.extension()
+    ext = native.ready()  # built by the CPU model's load; never a build inside a step
     return ext if ext is not None and hasattr(ext, "draw_tokens") else None
 
 

@@ -174,3 +174,25 @@ def test_draws_follow_the_kept_distribution_chi_square(mix):
     target = probs[:kept] / probs[:kept].sum()
     stat = sum((c - n * float(q)) ** 2 / (n * float(q)) for c, q in zip(counts[:kept], target, strict=True))
     assert stat < CHI2_CRITICAL_P001[kept - 1], (stat, counts)
+
+
+def test_the_sampler_never_builds_the_kernels_inside_a_step(monkeypatch, tmp_path):
+    """With no build in this process and none in the cache (a CUDA server whose model never needed
+    the CPU kernels), sample_batch draws with PyTorch instead of compiling for minutes inside a step;
+    with a build in the cache it loads and uses it. Seen red with draw_kernel calling
+    native.extension() (it compiled)."""
+    import kvgate.sampling as sampling
+
+    built = native.extension()
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("KVGATE_EXT_DIR", str(tmp_path))
+
+    def no_build():
+        raise AssertionError("the sampler started a build")
+
+    monkeypatch.setattr(native, "extension", no_build)
+    assert sampling.draw_kernel(torch.zeros(1, 4)) is None
+    s = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=1), [], 4)
+    assert 0 <= s.sample(torch.tensor([0.1, 0.2, 0.3, 0.4])) < 4
+    monkeypatch.setattr(native, "_state", {"module": built})  # loaded in this process: used
+    assert sampling.draw_kernel(torch.zeros(1, 4)) is built

@@ -18,7 +18,9 @@ def draw_path(request, monkeypatch):
     """Every test here runs on both draws: kvgate's C++ kernel (the CPU's) and the PyTorch path (off
     the CPU, or where the kernels did not build)."""
     import kvgate.sampling as sampling
+    from kvgate.models import native
 
+    native.extension()  # built here if no model load built it yet (the sampler never builds it)
     if request.param == "native" and sampling.draw_kernel(torch.zeros(1, 2)) is None:
         pytest.skip("kvgate's C++ kernels did not build")
     monkeypatch.setattr(sampling, "NATIVE_DRAW", request.param == "native")

@@ -118,6 +118,19 @@ def extension():
     return module
 
 
+def ready():
+    """The compiled module when this process has it or the cache holds this build, else None; never
+    compiles (for callers inside a step, such as the sampler: a first build takes minutes, which a
+    step must not wait for; the CPU model's load builds it before any step)."""
+    if "module" in _state:
+        return _state["module"]
+    if not _state.get("probed"):
+        _state["probed"] = True
+        if (cache_dir() / f"{cache_dir().name}.so").exists():
+            return extension()
+    return None
+
+
 def _apply_int8_isa(module) -> None:
     """`KVGATE_INT8_ISA=avx2` keeps gguf-q8act on its AVX2 tile kernels in a build that also has the
     AVX-512 VNNI ones (the same bits, about 2x slower at 16 rows and more: for A/B runs and to rule
