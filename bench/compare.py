@@ -152,6 +152,16 @@ def versions() -> dict:
 # ---- running the load generator ------------------------------------------------------------------
 
 
+# `kvgate bench` arguments for the run's sampling (--temperature, --top-p), the same for every HTTP peer
+SAMPLING: list[str] = []
+
+
+def sampling_args(temperature: float, top_p: float) -> list[str]:
+    """`kvgate bench` arguments that send `temperature` (and `top_p` when it cuts) with every request."""
+    out = ["--temperature", f"{temperature:g}"]
+    return out + (["--extra-body", json.dumps({"top_p": top_p})] if temperature > 0 and top_p < 1.0 else [])
+
+
 def bench_run(
     name: str,
     base_url: str,
@@ -185,7 +195,7 @@ def bench_run(
         args += ["--concurrency", str(conc)]
     if rate is not None:
         args += ["--request-rate", f"{rate:.4g}"]
-    args += extra or []
+    args += SAMPLING + (extra or [])
     log(f"kvgate bench {shlex.join(args)}")
     cwd = os.getcwd()
     os.chdir(ROOT)
@@ -257,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--overload", choices=("on", "off"), default="on")
     ap.add_argument(
+        "--temperature", type=float, default=0.0, help="every HTTP peer's requests (default 0: greedy)"
+    )
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0 (default 1: off)")
+    ap.add_argument(
         "--overload-requests",
         type=int,
         default=None,
@@ -319,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(peers) - set(ALL_PEERS)
     if bad:
         ap.error(f"unknown peers {sorted(bad)}; choose from {ALL_PEERS}")
+    if a.temperature > 0 and {"hf-fp32", "hf-bf16"} & set(peers):
+        ap.error(
+            f"--temperature {a.temperature}: the transformers harness decodes greedily only; "
+            "leave hf-fp32 and hf-bf16 out of --peers for a sampled run"
+        )
+    SAMPLING[:] = sampling_args(a.temperature, a.top_p)
     n_of = {c: min(a.max_requests_per_run, max(4, a.requests_per_slot * c)) for c in concs}
     thr = ["--threads", str(a.threads)] if a.threads else []
     bf16_concs = [int(x) for x in a.bf16_concurrency.split(",")]
@@ -339,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": concs,
             "requests": n_of,
             "endpoint": "completions",
-            "temperature": 0.0,
+            "temperature": a.temperature,
+            "top_p": a.top_p if a.temperature > 0 else 1.0,
             "stream": True,
         },
         "peers": {},
@@ -997,6 +1018,12 @@ USAGE_MD = """## Running the benchmarks
 """
 
 
+def sampling_words(shape: dict) -> str:
+    """The run's sampling as the doc states it ("temperature 0", or the temperature and top-p sent)."""
+    t, p = shape.get("temperature", 0.0), shape.get("top_p", 1.0)
+    return "temperature 0" if not t else f"temperature {t:g}" + (f", top-p {p:g}" if p < 1 else "")
+
+
 def kvgate_label(threads: int | None) -> str:
     return LABELS["kvgate"] if not threads else f"kvgate (defaults + --threads {threads})"
 
@@ -1177,7 +1204,7 @@ def write_doc(results: dict) -> None:
     w(
         f"Workload: {sh['input_len']}-token prompts (distinct, built from a word list and counted with "
         f"kvgate's `/v1/tokenize`; the same text is sent to every server), {sh['output_len']} output tokens "
-        "forced (`ignore_eos` or `min_tokens`, whichever the server takes), temperature 0, streaming "
+        f"forced (`ignore_eos` or `min_tokens`, whichever the server takes), {sampling_words(sh)}, streaming "
         "`/v1/completions`, a closed loop of c clients. llama-server is started afresh for each c with "
         f"`-np c -cb` ({native.CTX_PER_SLOT} tokens of context per slot). transformers has no server: its "
         "harness runs `generate` on static batches of c (TTFT = batch start to first token, no HTTP)."

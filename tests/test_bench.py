@@ -82,3 +82,34 @@ def test_slo_and_percentiles():
     assert s["status_counts"] == {"200": 0, "400": 0, "429": 1, "503": 1, "other": 1}
     assert s["retry_after"]["429"] == {"with": 1, "without": 0} and s["retry_after"]["503"]["without"] == 1
     assert s["other_statuses"] == {"no_response": 1} and s["admitted_completion_rate"] is None
+
+
+def test_bench_compare_sends_the_runs_sampling_to_every_http_peer(monkeypatch, tmp_path):
+    """`python -m bench.compare --temperature T --top-p P` hands `kvgate bench` the same temperature and
+    top_p for every HTTP peer, the doc states them, and a sampled run refuses the greedy-only
+    transformers harness up front. Seen red with bench_run dropping SAMPLING."""
+    from pathlib import Path
+
+    import pytest
+
+    import kvgate.bench
+    from bench import compare
+
+    assert compare.sampling_args(0.0, 0.9) == ["--temperature", "0"]
+    assert compare.sampling_args(0.8, 0.9) == ["--temperature", "0.8", "--extra-body", '{"top_p": 0.9}']
+    assert compare.sampling_words({"temperature": 0.0}) == "temperature 0"
+    assert compare.sampling_words({"temperature": 1.0, "top_p": 0.9}) == "temperature 1, top-p 0.9"
+    seen = []
+
+    def fake_main(args):
+        seen.append(args)
+        Path(args[args.index("--json") + 1]).write_text(json.dumps({"runs": []}))
+        return 0
+
+    monkeypatch.setattr(kvgate.bench, "main", fake_main)
+    monkeypatch.setattr(compare, "OUT", tmp_path)
+    monkeypatch.setattr(compare, "SAMPLING", compare.sampling_args(0.8, 0.9))
+    compare.bench_run("x", "http://127.0.0.1:1", tmp_path / "d.jsonl", 2, 4, 8)
+    assert seen[0][-4:] == ["--temperature", "0.8", "--extra-body", '{"top_p": 0.9}']
+    with pytest.raises(SystemExit):
+        compare.main(["--peers", "kvgate,hf-fp32", "--temperature", "1"])
