@@ -50,7 +50,8 @@ def peaked_to_flat(seed: int, n: int, vocab: int) -> torch.Tensor:
 def test_the_kernel_keeps_the_tokens_and_probabilities_of_the_pytorch_path(monkeypatch, mix):
     """14 rows from peaked to flat at vocab 16,384 (nuclei of 1 to ~16,000 tokens): draw_probs keeps
     exactly the tokens the PyTorch path's distribution keeps (kvgate.core.spec_sample.distributions
-    with the kernel off), with probabilities within 1e-6. Seen red, each alone: the bucket search not
+    with the kernel off), with probabilities within 1e-6. (The reference sums in float32, so on other
+    rows it can move a nucleus boundary by one token; the kernel sums in double. These rows have none.) Seen red, each alone: the bucket search not
     subtracting the mass above the bucket it descends into (`target -= cum`); the top-p levels
     stopping at the first (1e-4) whether or not its tokens hold p; top-p over the top-k's mass taken
     over the whole vocabulary."""
@@ -196,3 +197,15 @@ def test_the_sampler_never_builds_the_kernels_inside_a_step(monkeypatch, tmp_pat
     assert 0 <= s.sample(torch.tensor([0.1, 0.2, 0.3, 0.4])) < 4
     monkeypatch.setattr(native, "_state", {"module": built})  # loaded in this process: used
     assert sampling.draw_kernel(torch.zeros(1, 4)) is built
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_one_likeliest_token():
+    """top_p = 1e-46 passes validation (0 < top_p) but is 0 in float32: the nucleus is the likeliest
+    token alone, as on the PyTorch path, even when the row's values are so close that the top bucket
+    of the search is empty. Found by review; seen red before the kernel handled a target of 0 (all 100
+    tokens kept)."""
+    x = -0.001 * torch.rand(1, 100, generator=torch.Generator().manual_seed(0))
+    kept = ext().draw_probs(
+        x, torch.zeros(1, dtype=torch.int64), *args([dict(temperature=1.0, top_p=1e-46)], 100), 1
+    )
+    assert (kept[0] > 0).nonzero().squeeze(1).tolist() == [int(torch.argmax(x[0]))]

@@ -205,19 +205,26 @@ bool boundary(const float* w, const std::vector<int32_t>& c, double target, std:
               int32_t& out) {
   constexpr int NB = 256;
   double sums[NB];
+  const Before first{w};
+  if (c.empty()) return false;
+  if (target <= 0.0) return out = *std::min_element(c.begin(), c.end(), first), true;  // top_p rounded to 0
   const std::vector<int32_t>* src = &c;
   for (;;) {
     const std::vector<int32_t>& a = *src;
+    // below the first level the parent's rounded sum put the boundary in this bucket: if this level's
+    // own sum falls short by that rounding, the bucket's last id is the boundary
+    const bool deeper = src != &c;
     uint32_t lo = UINT32_MAX, hi = 0;
     for (int32_t id : a) lo = std::min(lo, bits_of(w[id])), hi = std::max(hi, bits_of(w[id]));
     if (a.size() <= 64 || lo == hi) {
-      if (src == &c) s.assign(c.begin(), c.end());
-      std::sort(s.begin(), s.end(), Before{w});
+      if (!deeper) s.assign(c.begin(), c.end());
+      std::sort(s.begin(), s.end(), first);
       double cum = 0.0;
       for (int32_t id : s) {
         cum += w[id];
         if (cum >= target) return out = id, true;
       }
+      if (deeper && !s.empty()) return out = s.back(), true;
       return false;
     }
     const uint32_t width = (hi - lo) / NB + 1;
@@ -227,7 +234,10 @@ bool boundary(const float* w, const std::vector<int32_t>& c, double target, std:
     double cum = 0.0;
     int b = NB - 1;
     for (; b >= 0 && cum + sums[b] < target; --b) cum += sums[b];
-    if (b < 0) return false;
+    if (b < 0) {
+      if (deeper) return out = *std::max_element(a.begin(), a.end(), first), true;
+      return false;
+    }
     size_t n = 0;  // the bucket's ids into s (in place once s is the source: n never passes j)
     if (src == &c) s.resize(c.size());
     for (size_t j = 0; j < a.size(); ++j)
