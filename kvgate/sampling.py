@@ -165,8 +165,7 @@ def draw_kernel(logits: torch.Tensor):
         return None
     from kvgate.models import native
 
-    ext = native.ready()  # built by the CPU model's load; never a build inside a step
-    return ext if ext is not None and hasattr(ext, "draw_tokens") else None
+    return native.ready()  # built by the CPU model's load; never a build inside a step
 
 
 def draw_params(samplers: list[Sampler], vocab: int) -> tuple[torch.Tensor, ...]:
@@ -199,7 +198,7 @@ def _draw_native(
         got = ext.draw_tokens(logits.contiguous(), at, *these, u_these, SAMPLE_ROWS)
         for i, t in zip(plain, got.tolist(), strict=True):
             tokens[i] = t
-    for i in sorted(set(range(len(samplers))) - set(plain)):
+    for i in sorted(set(range(len(samplers))) - set(plain)):  # each processed row on its own copy
         one = slice(i, i + 1)
         x = row_logits(i).unsqueeze(0).contiguous()
         tokens[i] = int(

@@ -126,7 +126,8 @@ def ready():
         return _state["module"]
     if not _state.get("probed"):
         _state["probed"] = True
-        if (cache_dir() / f"{cache_dir().name}.so").exists():
+        out = cache_dir()
+        if (out / f"{out.name}.so").exists():
             return extension()
     return None
 

@@ -119,38 +119,11 @@ void exp_shifted(float* w, float m, int64_t V) {
   for (; i < V; ++i) w[i] = exp_lane(w[i] - m);
 }
 
-// The row's argmax with NaN as -inf (the first of equal values), of the scaled logits in w.
-int64_t fallback_argmax(const float* w, int64_t V) {
-  int64_t best = 0;
-  float bv = -std::numeric_limits<float>::infinity();
+// The first index holding m (a row's maximum); 0 when m is -inf (torch.argmax of a row of -inf).
+int64_t first_equal(const float* x, int64_t V, float m) {
+  if (m == -std::numeric_limits<float>::infinity()) return 0;
   for (int64_t i = 0; i < V; ++i)
-    if (w[i] > bv) bv = w[i], best = i;  // NaN compares false
-  return best;
-}
-
-// torch.argmax of the row: the first NaN if any, else the first of the largest values (greedy rows).
-// The largest value first (a max is exact in any order), then the first index holding it.
-int64_t greedy_argmax(const float* x, int64_t V) {
-  float m = -std::numeric_limits<float>::infinity();
-  bool nan = false;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 mv = _mm512_set1_ps(m);
-  __mmask16 bad = 0;
-  for (; i + 16 <= V; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    mv = _mm512_max_ps(v, mv);
-  }
-  m = _mm512_reduce_max_ps(mv);
-  nan = bad != 0;
-#endif
-  for (; i < V; ++i) {
-    if (std::isnan(x[i])) nan = true;
-    else m = std::max(m, x[i]);
-  }
-  for (i = 0; i < V; ++i)
-    if (nan ? std::isnan(x[i]) : x[i] == m) return i;
+    if (x[i] == m) return i;
   return 0;
 }
 
@@ -280,13 +253,14 @@ void kept_of_row(const float* x, int64_t V, const Params& p, float* w, std::vect
   out.fallback = -1;
   out.floor = 0.0f;
   out.ids.clear();
-  if (p.temperature == 0.0f) {
-    out.fallback = greedy_argmax(x, V);
+  const bool greedy = p.temperature == 0.0f;
+  const auto [m, nan] = scale_and_max(x, greedy ? 1.0f : p.temperature, V, w);  // x / 1 is x
+  if (greedy && nan) {  // torch.argmax: the first NaN
+    out.fallback = std::find_if(x, x + V, [](float v) { return std::isnan(v); }) - x;
     return;
   }
-  const auto [m, nan] = scale_and_max(x, p.temperature, V, w);
-  if (nan || !std::isfinite(m)) {
-    out.fallback = fallback_argmax(w, V);
+  if (greedy || nan || !std::isfinite(m)) {  // greedy: the first largest; degenerate: NaN read as -inf
+    out.fallback = first_equal(w, V, m);
     return;
   }
   exp_shifted(w, m, V);  // the largest w is exp(0) = 1
