@@ -259,6 +259,8 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     log.info("prefill attention: %s", prefill_why)
     if overhead_bytes is None:
         overhead_bytes = runtime_overhead_bytes(str(device), checkpoint_bytes(loaded))
+    ext = native.extension() if fmt == "gguf" and device.type == "cpu" else None  # gguf's kernels
+    amx = ext is not None and ext.prefill_isa() == "amx-bf16"
     plan = make_plan(
         spec,
         device=str(device),
@@ -278,7 +280,13 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         speculate=cfg.speculate,
         q8_head=q8_head,
         kv_dtype_bytes=torch.finfo(kv_dtype).bits // 8,
+        amx_prefill=amx,
     )
+    if amx:
+        plan.notes.append(
+            "prompt rows of the Q4_1 layers on AMX bf16 tiles (float32's numbers: each activation as three "
+            "bf16 parts; KVGATE_PREFILL_ISA=float32 keeps the float32 loop)"
+        )
     if q8_head or cfg.q8_head != "auto" or "probe" in q8_reason:  # a choice worth stating
         plan.notes.append(f"LM head and embeddings as Q8_0 blocks: {q8_reason}")
     plan.notes.append(f"decode attention: {why}")

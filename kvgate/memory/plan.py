@@ -250,6 +250,7 @@ def make_plan(
     speculate: int = 0,
     q8_head: bool = False,
     kv_dtype_bytes: int | None = None,
+    amx_prefill: bool = False,
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
@@ -286,6 +287,7 @@ def make_plan(
         "q8_head": q8_head,
         "flash_prefill": not device.startswith("cuda"),
         "kv_bytes": kv_dtype_bytes or dtype_bytes,
+        "amx_prefill": amx_prefill,
     }
     requested = StepLimits(
         prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, **wk

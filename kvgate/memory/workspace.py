@@ -42,6 +42,9 @@ class StepLimits:
     flash_prefill: bool = False
     # Bytes per K/V value in the pool (`--kv-dtype`); 0 = the model dtype's.
     kv_bytes: int = 0
+    # --weights gguf's prompt rows on AMX bf16 tiles (kvgate/models/csrc/amx_q4_1.cpp): each call also
+    # holds its prompt rows as three bf16 parts and block sums, and the matrix's codes widened to bf16.
+    amx_prefill: bool = False
 
     @property
     def context(self) -> int:
@@ -218,14 +221,17 @@ def _gemm_scratch(gemms: list[tuple[int, int]], T: int, b: int, limits: StepLimi
     """Matmul scratch: MKL sgemm packing buffers (kept by MKL's allocator after first use), or with
     prepacked weights a matmul input padded to its row bucket; with quantized layer matrices also
     their input cast to the activation dtype and their output in it (gguf-q8act: also the input's
-    8-bit blocks, a byte per value and two float32 per 32)."""
+    8-bit blocks, a byte per value and two float32 per 32; gguf on AMX: `amx_prefill_bytes`)."""
     fmt = limits.weight_format
     quant = 0
     if fmt != "full":  # the layer matrices quantizable in `fmt` (the LM head, last, never is)
         blocks = 1 if fmt == "gguf-q8act" else 0
+        amx = limits.amx_prefill and fmt == "gguf"
         quant = max(
             (
-                T * (k + n) * limits.quant_act_bytes + blocks * T * (k + k // 32 * 8)
+                T * (k + n) * limits.quant_act_bytes
+                + blocks * T * (k + k // 32 * 8)
+                + (amx_prefill_bytes(T, k, n) if amx else 0)
                 for k, n in gemms[:-1]
                 if quantizable(fmt, n, k)
             ),
@@ -235,6 +241,14 @@ def _gemm_scratch(gemms: list[tuple[int, int]], T: int, b: int, limits: StepLimi
     if limits.packed_weights:  # transient, one call at a time
         return max(quant, T * max(k for k, _ in gemms) * b)
     return quant + max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * 4  # MKL keeps its buffers
+
+
+def amx_prefill_bytes(rows: int, k: int, n: int) -> int:
+    """What one AMX Q4_1 call holds beside its input and output (amx_q4_1.cpp's q4_1_prefill): the
+    prompt rows, padded to 16, as three bf16 parts and a float32 sum per block of 32, and the [n, k]
+    matrix's codes as bf16 (n padded to 16)."""
+    rp, np_ = -(-rows // 16) * 16, -(-n // 16) * 16
+    return rp * k * 6 + rp * (k // 32) * 4 + np_ * k * 2
 
 
 def workspace_total(breakdown: dict[str, int]) -> int:

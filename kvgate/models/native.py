@@ -4,7 +4,8 @@
 into `$KVGATE_EXT_DIR` (default `~/.cache/kvgate/ext`)`/<key>`, where the key covers the sources, the
 torch version and the CPU's vector flags: a cache carried to another CPU class is rebuilt, never run.
 Flags come from /proc/cpuinfo (AVX2, FMA and F16C when listed; AVX-512 F, BW and VL, and VNNI, when
-listed, for the zmm paths), never `-march=native`: an AMX machine is one of the CPU classes these
+listed, for the zmm paths; -DKVGATE_AMX where amx_tile, amx_bf16 and avx512_bf16 are listed, for
+amx_q4_1.cpp's own target attributes), never `-march=native`: an AMX machine is one of the CPU classes these
 kernels must run on. The kernels need nothing beyond AVX2; the AVX-512 paths give the AVX2 build's
 bits (tests/test_scalar_fallback.py builds both on an AVX-512 CPU and compares every kernel bit for
 bit, and the scalar build too: bit for bit but for RMSNorm and paged attention, within 1e-5).
@@ -29,6 +30,7 @@ log = logging.getLogger("kvgate.native")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
+    "amx_q4_1.cpp",
     "bindings.cpp",
     "decode_stack.cpp",
     "draw.cpp",
@@ -59,6 +61,8 @@ def compile_flags() -> list[str]:
     if isa and {"avx512f", "avx512bw", "avx512vl"} <= flags:  # 32 ymm registers (paged attention)
         isa += ["-mavx512bw", "-mavx512vl"]
         isa += ["-mavx512vnni"] if "avx512_vnni" in flags else []  # int8_vnni.cpp's kernels
+        if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:  # amx_q4_1.cpp (its own target attributes)
+            isa += ["-DKVGATE_AMX"]
     return ["-O3", "-fopenmp", *isa]
 
 
@@ -80,6 +84,7 @@ def extension():
         module = _cached(cache_dir())
         if module is not None:
             _apply_int8_isa(module)
+            _apply_prefill_isa(module)
             _state["module"], _state["why"] = module, None
             return module
         from torch.utils.cpp_extension import load
@@ -114,6 +119,7 @@ def extension():
         log.warning(why)
     if module is not None:
         _apply_int8_isa(module)
+        _apply_prefill_isa(module)
     _state["module"], _state["why"] = module, why
     return module
 
@@ -130,6 +136,17 @@ def ready():
         if (out / f"{out.name}.so").exists():
             return extension()
     return None
+
+
+def _apply_prefill_isa(module) -> None:
+    """`KVGATE_PREFILL_ISA=float32` keeps --weights gguf's prompt rows on the float32 loop in a build that
+    also has the AMX bf16 one (amx_q4_1.cpp: the same numbers to float32 rounding, other bits; about 1.5x
+    slower for a 256-token prompt: A/B runs); unset or `auto` takes AMX where the kernel grants it."""
+    isa = os.environ.get("KVGATE_PREFILL_ISA", "auto")
+    try:
+        module.set_prefill_isa(isa)
+    except RuntimeError as exc:
+        log.warning("KVGATE_PREFILL_ISA=%s ignored: %s", isa, exc)
 
 
 def _apply_int8_isa(module) -> None:
@@ -172,6 +189,6 @@ if __name__ == "__main__":
     ok = ext is not None
     print(
         f"kvgate C++ kernels: {'ready' if ok else unavailable()} ({time.monotonic() - t:.1f} s, {cache_dir()})"
-        + (f"; gguf-q8act tiles: {ext.int8_isa()}" if ok else "")
+        + (f"; gguf-q8act tiles: {ext.int8_isa()}; gguf prompt rows: {ext.prefill_isa()}" if ok else "")
     )
     raise SystemExit(0 if ok else 1)

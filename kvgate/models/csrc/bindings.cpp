@@ -31,6 +31,11 @@ void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::
                         const torch::Tensor& v_pool, const torch::Tensor& block_table, int64_t start, int64_t n,
                         int64_t ctx, double scale);
 std::string int8_isa();
+namespace kvgate_amx {
+std::string isa();
+std::string set_isa(const std::string& name);
+std::string unavailable();
+}  // namespace kvgate_amx
 std::string set_int8_isa(const std::string& isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -52,6 +57,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_int8_isa", &set_int8_isa,
           "'avx2' runs the AVX2 tile kernels in an AVX-512 VNNI build (same bits; tests and A/B benchmarks), "
           "'auto' the fastest built; returns int8_isa()");
+  mod.def("prefill_isa", &kvgate_amx::isa,
+          "what q4_1_matmul's prompt rows run on: amx-bf16 (amx_q4_1.cpp) or float32 (tile_matmul.cpp's loop)");
+  mod.def("set_prefill_isa", &kvgate_amx::set_isa,
+          "'float32' runs q4_1_matmul's prompt rows on the float32 loop in an AMX build (other bits, same "
+          "numbers to float32 rounding: tests and A/B benchmarks), 'auto' on AMX where granted; returns prefill_isa()");
+  mod.def("amx_unavailable", &kvgate_amx::unavailable, "why prompt rows cannot run on AMX here ('' when they can)");
   mod.def("prefill_attention_lanes", &prefill_attention_lanes,
           "the vector lanes of prefill_attention_ in this build (head_dim must be a multiple); 0: not built");
   mod.def("prefill_attention_", &prefill_attention_,

@@ -510,6 +510,11 @@ void check_x(const char* fn, const torch::Tensor& x, int64_t K) {
 
 }  // namespace
 
+namespace kvgate_amx {  // amx_q4_1.cpp: prompt rows on AMX's bf16 tiles, where built and granted
+bool active();
+void q4_1_prefill(const float* x, float* y, int64_t M, int64_t N, int64_t nb, const uint8_t* w);
+}  // namespace kvgate_amx
+
 torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows) {
   check_tiles("q4_1_matmul", "q4_1_pack16", packed, N, Q41::BYTES);
   const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QBLOCK, M = x.size(0);
@@ -522,10 +527,13 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
   float* yp = y.data_ptr<float>();
   std::vector<float> xs(static_cast<size_t>(Md * nb));  // each decode row's block sums
   for (int64_t i = 0; i < Md * nb; ++i) xs[i] = block_sum(xp + i * QBLOCK);
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
-    prefill_cols(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
-  });
+  const bool amx = M > Md && kvgate_amx::active();
+  if (Md > 0 || !amx)
+    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+      decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
+      if (!amx) prefill_cols(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
+    });
+  if (amx) kvgate_amx::q4_1_prefill(xp + Md * K, yp + Md * N, M - Md, N, nb, wp);
   return y;
 }
 
