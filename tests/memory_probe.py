@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             q8_head=plan.limits.q8_head,
             flash_prefill=plan.limits.flash_prefill,
             kv_bytes=plan.limits.kv_bytes,
+            amx_prefill=plan.limits.amx_prefill,
         )  # draft positions (--speculate) are decode rows here: counted in rows and logits rows
         return plan_mod.step_workspace(engine.spec, dtype_bytes, lim, plan.block_size)
 
