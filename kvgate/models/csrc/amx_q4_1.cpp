@@ -147,15 +147,12 @@ KVGATE_AMX_FN void release_tiles() { _tile_release(); }
 // A tile's nb blocks as TDPBF16PS's B operand: per block 16 rows p (k = 2p, 2p + 1), each the 16
 // outputs' pair of codes as bf16, output j at words 2j and 2j + 1.
 KVGATE_AMX_FN void widen_tile(const uint8_t* w, int64_t nb, uint16_t* panel) {
-  __m512i levels = _mm512_setzero_si512();  // word c = bf16 bits of c, for c = 0..15
-  alignas(64) uint16_t lv[32];
-  for (int c = 0; c < 32; ++c) {
-    const float f = float(c & 15);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    lv[c] = uint16_t(bits >> 16);  // exact: a small integer has a short mantissa
-  }
-  levels = _mm512_load_si512(lv);
+  // word c (and c + 16) = the bf16 bits of the float c, for c = 0..15 (0x3f80 is 1.0; exact, short mantissas)
+  alignas(64) static constexpr uint16_t lv[32] = {
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
+      0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
+      0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  const __m512i levels = _mm512_load_si512(lv);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * TBYTES;
     uint16_t* pb = panel + b * (PANEL / 2);
