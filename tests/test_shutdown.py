@@ -65,7 +65,10 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.grace = grace
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+        # no KVGATE_ setting leaks in, except where the suite's C++ kernels are cached: without it a
+        # suite run with its own KVGATE_EXT_DIR made both servers compile them again (2+ minutes on 2
+        # cores) and miss the 120 s start
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_") or k == "KVGATE_EXT_DIR"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [
