@@ -17,6 +17,8 @@ When the build is impossible (no compiler, no ninja, a failed compile) `extensio
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -75,6 +77,31 @@ def cache_dir() -> Path:
     return base / f"kvgate_native_{h.hexdigest()[:16]}"
 
 
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """One build of a cache directory at a time, by a lock the kernel drops when its holder dies.
+
+    torch's cpp_extension marks a build with a `lock` file and waits, without end, for that file to go.
+    A build that was killed (Ctrl-C during a first `make serve`, a test's server killed mid-start)
+    leaves the file behind, and every later start of kvgate then hung on it. Every kvgate build holds
+    this flock first, so a `lock` file seen while holding it is a dead build's: it is removed.
+    """
+    with open(out / "kvgate-build.flock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process's build of kvgate's C++ kernels in %s", out)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        stale = out / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build of kvgate's C++ kernels that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def extension():
     """The compiled module (built on first use, then loaded from the cache), or None."""
     if "module" in _state:
@@ -99,14 +126,15 @@ def extension():
         out = cache_dir()
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        module = load(
-            name=out.name,
-            sources=[str(CSRC / n) for n in SOURCES],
-            extra_cflags=compile_flags(),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(out),
-            verbose=False,
-        )
+        with _build_lock(out):
+            module = load(
+                name=out.name,
+                sources=[str(CSRC / n) for n in SOURCES],
+                extra_cflags=compile_flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(out),
+                verbose=False,
+            )
         took = time.monotonic() - t0
         if took > 5:
             log.info("built kvgate's C++ kernels in %.0f s (cached in %s)", took, out)
