@@ -1077,7 +1077,9 @@ def write_doc(results: dict) -> None:
     w("")
     kv_plan = (results["peers"].get("kvgate") or {}).get("resources", {}).get("plan", {})
     w(
-        f"- CPU: {m['model_name']}, {m['cpus']} vCPUs"
+        f"- CPU: {m['model_name']}"
+        + (f" (family {m['cpu_family']} model {m.get('cpu_model')}: {m['core']})" if m.get("core") else "")
+        + f", {m['cpus']} vCPUs"
         f"{' (' + m['hypervisor'] + ' guest)' if m.get('hypervisor') else ''}, "
         f"{m['mem_total_bytes'] / 2**30:.0f} GiB RAM, Linux {m['kernel']}; class: "
         f"{cpu_line(m).split('(', 1)[1].split(')', 1)[0]}."

@@ -55,6 +55,40 @@ def cpu_class(flags: set[str] | list[str], vendor_id: str | None) -> str:
     return f"{isa} {vendor}"
 
 
+def amd_core(family: int | None, model: int | None) -> str | None:
+    """The Zen generation of an AMD family/model pair (lscpu's decimal numbers), where it is known.
+
+    A VM often names the CPU only "AMD EPYC"; Zen 4 (family 25, models 0x10-0x1f, 0x60-0x7f, 0xa0-0xaf)
+    runs AVX-512 on 256-bit units and Zen 5 (family 26) on 512-bit ones, which moves every float-kernel
+    number, so the tables say which one ran."""
+    if family == 26:
+        return "Zen 5"
+    if family == 25 and model is not None:
+        return "Zen 4" if model >> 4 in (0x1, 0x6, 0x7, 0xA) else "Zen 3"
+    if family == 23:
+        return "Zen 1/2"
+    return None
+
+
+def _cpu_mhz() -> float | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "cpu MHz":
+                    return float(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int((text or "").strip())
+    except ValueError:
+        return None
+
+
 def machine_info() -> dict:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
@@ -65,8 +99,13 @@ def machine_info() -> dict:
         for line in f:
             if line.startswith("MemTotal"):
                 mem = int(line.split()[1]) * 1024
+    family, model = _int(fields.get("CPU family")), _int(fields.get("Model"))
     return {
         "model_name": fields.get("Model name", "?").strip(),
+        "cpu_family": family,
+        "cpu_model": model,
+        "core": amd_core(family, model) if vendor_id == "AuthenticAMD" else None,
+        "mhz": _cpu_mhz(),
         "vendor_id": vendor_id,
         "cpu_class": cpu_class(flags, vendor_id),
         "cpus": os.cpu_count(),
@@ -86,8 +125,13 @@ def cpu_line(m: dict) -> str:
     )
     cls = m.get("cpu_class") or cpu_class(m.get("flags_present", []), vendor_id)
     absent = m.get("flags_absent") or []
+    where = ""
+    if m.get("cpu_family") is not None:
+        where = f", family {m['cpu_family']} model {m.get('cpu_model')}"
+        where += f" = {m['core']}" if m.get("core") else ""
+        where += f" at {m['mhz'] / 1000:.1f} GHz" if m.get("mhz") else ""
     return (
-        f"CPU: {m.get('model_name', '?')} ({cls}), {m.get('cpus')} vCPUs; flags "
+        f"CPU: {m.get('model_name', '?')} ({cls}){where}, {m.get('cpus')} vCPUs; flags "
         f"{' '.join(m.get('flags_present') or []) or 'none of note'}"
         + (f" (no {' '.join(absent)})" if absent else "")
         + "."
