@@ -41,7 +41,7 @@ from kvgate.core.snapshot import EngineSnapshot
 from kvgate.core.stepper import EngineCore
 from kvgate.memory.ledger import MemoryLedger
 from kvgate.memory.plan import MemoryPlan, PlanError
-from kvgate.models import LoadedModel, load_model
+from kvgate.models import LoadedModel, decode_prefetch, load_model
 from kvgate.models.llama import LlamaModel
 from kvgate.request import GenerationRequest, RequestHandle
 from kvgate.tokenizer import TextTokenizer
@@ -98,6 +98,9 @@ class Engine:
         # that was not (a few MiB of oneDNN kernels at most, inside the overhead's slack).
         self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_logit_rows)
         loaded.weights.clear()
+        self.prefetch_note = decode_prefetch.choose(self.model)  # gguf's float decode loops, per CPU
+        if self.prefetch_note:
+            log.info("%s", self.prefetch_note)
         if self.model.weight_bytes > p.weights_bytes:
             raise PlanError(
                 f"the loaded weights take {self.model.weight_bytes:,} bytes but the plan charged "

@@ -37,6 +37,8 @@ std::string set_isa(const std::string& name);
 std::string unavailable();
 }  // namespace kvgate_amx
 std::string set_int8_isa(const std::string& isa);
+std::tuple<bool, bool> decode_prefetch();
+std::tuple<bool, bool> set_decode_prefetch(bool one_row, bool more_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_matmul", &q8_matmul, "float32 x times a Q8_0 table in tiles of 16 rows (q8_pack16) for N outputs");
@@ -62,6 +64,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_prefill_isa", &kvgate_amx::set_isa,
           "'float32' runs q4_1_matmul's prompt rows on the float32 loop in an AMX build (other bits, same "
           "numbers to float32 rounding: tests and A/B benchmarks), 'auto' on AMX where granted; returns prefill_isa()");
+  mod.def("decode_prefetch", &decode_prefetch,
+          "(one row, more rows): whether the float decode rows of q4_1_matmul and q8_matmul prefetch their tiles "
+          "into L1 ahead of use, for groups of one row and of 2-8 rows");
+  mod.def("set_decode_prefetch", &set_decode_prefetch,
+          "turn that software prefetch on or off per kind of group (the same bits either way; "
+          "kvgate.models.q4_1.choose_prefetch measures which is faster at load); returns decode_prefetch()",
+          pybind11::arg("one_row"), pybind11::arg("more_rows"));
   mod.def("amx_unavailable", &kvgate_amx::unavailable, "why prompt rows cannot run on AMX here ('' when they can)");
   mod.def("prefill_attention_lanes", &prefill_attention_lanes,
           "the vector lanes of prefill_attention_ in this build (head_dim must be a multiple); 0: not built");

@@ -39,6 +39,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -56,9 +58,14 @@ namespace {
 constexpr int64_t QBLOCK = 32;
 constexpr int64_t TILE = 16;  // output rows per tile
 // Blocks ahead of its use a tile's bytes are asked for (into L1): a thread reads up to 8 tiles side by
-// side, more streams than the hardware prefetcher follows. 2-4 blocks measured alike, 8 slower; with no
-// prefetch one row took 1.45x as long.
+// side, more streams than the hardware prefetcher follows. On Zen 5 (session 13) 2-4 blocks measured
+// alike, 8 slower, and with no prefetch one row took 1.45x as long; on Zen 4 (session 16) the same
+// loop over cold memory ran at 11-18 GB/s with it and 20-22 without, and SmolLM2's 30 layers at one
+// row took 4.3 ms with it against 3.7 without, while at 16 rows it still paid (18.5 against 19.8). So
+// it is two switches, for groups of one row and of more (set_decode_prefetch), chosen at load by a
+// measured probe (kvgate.models.q4_1.choose_prefetch); neither changes a bit.
 constexpr int64_t AHEAD = 3;
+std::atomic<bool> g_prefetch_one{true}, g_prefetch_more{true};
 
 // an fp16 scale as float32 (the scalar build's; F16C converts in the vector ones)
 inline float half_at(const uint8_t* p) {
@@ -159,13 +166,14 @@ template <class F, int R, int NT>
 void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
                   int64_t ldy) {
   const int64_t K = nb * QBLOCK;
+  const bool pf = (R == 1 ? g_prefetch_one : g_prefetch_more).load(std::memory_order_relaxed);
   __m512 acc[R][NT];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (b + AHEAD < nb)
+    if (pf && b + AHEAD < nb)
       for (int t = 0; t < NT; ++t) prefetch_block<F>(w + t * tstride + (b + AHEAD) * F::BYTES);
     constexpr int C = F::CHAINS;
     __m512 s[R][NT][C];
@@ -220,11 +228,12 @@ template <class F, int R, int NT>
 void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
                   int64_t ldy) {
   const int64_t K = nb * QBLOCK;
+  const bool pf = (R == 1 ? g_prefetch_one : g_prefetch_more).load(std::memory_order_relaxed);
   __m256 acc[R][NT][2];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (b + AHEAD < nb)
+    if (pf && b + AHEAD < nb)
       for (int t = 0; t < NT; ++t) prefetch_block<F>(w + t * tstride + (b + AHEAD) * F::BYTES);
     constexpr int C = F::CHAINS;
     __m256 s[R][NT][2][C];
@@ -535,6 +544,15 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
     });
   if (amx) kvgate_amx::q4_1_prefill(xp + Md * K, yp + Md * N, M - Md, N, nb, wp);
   return y;
+}
+
+std::tuple<bool, bool> decode_prefetch() {
+  return {g_prefetch_one.load(std::memory_order_relaxed), g_prefetch_more.load(std::memory_order_relaxed)};
+}
+std::tuple<bool, bool> set_decode_prefetch(bool one_row, bool more_rows) {
+  g_prefetch_one.store(one_row, std::memory_order_relaxed);
+  g_prefetch_more.store(more_rows, std::memory_order_relaxed);
+  return decode_prefetch();
 }
 
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, int64_t N) {
