@@ -61,6 +61,7 @@ def test_the_engine_runs_the_probe_under_gguf_and_an_env_setting_skips_it(q4_tin
         assert note and note.startswith("decode prefetch: one row ") and "ms with / without" in note
         one, more = ext.decode_prefetch()
         assert f"one row {'on' if one else 'off'}, 8+ rows {'on' if more else 'off'}" in note
+        assert note in e.plan.notes  # printed at startup with the other probes' choices
     finally:
         e.shutdown()
     monkeypatch.setenv(decode_prefetch.ENV, "off")

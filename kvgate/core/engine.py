@@ -99,8 +99,8 @@ class Engine:
         self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_logit_rows)
         loaded.weights.clear()
         self.prefetch_note = decode_prefetch.choose(self.model)  # gguf's float decode loops, per CPU
-        if self.prefetch_note:
-            log.info("%s", self.prefetch_note)
+        if self.prefetch_note:  # with the plan's other startup choices (`kvgate serve` prints them)
+            p.notes.append(self.prefetch_note)
         if self.model.weight_bytes > p.weights_bytes:
             raise PlanError(
                 f"the loaded weights take {self.model.weight_bytes:,} bytes but the plan charged "
