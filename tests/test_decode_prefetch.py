@@ -1,8 +1,8 @@
 """The float decode loops' prefetch switches change speed only, and the load-time probe picks by its numbers
 (kvgate.models.decode_prefetch).
 
-Seen red: with keep_prefetch's comparison inverted, the decision test fails; with the engine's call to
-`choose` removed, the engine test fails. The bit test guards that nothing but the prefetch hangs on the
+Seen red: with keep_prefetch's comparison inverted, the decision test fails; with the probe's cap left
+out, the cap test; with the engine's call to `choose` removed, the engine test. The bit test guards that nothing but the prefetch hangs on the
 switches (the kernel computes the same blocks in the same order either way; it was not seen red, since
 breaking it means breaking the C++ loop itself).
 """
@@ -52,13 +52,14 @@ def test_the_prefetch_goes_off_only_when_clearly_slower():
     assert decode_prefetch.keep_prefetch([1.0, 1.0, 1.0], [0.99, 0.98, 0.985])  # within 3%: kept
     assert not decode_prefetch.keep_prefetch([4.3, 4.4, 4.2], [3.7, 3.8, 3.9])  # Zen 4, one row
     assert decode_prefetch.keep_prefetch([18.5, 18.4, 18.6], [19.8, 19.7, 19.9])  # Zen 4, 8+ rows
+    assert decode_prefetch.keep_prefetch([1.0, 1.6, 1.5], [0.99, 0.99, 0.99])  # slowed runs: the best counts
 
 
 def test_the_engine_runs_the_probe_under_gguf_and_an_env_setting_skips_it(q4_tiny_dir, ext, monkeypatch):  # noqa: F811
     e = engine(q4_tiny_dir, weights="gguf")
     try:
         note = e.prefetch_note
-        assert note and note.startswith("decode prefetch: one row ") and "ms with / without" in note
+        assert note and note.startswith("decode prefetch: one row ") and "best ms with / without" in note
         one, more = ext.decode_prefetch()
         assert f"one row {'on' if one else 'off'}, 8+ rows {'on' if more else 'off'}" in note
         assert note in e.plan.notes  # printed at startup with the other probes' choices
@@ -77,3 +78,14 @@ def test_the_engine_runs_the_probe_under_gguf_and_an_env_setting_skips_it(q4_tin
         assert e.prefetch_note is None or "matrices" in e.prefetch_note  # only a Q8 head, if any
     finally:
         e.shutdown()
+
+
+def test_a_big_models_probe_takes_the_head_and_the_first_layers_up_to_the_cap(monkeypatch):
+    torch.manual_seed(4)
+    lin = Q41Linear(ggml_q4_1(torch.randn(64, 64)), None)
+    head = Q8Table(*q8_blocks(ggml_q8_0(torch.randn(64, 64))))
+    model = type("M", (), {"layers": [(lin, lin)] * 10, "lm_head": head})()
+    assert len(decode_prefetch._calls(model)) == 21
+    monkeypatch.setattr(decode_prefetch, "PROBE_BYTES", head.tiles.numel() + 2 * lin.packed.numel())
+    calls = decode_prefetch._calls(model)
+    assert [m for m, _ in calls] == [head, lin, lin] and [k for _, k in calls] == [64, 64, 64]

@@ -6,8 +6,10 @@ on the CPU, and differently for one row than for several: on Zen 5 (session 13) 
 1.45x as long; on Zen 4 (session 16) SmolLM2's 30 layers at one row took 4.3 ms with it and 3.7 without,
 while 16 rows still gained from it (18.5 against 19.8 ms). So `choose` times the model's own matrices,
 from memory, at one row and at eight, each switch on and off in alternating rounds, and keeps the
-faster; the prefetch stays on unless going without is clearly (3%) faster. Prefetching never changes a
-bit of any result (tests/test_decode_prefetch.py), so the probe changes only speed.
+faster; the prefetch stays on unless going without is clearly (3%) faster. A model past 256 MB of such
+tiles is probed on its first 256 MB (the head, then layers), which still stream from memory.
+Prefetching never changes a bit of any result (tests/test_decode_prefetch.py), so the probe changes
+only speed.
 
 `KVGATE_DECODE_PREFETCH=on` or `off` sets both switches without a probe (A/B runs).
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 
 import torch
@@ -34,29 +35,36 @@ MORE_ROWS = 8  # one group of 8 rows: the kernel's widest, what 8 or more decode
 
 
 def keep_prefetch(with_s: list[float], without_s: list[float]) -> bool:
-    """True unless the runs without the prefetch are clearly faster (median under MARGIN x with)."""
-    return not statistics.median(without_s) < MARGIN * statistics.median(with_s)
+    """True unless the runs without the prefetch are clearly faster: their best under MARGIN x the best
+    with it (the best of each, since what disturbs a run on a shared machine only ever slows it)."""
+    return not min(without_s) < MARGIN * min(with_s)
+
+
+PROBE_BYTES = 256 << 20  # a bigger model's probe takes its first matrices up to this: still far past any L3
 
 
 def _calls(model) -> list[tuple[object, int]]:
-    """(matrix, in_features) for every matrix of `model` the switches govern, in the forward's order."""
-    out = []
-    for layer in model.layers:
-        for lin in layer:
-            if type(lin) is Q41Linear:
-                out.append((lin, lin.packed.shape[1] * 32))
+    """(matrix, in_features) for the matrices of `model` the switches govern, in the forward's order
+    (the head first, then layers until PROBE_BYTES of tiles)."""
+    out, total = [], 0
     head = getattr(model, "lm_head", None)
     if type(head) is Q8Table:  # not Q8DotTable (gguf-q8act): its kernel has no such switch
         out.append((head, head.tiles.shape[1] * 32))
+        total += head.tiles.numel()
+    for layer in model.layers:
+        for lin in layer:
+            if type(lin) is Q41Linear and total < PROBE_BYTES:
+                out.append((lin, lin.packed.shape[1] * 32))
+                total += lin.packed.numel()
     return out
 
 
 def choose(model) -> str | None:
-    """Set the prefetch switches for `model` and say what was chosen (with the probe's medians), or None
+    """Set the prefetch switches for `model` and say what was chosen (with the probe's best times), or None
     where its matrices do not take these kernels (other formats, no C++ build)."""
     ext = native.ready()
     calls = _calls(model)
-    if ext is None or not hasattr(ext, "set_decode_prefetch") or not calls:
+    if ext is None or not calls:
         return None
     setting = os.environ.get(ENV, "auto")
     if setting in ("on", "off"):
@@ -89,10 +97,10 @@ def choose(model) -> str | None:
     ext.set_decode_prefetch(one, more)
 
     def ms(rows: int, on: bool) -> str:
-        return f"{statistics.median(times[rows, on]) * 1e3:.2f}"
+        return f"{min(times[rows, on]) * 1e3:.2f}"
 
     return (
         f"decode prefetch: one row {'on' if one else 'off'}, {MORE_ROWS}+ rows {'on' if more else 'off'} "
-        f"(probe over the model's {len(calls)} matrices, ms with / without: 1 row {ms(1, True)} / "
+        f"(probe over the model's {len(calls)} matrices, best ms with / without: 1 row {ms(1, True)} / "
         f"{ms(1, False)}, {MORE_ROWS} rows {ms(MORE_ROWS, True)} / {ms(MORE_ROWS, False)})"
     )
