@@ -98,9 +98,9 @@ class Engine:
         # that was not (a few MiB of oneDNN kernels at most, inside the overhead's slack).
         self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_logit_rows)
         loaded.weights.clear()
-        self.prefetch_note = decode_prefetch.choose(self.model)  # gguf's float decode loops, per CPU
-        if self.prefetch_note:  # with the plan's other startup choices (`kvgate serve` prints them)
-            p.notes.append(self.prefetch_note)
+        # gguf's float decode loops, per CPU; not a plan note: `kvgate plan` (no model built, no probe)
+        # must give the engine's plan, and this choice changes speed only, never memory
+        self.prefetch_note = decode_prefetch.choose(self.model)
         if self.model.weight_bytes > p.weights_bytes:
             raise PlanError(
                 f"the loaded weights take {self.model.weight_bytes:,} bytes but the plan charged "

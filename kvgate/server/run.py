@@ -95,6 +95,8 @@ def serve(args) -> int:
         try:
             engine = Engine.from_model(args.model, cfg)
             print(engine.plan.describe(1024), file=sys.stderr, flush=True)
+            if engine.prefetch_note:
+                print(f"  {engine.prefetch_note}", file=sys.stderr, flush=True)
             app.state.engine = engine.start()
             app.state.status = "ready"
             host = f"[{args.host}]" if ":" in args.host else args.host
