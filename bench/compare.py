@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench import llama_server as native
-from bench.cpu import cpu_line, machine_info
+from bench.cpu import cpu_line, cpu_where, machine_info
 from bench.servers import ROOT, Server, free_port, log, rel
 
 VENV_PY = ROOT / ".venv" / "bin" / "python"
@@ -1078,7 +1078,7 @@ def write_doc(results: dict) -> None:
     kv_plan = (results["peers"].get("kvgate") or {}).get("resources", {}).get("plan", {})
     w(
         f"- CPU: {m['model_name']}"
-        + (f" (family {m['cpu_family']} model {m.get('cpu_model')}: {m['core']})" if m.get("core") else "")
+        + (f" ({cpu_where(m)})" if cpu_where(m) else "")
         + f", {m['cpus']} vCPUs"
         f"{' (' + m['hypervisor'] + ' guest)' if m.get('hypervisor') else ''}, "
         f"{m['mem_total_bytes'] / 2**30:.0f} GiB RAM, Linux {m['kernel']}; class: "

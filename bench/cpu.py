@@ -25,17 +25,22 @@ NOTABLE_FLAGS = (
 VENDORS = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}
 
 
-def cpu_flags() -> set[str]:
-    """The flags of the first processor in /proc/cpuinfo (x86: the `flags` line)."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of the first processor's first line in /proc/cpuinfo named one of `keys`."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return set(value.split())
+                if key.strip() in keys:
+                    return value
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The flags of the first processor in /proc/cpuinfo (x86: the `flags` line)."""
+    return set((_cpuinfo("flags", "Features") or "").split())
 
 
 def cpu_class(flags: set[str] | list[str], vendor_id: str | None) -> str:
@@ -72,14 +77,9 @@ def amd_core(family: int | None, model: int | None) -> str | None:
 
 def _cpu_mhz() -> float | None:
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "cpu MHz":
-                    return float(value)
-    except (OSError, ValueError):
-        pass
-    return None
+        return float(_cpuinfo("cpu MHz") or "")
+    except ValueError:
+        return None
 
 
 def _int(text: str | None) -> int | None:
@@ -118,6 +118,17 @@ def machine_info() -> dict:
     }
 
 
+def cpu_where(m: dict) -> str:
+    """'family 25 model 17 = Zen 4 at 2.6 GHz' from machine_info's fields ('' where they are absent)."""
+    if m.get("cpu_family") is None:
+        return ""
+    return (
+        f"family {m['cpu_family']} model {m.get('cpu_model')}"
+        + (f" = {m['core']}" if m.get("core") else "")
+        + (f" at {m['mhz'] / 1000:.1f} GHz" if m.get("mhz") else "")
+    )
+
+
 def cpu_line(m: dict) -> str:
     """One line for under a table: model, class, vCPUs, flags of note present and absent."""
     vendor_id = m.get("vendor_id") or next(
@@ -125,11 +136,7 @@ def cpu_line(m: dict) -> str:
     )
     cls = m.get("cpu_class") or cpu_class(m.get("flags_present", []), vendor_id)
     absent = m.get("flags_absent") or []
-    where = ""
-    if m.get("cpu_family") is not None:
-        where = f", family {m['cpu_family']} model {m.get('cpu_model')}"
-        where += f" = {m['core']}" if m.get("core") else ""
-        where += f" at {m['mhz'] / 1000:.1f} GHz" if m.get("mhz") else ""
+    where = f", {cpu_where(m)}" if cpu_where(m) else ""
     return (
         f"CPU: {m.get('model_name', '?')} ({cls}){where}, {m.get('cpus')} vCPUs; flags "
         f"{' '.join(m.get('flags_present') or []) or 'none of note'}"

@@ -32,15 +32,13 @@ ENV = "KVGATE_DECODE_PREFETCH"
 MARGIN = 0.97  # without the prefetch must take under 97% of the time with it to be chosen
 ROUNDS = 3
 MORE_ROWS = 8  # one group of 8 rows: the kernel's widest, what 8 or more decode rows run as
+PROBE_BYTES = 256 << 20  # a bigger model's probe takes its first matrices up to this: still far past any L3
 
 
 def keep_prefetch(with_s: list[float], without_s: list[float]) -> bool:
     """True unless the runs without the prefetch are clearly faster: their best under MARGIN x the best
     with it (the best of each, since what disturbs a run on a shared machine only ever slows it)."""
     return not min(without_s) < MARGIN * min(with_s)
-
-
-PROBE_BYTES = 256 << 20  # a bigger model's probe takes its first matrices up to this: still far past any L3
 
 
 def _calls(model) -> list[tuple[object, int]]:

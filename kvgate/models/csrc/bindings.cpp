@@ -69,7 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "into L1 ahead of use, for groups of one row and of 2-8 rows");
   mod.def("set_decode_prefetch", &set_decode_prefetch,
           "turn that software prefetch on or off per kind of group (the same bits either way; "
-          "kvgate.models.q4_1.choose_prefetch measures which is faster at load); returns decode_prefetch()",
+          "kvgate.models.decode_prefetch.choose measures which is faster at load); returns decode_prefetch()",
           pybind11::arg("one_row"), pybind11::arg("more_rows"));
   mod.def("amx_unavailable", &kvgate_amx::unavailable, "why prompt rows cannot run on AMX here ('' when they can)");
   mod.def("prefill_attention_lanes", &prefill_attention_lanes,

@@ -63,7 +63,7 @@ constexpr int64_t TILE = 16;  // output rows per tile
 // loop over cold memory ran at 11-18 GB/s with it and 20-22 without, and SmolLM2's 30 layers at one
 // row took 4.3 ms with it against 3.7 without, while at 16 rows it still paid (18.5 against 19.8). So
 // it is two switches, for groups of one row and of more (set_decode_prefetch), chosen at load by a
-// measured probe (kvgate.models.q4_1.choose_prefetch); neither changes a bit.
+// measured probe (kvgate.models.decode_prefetch.choose); neither changes a bit.
 constexpr int64_t AHEAD = 3;
 std::atomic<bool> g_prefetch_one{true}, g_prefetch_more{true};
 
