@@ -123,6 +123,20 @@ def test_too_many_choices_is_a_400_naming_the_row_limit(make_engine):
     assert err["code"] == "too_many_choices" and "--max-seqs" in err["message"]
 
 
+def test_a_huge_n_or_best_of_is_refused_before_its_choices_are_built(make_engine):
+    """Engine.submit_choices built n handles before the gate refused n > --max-seqs, so schemathesis's
+    best_of=184894166142 grew the server by ~120 MB/s until tests/test_fuzz.py timed out (seen red:
+    no answer in 25 s, the run killed). Now it is the same 400, at once."""
+    e = make_engine(block_size=16, max_seqs=4)
+    with running_server(e) as (base, _):
+        for path, body in (
+            ("/v1/completions", {"prompt": "x", "best_of": 184894166142}),
+            (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 10**12}),
+        ):
+            r = httpx.post(base + path, json=body, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices", r.text
+
+
 def test_best_of_returns_the_most_likely_of_its_candidates(make_engine):
     """best_of=3, n=1 (seed 5) returns, of the three candidates that n=3 with the same seed gives, the one
     with the highest summed log-probability; usage counts every candidate; streaming best_of > n and

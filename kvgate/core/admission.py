@@ -51,12 +51,7 @@ def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[Requ
     if P == 0 or P + (ceiling if explicit else 1) > cfg.max_model_len:
         raise context_refusal(cfg, P, req.max_tokens)
     if n > cfg.max_seqs:
-        raise Refusal(
-            "too_many_choices",
-            f"n={n} choices run as {n} batch rows at once, and this server runs at most {cfg.max_seqs} "
-            f"(--max-seqs). Ask for at most n={cfg.max_seqs}, or send several requests.",
-            400,
-        )
+        raise too_many_choices(n, cfg.max_seqs)
     cap = None
     requested = ceiling  # before any cap: what the caller asked for, or the context ceiling
     if group_blocks(cfg, P, ceiling, n) > cfg.total_blocks:
@@ -72,6 +67,15 @@ def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[Requ
     )
     deadline = handle.submitted_at + cfg.max_queue_wait
     return WaitEntry(handle, ceiling, explicit, requested, cap, deadline, hashes, list(followers))
+
+
+def too_many_choices(n: int, max_seqs: int) -> Refusal:
+    return Refusal(
+        "too_many_choices",
+        f"n={n} choices run as {n} batch rows at once, and this server runs at most {max_seqs} "
+        f"(--max-seqs). Ask for at most n={max_seqs}, or send several requests.",
+        400,
+    )
 
 
 def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None) -> Refusal:

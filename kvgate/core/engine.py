@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvgate.config import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, EngineConfig, SchedulerConfig
+from kvgate.core import admission
 from kvgate.core.gate import SHUTTING_DOWN, AdmissionGate
 from kvgate.core.inbox import Cancel, CancelAll, Drain, Inbox, Stop
 from kvgate.core.kv_cache import KVPool
@@ -194,6 +195,8 @@ class Engine:
         seed + i, so the same request gives the same n answers (choice 0 = the request alone)."""
         if n == 1:
             return [self.submit(request)]
+        if n > self.sched_cfg.max_seqs:  # before n handles are built: n (or best_of) may be any integer
+            raise admission.too_many_choices(n, self.sched_cfg.max_seqs)
         request.validate(self.tokenizer.vocab_size)
         handles = [RequestHandle(request, self._send_cancel)]
         for i in range(1, n):
