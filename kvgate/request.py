@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvgate.sampling import SamplingParams, TokenLogprobs
+from kvgate.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
 _ids = itertools.count(1)
 
@@ -59,6 +59,10 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # score the prompt (OpenAI's completions `echo` with `logprobs`): the log-probability of each prompt
+    # token after the first under the model's raw logits, with this many top alternatives; None: off.
+    # Such a request takes no prefix-cache hits (every prompt position is computed).
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int) -> GenerationRequest:
         """Raise `RequestError` / `SamplingError` (both ValueErrors naming the field) or return self."""
@@ -66,6 +70,14 @@ class GenerationRequest:
         check_token_ids(self.prompt_ids, vocab_size, "prompt")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
         check_max_tokens(self.max_tokens)
+        k = self.prompt_logprobs
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS
+        ):
+            raise RequestError(
+                f"prompt_logprobs={k!r} must be an integer between 0 and {MAX_TOP_LOGPROBS} (or unset)",
+                "prompt_logprobs",
+            )
         return self
 
 
@@ -146,6 +158,9 @@ class Result:
     error: str | None = None
     stop_reason: str | None = None  # the stop string or "token:<id>" that ended generation
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (or a sibling choice)
+    # with `prompt_logprobs`: prompt tokens 1..P-1 scored in order (a choice of n > 1 other than the
+    # first shares its leader's prompt positions, so only the first choice's list is whole)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

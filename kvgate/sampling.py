@@ -217,6 +217,21 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token, float(lp[token]), top)
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Row i's `targets[i]` log-probability and top `k` (finite ones) under `logits[i]`: a scored
+    prompt's rows, one log-softmax for the group."""
+    lp = torch.log_softmax(logits.float(), -1)
+    got = lp.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if k:
+        vals, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        tops = [
+            [(i, v) for i, v in zip(ri, rv, strict=True) if math.isfinite(v)]
+            for ri, rv in zip(ids.tolist(), vals.tolist(), strict=True)
+        ]
+    return [TokenLogprobs(t, g, top) for t, g, top in zip(targets, got, tops, strict=True)]
+
+
 _executor = None
 
 

@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--grammar-rows", type=int, default=0, help="rows that generate under a JSON schema, each its own"
     )
+    ap.add_argument(
+        "--score-rows", type=int, default=0, help="rows that also score their prompt (prompt_logprobs=5)"
+    )
     ap.add_argument("--exact", action="store_true", help="pin the allocators so RSS tracks live bytes")
     ap.add_argument(
         "--fill-cache",
@@ -369,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         handles.append(engine.submit(req))
     for i in range(rows):
         req = GenerationRequest(prompt(row_prompt), sampling(i + 1), max_tokens=a.decode, ignore_eos=True)
+        req.prompt_logprobs = 5 if i < a.score_rows else None  # each chunk's logits at every position
         handles.append(engine.submit(req))
     results = [h.result(timeout=600) for h in handles]
     serve_s = time.monotonic() - t1
@@ -434,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         "kv_blocks_cached_before_workload": cached_before,
         "kv_blocks_cached_after": engine.snapshot().kv_blocks_cached,
         "finish": sorted({r.finish_reason for r in results}),
+        "scored_tokens": sum(len(r.prompt_logprobs or ()) for r in results),
+        "max_logits_rows": max([0] + [st["shape"]["logits_rows"] for st in steps if "shape" in st]),
         "generated": sum(r.completion_tokens for r in results),
         "load_s": round(load_s, 2),
         "serve_s": round(serve_s, 2),

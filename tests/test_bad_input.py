@@ -315,9 +315,9 @@ CATALOGUE: list[Bad] = [
         "response_format",
     ),
     Bad(
-        "echo-with-logprobs",
+        "echo-with-logprobs-streamed",
         COMP,
-        {"prompt": "x", "echo": True, "logprobs": 1},
+        {"prompt": "x", "echo": True, "logprobs": 1, "stream": True},
         400,
         "unsupported_parameter",
         "echo",

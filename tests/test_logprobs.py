@@ -115,7 +115,8 @@ def test_stream_logprobs_match_the_whole_response(base):
 
 def test_completions_logprobs_integer_and_echo(base):
     """Legacy shape (tokens, token_logprobs, top_logprobs as dicts, text_offset); echo puts the prompt
-    first. (The pre-issue-13 tree refused logprobs and echo by name.)"""
+    first, and with logprobs too its scored tokens (tests/test_prompt_logprobs.py). (The pre-issue-13
+    tree refused logprobs and echo by name.)"""
     body = {"prompt": "Hello", "max_tokens": 5, "logprobs": 2, "temperature": 0, "ignore_eos": True}
     c = httpx.post(base + COMP, json=body, timeout=60).json()["choices"][0]
     lp = c["logprobs"]
@@ -129,8 +130,8 @@ def test_completions_logprobs_integer_and_echo(base):
     assert all(len(t) == 2 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
     echoed = httpx.post(base + COMP, json={**body, "logprobs": None, "echo": True}, timeout=60).json()
     assert echoed["choices"][0]["text"] == "Hello" + c["text"]
-    r = httpx.post(base + COMP, json={**body, "echo": True}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"  # prompt logprobs: not yet
+    both = httpx.post(base + COMP, json={**body, "echo": True}, timeout=60).json()["choices"][0]["logprobs"]
+    assert both["tokens"][-5:] == lp["tokens"] and both["token_logprobs"][0] is None  # the prompt first
 
 
 def test_logprob_ranges_are_400s_naming_the_field(base):

@@ -377,3 +377,21 @@ def test_speculating_steps_stay_inside_their_planned_workspace(probes):
     assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
     assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
     assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+
+
+@pytest.mark.slow
+def test_scored_prompts_stay_inside_their_planned_workspace(probes):
+    """The exact probe with 12 of its 32 rows scoring their 24-token prompts (`prompt_logprobs=5`,
+    OpenAI's echo with logprobs): a scored chunk's logits at every position count against the plan's
+    logits rows, so no step holds more of them than the plan sized, every step stays within the plan's
+    formula at its composition, and the whole peak within the plan. Seen red without the cut in
+    Scheduler._pick_step: a step held more logits rows than the 32 planned."""
+    args = EXACT + ["--row-prompt", "24", "--score-rows", "12"]
+    r = run_probe(args)
+    assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
+    assert r["scored_tokens"] == 12 * 23
+    assert r["max_logits_rows"] <= r["plan"]["limits"]["max_seqs"], summary(r)
+    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
+    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
+    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
+    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)

@@ -45,15 +45,15 @@ def test_top_p_stops_at_the_token_that_reaches_it():
 
 def test_completion_echo_suffix_and_unknown_message_keys_are_refused_by_name(make_engine):
     """Seen to fail when echo/suffix were accepted and ignored, and message extras dropped silently.
-    Since issue 13, `echo` alone and `tool_calls` messages are supported; echo with logprobs (the
-    prompt's log-probabilities) is still refused by name."""
+    Since issue 13, `echo` alone and `tool_calls` messages are supported; since session 17 echo with
+    logprobs (the prompt's log-probabilities) too, answered whole: streamed, it is refused by name."""
     import httpx
 
     from tests.server_util import running_server
 
     with running_server(make_engine()) as (base, _):
         for body, param in (
-            ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+            ({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "echo"),
             ({"prompt": "hi", "suffix": "end"}, "suffix"),
         ):
             r = httpx.post(base + "/v1/completions", json=body)

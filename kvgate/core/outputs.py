@@ -42,5 +42,7 @@ class ModelOutput:
     drafted: dict[int, int] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)  # request id -> why its sampling failed
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # rows that asked for them
+    # scored prompt chunks: request id -> its next prompt tokens' log-probabilities, in order
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     step_error: str | None = None  # the forward failed: every row in the step fails with this
     seconds: float = 0.0  # wall time of the forward and sampling

@@ -62,6 +62,8 @@ class Row:
     followers: list[int] = field(default_factory=list)
     ngrams: NgramIndex | None = None  # speculative decoding's draft source, when the row may speculate
     gate: DraftGate | None = None  # whether it drafts now, from its own acceptance (with ngrams)
+    # a scored prompt's log-probabilities so far (`GenerationRequest.prompt_logprobs`), else None
+    prompt_logprobs: list | None = None
 
     @property
     def id(self) -> int:

@@ -21,8 +21,9 @@ from kvgate.core.outputs import ModelOutput, SchedulerOutput
 from kvgate.core.spec_sample import accept_sampled, distributions
 from kvgate.core.speculate import accept
 from kvgate.core.step_inputs import build_step
+from kvgate.draw_torch import SAMPLE_ROWS
 from kvgate.models.llama import StepBatch
-from kvgate.sampling import sample_batch
+from kvgate.sampling import prompt_logprobs, sample_batch
 
 
 class ModelRunner:
@@ -57,14 +58,31 @@ class ModelRunner:
         except Exception as exc:  # a failed step fails only the rows in it
             return ModelOutput(step_error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - t0)
         picks = [(d.request_id, li) for d, li in zip(so.decodes, d_rows, strict=True)]
-        picks += [(p.request_id, li) for p, li in zip(so.prefills, p_rows, strict=True) if li >= 0]
+        picks += [(p.request_id, li) for p, li in zip(so.prefills, p_rows, strict=True) if p.wants_logits]
         out = ModelOutput()
+        for p, li in zip(so.prefills, p_rows, strict=True):
+            if p.score is not None:
+                self._score(p, logits, li - len(p.tokens) + 1, out)
         if picks:
             self._sample(so, logits, picks, out)
         for v, rows in zip(so.verifies, v_rows, strict=True):
             self._verify(so.samplers[v.request_id], v, logits, rows, out)
         out.seconds = time.monotonic() - t0
         return out
+
+    @staticmethod
+    def _score(p, logits: torch.Tensor, first: int, out: ModelOutput) -> None:
+        """A scored prompt chunk: each next prompt token's log-probability under the raw logits of the
+        position before it (no bias, penalty or grammar: none applies to a prompt), SAMPLE_ROWS rows
+        at a time so the temporaries stay within the plan's sampling term."""
+        try:
+            got = out.prompt_logprobs[p.request_id] = []
+            for at in range(0, len(p.score), SAMPLE_ROWS):
+                targets = p.score[at : at + SAMPLE_ROWS]
+                got += prompt_logprobs(logits[first + at : first + at + len(targets)], targets, p.score_top)
+        except Exception as exc:
+            out.prompt_logprobs.pop(p.request_id, None)
+            out.errors[p.request_id] = f"{type(exc).__name__}: {exc}"
 
     @staticmethod
     def _verify(sampler, v, logits: torch.Tensor, rows: list[int], out: ModelOutput) -> None:

@@ -119,7 +119,8 @@ class Scheduler:
         while s.waiting and len(s.running) + s.waiting[0].choices <= cfg.max_seqs:
             head = s.waiting[0]
             P, n = head.prompt_len, head.choices
-            hits = kv.lookup(head.hashes[: cacheable_blocks(P, bs)])
+            scores = head.handle.request.prompt_logprobs is not None  # every position computed: no hits
+            hits = [] if scores else kv.lookup(head.hashes[: cacheable_blocks(P, bs)])
             mt, cap = head.max_tokens, head.cap
             room = kv.available_with(hits)
             if admission.group_blocks(cfg, P, mt, n, len(hits)) > room:
@@ -191,6 +192,7 @@ class Scheduler:
             budget_cap=cap,
             admitted_at=time.monotonic(),
             tokens=list(req.prompt_ids),
+            prompt_logprobs=None if req.prompt_logprobs is None else [],
         )
 
     def _start_row(self, row: Row) -> None:
@@ -232,7 +234,13 @@ class Scheduler:
             else:
                 out.decodes.append(DecodeInput(r.id, r.tokens[-1], len(r.tokens) - 1, kv.table(r.id)))
         budget = self.cfg.prefill_chunk
+        # logits rows left in the step: the plan sizes the logits for max_seqs x (1 + speculate) rows; a
+        # decode or verify position takes one, and so may every prefilling row (its last chunk); a chunk
+        # that scores its prompt takes one a token, so it is cut to what is left
         rr = s.prefill_rr
+        logit_room = self.cfg.max_seqs * (1 + self.cfg.speculate) - len(out.decodes)
+        logit_room -= sum(len(v.tokens) for v in out.verifies)
+        logit_room -= sum(1 for rid in rr if (r := s.running.get(rid)) is not None and r.prefilling)
         for rid in list(rr):  # each prefilling row at most once, in round-robin order
             if budget <= 0:
                 break
@@ -242,10 +250,16 @@ class Scheduler:
                 continue
             if row.leader is not None and self._leader_behind(row):
                 continue  # its shared prompt blocks are not computed yet
+            top = row.handle.request.prompt_logprobs
             n = min(budget, len(row.prompt) - row.computed)
+            if top is not None:
+                n = max(1, min(n, logit_room + 1))  # its own row (counted above), and what is left
+                logit_room -= n - 1
             ends = row.computed + n == len(row.prompt)
-            chunk = row.prompt[row.computed : row.computed + n]
-            out.prefills.append(PrefillInput(rid, chunk, row.computed, kv.table(rid), ends))
+            at = row.computed
+            chunk = row.prompt[at : at + n]
+            score = None if top is None else row.prompt[at + 1 : at + n + 1]
+            out.prefills.append(PrefillInput(rid, chunk, at, kv.table(rid), ends, score, top or 0))
             budget -= n
             rr.remove(rid)
             if ends:

@@ -137,6 +137,7 @@ class EngineState:
             error=error,
             stop_reason=stop_reason,
             cached_tokens=row.cached_tokens,
+            prompt_logprobs=row.prompt_logprobs,
         )
         self.emit(row.handle, Finished(result, tail))
 

@@ -32,6 +32,11 @@ class PrefillInput:
     start: int  # position of tokens[0]
     blocks: list[int]
     wants_logits: bool  # True when this chunk ends the prompt
+    # scoring the prompt (`GenerationRequest.prompt_logprobs`): the prompt tokens that follow each of
+    # this chunk's positions (one fewer than the chunk when it ends the prompt), whose log-probabilities
+    # its logits rows give, and how many top alternatives each carries; None: not scored
+    score: list[int] | None = None
+    score_top: int = 0
 
 
 @dataclass(slots=True)
@@ -52,8 +57,9 @@ def build_step(
     device: torch.device,
     verifies: list[VerifyInput] = (),
 ) -> tuple[StepBatch, list[int], list[int], list[list[int]]]:
-    """Return the batch plus, for decodes and prefills, where each input's logits row is (-1: none),
-    and for each verify span the logits rows of all its positions. Each position of a verify span
+    """Return the batch plus, for decodes and prefills, where each input's logits row is (-1: none;
+    a scored prefill's is its last position's, its chunk's rows the `len(tokens)` ending there, whether
+    or not it ends the prompt), and for each verify span the logits rows of all its positions. Each position of a verify span
     runs as a decode row of its own (its token at its position, attending over its context): the
     step writes every token's K/V before any attention reads, so a draft sees the ones before it, and
     a verified token gets the decode path's computation (see `kvgate.core.speculate` for how exact)."""
@@ -110,7 +116,10 @@ def build_step(
                 causal.to(device),
             )
         )
-        if p.wants_logits:
+        if p.score is not None:  # logits at every position: rows [last - n + 1, last]
+            logits_index.extend(range(start, start + n))
+            prefill_logit_row[k] = len(logits_index) - 1
+        elif p.wants_logits:
             prefill_logit_row[k] = len(logits_index)
             logits_index.append(start + n - 1)
     batch = StepBatch(

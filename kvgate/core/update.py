@@ -50,6 +50,8 @@ class Updater:
             row = s.running.get(p.request_id)
             if row is not None:
                 row.computed += len(p.tokens)
+                if p.request_id in mo.prompt_logprobs:
+                    row.prompt_logprobs.extend(mo.prompt_logprobs[p.request_id])
                 s.kv.commit(row.id, row.computed)  # full prompt blocks computed: now shareable
         now = time.monotonic()
         # a sampled row brings one token; a verified draft span (--speculate) several, kept in order

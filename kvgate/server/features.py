@@ -31,7 +31,11 @@ class Features:
     tools: T.ToolPlan | None = None
     logprobs: int | None = None  # None: no logprobs in the response; k: the top k with each token
     logit_bias: dict[int, float] | None = None
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt is scored too (`GenerationRequest.prompt_logprobs`)
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.echo and self.logprobs is not None
 
 
 def features_of(engine, req) -> Features:
@@ -41,10 +45,11 @@ def features_of(engine, req) -> Features:
     f.logprobs = _logprobs(req, chat)
     f.logit_bias = _logit_bias(req)
     f.echo = bool(getattr(req, "echo", False))
-    if f.echo and f.logprobs is not None:
+    if f.echo and f.logprobs is not None and req.stream:
         raise unsupported(
             "echo",
-            "echo with logprobs (the prompt's log-probabilities) is not implemented yet; send one of them",
+            "echo with logprobs (the prompt's log-probabilities) is answered whole, not streamed: "
+            "send stream=false",
         )
     answer = _answer_rule(req.response_format)
     if f.tools is not None:

@@ -62,8 +62,30 @@ def completion_logprobs(tok, lps: list[TokenLogprobs], offset: int = 0) -> dict:
     return out
 
 
-def decorate_body(body: dict, prepared, tok, token_logprobs: list[list[TokenLogprobs]]) -> None:
-    """Add tool calls, logprobs and echo to each choice of a finished (non-streaming) body."""
+def prompt_logprobs(tok, prompt_ids: list[int], scores: list[TokenLogprobs] | None) -> dict:
+    """A scored prompt in the completions shape: its first token has no log-probability (null, as
+    OpenAI's echo gives it), each later one its score; `text_offset` counts the tokens' text from 0."""
+    scores = list(scores or [])
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for j, t in enumerate(prompt_ids):
+        text = token_text(tok.token_bytes(t))
+        lp = scores[j - 1] if 0 < j <= len(scores) else None
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if lp is None else _lp(lp.logprob))
+        out["top_logprobs"].append(
+            None if lp is None else {token_text(tok.token_bytes(i)): _lp(v) for i, v in lp.top}
+        )
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def decorate_body(
+    body: dict, prepared, tok, token_logprobs: list[list[TokenLogprobs]], scores: list | None = None
+) -> None:
+    """Add tool calls, logprobs and echo to each choice of a finished (non-streaming) body; `scores`:
+    each prompt's scored tokens (echo with logprobs), whose entries come before the output's."""
     f = prepared.features
     for i, choice in enumerate(body["choices"]):
         if f.tools is not None:
@@ -83,6 +105,12 @@ def decorate_body(body: dict, prepared, tok, token_logprobs: list[list[TokenLogp
             lps = token_logprobs[i]
             if prepared.kind == "chat":
                 choice["logprobs"] = chat_logprobs(tok, lps)
+            elif scores is not None:
+                k = i // prepared.n
+                whole = prompt_logprobs(tok, prepared.generations[k].prompt_ids, scores[k])
+                for key, values in completion_logprobs(tok, lps, len(prefix)).items():
+                    whole[key] += values
+                choice["logprobs"] = whole
             else:
                 choice["logprobs"] = completion_logprobs(tok, lps, len(prefix))
 

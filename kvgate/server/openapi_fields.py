@@ -38,9 +38,9 @@ def tighten_features(js: dict, vocab: int | None, chat: bool) -> None:
         picks = {"tool_choice": {"not": {"anyOf": [{"const": "none"}, _NULL]}}}
         rules.append(_needs(picks, {"tools": {"type": "array", "minItems": 1}}))
     else:
-        rules.append(
-            _needs({"echo": {"const": True}}, {"logprobs": {"anyOf": [_NULL, {"const": False}]}}, False)
-        )
+        # echo with logprobs scores the prompt, answered whole (kvgate.server.features)
+        scored = {"echo": {"const": True}, "logprobs": {"type": "integer"}}
+        rules.append(_needs(scored, {"stream": {"anyOf": [_NULL, {"const": False}]}}, False))
     fmt = {"response_format": {"type": "object", "properties": {"type": {"const": "json_schema"}}}}
     with_schema = {
         "required": ["json_schema"],

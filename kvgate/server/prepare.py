@@ -30,6 +30,7 @@ class Prepared:
     request: P.ChatCompletionRequest | P.CompletionRequest
     generations: list[GenerationRequest]
     features: Features = field(default_factory=Features)  # structured output, tools, logprobs, echo
+    prompt_only: bool = False  # echo with max_tokens=0: the response holds the prompt, nothing generated
 
     @property
     def n(self) -> int:
@@ -82,9 +83,20 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
     if feats.logprobs is not None:
         engine.tokenizer.token_bytes(0)  # builds the token-bytes table here, off the event loop
     max_tokens, param = P.max_tokens_of(req)
+    # echo with max_tokens=0 scores the prompt alone (the field's way to ask for a text's log-likelihood):
+    # the engine reserves and samples one token, which the response leaves out
+    prompt_only = feats.echo and max_tokens == 0
+    if prompt_only:
+        max_tokens = 1
     gens = [
         GenerationRequest(
-            ids, sampling, max_tokens, P.stop_list(req), list(req.stop_token_ids or []), req.ignore_eos
+            ids,
+            sampling,
+            max_tokens,
+            P.stop_list(req),
+            list(req.stop_token_ids or []),
+            req.ignore_eos,
+            prompt_logprobs=feats.logprobs if feats.scores_prompt else None,
         )
         for ids in prompts
     ]
@@ -92,7 +104,11 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
         check_max_tokens(max_tokens, param)
     except RequestError as exc:
         raise invalid(str(exc), param=exc.param) from None
-    return Prepared(P.request_kind(req), req, gens, feats)
+    if prompt_only and req.stream:
+        raise invalid(
+            "max_tokens=0 with echo returns the prompt alone: send stream=false", param="max_tokens"
+        )
+    return Prepared(P.request_kind(req), req, gens, feats, prompt_only)
 
 
 def submit_all(engine, generations: list[GenerationRequest], n: int = 1) -> list:

@@ -14,6 +14,7 @@ none of them runs on with no one to read it. A client that leaves at any point c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -92,13 +93,27 @@ async def generate(request: Request, cls) -> Response:
     if failed:
         log.error("generation failed: %s", failed[0].error)
         return APIError(500, ENGINE_ERROR, "engine_error").response()
+    if prepared.prompt_only:  # echo with max_tokens=0: the one token the engine sampled is left out
+        results = [prompt_only(r) for r in results]
+        token_logprobs = [[] for _ in results]
     every = results
+    # a prompt's scores come with its first choice (the others share its prompt positions)
+    scores = (
+        [r.prompt_logprobs for r in every[:: prepared.candidates]]
+        if prepared.features.scores_prompt
+        else None
+    )
     if prepared.candidates > prepared.n:
         results, token_logprobs = best_of(results, token_logprobs, prepared.candidates, prepared.n)
     body = completion_body(kind, rid, created, settings.model_name, results, prepared.n)
     body["usage"] = usage(every, prepared.candidates)  # every candidate generated counts
-    await asyncio.to_thread(decorate_body, body, prepared, eng.tokenizer, token_logprobs)
+    await asyncio.to_thread(decorate_body, body, prepared, eng.tokenizer, token_logprobs, scores)
     return JSONResponse(body, headers=headers)
+
+
+def prompt_only(res):
+    """A result as echo with max_tokens=0 reports it: the prompt, no output, finish_reason length."""
+    return dataclasses.replace(res, token_ids=[], text="", completion_tokens=0, finish_reason="length")
 
 
 def best_of(results, token_logprobs, candidates: int, n: int):
