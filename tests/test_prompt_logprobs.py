@@ -175,3 +175,37 @@ def test_every_choice_carries_its_prompts_scores(base):
     got = [c["logprobs"]["token_logprobs"][: len(PROMPT)] for c in r.json()["choices"]]
     assert len(got) == 4 and got[0] == got[1] and got[2] == got[3] and got[0] != got[2]
     assert all(v is not None for g in got for v in g[1:])
+
+
+def test_a_scoring_failure_fails_the_request_instead_of_leaving_gaps(make_engine, monkeypatch):
+    """A scored chunk whose scoring raises fails its row with the reason; it is not sampled (a token
+    would have finished the row first and dropped the error, leaving a 200 with missing scores: seen
+    red that way, finish_reason 'length')."""
+    import kvgate.core.runner as runner_mod
+
+    def broken(*_a, **_k):
+        raise RuntimeError("scoring broke")
+
+    e = make_engine()
+    monkeypatch.setattr(runner_mod, "prompt_logprobs", broken)
+    res = _score(e, PROMPT)
+    assert res.finish_reason == "error" and "scoring broke" in res.error
+    ok = e.submit(GenerationRequest(PROMPT, SamplingParams(temperature=0), max_tokens=3)).result(60)
+    assert ok.finish_reason == "length"  # the engine goes on
+
+
+def test_output_offsets_go_on_from_the_prompts_tokens(base):
+    """The output's text_offset continues from the scored prompt tokens' text (a running offset),
+    so the list never steps back where the tokens' text is not the prompt as sent (a BOS token, byte
+    pieces shown as `bytes:\\xNN`). Seen red with the output's offsets starting at len(echoed text)."""
+    body = {
+        "prompt": "caf\u00e9 \u2713 na\u00efve",  # characters split across byte-level tokens
+        "echo": True,
+        "logprobs": 0,
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    lp = httpx.post(base + COMP, json=body, timeout=60).json()["choices"][0]["logprobs"]
+    offs, toks = lp["text_offset"], lp["tokens"]
+    assert all(offs[i + 1] == offs[i] + len(toks[i]) for i in range(len(toks) - 1))

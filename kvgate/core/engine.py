@@ -202,7 +202,10 @@ class Engine:
         for i in range(1, n):
             seed = request.sampling.seed
             sampling = replace(request.sampling, seed=None if seed is None else (seed + i) % (1 << 63))
-            handles.append(RequestHandle(replace(request, sampling=sampling), self._send_cancel))
+            # the first choice scores the prompt (a scored prompt's positions are shared, and its scores
+            # reported with every choice): the others do not score their own tail again
+            other = replace(request, sampling=sampling, prompt_logprobs=None)
+            handles.append(RequestHandle(other, self._send_cancel))
         self.gate.submit(handles[0], handles[1:])
         return handles
 

@@ -57,12 +57,16 @@ class ModelRunner:
             logits = self.forward(so, batch).cpu()
         except Exception as exc:  # a failed step fails only the rows in it
             return ModelOutput(step_error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - t0)
-        picks = [(d.request_id, li) for d, li in zip(so.decodes, d_rows, strict=True)]
-        picks += [(p.request_id, li) for p, li in zip(so.prefills, p_rows, strict=True) if p.wants_logits]
         out = ModelOutput()
         for p, li in zip(so.prefills, p_rows, strict=True):
             if p.score is not None:
                 self._score(p, logits, li - len(p.tokens) + 1, out)
+        picks = [(d.request_id, li) for d, li in zip(so.decodes, d_rows, strict=True)]
+        picks += [  # a row whose scoring failed gets no token: it fails (a token would finish it first)
+            (p.request_id, li)
+            for p, li in zip(so.prefills, p_rows, strict=True)
+            if p.wants_logits and p.request_id not in out.errors
+        ]
         if picks:
             self._sample(so, logits, picks, out)
         for v, rows in zip(so.verifies, v_rows, strict=True):

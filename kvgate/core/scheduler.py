@@ -141,7 +141,7 @@ class Scheduler:
                 s.leave_queue(head, Refused(admission.engine_error_refusal()))
                 continue
             c = s.counters
-            c.prefix_cache_queries_tokens += P if kv.prefix_cache else 0
+            c.prefix_cache_queries_tokens += P if kv.prefix_cache and not scores else 0
             c.prefix_cache_hits_tokens += len(hits) * bs
             s.inbox.left_queue(n)
             for row in rows:

@@ -64,8 +64,12 @@ def completion_logprobs(tok, lps: list[TokenLogprobs], offset: int = 0) -> dict:
 
 def prompt_logprobs(tok, prompt_ids: list[int], scores: list[TokenLogprobs] | None) -> dict:
     """A scored prompt in the completions shape: its first token has no log-probability (null, as
-    OpenAI's echo gives it), each later one its score; `text_offset` counts the tokens' text from 0."""
+    OpenAI's echo gives it), each later one its score; `text_offset` counts the tokens' text from 0
+    (and the output's offsets go on from there, so the list never steps back where the tokens' text is
+    not the prompt as sent: a BOS token, byte pieces)."""
     scores = list(scores or [])
+    if len(scores) != len(prompt_ids) - 1:
+        raise ValueError(f"{len(scores)} scores for a prompt of {len(prompt_ids)} tokens")
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     for j, t in enumerate(prompt_ids):
@@ -108,7 +112,8 @@ def decorate_body(
             elif scores is not None:
                 k = i // prepared.n
                 whole = prompt_logprobs(tok, prepared.generations[k].prompt_ids, scores[k])
-                for key, values in completion_logprobs(tok, lps, len(prefix)).items():
+                ends = whole["text_offset"][-1] + len(whole["tokens"][-1])
+                for key, values in completion_logprobs(tok, lps, ends).items():
                     whole[key] += values
                 choice["logprobs"] = whole
             else:

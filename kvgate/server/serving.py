@@ -103,6 +103,11 @@ async def generate(request: Request, cls) -> Response:
         if prepared.features.scores_prompt
         else None
     )
+    if scores is not None and any(
+        len(sc or ()) != len(g.prompt_ids) - 1 for sc, g in zip(scores, prepared.generations, strict=True)
+    ):  # a prompt scored in part (its request cut short): no numbers rather than wrong ones
+        log.error("a scored prompt came back with a part of its scores")
+        return APIError(500, ENGINE_ERROR, "engine_error").response()
     if prepared.candidates > prepared.n:
         results, token_logprobs = best_of(results, token_logprobs, prepared.candidates, prepared.n)
     body = completion_body(kind, rid, created, settings.model_name, results, prepared.n)
