@@ -209,3 +209,14 @@ def test_output_offsets_go_on_from_the_prompts_tokens(base):
     lp = httpx.post(base + COMP, json=body, timeout=60).json()["choices"][0]["logprobs"]
     offs, toks = lp["text_offset"], lp["tokens"]
     assert all(offs[i + 1] == offs[i] + len(toks[i]) for i in range(len(toks) - 1))
+
+
+def test_a_context_long_prompt_with_max_tokens_0_is_a_400_with_the_numbers(base):
+    """max_tokens=0 runs as 1 reserved position: a prompt of the whole context cannot take it. The 400
+    names the prompt and the numbers (seen red without the check: the engine's context refusal came
+    back instead, about the max_tokens the client had set to 0)."""
+    L = httpx.post(base + "/v1/tokenize", json={"prompt": "x"}, timeout=60).json()["max_model_len"]
+    body = {"prompt": [5] * L, "echo": True, "logprobs": 1, "max_tokens": 0}
+    r = httpx.post(base + COMP, json=body, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and f"is {L} tokens" in err["message"], r.text

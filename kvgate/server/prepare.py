@@ -108,6 +108,14 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
         raise invalid(
             "max_tokens=0 with echo returns the prompt alone: send stream=false", param="max_tokens"
         )
+    L = engine.max_model_len
+    if prompt_only and any(len(ids) >= L for ids in prompts):
+        P_len = max(len(ids) for ids in prompts)
+        raise invalid(
+            f"max_tokens=0 with echo still reserves one position past the prompt: the prompt is {P_len} "
+            f"tokens and the context holds {L} (--max-model-len); send at most {L - 1} tokens",
+            param="prompt",
+        )
     return Prepared(P.request_kind(req), req, gens, feats, prompt_only)
 
 
