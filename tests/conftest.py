@@ -44,3 +44,17 @@ def make_engine(tiny_dir):
     yield build
     for e in engines:
         e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tiny_dir):
+    """A server on the tiny model (float32, 16 MiB of KV), one per test module: its base URL."""
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from tests.server_util import running_server
+
+    cfg = EngineConfig(kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
+    e = Engine.from_model(str(tiny_dir), cfg, overhead_bytes=0).start()
+    with running_server(e) as (b, _app):
+        yield b
+    e.shutdown()

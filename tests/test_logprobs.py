@@ -47,19 +47,7 @@ def test_logprobs_come_from_the_processed_logits_before_temperature():
 
 
 # ---- over HTTP, tiny model -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def base(tiny_dir):
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-
-    cfg = EngineConfig(kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
-    e = Engine.from_model(str(tiny_dir), cfg, overhead_bytes=0).start()
-    with running_server(e) as (b, _app):
-        yield b
-    e.shutdown()
-
-
-def test_chat_logprobs_have_openais_shape_with_bytes(base):
+def test_chat_logprobs_have_openais_shape_with_bytes(tiny_base):
     """One entry per generated token, `top_logprobs` of the asked length, bytes that join to the
     text (bytes exactness itself: test_token_bytes_are_exact_for_a_split_character)."""
     body = {
@@ -70,14 +58,16 @@ def test_chat_logprobs_have_openais_shape_with_bytes(base):
         "temperature": 0,
         "ignore_eos": True,
     }
-    c = httpx.post(base + CHAT, json=body, timeout=60).json()["choices"][0]
+    c = httpx.post(tiny_base + CHAT, json=body, timeout=60).json()["choices"][0]
     content = c["logprobs"]["content"]
     assert len(content) == 12 and c["logprobs"]["refusal"] is None
     for e in content:
         assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and len(e["top_logprobs"]) == 3
         assert e["logprob"] <= 0 and e["top_logprobs"][0]["logprob"] == e["logprob"]  # greedy: the top one
     assert bytes(b for e in content for b in e["bytes"]).decode("utf-8", "replace") == c["message"]["content"]
-    none = httpx.post(base + CHAT, json={**body, "logprobs": False, "top_logprobs": None}, timeout=60).json()
+    none = httpx.post(
+        tiny_base + CHAT, json={**body, "logprobs": False, "top_logprobs": None}, timeout=60
+    ).json()
     assert none["choices"][0]["logprobs"] is None
 
 
@@ -93,7 +83,7 @@ def test_token_bytes_are_exact_for_a_split_character(tiny_dir):
     assert tok.token_bytes(tok.tok.token_to_id("<|im_end|>")) == b"<|im_end|>"
 
 
-def test_stream_logprobs_match_the_whole_response(base):
+def test_stream_logprobs_match_the_whole_response(tiny_base):
     body = {
         "messages": MSG,
         "max_tokens": 8,
@@ -102,9 +92,9 @@ def test_stream_logprobs_match_the_whole_response(base):
         "seed": 4,
         "ignore_eos": True,
     }
-    whole = httpx.post(base + CHAT, json=body, timeout=60).json()["choices"][0]["logprobs"]["content"]
+    whole = httpx.post(tiny_base + CHAT, json=body, timeout=60).json()["choices"][0]["logprobs"]["content"]
     got = []
-    with httpx.stream("POST", base + CHAT, json={**body, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", tiny_base + CHAT, json={**body, "stream": True}, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 for ch in json.loads(line[6:])["choices"]:
@@ -113,12 +103,12 @@ def test_stream_logprobs_match_the_whole_response(base):
     assert got == whole
 
 
-def test_completions_logprobs_integer_and_echo(base):
+def test_completions_logprobs_integer_and_echo(tiny_base):
     """Legacy shape (tokens, token_logprobs, top_logprobs as dicts, text_offset); echo puts the prompt
     first, and with logprobs too its scored tokens (tests/test_prompt_logprobs.py). (The pre-issue-13
     tree refused logprobs and echo by name.)"""
     body = {"prompt": "Hello", "max_tokens": 5, "logprobs": 2, "temperature": 0, "ignore_eos": True}
-    c = httpx.post(base + COMP, json=body, timeout=60).json()["choices"][0]
+    c = httpx.post(tiny_base + COMP, json=body, timeout=60).json()["choices"][0]
     lp = c["logprobs"]
     assert (
         len(lp["tokens"])
@@ -128,13 +118,15 @@ def test_completions_logprobs_integer_and_echo(base):
         == 5
     )
     assert all(len(t) == 2 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
-    echoed = httpx.post(base + COMP, json={**body, "logprobs": None, "echo": True}, timeout=60).json()
+    echoed = httpx.post(tiny_base + COMP, json={**body, "logprobs": None, "echo": True}, timeout=60).json()
     assert echoed["choices"][0]["text"] == "Hello" + c["text"]
-    both = httpx.post(base + COMP, json={**body, "echo": True}, timeout=60).json()["choices"][0]["logprobs"]
+    both = httpx.post(tiny_base + COMP, json={**body, "echo": True}, timeout=60).json()["choices"][0][
+        "logprobs"
+    ]
     assert both["tokens"][-5:] == lp["tokens"] and both["token_logprobs"][0] is None  # the prompt first
 
 
-def test_logprob_ranges_are_400s_naming_the_field(base):
+def test_logprob_ranges_are_400s_naming_the_field(tiny_base):
     for path, extra, param in [
         (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
@@ -143,22 +135,22 @@ def test_logprob_ranges_are_400s_naming_the_field(base):
         (CHAT, {"messages": MSG, "logit_bias": {"99999": 1}}, "logit_bias"),
         (CHAT, {"messages": MSG, "logit_bias": {"5": 101}}, "logit_bias"),
     ]:
-        r = httpx.post(base + path, json=extra, timeout=60)
+        r = httpx.post(tiny_base + path, json=extra, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
 
-def test_logit_bias_steers_the_output(base):
+def test_logit_bias_steers_the_output(tiny_base):
     """A +100 bias on one token makes a greedy answer that token; -100 on the greedy token removes it.
     Seen red with the sampler's bias dropped ('B}\ufffd4' instead of 'zzzz')."""
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    plain = httpx.post(base + "/v1/tokenize", json={"prompt": "z"}).json()["tokens"][0]
-    forced = httpx.post(base + COMP, json={**body, "logit_bias": {str(plain): 100}}, timeout=60).json()
+    plain = httpx.post(tiny_base + "/v1/tokenize", json={"prompt": "z"}).json()["tokens"][0]
+    forced = httpx.post(tiny_base + COMP, json={**body, "logit_bias": {str(plain): 100}}, timeout=60).json()
     assert forced["choices"][0]["text"] == "zzzz"
-    first = httpx.post(base + COMP, json={**body, "max_tokens": 1, "logprobs": 0}, timeout=60).json()
+    first = httpx.post(tiny_base + COMP, json={**body, "max_tokens": 1, "logprobs": 0}, timeout=60).json()
     greedy = first["choices"][0]["text"]
-    gid = httpx.post(base + "/v1/tokenize", json={"prompt": greedy}).json()["tokens"][0]
+    gid = httpx.post(tiny_base + "/v1/tokenize", json={"prompt": greedy}).json()["tokens"][0]
     banned = httpx.post(
-        base + COMP, json={**body, "max_tokens": 1, "logit_bias": {str(gid): -100}}, timeout=60
+        tiny_base + COMP, json={**body, "max_tokens": 1, "logit_bias": {str(gid): -100}}, timeout=60
     )
     assert banned.json()["choices"][0]["text"] != greedy
 

@@ -16,7 +16,6 @@ import pytest
 from kvgate.core.testing import set_step_hook
 from kvgate.request import GenerationRequest, RequestError, Token
 from kvgate.sampling import SamplingParams
-from tests.server_util import running_server
 
 PROMPT = list(range(3, 23))
 COMP = "/v1/completions"
@@ -110,25 +109,13 @@ def test_prompt_logprobs_range_is_checked():
 
 
 # ---- over HTTP: the shape evaluation clients read ----------------------------------------------------
-@pytest.fixture(scope="module")
-def base(tiny_dir):
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-
-    cfg = EngineConfig(kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
-    e = Engine.from_model(str(tiny_dir), cfg, overhead_bytes=0).start()
-    with running_server(e) as (b, _app):
-        yield b
-    e.shutdown()
-
-
-def test_echo_with_logprobs_scores_the_prompt_then_the_output(base):
+def test_echo_with_logprobs_scores_the_prompt_then_the_output(tiny_base):
     """lm-evaluation-harness's loglikelihood body (token ids, echo, logprobs=1, max_tokens=1,
     temperature 0): the prompt's tokens come first, the first with null logprob and top, each later
     with its score; then the generated token. Before session 17 this body was a 400."""
     ids = PROMPT
     body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0, "seed": 1234}
-    r = httpx.post(base + COMP, json=body, timeout=60)
+    r = httpx.post(tiny_base + COMP, json=body, timeout=60)
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     n = len(ids) + 1
@@ -139,13 +126,13 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_output(base):
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
 
 
-def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(base):
+def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(tiny_base):
     """The openai SDK, unmodified: `completions.create(echo=True, logprobs=..., max_tokens=0)` gives
     the prompt as text, its scores, no output token, and usage with 0 completion tokens; the scores
     are the ones the same request with max_tokens=1 gets. Streamed, it is a 400 naming the field."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=base + "/v1", api_key="x")
+    client = OpenAI(base_url=tiny_base + "/v1", api_key="x")
     got = client.completions.create(
         model="tiny", prompt="hello there friend", echo=True, logprobs=2, max_tokens=0
     )
@@ -158,19 +145,19 @@ def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(base):
     )
     assert one.choices[0].logprobs.token_logprobs[: len(c.logprobs.tokens)] == c.logprobs.token_logprobs
     r = httpx.post(
-        base + COMP, json={"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, timeout=60
+        tiny_base + COMP, json={"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, timeout=60
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
-def test_every_choice_carries_its_prompts_scores(base):
+def test_every_choice_carries_its_prompts_scores(tiny_base):
     """n=2 over two prompts: each choice's prompt entries are its own prompt's, the same for both of
     its choices (the second choice shares the first's prompt positions, whose scores the first
     holds). Seen red with each choice reading scores[i] instead of its prompt's scores[i // n] (a 500:
     four choices, two prompts' scores)."""
     prompts = [PROMPT, PROMPT[::-1]]
     body = {"prompt": prompts, "n": 2, "echo": True, "logprobs": 0, "max_tokens": 2, "temperature": 1.0}
-    r = httpx.post(base + COMP, json=body, timeout=60)
+    r = httpx.post(tiny_base + COMP, json=body, timeout=60)
     assert r.status_code == 200, r.text
     got = [c["logprobs"]["token_logprobs"][: len(PROMPT)] for c in r.json()["choices"]]
     assert len(got) == 4 and got[0] == got[1] and got[2] == got[3] and got[0] != got[2]
@@ -194,7 +181,7 @@ def test_a_scoring_failure_fails_the_request_instead_of_leaving_gaps(make_engine
     assert ok.finish_reason == "length"  # the engine goes on
 
 
-def test_output_offsets_go_on_from_the_prompts_tokens(base):
+def test_output_offsets_go_on_from_the_prompts_tokens(tiny_base):
     """The output's text_offset continues from the scored prompt tokens' text (a running offset),
     so the list never steps back where the tokens' text is not the prompt as sent (a BOS token, byte
     pieces shown as `bytes:\\xNN`). Seen red with the output's offsets starting at len(echoed text)."""
@@ -206,17 +193,17 @@ def test_output_offsets_go_on_from_the_prompts_tokens(base):
         "temperature": 0,
         "ignore_eos": True,
     }
-    lp = httpx.post(base + COMP, json=body, timeout=60).json()["choices"][0]["logprobs"]
+    lp = httpx.post(tiny_base + COMP, json=body, timeout=60).json()["choices"][0]["logprobs"]
     offs, toks = lp["text_offset"], lp["tokens"]
     assert all(offs[i + 1] == offs[i] + len(toks[i]) for i in range(len(toks) - 1))
 
 
-def test_a_context_long_prompt_with_max_tokens_0_is_a_400_with_the_numbers(base):
+def test_a_context_long_prompt_with_max_tokens_0_is_a_400_with_the_numbers(tiny_base):
     """max_tokens=0 runs as 1 reserved position: a prompt of the whole context cannot take it. The 400
     names the prompt and the numbers (seen red without the check: the engine's context refusal came
     back instead, about the max_tokens the client had set to 0)."""
-    L = httpx.post(base + "/v1/tokenize", json={"prompt": "x"}, timeout=60).json()["max_model_len"]
+    L = httpx.post(tiny_base + "/v1/tokenize", json={"prompt": "x"}, timeout=60).json()["max_model_len"]
     body = {"prompt": [5] * L, "echo": True, "logprobs": 1, "max_tokens": 0}
-    r = httpx.post(base + COMP, json=body, timeout=60)
+    r = httpx.post(tiny_base + COMP, json=body, timeout=60)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "prompt" and f"is {L} tokens" in err["message"], r.text

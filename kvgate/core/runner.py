@@ -79,14 +79,15 @@ class ModelRunner:
         """A scored prompt chunk: each next prompt token's log-probability under the raw logits of the
         position before it (no bias, penalty or grammar: none applies to a prompt), SAMPLE_ROWS rows
         at a time so the temporaries stay within the plan's sampling term."""
+        got = []
         try:
-            got = out.prompt_logprobs[p.request_id] = []
             for at in range(0, len(p.score), SAMPLE_ROWS):
                 targets = p.score[at : at + SAMPLE_ROWS]
                 got += prompt_logprobs(logits[first + at : first + at + len(targets)], targets, p.score_top)
         except Exception as exc:
-            out.prompt_logprobs.pop(p.request_id, None)
             out.errors[p.request_id] = f"{type(exc).__name__}: {exc}"
+            return
+        out.prompt_logprobs[p.request_id] = got
 
     @staticmethod
     def _verify(sampler, v, logits: torch.Tensor, rows: list[int], out: ModelOutput) -> None:

@@ -59,10 +59,11 @@ def build_step(
 ) -> tuple[StepBatch, list[int], list[int], list[list[int]]]:
     """Return the batch plus, for decodes and prefills, where each input's logits row is (-1: none;
     a scored prefill's is its last position's, its chunk's rows the `len(tokens)` ending there, whether
-    or not it ends the prompt), and for each verify span the logits rows of all its positions. Each position of a verify span
-    runs as a decode row of its own (its token at its position, attending over its context): the
-    step writes every token's K/V before any attention reads, so a draft sees the ones before it, and
-    a verified token gets the decode path's computation (see `kvgate.core.speculate` for how exact)."""
+    or not it ends the prompt), and for each verify span the logits rows of all its positions. Each
+    position of a verify span runs as a decode row of its own (its token at its position, attending
+    over its context): the step writes every token's K/V before any attention reads, so a draft sees
+    the ones before it, and a verified token gets the decode path's computation (see
+    `kvgate.core.speculate` for how exact)."""
     n_plain = len(decodes)
     decodes = list(decodes) + [
         DecodeInput(v.request_id, t, v.start + i, v.blocks) for v in verifies for i, t in enumerate(v.tokens)

@@ -62,26 +62,15 @@ def completion_logprobs(tok, lps: list[TokenLogprobs], offset: int = 0) -> dict:
     return out
 
 
-def prompt_logprobs(tok, prompt_ids: list[int], scores: list[TokenLogprobs] | None) -> dict:
-    """A scored prompt in the completions shape: its first token has no log-probability (null, as
-    OpenAI's echo gives it), each later one its score; `text_offset` counts the tokens' text from 0
-    (and the output's offsets go on from there, so the list never steps back where the tokens' text is
-    not the prompt as sent: a BOS token, byte pieces)."""
-    scores = list(scores or [])
-    if len(scores) != len(prompt_ids) - 1:
-        raise ValueError(f"{len(scores)} scores for a prompt of {len(prompt_ids)} tokens")
-    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
-    for j, t in enumerate(prompt_ids):
-        text = token_text(tok.token_bytes(t))
-        lp = scores[j - 1] if 0 < j <= len(scores) else None
-        out["tokens"].append(text)
-        out["token_logprobs"].append(None if lp is None else _lp(lp.logprob))
-        out["top_logprobs"].append(
-            None if lp is None else {token_text(tok.token_bytes(i)): _lp(v) for i, v in lp.top}
-        )
-        out["text_offset"].append(offset)
-        offset += len(text)
+def echoed_logprobs(tok, prompt_ids: list[int], scored: list[TokenLogprobs]) -> dict:
+    """An echoed, scored prompt and its output in the completions shape: the prompt's first token has
+    no log-probability (null, as OpenAI's echo gives it); `scored` holds the scores of the prompt's
+    later tokens, then the output's. `text_offset` runs over the tokens' text from 0, so it never
+    steps back where that text is not the prompt as sent (a BOS token, byte pieces)."""
+    first = token_text(tok.token_bytes(prompt_ids[0]))
+    out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    for key, values in completion_logprobs(tok, scored, len(first)).items():
+        out[key] += values
     return out
 
 
@@ -111,11 +100,7 @@ def decorate_body(
                 choice["logprobs"] = chat_logprobs(tok, lps)
             elif scores is not None:
                 k = i // prepared.n
-                whole = prompt_logprobs(tok, prepared.generations[k].prompt_ids, scores[k])
-                ends = whole["text_offset"][-1] + len(whole["tokens"][-1])
-                for key, values in completion_logprobs(tok, lps, ends).items():
-                    whole[key] += values
-                choice["logprobs"] = whole
+                choice["logprobs"] = echoed_logprobs(tok, prepared.generations[k].prompt_ids, scores[k] + lps)
             else:
                 choice["logprobs"] = completion_logprobs(tok, lps, len(prefix))
 
