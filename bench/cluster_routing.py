@@ -73,7 +73,7 @@ def run_router(router: str, a, model: str, dataset: Path) -> dict:
     from kvgate.cluster.app import ClusterOptions
     from kvgate.cluster.cli import launch, shutdown
 
-    bpt = 512 if a.model == "tiny" else 23_040 * 2  # KV bytes per token (SmolLM2 in float32)
+    bpt = 256 if a.model == "tiny" else 23_040  # KV bytes per token in the default float16 cache (CPU)
     engine = dict(
         kv_cache_bytes=a.kv_blocks * 16 * bpt,
         block_size=16,

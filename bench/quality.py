@@ -34,14 +34,15 @@ from bench.servers import ROOT, free_port, log
 
 OUT = ROOT / "bench" / "out" / "quality.json"
 TEXTS = (Path("/usr/share/common-licenses/GPL-3"), ROOT / "docs" / "DESIGN.md")
+F32KV = ["--kv-dtype", "float32"]  # a weight format alone: the cache as wide as its float32 model
 VARIANTS = {
-    "full": ["--weights", "full", "--dtype", "float32"],
+    "full": ["--weights", "full", "--dtype", "float32", *F32KV],
     "full-auto": ["--weights", "full"],  # the dtype kvgate picks for full weights (bf16 where fast)
-    "gguf": ["--weights", "gguf"],
-    "gguf-q8act": ["--weights", "gguf-q8act"],
+    "gguf": ["--weights", "gguf", *F32KV],
+    "gguf-q8act": ["--weights", "gguf-q8act", *F32KV],
     "int8": ["--weights", "int8"],
     "int4": ["--weights", "int4"],
-    "gguf+f16kv": ["--weights", "gguf", "--kv-dtype", "float16"],
+    "default": [],  # what `kvgate serve` runs: the file's blocks (gguf) and a float16 KV cache (CPU)
 }
 
 
@@ -81,7 +82,7 @@ def summarize(name: str, r: dict, ref: dict) -> dict:
     same = sum(a == b for a, b in zip(r["tops"], ref["tops"], strict=True))
     return {
         "variant": name,
-        "flags": " ".join(r["flags"]),
+        "flags": " ".join(r["flags"]) or "(the defaults)",
         "tokens": len(lps),
         "ppl": math.exp(-sum(lps) / len(lps)),
         "mean_abs_dlogprob": sum(d) / len(d),

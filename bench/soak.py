@@ -317,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         if not any(a.startswith("--dtype") for a in args.server_arg):
             args.server_arg += ["--dtype", "float32", "--device", "cpu"]
         if args.kv_cache_bytes is None:
-            args.kv_cache_bytes = 48 * 16 * 512  # tiny: 512 B/token in float32
+            args.kv_cache_bytes = 48 * 16 * 256  # tiny: 256 B/token in the default float16 cache
     if args.kv_cache_bytes is None:
-        args.kv_cache_bytes = 48 * 16 * 23040 * 2  # SmolLM2-135M: 23,040 B/token in bf16, x2 for float32
+        args.kv_cache_bytes = 48 * 16 * 23040  # SmolLM2-135M: 23,040 B/token in float16 (the CPU default)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = Path(tmp.name) / "server.log"

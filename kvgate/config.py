@@ -70,7 +70,7 @@ class EngineConfig:
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
     decode_attention: str = "auto"  # auto | paged | gather (kvgate.models.paged_attention)
     prefill_attention: str = "auto"  # auto | kernel | sdpa (kvgate.models.prefill_attention)
-    kv_dtype: str = "auto"  # auto | float32 | float16 | bfloat16: the KV cache's dtype (auto: the model's)
+    kv_dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: float16 for a float32 model on CPU)
     speculate: int = (
         0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
     )
@@ -175,9 +175,10 @@ ENGINE_FLAGS = [
         "--kv-dtype",
         str,
         "auto",
-        "auto | float32 | float16 | bfloat16: the KV cache's dtype (auto: the model's). float16 under a "
-        "float32 model halves the KV bytes per token, as llama.cpp's default f16 cache does: twice the "
-        "tokens in the same memory and half the reads per decode step; logits move ~1e-3",
+        "auto | float32 | float16 | bfloat16: the KV cache's dtype (auto: float16 under a float32 model on "
+        "a CPU, as llama.cpp's default f16 cache, else the model's). float16 halves a float32 cache's bytes "
+        "per token: twice the tokens in the same memory and half the reads per decode step; logprobs move "
+        "~1e-3. float32 keeps a float32 model's numbers to float32 rounding",
     ),
     (
         "--step-timeout",

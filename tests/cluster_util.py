@@ -16,9 +16,9 @@ from kvgate.cluster.routing import Demand
 from kvgate.cluster.views import ReplicaView
 from kvgate.core.snapshot import Counters, EngineSnapshot, RowView
 from tests.server_util import free_port, wait_until
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
 BLOCK = 16
-TINY_KV_BYTES_PER_TOKEN = 512  # float32 tiny model: 2 x 2 layers x 2 KV heads x 16 dims x 4 bytes
 POOL_BLOCKS = 28  # 448 positions per replica: below the tiny model's 512-position context
 
 

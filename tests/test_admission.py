@@ -1,7 +1,8 @@
 """Admission through the real engine: typed refusals with their numbers, the queue gate, waiting for
 KV with a deadline, and budget caps that are always reported.
 
-KV bytes per token of the tiny model in float32 = 512, so `kv_cache_bytes = blocks * block_size * 512`.
+KV bytes per token of the tiny model in the default float16 cache = 256 (`TINY_KV_BYTES_PER_TOKEN`), so
+`kv_cache_bytes = blocks * block_size * BPT`.
 A "hog" request holds part of the pool while a slow-step hook keeps it decoding, so the head of the
 queue really does wait for KV (nothing else stops the worker).
 """
@@ -18,8 +19,9 @@ from kvgate.core.testing import set_step_hook
 from kvgate.request import Admitted, BudgetCap, GenerationRequest, Refusal, Refused, Token
 from kvgate.sampling import SamplingParams
 from tests.server_util import wait_until
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
-BPT = 512
+BPT = TINY_KV_BYTES_PER_TOKEN
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:

@@ -14,6 +14,7 @@ import pytest
 
 from tests.cluster_util import Stream, body
 from tests.server_util import wait_until
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
 ray = pytest.importorskip("ray", reason="the cluster tests need the ray extra: pip install -e '.[ray]'")
 
@@ -64,7 +65,7 @@ def test_a_request_that_fits_no_replica_gets_the_400_with_the_numbers(cluster):
     assert r.status_code == 400 and err["code"] == "kv_budget_exceeded"
     assert (
         err["positions_limit"] == 448
-        and err["limit_bytes"] == 448 * 512
+        and err["limit_bytes"] == 448 * TINY_KV_BYTES_PER_TOKEN
         and "x-kvgate-replica" not in r.headers
     )
 

@@ -30,6 +30,7 @@ from kvgate.core.testing import set_step_hook
 from kvgate.request import Result
 from kvgate.server.console import BUCKET_SECONDS, SAMPLES_PER_BUCKET, LiveStats
 from tests.server_util import running_server
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -45,7 +46,7 @@ CHROMIUM_ARGS = [
 SCREENSHOT = Path(__file__).resolve().parents[1] / "bench" / "out" / "console.png"
 PAGE_READS = {"/", "/health", "/v1/models", "/v1/resources", "/metrics", "/v1/chat/completions"}
 KEY = "console-test-key"
-BLOCKS, BLOCK_SIZE, BYTES_PER_TOKEN = 8, 16, 512  # the tiny model in float32: 512 KV bytes per token
+BLOCKS, BLOCK_SIZE, BYTES_PER_TOKEN = 8, 16, TINY_KV_BYTES_PER_TOKEN  # the default float16 cache
 
 
 @contextlib.contextmanager

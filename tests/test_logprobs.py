@@ -172,7 +172,8 @@ def test_openai_client_logprobs_equal_an_independent_log_softmax():
     from kvgate.models.gguf_loader import convert_to_cache
 
     engine = Engine.from_model(
-        "default", EngineConfig(memory_limit="2GiB", max_model_len=2048, dtype="float32")
+        "default",  # float32 noise needs the float32 cache: auto's float16 one moves logprobs ~1e-3
+        EngineConfig(memory_limit="2GiB", max_model_len=2048, dtype="float32", kv_dtype="float32"),
     ).start()
     try:
         with running_server(engine, model_name="SmolLM2-135M-Instruct") as (b, _app):

@@ -111,7 +111,10 @@ def test_openai_client_surfaces_400_and_429(real_server):
     from kvgate.core.engine import Engine
 
     cfg = EngineConfig(
-        memory_limit="2GiB", max_model_len=2048, kv_cache_bytes=24 * 16 * 46080, max_queue_wait=0
+        memory_limit="2GiB",
+        max_model_len=2048,
+        kv_cache_bytes=24 * 16 * 23040,  # SmolLM2: 23,040 B a position in the default float16 cache
+        max_queue_wait=0,
     )
     # overhead 0: this process already holds the module's other engine, which a measured baseline counts
     small = Engine.from_model("default", cfg, overhead_bytes=0).start()

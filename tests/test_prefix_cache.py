@@ -21,6 +21,7 @@ from kvgate.request import Finished, GenerationRequest, Refusal, Refused, Reques
 from kvgate.sampling import SamplingParams
 from tests.server_util import wait_until
 from tests.test_scheduler import Harness, drain, expected
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
 BS = 4
 
@@ -225,11 +226,11 @@ def test_n_choices_are_admitted_together_or_refused_with_the_group_numbers(make_
     """A pool of 16 blocks: n=3 choices of a 17-token prompt with max_tokens 20 need 4 + 3 x 6 = 22
     blocks -- never: a 400 whose bytes are the group's; n=2 needs 4 + 2 x 6 = 16: admitted, whole.
     Seen red with the never-fits check counting one choice only (admitted, then never scheduled)."""
-    e = make_engine(block_size=BS, max_seqs=4, kv_cache_bytes=16 * BS * 512)
+    e = make_engine(block_size=BS, max_seqs=4, kv_cache_bytes=16 * BS * TINY_KV_BYTES_PER_TOKEN)
     with pytest.raises(Refusal) as ei:
         e.submit_choices(req(17, 20), 3)
     r = ei.value
-    assert (r.status, r.code) == (400, "kv_budget_exceeded") and r.estimated_bytes == 22 * BS * 512
+    assert (r.status, r.code) == (400, "kv_budget_exceeded") and r.estimated_bytes == 22 * BS * TINY_KV_BYTES_PER_TOKEN
     assert "3 choices" in r.message
     hs = e.submit_choices(req(17, 20), 2)
     assert [h.result(10).completion_tokens for h in hs] == [20, 20]

@@ -164,7 +164,8 @@ def greedy_agreement(fmt: str, steps: int, **extra) -> tuple[int, float]:
     from tests.test_real_batching import PROMPTS
 
     runs = {}
-    for name, more in (("ref", {"weights": "full"}), ("got", {"weights": fmt, **extra})):
+    ref = {"weights": "full", "kv_dtype": "float32"}  # the float32 cache: what each format is held to
+    for name, more in (("ref", ref), ("got", {"weights": fmt, "kv_dtype": "float32", **extra})):
         e = Engine.from_model("default", EngineConfig(memory_limit="2GiB", dtype="float32", **more))
         e.start()
         try:

@@ -15,6 +15,7 @@ import pytest
 
 from kvgate.core.testing import set_step_hook
 from tests.server_util import running_server, wait_until
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -80,7 +81,7 @@ def test_a_refused_prompt_cancels_the_other_prompts_of_its_request_at_once(make_
     cancels on the first refusal without waiting for the rest. A prompt refused or invalid at
     submission cancels the ones before it (`Engine.submit_many`; tests/test_bad_input.py checks that an
     invalid second prompt lets nothing reach the engine)."""
-    e = make_engine(block_size=4, kv_cache_bytes=40 * 4 * 512, max_queue_wait=0.5)
+    e = make_engine(block_size=4, kv_cache_bytes=40 * 4 * TINY_KV_BYTES_PER_TOKEN, max_queue_wait=0.5)
     set_step_hook(e, lambda so: time.sleep(0.01))
     with running_server(e) as (base, _):
         body = {"prompt": ["one two", "three four"], "max_tokens": 120, "ignore_eos": True}
@@ -159,7 +160,7 @@ def test_the_streamed_usage_chunk_carries_the_budget_cap(make_engine):
     """An unset max_tokens capped by the pool: the stream's include_usage chunk reports `budget_cap`
     like the header does. Seen red with `budget_cap` dropped from the streamed usage (the other
     mutation that survived the suite)."""
-    e = make_engine(block_size=4, kv_cache_bytes=16 * 4 * 512, max_model_len=128)
+    e = make_engine(block_size=4, kv_cache_bytes=16 * 4 * TINY_KV_BYTES_PER_TOKEN, max_model_len=128)
     body = {"prompt": "cap me", "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     with running_server(e) as (base, _):
         with httpx.stream("POST", base + COMP, json=body, timeout=30) as r:

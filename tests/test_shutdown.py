@@ -33,7 +33,7 @@ import pytest
 
 from tests.server_util import free_port
 from tests.server_util import wait_until as shared_wait_until
-from tests.tiny_model import make_tiny_hf_dir
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN, make_tiny_hf_dir
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hello there"}]
@@ -204,7 +204,7 @@ def servers(model_dir, tmp_path_factory):
             grace=GRACE,
             step_delay=0.03,
             max_seqs=4,
-            kv_cache_bytes=60 * 16 * 512,
+            kv_cache_bytes=60 * 16 * TINY_KV_BYTES_PER_TOKEN,
         )
         for sig in (signal.SIGTERM, signal.SIGINT)
     }

@@ -28,6 +28,7 @@ import httpx
 from kvgate.core.testing import set_step_hook
 from tests.server_util import running_server
 from tests.server_util import wait_until as shared_wait_until
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -169,7 +170,7 @@ def wait_until(pred, timeout=20.0):
 
 def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
     engine = make_engine(
-        kv_cache_bytes=KV_BLOCKS * BLOCK * 512,
+        kv_cache_bytes=KV_BLOCKS * BLOCK * TINY_KV_BYTES_PER_TOKEN,
         block_size=BLOCK,
         max_seqs=8,
         max_queue=MAX_QUEUE,

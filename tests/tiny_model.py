@@ -21,6 +21,9 @@ CHAT_TEMPLATE = (
     "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# KV bytes a position under the default cache (--kv-dtype auto: float16 on a CPU): 2 (K, V) x 2 layers
+# x 2 KV heads x 16 dims x 2 bytes. Tests that size a pool in positions multiply by this.
+TINY_KV_BYTES_PER_TOKEN = 256
 GEOMETRY = dict(hidden=64, layers=2, heads=4, kv_heads=2, inter=128, max_pos=512)
 
 

@@ -205,11 +205,14 @@ def resolve_q8_head(
     return False, "off: a startup probe measured the plain head over 1.5x faster (--q8-head on insists)"
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """auto: the model's dtype. Else the named one, when it is the model's or a 16-bit cache under a
-    float32 model (what the K/V write, the paged kernel and the gather paths convert)."""
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """auto: float16 under a float32 model on a CPU (llama.cpp's default f16 cache: half the bytes a
+    token, twice the positions in the same memory, half the decode attention's reads; logprobs move
+    ~1e-3, docs/DESIGN_NOTES.md), else the model's dtype. Else the named one, when it is the model's or
+    a 16-bit cache under a float32 model (what the K/V write, the paged kernel and the gather paths
+    convert)."""
     if name == "auto":
-        return dtype
+        return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
     if name not in _DTYPES:
         raise DeviceError(f"--kv-dtype {name!r} is not one of auto, {', '.join(_DTYPES)}")
     kv = _DTYPES[name]
@@ -234,7 +237,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         name = cfg.weights
     fmt, act = resolve_weights(name, device)
     dtype = resolve_dtype(cfg.dtype, device, fmt)
-    kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype)
+    kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype, device)
     if not 0 <= cfg.speculate <= MAX_SPECULATE:
         raise DeviceError(
             f"--speculate {cfg.speculate} is out of range: draft tokens per step are 0 (off) to {MAX_SPECULATE}"
@@ -294,8 +297,10 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     if weights_note is not None:
         plan.notes.append(f"weights: {weights_note}")
     if kv_dtype != dtype:
+        why = "--kv-dtype auto on a CPU, as llama.cpp's f16 cache; --kv-dtype float32 keeps the model's"
         plan.notes.append(
-            f"KV cache in {str(kv_dtype).removeprefix('torch.')} (--kv-dtype), the model in {plan.dtype}"
+            f"KV cache in {str(kv_dtype).removeprefix('torch.')} "
+            f"({why if cfg.kv_dtype == 'auto' else '--kv-dtype'}), the model in {plan.dtype}"
         )
     return Placement(
         device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason, paged, kv_dtype, prefill_kernel
