@@ -207,3 +207,24 @@ def test_a_context_long_prompt_with_max_tokens_0_is_a_400_with_the_numbers(tiny_
     r = httpx.post(tiny_base + COMP, json=body, timeout=60)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "prompt" and f"is {L} tokens" in err["message"], r.text
+
+
+def test_the_openapi_document_allows_max_tokens_0_only_with_echo(tiny_base):
+    """/openapi.json says what the server does: a completions body with `max_tokens: 0` validates with
+    `echo: true` (the prompt echoed and scored alone) and not without it, and the server answers the
+    second with a 400 on max_tokens. Seen red with the minimum left at 1 (the echo body failed)."""
+    import jsonschema
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT202012
+
+    doc = httpx.get(tiny_base + "/openapi.json", timeout=30).json()
+    registry = Registry().with_resource("urn:kvgate", Resource.from_contents(doc, DRAFT202012))
+    schema = {"$ref": "urn:kvgate#/components/schemas/CompletionRequest"}
+    check = jsonschema.Draft202012Validator(schema, registry=registry)
+    echoed = {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 0}
+    assert check.is_valid(echoed)
+    bare = {"model": "tiny", "prompt": "hi", "max_tokens": 0}
+    assert not check.is_valid(bare) and not check.is_valid({**bare, "max_tokens": -1})
+    r = httpx.post(tiny_base + COMP, json=bare, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert httpx.post(tiny_base + COMP, json=echoed, timeout=60).status_code == 200
