@@ -101,7 +101,8 @@ def test_the_plan_charges_exactly_what_the_quantized_model_holds(
     be equal, and smaller than the full model. Broken by (seen red): charging the head as quantized
     (the plan came out under the model: PlanError); forgetting the scales; quantizing a matrix whose
     input size int4 cannot group (the `odd` model); asking int4 to pack 200 output rows (`rows`:
-    torch raised at startup after the plan had charged them as int4)."""
+    torch raised at startup after the plan had charged them as int4). The plan names the activation
+    dtype the layers use (seen red with the note naming the other dtype)."""
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
 
@@ -118,6 +119,11 @@ def test_the_plan_charges_exactly_what_the_quantized_model_holds(
         assert type(e.model.lm_head).__name__ == "Linear"
         kinds = {type(lin).__name__ for layer in e.model.layers for lin in layer[1:3] + layer[4:]}
         assert kinds == ({"Quantized"} if model == "tiny" or fmt == "int8" else {"Quantized", "Linear"})
+        # the probe's activation dtype moves the numbers, so the plan names the one the layers use
+        qs = [lin for layer in e.model.layers for lin in layer[1:3] + layer[4:] if type(lin).__name__ == "Quantized"]
+        act = qs[0].act
+        named = [n for n in e.plan.notes if n.startswith(f"{fmt} matmuls on ")]
+        assert named and named[0].startswith(f"{fmt} matmuls on {str(act).removeprefix('torch.')} "), e.plan.notes
     finally:
         e.shutdown(), full.shutdown()
 

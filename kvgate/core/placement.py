@@ -296,6 +296,11 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     plan.notes.append(f"prefill attention: {prefill_why}")
     if weights_note is not None:
         plan.notes.append(f"weights: {weights_note}")
+    if act is not None and fmt not in GGUF_FORMATS:  # int4 / int8: the probe's pick moves the numbers
+        plan.notes.append(
+            f"{fmt} matmuls on {str(act).removeprefix('torch.')} activations (a startup probe timed bfloat16 "
+            "and float32 and kept the faster; the two round differently, so this choice is part of the numbers)"
+        )
     if kv_dtype != dtype:
         why = "--kv-dtype auto on a CPU, as llama.cpp's f16 cache; --kv-dtype float32 keeps the model's"
         plan.notes.append(
