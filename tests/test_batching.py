@@ -17,8 +17,9 @@ from kvgate.core.testing import set_step_hook
 from kvgate.request import Admitted, Finished, GenerationRequest, Token
 from kvgate.sampling import SamplingParams
 from tests.server_util import wait_until
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
-BPT = 512
+BPT = TINY_KV_BYTES_PER_TOKEN  # the default float16 cache
 POOL = dict(kv_cache_bytes=256 * 4 * BPT, block_size=4, max_seqs=8)
 
 # (prompt length, seed, temperature, top_p, top_k, max_tokens)

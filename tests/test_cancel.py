@@ -19,8 +19,9 @@ from kvgate.core.testing import set_step_hook
 from kvgate.request import Finished, GenerationRequest, Refusal, Refused, Token
 from kvgate.sampling import SamplingParams
 from tests.server_util import wait_until
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
-BPT = 512
+BPT = TINY_KV_BYTES_PER_TOKEN  # the default float16 cache
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:

@@ -32,6 +32,7 @@ import httpx
 from kvgate.core.testing import set_step_hook
 from tests.server_util import running_server
 from tests.server_util import wait_until as shared_wait_until
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN
 
 CHAT = "/v1/chat/completions"
 LONG = "the quick brown fox jumps over the lazy dog " * 7  # ~300 tokens: many 8-token prefill chunks
@@ -103,7 +104,7 @@ def test_disconnect_storm_cancels_every_leaver_and_leaks_nothing(make_engine):
         max_seqs=MAX_SEQS,
         prefill_chunk=8,
         block_size=16,
-        kv_cache_bytes=256 * 16 * 512,
+        kv_cache_bytes=256 * 16 * TINY_KV_BYTES_PER_TOKEN,
         max_queue=64,
         max_queue_wait=60,
     )

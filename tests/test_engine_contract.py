@@ -18,8 +18,6 @@ from kvgate.request import Admitted, Finished, GenerationRequest, Refusal, Refus
 from kvgate.sampling import SamplingParams
 from tests.server_util import wait_until
 
-BPT = 512  # KV bytes per token of the tiny model in float32
-
 
 def prompt(n: int, salt: int = 0) -> list[int]:
     return [3 + (i * 7 + salt * 11) % 250 for i in range(n)]

@@ -16,10 +16,12 @@ NARROW = [torch.float16, torch.bfloat16]
 
 
 def test_auto_is_float16_under_a_float32_model_on_cpu_else_the_models_and_mixed_caches_are_refused():
-    """auto: float16 for a float32 model on a CPU (llama.cpp's default cache), the model's dtype for a
-    16-bit model or on CUDA. Seen red: auto returning the model's dtype everywhere (the old default)."""
+    """auto: float16 for a float32 model on a CPU with the paged kernel (llama.cpp's default cache), the
+    model's dtype for a 16-bit model, on CUDA, or without the kernel (every step would widen a gathered
+    copy). Seen red: auto returning the model's dtype everywhere (the old default)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_kv_dtype("auto", torch.float32, cpu) is torch.float16
+    assert resolve_kv_dtype("auto", torch.float32, cpu, paged_kernel=True) is torch.float16
+    assert resolve_kv_dtype("auto", torch.float32, cpu, paged_kernel=False) is torch.float32
     assert resolve_kv_dtype("auto", torch.bfloat16, cpu) is torch.bfloat16
     assert resolve_kv_dtype("auto", torch.float32, cuda) is torch.float32
     assert resolve_kv_dtype("float32", torch.float32, cpu) is torch.float32

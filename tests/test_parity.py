@@ -95,7 +95,8 @@ def ours(parse_once):
 def engine():
     from kvgate.core.engine import Engine
 
-    e = Engine.from_model("default", EngineConfig(dtype="float32", memory_limit="3GiB")).start()
+    cfg = EngineConfig(dtype="float32", kv_dtype="float32", memory_limit="3GiB")  # float32 throughout
+    e = Engine.from_model("default", cfg).start()
     yield e
     e.shutdown()
 

@@ -27,9 +27,14 @@ TEXT = (
 )
 
 
-def engine(dtype: str, prefix: str) -> Engine:
+def engine(dtype: str, prefix: str, kv_dtype: str = "auto") -> Engine:
     cfg = EngineConfig(
-        dtype=dtype, memory_limit="3GiB", max_model_len=512, kv_cache_bytes=64 << 20, prefix_cache=prefix
+        dtype=dtype,
+        memory_limit="3GiB",
+        max_model_len=512,
+        kv_cache_bytes=64 << 20,
+        prefix_cache=prefix,
+        kv_dtype=kv_dtype,
     )
     return Engine.from_model("default", cfg, overhead_bytes=0).start()
 
@@ -38,9 +43,11 @@ def greedy(e: Engine, ids: list[int]):
     return e.generate(GenerationRequest(ids, SamplingParams(temperature=0), 12, ignore_eos=True), timeout=120)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_cache_hit_gives_the_cold_tokens(dtype):
-    cold, warm = engine(dtype, "off"), engine(dtype, "on")
+@pytest.mark.parametrize(  # auto under float32: the default float16 cache on a CPU
+    "dtype, kv", [("float32", "auto"), ("float32", "float32"), ("bfloat16", "auto")]
+)
+def test_a_cache_hit_gives_the_cold_tokens(dtype, kv):
+    cold, warm = engine(dtype, "off", kv), engine(dtype, "on", kv)
     try:
         x = warm.tokenizer.encode(TEXT)
         assert len(x) > 48
@@ -56,7 +63,7 @@ def test_a_cache_hit_gives_the_cold_tokens(dtype):
             hit, want = greedy(warm, ids), greedy(cold, ids)
             expect_cached = 32 if name != "whole prompt" else (len(ids) - 1) // 16 * 16
             assert hit.cached_tokens == expect_cached, (name, hit.cached_tokens)
-            assert hit.token_ids == want.token_ids, f"{dtype} {name}: the cache hit changed the output"
+            assert hit.token_ids == want.token_ids, f"{dtype}/{kv} {name}: the cache hit changed the output"
     finally:
         cold.shutdown()
         warm.shutdown()

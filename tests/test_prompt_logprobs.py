@@ -227,4 +227,7 @@ def test_the_openapi_document_allows_max_tokens_0_only_with_echo(tiny_base):
     assert not check.is_valid(bare) and not check.is_valid({**bare, "max_tokens": -1})
     r = httpx.post(tiny_base + COMP, json=bare, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    streamed = {"model": "tiny", "prompt": "hi", "echo": True, "max_tokens": 0, "stream": True}
+    assert not check.is_valid(streamed)  # answered whole only: a 400 (seen valid before the stream rule)
+    assert httpx.post(tiny_base + COMP, json=streamed, timeout=60).status_code == 400
     assert httpx.post(tiny_base + COMP, json=echoed, timeout=60).status_code == 200

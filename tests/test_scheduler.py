@@ -39,7 +39,7 @@ from kvgate.request import (
 from kvgate.sampling import SamplingParams
 from kvgate.tokenizer import TextTokenizer
 from tests.server_util import wait_until
-from tests.tiny_model import build_tokenizer
+from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN, build_tokenizer
 
 TOK = TextTokenizer(TokenizerInfo(build_tokenizer().to_str(), None, None, 2, [0, 2], False))
 
@@ -468,7 +468,7 @@ def test_threads_random_submit_cancel_keep_invariants(make_engine, plan, nthread
     after example), and with a dropped waiter given no terminal event.
     """
     e = make_engine(
-        kv_cache_bytes=12 * 4 * 512,
+        kv_cache_bytes=12 * 4 * TINY_KV_BYTES_PER_TOKEN,
         block_size=4,
         max_seqs=3,
         max_queue=64,

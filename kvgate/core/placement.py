@@ -19,6 +19,7 @@ from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
 from kvgate.models import LoadedModel, native
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
+from kvgate.models.paged_attention import kernel as paged_attention_kernel
 from kvgate.models.paged_attention import resolve as resolve_decode_attention
 from kvgate.models.prefill_attention import resolve as resolve_prefill_attention
 from kvgate.models.q4_1 import q4_1_blocks
@@ -205,14 +206,21 @@ def resolve_q8_head(
     return False, "off: a startup probe measured the plain head over 1.5x faster (--q8-head on insists)"
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """auto: float16 under a float32 model on a CPU (llama.cpp's default f16 cache: half the bytes a
-    token, twice the positions in the same memory, half the decode attention's reads; logprobs move
-    ~1e-3, docs/DESIGN_NOTES.md), else the model's dtype. Else the named one, when it is the model's or
-    a 16-bit cache under a float32 model (what the K/V write, the paged kernel and the gather paths
-    convert)."""
+def resolve_kv_dtype(
+    name: str, dtype: torch.dtype, device: torch.device, paged_kernel: bool | None = None
+) -> torch.dtype:
+    """auto: float16 under a float32 model on a CPU whose paged attention kernel built (llama.cpp's
+    default f16 cache: half the bytes a token, twice the positions in the same memory, half the decode
+    attention's reads; logprobs move ~1e-3, docs/DESIGN_NOTES.md), else the model's dtype (without the
+    kernel every step would gather and widen the narrow pool). Else the named one, when it is the
+    model's or a 16-bit cache under a float32 model (what the K/V write, the paged kernel and the gather
+    paths convert). `paged_kernel`: whether the kernel is there (None: look)."""
     if name == "auto":
-        return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
+        if device.type != "cpu" or dtype != torch.float32:
+            return dtype
+        if paged_kernel is None:
+            paged_kernel = paged_attention_kernel() is not None
+        return torch.float16 if paged_kernel else dtype
     if name not in _DTYPES:
         raise DeviceError(f"--kv-dtype {name!r} is not one of auto, {', '.join(_DTYPES)}")
     kv = _DTYPES[name]
@@ -254,8 +262,9 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         warm_kernels(shapes[:-1] if q8_head else shapes, dtype)  # the last is the LM head
     geometry = (device, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, cfg.block_size)
     try:
-        paged, why = resolve_decode_attention(cfg.decode_attention, *geometry)
-        prefill_kernel, prefill_why = resolve_prefill_attention(cfg.prefill_attention, *geometry)
+        # the probes time the pools in the cache's own dtype (float16 by default on a CPU)
+        paged, why = resolve_decode_attention(cfg.decode_attention, *geometry, kv_dtype=kv_dtype)
+        prefill_kernel, prefill_why = resolve_prefill_attention(cfg.prefill_attention, *geometry, kv_dtype=kv_dtype)
     except ValueError as exc:
         raise DeviceError(str(exc)) from None
     log.info("decode attention: %s", why)

@@ -77,17 +77,19 @@ def _race(a, a_args: tuple, b, b_args: tuple, reps: int) -> tuple[float, float]:
 
 
 @functools.cache
-def probe(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+def probe(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> dict:
     """Seconds per call of the kernel and of the gather path at each of `PROBE_ROWS` rows, on random
-    data shaped like the model's (a few tens of ms in all)."""
+    data shaped like the model's, the pools in the KV cache's dtype (a few tens of ms in all)."""
     op = kernel()
     gen = torch.Generator().manual_seed(0)
     nblk = -(-PROBE_CONTEXT // block_size)
     out = {}
     for rows in PROBE_ROWS:
         pool = rows * nblk
-        k = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        k = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+        v = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
         q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
         tables = torch.randperm(pool, generator=gen).view(rows, nblk)
         lens = torch.full((rows,), PROBE_CONTEXT, dtype=torch.long)
@@ -100,14 +102,16 @@ def probe(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torc
     return out
 
 
-def choose(device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[bool, str]:
+def choose(
+    device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, kv_dtype=None
+) -> tuple[bool, str]:
     """(use the kernel?, why): the kernel where it builds and the probe measures it faster in total
     over `PROBE_ROWS`; the gather path on CUDA or where it cannot be built."""
     if torch.device(device).type != "cpu":
         return False, f"gather + SDPA (the paged kernel is CPU only; this is {device})"
     if kernel() is None:
         return False, "gather + SDPA (the paged kernel could not be built; see the log line above)"
-    t = probe(heads, kv_heads, head_dim, block_size, dtype)
+    t = probe(heads, kv_heads, head_dim, block_size, dtype, kv_dtype or dtype)
     timings = ", ".join(f"{r} rows {t[r][0] * 1e3:.3f} ms vs {t[r][1] * 1e3:.3f} ms" for r in PROBE_ROWS)
     paged = sum(t[r][0] for r in PROBE_ROWS) < sum(t[r][1] for r in PROBE_ROWS)
     name = "paged kernel" if paged else "gather + SDPA"
@@ -120,7 +124,9 @@ def choose(device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: 
     )
 
 
-def resolve(setting: str, device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int):
+def resolve(
+    setting: str, device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, kv_dtype=None
+):
     """Apply `--decode-attention`: auto = `choose`; paged = insist (an error where it cannot run);
     gather = the index_select + SDPA path. Returns (use the kernel?, a line saying what and why)."""
     if setting not in CHOICES:
@@ -138,4 +144,4 @@ def resolve(setting: str, device, dtype, heads: int, kv_heads: int, head_dim: in
                 "install what it names, or use auto or gather"
             )
         return True, "paged kernel (--decode-attention paged)"
-    return choose(device, dtype, heads, kv_heads, head_dim, block_size)
+    return choose(device, dtype, heads, kv_heads, head_dim, block_size, kv_dtype)

@@ -82,15 +82,17 @@ def sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf) -> tor
 
 
 @functools.cache
-def probe(heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[float, float]:
+def probe(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype = torch.float32
+) -> tuple[float, float]:
     """Fastest seconds per call of the kernel and of gather + SDPA on one `PROBE_TOKENS` chunk shaped
-    like the model's, timed alternately (a few ms in all)."""
+    like the model's, the pool in the KV cache's dtype, timed alternately (a few ms in all)."""
     ext = native.extension()
     gen = torch.Generator().manual_seed(0)
     n = PROBE_TOKENS
     nblk = -(-n // block_size)
-    k = torch.randn(nblk, block_size, kv_heads, head_dim, generator=gen)
-    v = torch.randn(nblk, block_size, kv_heads, head_dim, generator=gen)
+    k = torch.randn(nblk, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v = torch.randn(nblk, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
     q = torch.randn(n, heads, head_dim, generator=gen)
     table = torch.randperm(nblk, generator=gen)
     out = torch.empty(n, heads * head_dim)
@@ -114,7 +116,9 @@ def probe(heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[fl
     return best[0], best[1]
 
 
-def resolve(setting: str, device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int):
+def resolve(
+    setting: str, device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, kv_dtype=None
+):
     """Apply `--prefill-attention`. Returns (use the kernel?, a line saying what and why)."""
     if setting not in CHOICES:
         raise ValueError(f"--prefill-attention {setting!r} is not one of {', '.join(CHOICES)}")
@@ -127,7 +131,7 @@ def resolve(setting: str, device, dtype, heads: int, kv_heads: int, head_dim: in
         return True, "paged kernel (--prefill-attention kernel)"
     if why is not None:
         return False, f"gather + SDPA ({why})"
-    tk, ts = probe(heads, kv_heads, head_dim, block_size)
+    tk, ts = probe(heads, kv_heads, head_dim, block_size, kv_dtype or dtype)
     log.info(
         "prefill attention probe, one %d-token chunk per layer: kernel %.3f ms, gather + SDPA %.3f ms",
         PROBE_TOKENS,
