@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from bench.compare import OUT, Server, free_port, kvgate_server, log, machine_info
+from bench.cpu import cpu_line
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
 
@@ -133,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             url = f"http://127.0.0.1:{port}"
             system = system or system_prompt(url)
             results["workload"]["system_text"] = system
+            plan_d = httpx.get(url + "/v1/resources", timeout=30).json()["plan"]
+            model_bytes = 4 if plan_d["dtype"] == "float32" else 2
+            kv = plan_d["dtype"] if plan_d["limits"]["kv_bytes"] == model_bytes else "float16"  # auto's only narrowing
+            results["kvgate_numbers"] = f"{plan_d['limits']['weight_format']} weights, {plan_d['dtype']}, {kv} KV cache"
             results[label] = measure(label, url, system, "kvgate", a.out_len, plan)
     if a.llama_server:
         from kvgate.models import resolve_model_path
@@ -160,7 +165,8 @@ def write_doc(results: dict) -> None:
         f"A {w['system_tokens']}-token common system prompt plus {w['unique_tokens']} unique tokens, "
         f"{w['out_len']} tokens out, streamed, greedy; 8 requests at concurrency 1 and 32 at 16, after a "
         "warm-up that puts the system prompt in every server's cache (for llama-server: in each slot it "
-        "will use). kvgate: defaults, `--max-seqs 16`, float32; llama-server: the Q4_1 file itself, `-np 16 "
+        f"will use). kvgate: defaults, `--max-seqs 16` ({results.get('kvgate_numbers', 'float32')}); "
+        "llama-server: the Q4_1 file itself, `-np 16 "
         "-cb -t 2 --cache-reuse 256`. Same text to every server; each tokenizes it itself.\n\n"
         + table(results)
         + "\n\nTargets (issue 12): TTFT p50 at c=1 with the cache on at most 1/5 of cache off; output tok/s "
@@ -171,13 +177,13 @@ def write_doc(results: dict) -> None:
 def table(results: dict) -> str:
     m = results["machine"]
     lines = [
-        f"CPU: {m['model_name']}, {m['cpus']} cores, flags {' '.join(m['flags_present'])}",
+        cpu_line(m),
         "",
         "| server | TTFT p50 c=1 | output tok/s c=1 | TTFT p50 c=16 | output tok/s c=16 |",
         "|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        if name in ("machine", "workload"):
+        if name in ("machine", "workload", "kvgate_numbers"):
             continue
         c1, c16 = r["1"], r["16"]
         lines.append(
