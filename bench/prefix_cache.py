@@ -134,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             url = f"http://127.0.0.1:{port}"
             system = system or system_prompt(url)
             results["workload"]["system_text"] = system
-            plan_d = httpx.get(url + "/v1/resources", timeout=30).json()["plan"]
-            model_bytes = 4 if plan_d["dtype"] == "float32" else 2
-            kv = plan_d["dtype"] if plan_d["limits"]["kv_bytes"] == model_bytes else "float16"  # auto's only narrowing
-            results["kvgate_numbers"] = f"{plan_d['limits']['weight_format']} weights, {plan_d['dtype']}, {kv} KV cache"
+            results["workload"].setdefault("kvgate", served_numbers(url))
             results[label] = measure(label, url, system, "kvgate", a.out_len, plan)
     if a.llama_server:
         from kvgate.models import resolve_model_path
@@ -157,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "prefix_cache.md"
 
 
+def served_numbers(url: str) -> str:
+    """What the server's plan computes in: its weight format, dtype and KV cache (/v1/resources)."""
+    plan = httpx.get(url + "/v1/resources", timeout=30).json()["plan"]
+    narrow = plan["dtype"] == "float32" and plan["limits"]["kv_bytes"] == 2  # auto's only narrowing
+    kv = "float16" if narrow else plan["dtype"]
+    return f"{plan['limits']['weight_format']} weights, {plan['dtype']}, {kv} KV cache"
+
+
 def write_doc(results: dict) -> None:
     w = results["workload"]
     DOC.write_text(
@@ -165,7 +170,7 @@ def write_doc(results: dict) -> None:
         f"A {w['system_tokens']}-token common system prompt plus {w['unique_tokens']} unique tokens, "
         f"{w['out_len']} tokens out, streamed, greedy; 8 requests at concurrency 1 and 32 at 16, after a "
         "warm-up that puts the system prompt in every server's cache (for llama-server: in each slot it "
-        f"will use). kvgate: defaults, `--max-seqs 16` ({results.get('kvgate_numbers', 'float32')}); "
+        f"will use). kvgate: defaults, `--max-seqs 16` ({w.get('kvgate', 'float32')}); "
         "llama-server: the Q4_1 file itself, `-np 16 "
         "-cb -t 2 --cache-reuse 256`. Same text to every server; each tokenizes it itself.\n\n"
         + table(results)
@@ -183,7 +188,7 @@ def table(results: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        if name in ("machine", "workload", "kvgate_numbers"):
+        if name in ("machine", "workload"):
             continue
         c1, c16 = r["1"], r["16"]
         lines.append(

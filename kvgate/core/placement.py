@@ -311,11 +311,12 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
             "and float32 and kept the faster; the two round differently, so this choice is part of the numbers)"
         )
     if kv_dtype != dtype:
-        why = "--kv-dtype auto on a CPU, as llama.cpp's f16 cache; --kv-dtype float32 keeps the model's"
-        plan.notes.append(
-            f"KV cache in {str(kv_dtype).removeprefix('torch.')} "
-            f"({why if cfg.kv_dtype == 'auto' else '--kv-dtype'}), the model in {plan.dtype}"
+        source = (
+            "--kv-dtype auto on a CPU, as llama.cpp's f16 cache; --kv-dtype float32 keeps the model's"
+            if cfg.kv_dtype == "auto"
+            else "--kv-dtype"
         )
+        plan.notes.append(f"KV cache in {str(kv_dtype).removeprefix('torch.')} ({source}), the model in {plan.dtype}")
     return Placement(
         device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason, paged, kv_dtype, prefill_kernel
     )
