@@ -221,16 +221,20 @@ def _gemm_scratch(gemms: list[tuple[int, int]], T: int, b: int, limits: StepLimi
     """Matmul scratch: MKL sgemm packing buffers (kept by MKL's allocator after first use), or with
     prepacked weights a matmul input padded to its row bucket; with quantized layer matrices also
     their input cast to the activation dtype and their output in it (gguf-q8act: also the input's
-    8-bit blocks, a byte per value and two float32 per 32; gguf on AMX: `amx_prefill_bytes`)."""
+    8-bit blocks, a byte per value and two float32 per 32; gguf: its decode rows' 24-bit digits,
+    three bytes per value, and their scale and float sum per 32 (csrc/q4_1_int24.cpp); gguf on AMX:
+    `amx_prefill_bytes`)."""
     fmt = limits.weight_format
     quant = 0
     if fmt != "full":  # the layer matrices quantizable in `fmt` (the LM head, last, never is)
         blocks = 1 if fmt == "gguf-q8act" else 0
         amx = limits.amx_prefill and fmt == "gguf"
+        digit_rows = min(T, limits.max_logit_rows) if fmt == "gguf" else 0  # decode and verify rows
         quant = max(
             (
                 T * (k + n) * limits.quant_act_bytes
                 + blocks * T * (k + k // 32 * 8)
+                + digit_rows * (3 * k + k // 32 * 8)
                 + (amx_prefill_bytes(T, k, n) if amx else 0)
                 for k, n in gemms[:-1]
                 if quantizable(fmt, n, k)

@@ -41,6 +41,7 @@ SOURCES = (
     "layer_ops.cpp",
     "paged_attention.cpp",
     "prefill_attention.cpp",
+    "q4_1_int24.cpp",
     "tile_matmul.cpp",
 )  # one module
 HEADERS = ("int8_layout.h", "vec_exp.h")  # included by the sources: part of the cache key
@@ -63,6 +64,7 @@ def compile_flags() -> list[str]:
     if isa and {"avx512f", "avx512bw", "avx512vl"} <= flags:  # 32 ymm registers (paged attention)
         isa += ["-mavx512bw", "-mavx512vl"]
         isa += ["-mavx512vnni"] if "avx512_vnni" in flags else []  # int8_vnni.cpp's kernels
+        isa += ["-mavx512vbmi"] if "avx512vbmi" in flags else []  # q4_1_int24.cpp's byte permute
         if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:  # amx_q4_1.cpp (its own target attributes)
             isa += ["-DKVGATE_AMX"]
     return ["-O3", "-fopenmp", *isa]

@@ -10,7 +10,9 @@ float32 in a fixed order per output, so a row's result never depends on the rows
 - prompt rows use the exact weights, `fma(d, q, m)` (d * q is exact in float32: one rounding, as gguf's
   own `d * q + m`), one running sum over k per output;
 - decode rows compute each block as `d * sum(q x) + m * sum(x)` (llama.cpp's factoring of a Q4_1 dot;
-  no per-weight scaling), which differs from the exact weights' sum at float32 rounding only.
+  no per-weight scaling), with `sum(q x)` as exact integer products of the codes and the block's
+  activations in 24-bit fixed point (kvgate/models/csrc/q4_1_int24.cpp: the block's largest value to
+  23-24 bits, float32 holds 24), which differs from the exact weights' sum at float32 rounding only.
 So `--weights gguf` computes with the values `--weights full` holds, and nothing is approximated
 beyond float32 rounding (unlike `--weights int4`, whose kernel needs bfloat16 activations and re-rounds
 d and m); the summation order differs from oneDNN's.

@@ -39,6 +39,8 @@ std::string unavailable();
 std::string set_int8_isa(const std::string& isa);
 std::tuple<bool, bool> decode_prefetch();
 std::tuple<bool, bool> set_decode_prefetch(bool one_row, bool more_rows);
+std::string q4_1_decode();
+std::string set_q4_1_decode(const std::string& how);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_matmul", &q8_matmul, "float32 x times a Q8_0 table in tiles of 16 rows (q8_pack16) for N outputs");
@@ -46,6 +48,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "float32 x times Q4_1 weights in tiles of 16 rows (q4_1_pack16) for N outputs; rows from decode_rows "
           "on take the prefill loop (-1: every row is a decode row)",
           pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("decode_rows") = -1);
+  mod.def("q4_1_decode", &q4_1_decode,
+          "what q4_1_matmul's decode rows run: int24-<isa> (exact integer products on 24-bit activation blocks, "
+          "q4_1_int24.cpp) or float");
+  mod.def("set_q4_1_decode", &set_q4_1_decode,
+          "'float' runs q4_1_matmul's decode rows on the float loop instead of int24 (other bits: tests and A/B runs)");
   mod.def("q8_rows", &q8_rows, "float32 rows as 8-bit blocks of 32: (codes int8, d, s = d * sum of codes)");
   mod.def("q4_1_dot8", &q4_1_dot8,
           "float32 x, rounded to 8-bit blocks, times Q4_1 weights repacked in tiles of 8 rows (q4_1_pack8)");

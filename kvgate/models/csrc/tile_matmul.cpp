@@ -12,7 +12,10 @@
 // their own widening per k and a horizontal sum.
 //
 // Two kinds of rows, each always computed the same way, whatever else is in the call:
-// - decode rows (the first `decode_rows` of x; every row for q8_matmul): per output and block, one FMA
+// - Q4_1 decode rows (the first `decode_rows` of x) run q4_1_int24.cpp's exact integer products on
+//   24-bit activation blocks by default (its opening says how and why); the float loop below is what
+//   they ran before, kept behind set_q4_1_decode("float") for A/B runs and the tests that compare.
+// - decode rows (q8_matmul's every row; Q4_1's under set_q4_1_decode("float")): per output and block, one FMA
 //   chain s = sum_k c_k x_k over the block's k in order (Q8_0: two, over the even and the odd k, then
 //   added, so one row needs only 4 tiles in flight), then acc = fma(d, s, acc) (Q4_1: then also
 //   acc = fma(m, xs_b, acc), xs_b the block's sum of x by a fixed tree, `block_sum`), blocks in order.
@@ -44,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -66,6 +70,9 @@ constexpr int64_t TILE = 16;  // output rows per tile
 // measured probe (kvgate.models.decode_prefetch.choose); neither changes a bit.
 constexpr int64_t AHEAD = 3;
 std::atomic<bool> g_prefetch_one{true}, g_prefetch_more{true};
+// q4_1_matmul's decode rows: q4_1_int24.cpp's integer products (true), or this file's float loop
+// (set_q4_1_decode("float"): for A/B runs and the tests that compare the two)
+std::atomic<bool> g_decode_int24{true};
 
 // an fp16 scale as float32 (the scalar build's; F16C converts in the vector ones)
 inline float half_at(const uint8_t* p) {
@@ -519,6 +526,14 @@ void check_x(const char* fn, const torch::Tensor& x, int64_t K) {
 
 }  // namespace
 
+namespace kvgate_i24 {  // q4_1_int24.cpp: the decode rows as exact integer products (the default)
+constexpr int64_t XDW = 24;
+const char* isa();
+void digits(const float* x, int64_t rows, int64_t nb, int32_t* xd, float* sc);
+void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
+                 const uint8_t* w, float* y, int64_t t0, int64_t t1, bool pf_one, bool pf_more);
+}  // namespace kvgate_i24
+
 namespace kvgate_amx {  // amx_q4_1.cpp: prompt rows on AMX's bf16 tiles, where built and granted
 bool active();
 void q4_1_prefill(const float* x, float* y, int64_t M, int64_t N, int64_t nb, const uint8_t* w);
@@ -536,10 +551,19 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
   float* yp = y.data_ptr<float>();
   std::vector<float> xs(static_cast<size_t>(Md * nb));  // each decode row's block sums
   for (int64_t i = 0; i < Md * nb; ++i) xs[i] = block_sum(xp + i * QBLOCK);
+  const bool int24 = g_decode_int24.load(std::memory_order_relaxed);
+  std::vector<int32_t> xd(int24 ? static_cast<size_t>(Md * nb * kvgate_i24::XDW) : 0);  // 24-bit digits
+  std::vector<float> sc(int24 ? static_cast<size_t>(Md * nb) : 0);
+  if (int24) kvgate_i24::digits(xp, Md, nb, xd.data(), sc.data());
+  const bool pf_one = g_prefetch_one.load(std::memory_order_relaxed);
+  const bool pf_more = g_prefetch_more.load(std::memory_order_relaxed);
   const bool amx = M > Md && kvgate_amx::active();
   if (Md > 0 || !amx)
     at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-      decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
+      if (int24)
+        kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more);
+      else
+        decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
       if (!amx) prefill_cols(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
     });
   if (amx) kvgate_amx::q4_1_prefill(xp + Md * K, yp + Md * N, M - Md, N, nb, wp);
@@ -553,6 +577,13 @@ std::tuple<bool, bool> set_decode_prefetch(bool one_row, bool more_rows) {
   g_prefetch_one.store(one_row, std::memory_order_relaxed);
   g_prefetch_more.store(more_rows, std::memory_order_relaxed);
   return decode_prefetch();
+}
+
+std::string q4_1_decode() { return g_decode_int24.load() ? std::string("int24-") + kvgate_i24::isa() : "float"; }
+std::string set_q4_1_decode(const std::string& how) {
+  TORCH_CHECK(how == "int24" || how == "float", "set_q4_1_decode: 'int24' or 'float', got '", how, "'");
+  g_decode_int24.store(how == "int24");
+  return q4_1_decode();
 }
 
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, int64_t N) {
