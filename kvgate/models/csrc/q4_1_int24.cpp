@@ -32,6 +32,7 @@
 // the codes for k = 8g, 8g+2, 8g+4, 8g+6 and its high nibbles those for 8g+1, 8g+3, 8g+5, 8g+7, which is
 // the order `digits` lays the activation bytes in.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -59,7 +60,10 @@ constexpr int64_t TILE = 16;
 constexpr int64_t TBYTES = 320;  // a tile's bytes per block
 constexpr int64_t XDW = 24;      // activation dwords per row and block: 3 digits x (4 groups x low, high)
 constexpr int32_t M24 = 0x7F7F7F;
-constexpr int64_t AHEAD = 3;  // blocks ahead a tile is prefetched (tile_matmul.cpp's distance)
+// blocks ahead a tile is prefetched, and the tiles one row runs side by side (set_shape: A/B runs)
+int64_t g_ahead = 3;
+int g_nt1 = 4;
+int64_t g_rows = 8;  // most rows a group takes (the AVX-512 build: 8 or 4)
 
 // the k of lane t (0..15) in a group pair's digit bytes: t = 4 (2g + h) + i holds k = 8g + h + 2i
 constexpr int lane_k(int t) { return 8 * (t / 8) + (t / 4) % 2 + 2 * (t % 4); }
@@ -208,8 +212,8 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (pf && b + AHEAD < nb)
-      for (int t = 0; t < NT; ++t) prefetch_tile_block(w + t * tstride + (b + AHEAD) * TBYTES);
+    if (pf && b + g_ahead < nb)
+      for (int t = 0; t < NT; ++t) prefetch_tile_block(w + t * tstride + (b + g_ahead) * TBYTES);
     __m512i i0[R][NT], i1[R][NT], i2[R][NT];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < NT; ++t) i0[r][t] = i1[r][t] = i2[r][t] = _mm512_setzero_si512();
@@ -249,7 +253,7 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
     for (int t = 0; t < NT; ++t) _mm512_storeu_ps(y + r * ldy + TILE * t, acc[r][t]);
 }
 constexpr int64_t MAX_GROUP = 8;
-inline int group_tiles(int64_t rows) { return rows >= 4 ? 1 : rows >= 2 ? 2 : 4; }
+inline int group_tiles(int64_t rows) { return rows >= 4 ? 1 : rows >= 2 ? 2 : g_nt1; }
 #elif defined(KVGATE_I24_AVX2)
 // One tile as two halves of 8 outputs; per block the byte products add up in 16 bits (8 maddubs of at
 // most 2 x 15 x 128 each: 30,720, no overflow), then one madd widens them: the same integers.
@@ -264,8 +268,8 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * TBYTES;
-    if (pf && b + AHEAD < nb)
-      for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + AHEAD * TBYTES + l), _MM_HINT_T0);
+    if (pf && b + g_ahead < nb)
+      for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + g_ahead * TBYTES + l), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       __m256i s[R][3];
       for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = s[r][2] = _mm256_setzero_si256();
@@ -339,6 +343,7 @@ void group(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
            int nt, float* y, int64_t ldy, bool pf) {
   switch (nt) {
 #if defined(KVGATE_I24_VNNI)
+    case 8: tiles<R, 8>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
     case 4: tiles<R, 4>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
     case 2: tiles<R, 2>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
 #endif
@@ -362,6 +367,15 @@ void rows_group(const int32_t* xd, const float* sc, const float* xs, int64_t nb,
 
 }  // namespace
 
+void set_shape(int64_t ahead, int64_t nt1, int64_t rows) {
+  TORCH_CHECK(ahead >= 1 && ahead <= 64 && (nt1 == 1 || nt1 == 2 || nt1 == 4 || nt1 == 8) && (rows == 4 || rows == 8),
+              "set_q4_1_int24_shape: ahead 1..64 blocks, 1, 2, 4 or 8 tiles, 4 or 8 rows, got ", ahead, ", ", nt1,
+              ", ", rows);
+  g_rows = rows;
+  g_ahead = ahead;
+  g_nt1 = static_cast<int>(nt1);
+}
+
 const char* isa() {
 #if defined(KVGATE_I24_VNNI)
   return "avx512-vnni";
@@ -372,9 +386,13 @@ const char* isa() {
 #endif
 }
 
+// Each block of rows x[rows, nb * 32] as digits and scale; threads split the blocks (a block's digits are
+// its own: the split changes no bit). Alone this ran 2-12 us a call at 8-16 rows while the other
+// thread waited for the tiles' parallel_for.
 void digits(const float* x, int64_t rows, int64_t nb, int32_t* xd, float* sc) {
-  for (int64_t i = 0; i < rows * nb; ++i)
-    digits_block(x + i * QBLOCK, reinterpret_cast<int8_t*>(xd + i * XDW), sc[i]);
+  at::parallel_for(0, rows * nb, 96, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) digits_block(x + i * QBLOCK, reinterpret_cast<int8_t*>(xd + i * XDW), sc[i]);
+  });
 }
 
 // Decode rows [0, M) against tiles [t0, t1) (see the file's opening); xd, sc from `digits`, xs the rows'
@@ -386,7 +404,7 @@ void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M,
   for (int64_t c0 = t0; c0 < t1; c0 += 8) {
     const int64_t c1 = std::min(c0 + 8, t1);
     for (int64_t m = 0; m < M;) {
-      const int64_t avail = std::min(M - m, MAX_GROUP);
+      const int64_t avail = std::min(M - m, std::min(MAX_GROUP, g_rows));
       int64_t rows = 1;
       while (rows * 2 <= avail) rows *= 2;
       const bool pf = rows == 1 ? pf_one : pf_more;

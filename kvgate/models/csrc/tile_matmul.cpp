@@ -550,7 +550,9 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
   const uint8_t* wp = pc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   std::vector<float> xs(static_cast<size_t>(Md * nb));  // each decode row's block sums
-  for (int64_t i = 0; i < Md * nb; ++i) xs[i] = block_sum(xp + i * QBLOCK);
+  at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) xs[i] = block_sum(xp + i * QBLOCK);
+  });
   const bool int24 = g_decode_int24.load(std::memory_order_relaxed);
   std::vector<int32_t> xd(int24 ? static_cast<size_t>(Md * nb * kvgate_i24::XDW) : 0);  // 24-bit digits
   std::vector<float> sc(int24 ? static_cast<size_t>(Md * nb) : 0);
