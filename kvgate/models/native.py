@@ -44,7 +44,7 @@ SOURCES = (
     "q4_1_int24.cpp",
     "tile_matmul.cpp",
 )  # one module
-HEADERS = ("int8_layout.h", "vec_exp.h")  # included by the sources: part of the cache key
+HEADERS = ("int8_layout.h", "q4_1_int24.h", "vec_exp.h")  # included by the sources: part of the cache key
 _state: dict = {}
 
 

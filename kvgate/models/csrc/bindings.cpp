@@ -41,9 +41,6 @@ std::tuple<bool, bool> decode_prefetch();
 std::tuple<bool, bool> set_decode_prefetch(bool one_row, bool more_rows);
 std::string q4_1_decode();
 std::string set_q4_1_decode(const std::string& how);
-namespace kvgate_i24 {
-void set_shape(int64_t ahead, int64_t nt1, int64_t rows);
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_matmul", &q8_matmul, "float32 x times a Q8_0 table in tiles of 16 rows (q8_pack16) for N outputs");
@@ -56,8 +53,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "q4_1_int24.cpp) or float");
   mod.def("set_q4_1_decode", &set_q4_1_decode,
           "'float' runs q4_1_matmul's decode rows on the float loop instead of int24 (other bits: tests and A/B runs)");
-  mod.def("set_q4_1_int24_shape", &kvgate_i24::set_shape,
-          "the int24 decode loop's prefetch distance (blocks), tiles side by side for one row, most rows a group (A/B runs)");
   mod.def("q8_rows", &q8_rows, "float32 rows as 8-bit blocks of 32: (codes int8, d, s = d * sum of codes)");
   mod.def("q4_1_dot8", &q4_1_dot8,
           "float32 x, rounded to 8-bit blocks, times Q4_1 weights repacked in tiles of 8 rows (q4_1_pack8)");

@@ -31,6 +31,8 @@
 // permute of rows p = 4g..4g+3 gives output j's dword (p = 4g, 4g+1, 4g+2, 4g+3): its low nibbles are
 // the codes for k = 8g, 8g+2, 8g+4, 8g+6 and its high nibbles those for 8g+1, 8g+3, 8g+5, 8g+7, which is
 // the order `digits` lays the activation bytes in.
+#include "q4_1_int24.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -58,12 +60,8 @@ namespace {
 constexpr int64_t QBLOCK = 32;
 constexpr int64_t TILE = 16;
 constexpr int64_t TBYTES = 320;  // a tile's bytes per block
-constexpr int64_t XDW = 24;      // activation dwords per row and block: 3 digits x (4 groups x low, high)
 constexpr int32_t M24 = 0x7F7F7F;
-// blocks ahead a tile is prefetched, and the tiles one row runs side by side (set_shape: A/B runs)
-int64_t g_ahead = 3;
-int g_nt1 = 4;
-int64_t g_rows = 8;  // most rows a group takes (the AVX-512 build: 8 or 4)
+constexpr int64_t AHEAD = 3;  // blocks ahead a tile is prefetched (tile_matmul.cpp's distance)
 
 // the k of lane t (0..15) in a group pair's digit bytes: t = 4 (2g + h) + i holds k = 8g + h + 2i
 constexpr int lane_k(int t) { return 8 * (t / 8) + (t / 4) % 2 + 2 * (t % 4); }
@@ -122,11 +120,11 @@ void digits_block(const float* x, int8_t* out, float& sc) {  // out: XDW * 4 byt
                                          lane_k(6), lane_k(7), lane_k(8), lane_k(9), lane_k(10), lane_k(11),
                                          lane_k(12), lane_k(13), lane_k(14), lane_k(15));
   const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i lim = _mm512_set1_epi32(M24), c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+  const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
   for (int half = 0; half < 2; ++half) {
     const __m512 xp = _mm512_permutexvar_ps(perm, half ? x1 : x0);
-    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(xp, vinv));  // round half to even (MXCSR's default)
-    q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_sub_epi32(_mm512_setzero_si512(), lim)), lim);
+    // round half to even (MXCSR's default); |q| <= M by the scale's choice, so no clamp
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(xp, vinv));
     const __m512i d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, c128), c255), c128);
     const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(q, d0), 8);
     const __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, c128), c255), c128);
@@ -158,11 +156,10 @@ void digits_block(const float* x, int8_t* out, float& sc) {  // out: XDW * 4 byt
   const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // lane_k within a group of 8
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256 vinv = _mm256_set1_ps(inv);
-  const __m256i lim = _mm256_set1_epi32(M24), c128 = _mm256_set1_epi32(128), c255 = _mm256_set1_epi32(255);
+  const __m256i c128 = _mm256_set1_epi32(128), c255 = _mm256_set1_epi32(255);
   __m256i dg[3][4];
   for (int g = 0; g < 4; ++g) {
-    __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(xv[g], perm), vinv));
-    q = _mm256_min_epi32(_mm256_max_epi32(q, _mm256_sub_epi32(_mm256_setzero_si256(), lim)), lim);
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(xv[g], perm), vinv));
     dg[0][g] = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(q, c128), c255), c128);
     const __m256i r = _mm256_srai_epi32(_mm256_sub_epi32(q, dg[0][g]), 8);
     dg[1][g] = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(r, c128), c255), c128);
@@ -187,9 +184,7 @@ void digits_block(const float* x, int8_t* out, float& sc) {  // out: XDW * 4 byt
   }
   for (int t = 0; t < QBLOCK; ++t) {
     const int k = lane_k(t % 16) + 16 * (t / 16);
-    int32_t q = static_cast<int32_t>(std::nearbyint(x[k] * inv));
-    q = std::min(std::max(q, -M24), M24);
-    split(q, out[t], out[32 + t], out[64 + t]);
+    split(static_cast<int32_t>(std::nearbyint(x[k] * inv)), out[t], out[32 + t], out[64 + t]);
   }
 #endif
 }
@@ -212,8 +207,8 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (pf && b + g_ahead < nb)
-      for (int t = 0; t < NT; ++t) prefetch_tile_block(w + t * tstride + (b + g_ahead) * TBYTES);
+    if (pf && b + AHEAD < nb)
+      for (int t = 0; t < NT; ++t) prefetch_tile_block(w + t * tstride + (b + AHEAD) * TBYTES);
     __m512i i0[R][NT], i1[R][NT], i2[R][NT];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < NT; ++t) i0[r][t] = i1[r][t] = i2[r][t] = _mm512_setzero_si512();
@@ -253,7 +248,7 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
     for (int t = 0; t < NT; ++t) _mm512_storeu_ps(y + r * ldy + TILE * t, acc[r][t]);
 }
 constexpr int64_t MAX_GROUP = 8;
-inline int group_tiles(int64_t rows) { return rows >= 4 ? 1 : rows >= 2 ? 2 : g_nt1; }
+inline int group_tiles(int64_t rows) { return rows >= 4 ? 1 : rows >= 2 ? 2 : 4; }
 #elif defined(KVGATE_I24_AVX2)
 // One tile as two halves of 8 outputs; per block the byte products add up in 16 bits (8 maddubs of at
 // most 2 x 15 x 128 each: 30,720, no overflow), then one madd widens them: the same integers.
@@ -268,8 +263,8 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * TBYTES;
-    if (pf && b + g_ahead < nb)
-      for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + g_ahead * TBYTES + l), _MM_HINT_T0);
+    if (pf && b + AHEAD < nb)
+      for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + AHEAD * TBYTES + l), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       __m256i s[R][3];
       for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = s[r][2] = _mm256_setzero_si256();
@@ -343,7 +338,6 @@ void group(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
            int nt, float* y, int64_t ldy, bool pf) {
   switch (nt) {
 #if defined(KVGATE_I24_VNNI)
-    case 8: tiles<R, 8>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
     case 4: tiles<R, 4>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
     case 2: tiles<R, 2>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
 #endif
@@ -367,15 +361,6 @@ void rows_group(const int32_t* xd, const float* sc, const float* xs, int64_t nb,
 
 }  // namespace
 
-void set_shape(int64_t ahead, int64_t nt1, int64_t rows) {
-  TORCH_CHECK(ahead >= 1 && ahead <= 64 && (nt1 == 1 || nt1 == 2 || nt1 == 4 || nt1 == 8) && (rows == 4 || rows == 8),
-              "set_q4_1_int24_shape: ahead 1..64 blocks, 1, 2, 4 or 8 tiles, 4 or 8 rows, got ", ahead, ", ", nt1,
-              ", ", rows);
-  g_rows = rows;
-  g_ahead = ahead;
-  g_nt1 = static_cast<int>(nt1);
-}
-
 const char* isa() {
 #if defined(KVGATE_I24_VNNI)
   return "avx512-vnni";
@@ -395,8 +380,7 @@ void digits(const float* x, int64_t rows, int64_t nb, int32_t* xd, float* sc) {
   });
 }
 
-// Decode rows [0, M) against tiles [t0, t1) (see the file's opening); xd, sc from `digits`, xs the rows'
-// float block sums. pf_one / pf_more: tile_matmul.cpp's prefetch switches for groups of one row / more.
+// Decode rows [0, M) against tiles [t0, t1) (see the file's opening and q4_1_int24.h).
 void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
                  const uint8_t* w, float* y, int64_t t0, int64_t t1, bool pf_one, bool pf_more) {
   const int64_t tstride = nb * TBYTES, full = N / TILE;
@@ -404,7 +388,7 @@ void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M,
   for (int64_t c0 = t0; c0 < t1; c0 += 8) {
     const int64_t c1 = std::min(c0 + 8, t1);
     for (int64_t m = 0; m < M;) {
-      const int64_t avail = std::min(M - m, std::min(MAX_GROUP, g_rows));
+      const int64_t avail = std::min(M - m, MAX_GROUP);
       int64_t rows = 1;
       while (rows * 2 <= avail) rows *= 2;
       const bool pf = rows == 1 ? pf_one : pf_more;

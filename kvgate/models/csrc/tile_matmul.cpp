@@ -38,6 +38,8 @@
 // 2.16-2.48 -> 1.89-2.39 ms, 4 rows 3.7-4.1 -> 3.0-3.96, 8 rows 8.1-8.4 -> 5.3-5.4, 16 rows 15.4-16.3 ->
 // 10.0-11.5; at 0.625 B a weight. Without the software prefetch the tiles' 8 streams ran at 23 GB/s (1
 // row 2.9 ms).
+#include "q4_1_int24.h"  // the decode rows as exact integer products (the default)
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -525,14 +527,6 @@ void check_x(const char* fn, const torch::Tensor& x, int64_t K) {
 }
 
 }  // namespace
-
-namespace kvgate_i24 {  // q4_1_int24.cpp: the decode rows as exact integer products (the default)
-constexpr int64_t XDW = 24;
-const char* isa();
-void digits(const float* x, int64_t rows, int64_t nb, int32_t* xd, float* sc);
-void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
-                 const uint8_t* w, float* y, int64_t t0, int64_t t1, bool pf_one, bool pf_more);
-}  // namespace kvgate_i24
 
 namespace kvgate_amx {  // amx_q4_1.cpp: prompt rows on AMX's bf16 tiles, where built and granted
 bool active();

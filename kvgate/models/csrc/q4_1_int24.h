@@ -1,0 +1,18 @@
+// --weights gguf's decode rows as exact integer products (q4_1_int24.cpp), as tile_matmul.cpp's
+// q4_1_matmul calls them: `digits` first, once per call, then `decode_cols` on each thread's tiles.
+#pragma once
+#include <cstdint>
+
+namespace kvgate_i24 {
+
+constexpr int64_t XDW = 24;  // activation dwords per row and block: 3 digits x (4 groups x low, high)
+
+const char* isa();  // "avx512-vnni", "avx2" or "scalar": which loop this build runs
+// x [rows, nb * 32] as each block's three digit bytes per value (xd: rows * nb * XDW) and scale (sc)
+void digits(const float* x, int64_t rows, int64_t nb, int32_t* xd, float* sc);
+// decode rows [0, M) against tiles [t0, t1); xs the rows' float block sums; pf_one / pf_more
+// tile_matmul.cpp's prefetch switches for groups of one row / more
+void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
+                 const uint8_t* w, float* y, int64_t t0, int64_t t1, bool pf_one, bool pf_more);
+
+}  // namespace kvgate_i24
