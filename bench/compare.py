@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -53,8 +54,19 @@ LABELS = {
 
 
 def kvgate_server(port: int, extra: list[str] | None = None, key: str = "kvgate") -> Server:
-    cmd = [str(KVGATE), "serve", "--port", str(port), "--log-level", "warning", *(extra or [])]
-    return Server(key, cmd, f"http://127.0.0.1:{port}/health", OUT / "logs" / f"{key.replace(':', '_')}.log")
+    """kvgate serve with `extra` flags; `NAME=VALUE` words in `extra` go to its environment instead
+    (`KVGATE_Q4_1_DECODE=float --weights gguf`: an A/B of a kernel choice the CLI does not expose)."""
+    env = dict(w.partition("=")[::2] for w in extra or [] if is_env_word(w))
+    extra = [w for w in extra or [] if not is_env_word(w)]
+    cmd = [str(KVGATE), "serve", "--port", str(port), "--log-level", "warning", *extra]
+    log_path = OUT / "logs" / f"{key.replace(':', '_')}.log"
+    return Server(
+        key, cmd, f"http://127.0.0.1:{port}/health", log_path, dict(os.environ, **env) if env else None
+    )
+
+
+def is_env_word(word: str) -> bool:
+    return re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", word) is not None
 
 
 def kvgate_variants(specs: list[str]) -> dict[str, list[str]]:
@@ -430,7 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     for key, flags in kvgate_variants(a.kvgate_variant).items():
         port = free_port()
         srv = kvgate_server(port, thr + flags, key)
-        entry = {"label": "kvgate " + shlex.join(flags), "server_command": shlex.join(srv.cmd), "runs": {}}
+        env_words = [w for w in flags if is_env_word(w)]
+        entry = {
+            "label": "kvgate " + shlex.join(flags),
+            "server_command": shlex.join(env_words + srv.cmd),
+            "runs": {},
+        }
         try:
             with srv:
                 for c in concs:
@@ -1077,9 +1094,7 @@ def write_doc(results: dict) -> None:
     w("")
     kv_plan = (results["peers"].get("kvgate") or {}).get("resources", {}).get("plan", {})
     w(
-        f"- CPU: {m['model_name']}"
-        + (f" ({cpu_where(m)})" if cpu_where(m) else "")
-        + f", {m['cpus']} vCPUs"
+        f"- CPU: {m['model_name']}" + (f" ({cpu_where(m)})" if cpu_where(m) else "") + f", {m['cpus']} vCPUs"
         f"{' (' + m['hypervisor'] + ' guest)' if m.get('hypervisor') else ''}, "
         f"{m['mem_total_bytes'] / 2**30:.0f} GiB RAM, Linux {m['kernel']}; class: "
         f"{cpu_line(m).split('(', 1)[1].split(')', 1)[0]}."

@@ -113,3 +113,19 @@ def test_bench_compare_sends_the_runs_sampling_to_every_http_peer(monkeypatch, t
     assert seen[0][-4:] == ["--temperature", "0.8", "--extra-body", '{"top_p": 0.9}']
     with pytest.raises(SystemExit):
         compare.main(["--peers", "kvgate,hf-fp32", "--temperature", "1"])
+
+
+def test_bench_compare_variant_words_that_name_a_variable_go_to_the_environment():
+    """`--kvgate-variant "float=KVGATE_Q4_1_DECODE=float --weights gguf"`: the NAME=VALUE word reaches
+    the server's environment (beside the caller's), not its command line, which kvgate serve would
+    refuse; plain flags stay flags and leave the environment inherited. Seen red with the filter
+    dropped (the word landed in the command)."""
+    import os
+
+    from bench import compare
+
+    (flags,) = compare.kvgate_variants(["float=KVGATE_Q4_1_DECODE=float --weights gguf"]).values()
+    srv = compare.kvgate_server(1234, flags, "kvgate:float")
+    assert srv.cmd[-2:] == ["--weights", "gguf"] and not any("=" in w for w in srv.cmd)
+    assert srv.env["KVGATE_Q4_1_DECODE"] == "float" and srv.env["PATH"] == os.environ["PATH"]
+    assert compare.kvgate_server(1234, ["--weights", "gguf"]).env is None

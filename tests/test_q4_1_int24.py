@@ -100,3 +100,20 @@ def test_the_switch_says_what_runs_and_refuses_anything_else(ext):
     assert ext.set_q4_1_decode("int24") in ("int24-avx512-vnni", "int24-avx2", "int24-scalar")
     with pytest.raises(RuntimeError, match="'int24' or 'float'"):
         ext.set_q4_1_decode("int8")
+
+
+def test_the_environment_picks_the_loop_for_served_ab_runs(ext, monkeypatch, caplog):
+    """`KVGATE_Q4_1_DECODE=float` (how `bench.compare --kvgate-variant "float=KVGATE_Q4_1_DECODE=float"`
+    serves the old loop) sets the switch when the module loads; unset keeps the integer loop; a name the
+    kernel refuses is logged and changes nothing. Seen red with _apply_q4_1_decode reading another name."""
+    monkeypatch.setenv("KVGATE_Q4_1_DECODE", "float")
+    native._apply_env_choices(ext)
+    assert ext.q4_1_decode() == "float"
+    monkeypatch.delenv("KVGATE_Q4_1_DECODE")
+    native._apply_env_choices(ext)
+    assert ext.q4_1_decode().startswith("int24")
+    monkeypatch.setenv("KVGATE_Q4_1_DECODE", "int8")
+    with caplog.at_level("WARNING", logger="kvgate.native"):
+        native._apply_env_choices(ext)
+    assert ext.q4_1_decode().startswith("int24")
+    assert "KVGATE_Q4_1_DECODE=int8 ignored" in caplog.text

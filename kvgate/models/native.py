@@ -112,8 +112,7 @@ def extension():
     try:
         module = _cached(cache_dir())
         if module is not None:
-            _apply_int8_isa(module)
-            _apply_prefill_isa(module)
+            _apply_env_choices(module)
             _state["module"], _state["why"] = module, None
             return module
         from torch.utils.cpp_extension import load
@@ -148,8 +147,7 @@ def extension():
         )
         log.warning(why)
     if module is not None:
-        _apply_int8_isa(module)
-        _apply_prefill_isa(module)
+        _apply_env_choices(module)
     _state["module"], _state["why"] = module, why
     return module
 
@@ -166,6 +164,23 @@ def ready():
         if (out / f"{out.name}.so").exists():
             return extension()
     return None
+
+
+def _apply_env_choices(module) -> None:
+    _apply_int8_isa(module)
+    _apply_prefill_isa(module)
+    _apply_q4_1_decode(module)
+
+
+def _apply_q4_1_decode(module) -> None:
+    """`KVGATE_Q4_1_DECODE=float` keeps --weights gguf's decode rows on the float loop instead of the exact
+    integer products on 24-bit activation digits (q4_1_int24.cpp: the same numbers to float32 rounding,
+    other bits; slower at 1-4 rows): for served A/B runs; unset or `int24` takes the integer loop."""
+    how = os.environ.get("KVGATE_Q4_1_DECODE", "int24")
+    try:
+        module.set_q4_1_decode(how)
+    except RuntimeError as exc:
+        log.warning("KVGATE_Q4_1_DECODE=%s ignored: %s", how, exc)
 
 
 def _apply_prefill_isa(module) -> None:
