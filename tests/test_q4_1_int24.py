@@ -117,3 +117,23 @@ def test_the_environment_picks_the_loop_for_served_ab_runs(ext, monkeypatch, cap
         native._apply_env_choices(ext)
     assert ext.q4_1_decode().startswith("int24")
     assert "KVGATE_Q4_1_DECODE=int8 ignored" in caplog.text
+
+
+def test_the_paired_ab_bench_times_both_loops_and_leaves_int24_on(ext):
+    """bench.q4_1_decode_ab switches the loop every round; even when a call fails mid-round (on the
+    float loop), the process is back on the integer loop afterwards, so a server or test sharing the
+    process keeps the default. Seen red with the bench's `finally` dropped."""
+    from types import SimpleNamespace
+
+    from bench.q4_1_decode_ab import paired
+
+    mats = []
+    for n, k in ((48, 64), (32, 128)):
+        _, packed = matrix(n, k, n + k)
+        mats.append((SimpleNamespace(packed=packed, out_features=n), k))
+    r = paired(ext, mats, rows=3, rounds=2)
+    assert r["rows"] == 3 and r["float_ms"] > 0 and r["int24_ms"] > 0 and r["ratio"] > 0
+    assert ext.q4_1_decode().startswith("int24")
+    with pytest.raises(RuntimeError):  # a matrix given the wrong width: the float round's call refuses it
+        paired(ext, [(mats[0][0], 96)], rows=1, rounds=1)
+    assert ext.q4_1_decode().startswith("int24")
