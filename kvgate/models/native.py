@@ -175,7 +175,9 @@ def _apply_env_choices(module) -> None:
 def _apply_q4_1_decode(module) -> None:
     """`KVGATE_Q4_1_DECODE=float` keeps --weights gguf's decode rows on the float loop instead of the exact
     integer products on 24-bit activation digits (q4_1_int24.cpp: the same numbers to float32 rounding,
-    other bits; slower at 1-4 rows): for served A/B runs; unset or `int24` takes the integer loop."""
+    other bits; the float loop is slower at most row counts, level or faster at exactly 8 and 16, where
+    it has dedicated tiles: `python -m bench.q4_1_decode_ab`): for served A/B runs; unset or `int24`
+    takes the integer loop."""
     how = os.environ.get("KVGATE_Q4_1_DECODE", "int24")
     try:
         module.set_q4_1_decode(how)
