@@ -442,12 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, flags in kvgate_variants(a.kvgate_variant).items():
         port = free_port()
         srv = kvgate_server(port, thr + flags, key)
-        env_words = [w for w in flags if is_env_word(w)]
-        entry = {
-            "label": "kvgate " + shlex.join(flags),
-            "server_command": shlex.join(env_words + srv.cmd),
-            "runs": {},
-        }
+        entry = {"label": "kvgate " + shlex.join(flags), "server_command": srv.command_line(), "runs": {}}
         try:
             with srv:
                 for c in concs:

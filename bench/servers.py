@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import socket
 import subprocess
@@ -38,6 +39,11 @@ class Server:
         self.name, self.cmd, self.ready_url, self.log_path = name, cmd, ready_url, log_path
         self.env = env
         self.proc: subprocess.Popen | None = None
+
+    def command_line(self) -> str:
+        """The command as a shell line, led by the variables its environment sets beyond the caller's."""
+        added = [f"{k}={v}" for k, v in (self.env or {}).items() if os.environ.get(k) != v]
+        return shlex.join(added + self.cmd)
 
     def start(self, timeout: float = 600) -> Server:
         import httpx

@@ -34,7 +34,6 @@
 #include "q4_1_int24.h"
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -371,13 +370,10 @@ const char* isa() {
 #endif
 }
 
-// Each block of rows x[rows, nb * 32] as digits and scale; threads split the blocks (a block's digits are
-// its own: the split changes no bit). Alone this ran 2-12 us a call at 8-16 rows while the other
-// thread waited for the tiles' parallel_for.
-void digits(const float* x, int64_t rows, int64_t nb, int32_t* xd, float* sc) {
-  at::parallel_for(0, rows * nb, 96, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) digits_block(x + i * QBLOCK, reinterpret_cast<int8_t*>(xd + i * XDW), sc[i]);
-  });
+// Blocks [i0, i1) of x (32 values each, rows one after another) as digits and scale; a block's digits are
+// its own, so the caller may split the blocks across threads without changing a bit.
+void digits(const float* x, int64_t i0, int64_t i1, int32_t* xd, float* sc) {
+  for (int64_t i = i0; i < i1; ++i) digits_block(x + i * QBLOCK, reinterpret_cast<int8_t*>(xd + i * XDW), sc[i]);
 }
 
 // Decode rows [0, M) against tiles [t0, t1) (see the file's opening and q4_1_int24.h).

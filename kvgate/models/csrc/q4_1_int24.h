@@ -1,5 +1,6 @@
 // --weights gguf's decode rows as exact integer products (q4_1_int24.cpp), as tile_matmul.cpp's
-// q4_1_matmul calls them: `digits` first, once per call, then `decode_cols` on each thread's tiles.
+// q4_1_matmul calls them: `digits` first, on each thread's share of the blocks, then `decode_cols` on
+// each thread's tiles.
 #pragma once
 #include <cstdint>
 
@@ -8,8 +9,9 @@ namespace kvgate_i24 {
 constexpr int64_t XDW = 24;  // activation dwords per row and block: 3 digits x (4 groups x low, high)
 
 const char* isa();  // "avx512-vnni", "avx2" or "scalar": which loop this build runs
-// x [rows, nb * 32] as each block's three digit bytes per value (xd: rows * nb * XDW) and scale (sc)
-void digits(const float* x, int64_t rows, int64_t nb, int32_t* xd, float* sc);
+// blocks [i0, i1) of x (32 values each) as each block's three digit bytes per value (xd: XDW dwords a
+// block) and scale (sc: one a block)
+void digits(const float* x, int64_t i0, int64_t i1, int32_t* xd, float* sc);
 // decode rows [0, M) against tiles [t0, t1); xs the rows' float block sums; pf_one / pf_more
 // tile_matmul.cpp's prefetch switches for groups of one row / more
 void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
