@@ -1,10 +1,10 @@
-"""The float decode loops' prefetch switches change speed only, and the load-time probe picks by its numbers
+"""The decode loops' prefetch modes change speed only, and the load-time probe picks by its numbers
 (kvgate.models.decode_prefetch).
 
-Seen red: with keep_prefetch's comparison inverted, the decision test fails; with the probe's cap left
+Seen red: with `fastest` taking the slowest mode, the decision test fails; with the probe's cap left
 out, the cap test; with the engine's call to `choose` removed, the engine test. The bit test guards
-that nothing but the prefetch hangs on the switches (the kernel computes the same blocks in the same
-order either way; it was not seen red, since breaking it means breaking the C++ loop itself).
+that nothing but the prefetch hangs on the modes (the kernel computes the same blocks in the same
+order in each; it was not seen red, since breaking it means breaking the C++ loop itself).
 """
 
 from __future__ import annotations
@@ -39,39 +39,50 @@ def test_every_switch_setting_gives_the_same_bits(ext):
     head = Q8Table(*q8_blocks(ggml_q8_0(torch.randn(300, 320))))
     x = torch.randn(16, 320)
     seen = {}
-    for one in (True, False):
-        for more in (True, False):
+    for one in range(4):
+        for more in range(4):
             assert ext.set_decode_prefetch(one, more) == (one, more)
             seen[one, more] = [lin(x[:m]) for m in (1, 3, 8, 16)] + [head(x[:m]) for m in (1, 3, 8, 16)]
-    ref = seen[True, True]
+    ref = seen[0, 0]
     for outs in seen.values():
         assert all(torch.equal(a, b) for a, b in zip(ref, outs, strict=True))
+    with pytest.raises(RuntimeError, match="each mode is 0"):
+        ext.set_decode_prefetch(4, 0)
 
 
-def test_the_prefetch_goes_off_only_when_clearly_slower():
-    assert decode_prefetch.keep_prefetch([1.0, 1.0, 1.0], [0.99, 0.98, 0.985])  # within 3%: kept
-    assert not decode_prefetch.keep_prefetch([4.3, 4.4, 4.2], [3.7, 3.8, 3.9])  # Zen 4, one row
-    assert decode_prefetch.keep_prefetch([18.5, 18.4, 18.6], [19.8, 19.7, 19.9])  # Zen 4, 8+ rows
-    assert decode_prefetch.keep_prefetch([1.0, 1.6, 1.5], [0.99, 0.99, 0.99])  # slowed runs: the best counts
+def test_the_probe_keeps_the_mode_with_the_best_run():
+    # Zen 4 (session 21), one row of SmolLM2's layers, ms: "next" alone is the fastest
+    one_row = {
+        "off": [3.4, 3.5, 3.6],
+        "near": [4.3, 4.2, 4.4],
+        "next": [2.6, 2.7, 3.5],
+        "both": [3.5, 3.6, 3.4],
+    }
+    assert decode_prefetch.fastest(one_row) == "next"
+    slowed = {"off": [1.0, 1.0, 1.0], "near": [1.6, 0.9, 1.5], "next": [1.0, 1.0, 1.0], "both": [1.2] * 3}
+    assert decode_prefetch.fastest(slowed) == "near"  # slowed runs do not count: the best does
+    assert decode_prefetch.fastest({m: [1.0] for m in decode_prefetch.MODES}) == "off"  # a tie: the first
 
 
 def test_the_engine_runs_the_probe_under_gguf_and_an_env_setting_skips_it(q4_tiny_dir, ext, monkeypatch):  # noqa: F811
     e = engine(q4_tiny_dir, weights="gguf")
     try:
         note = e.prefetch_note
-        assert note and note.startswith("decode prefetch: one row ") and "best ms with / without" in note
+        assert note and note.startswith("decode prefetch: one row ") and "best ms: 1 row off " in note
         one, more = ext.decode_prefetch()
-        assert f"one row {'on' if one else 'off'}, 8+ rows {'on' if more else 'off'}" in note
+        modes = decode_prefetch.MODES
+        assert f"one row {modes[one]}, 8+ rows {modes[more]} " in note
         assert note not in e.plan.notes  # speed only: `kvgate plan` must still equal the engine's plan
     finally:
         e.shutdown()
-    monkeypatch.setenv(decode_prefetch.ENV, "off")
-    e = engine(q4_tiny_dir, weights="gguf")
-    try:
-        assert ext.decode_prefetch() == (False, False)
-        assert "KVGATE_DECODE_PREFETCH=off" in e.prefetch_note
-    finally:
-        e.shutdown()
+    for setting, mode in (("off", 0), ("next", 2), ("on", 3)):
+        monkeypatch.setenv(decode_prefetch.ENV, setting)
+        e = engine(q4_tiny_dir, weights="gguf")
+        try:
+            assert ext.decode_prefetch() == (mode, mode)
+            assert f"KVGATE_DECODE_PREFETCH={setting}" in e.prefetch_note
+        finally:
+            e.shutdown()
     monkeypatch.delenv(decode_prefetch.ENV)
     e = engine(q4_tiny_dir, weights="full")
     try:

@@ -1,17 +1,19 @@
-"""Whether the float decode loops prefetch their tiles into L1, chosen per CPU by a probe at load.
+"""How the decode loops prefetch their tiles, chosen per CPU by a probe at load.
 
 The decode rows of `q4_1_matmul` (--weights gguf's layers) and `q8_matmul` (the Q8_0 head) can ask for
-each tile's bytes a few blocks before they use them (csrc/tile_matmul.cpp). Whether that pays depends
-on the CPU, and differently for one row than for several: on Zen 5 (session 13) one row without it took
-1.45x as long; on Zen 4 (session 16) SmolLM2's 30 layers at one row took 4.3 ms with it and 3.7 without,
-while 16 rows still gained from it (18.5 against 19.8 ms). So `choose` times the model's own matrices,
-from memory, at one row and at eight, each switch on and off in alternating rounds, and keeps the
-faster; the prefetch stays on unless going without is clearly (3%) faster. A model past 256 MB of such
-tiles is probed on its first 256 MB (the head, then layers), which still stream from memory.
-Prefetching never changes a bit of any result (tests/test_decode_prefetch.py), so the probe changes
-only speed.
+each tile's bytes ahead of use in two ways (csrc/tile_matmul.cpp): into L1 a few blocks ahead ("near"),
+and the next group's tiles into L2 while the current group runs ("next"). Each of two switches, for
+groups of one row and of several, is a mode: off, near, next or both. Which pays depends on the CPU,
+and differently for one row than for several: on Zen 5 (session 13) one row without "near" took 1.45x
+as long; on Zen 4 (session 16) "near" made one row slower (4.3 against 3.7 ms for SmolLM2's 30 layers)
+and 16 rows faster (18.5 against 19.8); on Zen 4 (session 21) "next" took one row's layers to 0.78x
+and the head to 0.72x of no prefetch (2 rows: 0.63x and 0.73x), "both" to 0.85x and 0.80x. So `choose` times the model's own
+matrices, from memory, at one row and at eight, every mode in rotating order for ROUNDS rounds, and
+keeps the mode with the best time per switch. A model past 256 MB of such tiles is probed on its first
+256 MB (the head, then layers), which still stream from memory. Prefetching never changes a bit of any
+result (tests/test_decode_prefetch.py), so the probe changes only speed.
 
-`KVGATE_DECODE_PREFETCH=on` or `off` sets both switches without a probe (A/B runs).
+`KVGATE_DECODE_PREFETCH=off|near|next|both` sets both switches without a probe (A/B runs); `on` is `both`.
 """
 
 from __future__ import annotations
@@ -29,16 +31,16 @@ from kvgate.models.q8_head import Q8Table
 log = logging.getLogger("kvgate.models")
 
 ENV = "KVGATE_DECODE_PREFETCH"
-MARGIN = 0.97  # without the prefetch must take under 97% of the time with it to be chosen
+MODES = ("off", "near", "next", "both")  # index = the kernel's mode (bit 1 near, bit 2 next)
 ROUNDS = 3
 MORE_ROWS = 8  # one group of 8 rows: the kernel's widest, what 8 or more decode rows run as
 PROBE_BYTES = 256 << 20  # a bigger model's probe takes its first matrices up to this: still far past any L3
 
 
-def keep_prefetch(with_s: list[float], without_s: list[float]) -> bool:
-    """True unless the runs without the prefetch are clearly faster: their best under MARGIN x the best
-    with it (the best of each, since what disturbs a run on a shared machine only ever slows it)."""
-    return not min(without_s) < MARGIN * min(with_s)
+def fastest(times: dict[str, list[float]]) -> str:
+    """The mode whose best run is the shortest (the best of each, since what disturbs a run on a shared
+    machine only ever slows it); a tie goes to the earlier mode in MODES."""
+    return min(MODES, key=lambda m: (min(times[m]), MODES.index(m)))
 
 
 def _calls(model) -> list[tuple[object, int]]:
@@ -65,16 +67,14 @@ def choose(model) -> str | None:
     if ext is None or not calls:
         return None
     setting = os.environ.get(ENV, "auto")
-    if setting in ("on", "off"):
-        ext.set_decode_prefetch(setting == "on", setting == "on")
-        return f"decode prefetch {setting} for every row count ({ENV}={setting})"
+    setting = "both" if setting == "on" else setting
+    if setting in MODES:
+        mode = MODES.index(setting)
+        ext.set_decode_prefetch(mode, mode)
+        return f"decode prefetch {setting} for every row count ({ENV}={os.environ[ENV]})"
     if setting != "auto":
-        log.warning("%s=%s ignored: want auto, on or off", ENV, setting)
-    xs = {
-        (rows, k): torch.zeros(rows, k)
-        for rows in (1, MORE_ROWS)
-        for k in {k for _, k in calls}
-    }
+        log.warning("%s=%s ignored: want auto, %s or on", ENV, setting, ", ".join(MODES))
+    xs = {(rows, k): torch.zeros(rows, k) for rows in (1, MORE_ROWS) for k in {k for _, k in calls}}
 
     def run(rows: int) -> float:
         t = time.perf_counter()
@@ -82,23 +82,21 @@ def choose(model) -> str | None:
             mat(xs[rows, k])
         return time.perf_counter() - t
 
-    times: dict[tuple[int, bool], list[float]] = {(r, on): [] for r in (1, MORE_ROWS) for on in (True, False)}
+    times: dict[int, dict[str, list[float]]] = {r: {m: [] for m in MODES} for r in (1, MORE_ROWS)}
     with torch.inference_mode():
         run(1)  # first touch of the outputs' allocations
         for i in range(ROUNDS):
-            for on in (True, False) if i % 2 == 0 else (False, True):
-                ext.set_decode_prefetch(on, on)
+            for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:  # each round starts elsewhere
+                ext.set_decode_prefetch(MODES.index(mode), MODES.index(mode))
                 for rows in (1, MORE_ROWS):
-                    times[rows, on].append(run(rows))
-    one = keep_prefetch(times[1, True], times[1, False])
-    more = keep_prefetch(times[MORE_ROWS, True], times[MORE_ROWS, False])
-    ext.set_decode_prefetch(one, more)
+                    times[rows][mode].append(run(rows))
+    one, more = fastest(times[1]), fastest(times[MORE_ROWS])
+    ext.set_decode_prefetch(MODES.index(one), MODES.index(more))
 
-    def ms(rows: int, on: bool) -> str:
-        return f"{min(times[rows, on]) * 1e3:.2f}"
+    def ms(rows: int) -> str:
+        return ", ".join(f"{m} {min(times[rows][m]) * 1e3:.2f}" for m in MODES)
 
     return (
-        f"decode prefetch: one row {'on' if one else 'off'}, {MORE_ROWS}+ rows {'on' if more else 'off'} "
-        f"(probe over the model's {len(calls)} matrices, best ms with / without: 1 row {ms(1, True)} / "
-        f"{ms(1, False)}, {MORE_ROWS} rows {ms(MORE_ROWS, True)} / {ms(MORE_ROWS, False)})"
+        f"decode prefetch: one row {one}, {MORE_ROWS}+ rows {more} (probe over the model's {len(calls)} "
+        f"matrices, best ms: 1 row {ms(1)}; {MORE_ROWS} rows {ms(MORE_ROWS)})"
     )

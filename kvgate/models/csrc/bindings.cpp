@@ -37,8 +37,8 @@ std::string set_isa(const std::string& name);
 std::string unavailable();
 }  // namespace kvgate_amx
 std::string set_int8_isa(const std::string& isa);
-std::tuple<bool, bool> decode_prefetch();
-std::tuple<bool, bool> set_decode_prefetch(bool one_row, bool more_rows);
+std::tuple<int64_t, int64_t> decode_prefetch();
+std::tuple<int64_t, int64_t> set_decode_prefetch(int64_t one_row, int64_t more_rows);
 std::string q4_1_decode();
 std::string set_q4_1_decode(const std::string& how);
 
@@ -72,10 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "'float32' runs q4_1_matmul's prompt rows on the float32 loop in an AMX build (other bits, same "
           "numbers to float32 rounding: tests and A/B benchmarks), 'auto' on AMX where granted; returns prefill_isa()");
   mod.def("decode_prefetch", &decode_prefetch,
-          "(one row, more rows): whether the float decode rows of q4_1_matmul and q8_matmul prefetch their tiles "
-          "into L1 ahead of use, for groups of one row and of 2-8 rows");
+          "(one row, more rows): how the decode rows of q4_1_matmul and q8_matmul prefetch their tiles, for "
+          "groups of one row and of 2-8 rows: 0 none, 1 into L1 a few blocks ahead, 2 the next group's into L2, 3 both");
   mod.def("set_decode_prefetch", &set_decode_prefetch,
-          "turn that software prefetch on or off per kind of group (the same bits either way; "
+          "set that software prefetch's mode per kind of group (the same bits in every mode; "
           "kvgate.models.decode_prefetch.choose measures which is faster at load); returns decode_prefetch()",
           pybind11::arg("one_row"), pybind11::arg("more_rows"));
   mod.def("amx_unavailable", &kvgate_amx::unavailable, "why prompt rows cannot run on AMX here ('' when they can)");

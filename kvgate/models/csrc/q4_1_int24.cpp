@@ -61,6 +61,16 @@ constexpr int64_t TILE = 16;
 constexpr int64_t TBYTES = 320;  // a tile's bytes per block
 constexpr int32_t M24 = 0x7F7F7F;
 constexpr int64_t AHEAD = 3;  // blocks ahead a tile is prefetched (tile_matmul.cpp's distance)
+constexpr int PF_NEAR = 1, PF_NEXT = 2;  // the prefetch mode's bits (tile_matmul.cpp's switches)
+
+// a tile block into L2: the next group's, tile_matmul.cpp's next-group prefetch under the same switches
+inline void prefetch_next(const uint8_t* p) {
+#if defined(KVGATE_I24_AVX2)
+  for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
+#else
+  (void)p;
+#endif
+}
 
 // the k of lane t (0..15) in a group pair's digit bytes: t = 4 (2g + h) + i holds k = 8g + h + 2i
 constexpr int lane_k(int t) { return 8 * (t / 8) + (t / 4) % 2 + 2 * (t % 4); }
@@ -196,7 +206,7 @@ inline void prefetch_tile_block(const uint8_t* p) {
 
 template <int R, int NT>
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-           float* y, int64_t ldy, bool pf) {
+           float* y, int64_t ldy, int pf) {
   alignas(64) uint8_t ix[64];
   for (int n = 0; n < 16; ++n)
     for (int q = 0; q < 4; ++q) ix[4 * n + q] = static_cast<uint8_t>(16 * q + n);
@@ -206,8 +216,10 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (pf && b + AHEAD < nb)
+    if ((pf & PF_NEAR) && b + AHEAD < nb)
       for (int t = 0; t < NT; ++t) prefetch_tile_block(w + t * tstride + (b + AHEAD) * TBYTES);
+    if (pf & PF_NEXT)
+      for (int t = 0; t < NT; ++t) prefetch_next(w + (t + NT) * tstride + b * TBYTES);
     __m512i i0[R][NT], i1[R][NT], i2[R][NT];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < NT; ++t) i0[r][t] = i1[r][t] = i2[r][t] = _mm512_setzero_si512();
@@ -253,17 +265,17 @@ inline int group_tiles(int64_t rows) { return rows >= 4 ? 1 : rows >= 2 ? 2 : 4;
 // most 2 x 15 x 128 each: 30,720, no overflow), then one madd widens them: the same integers.
 template <int R, int NT>
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-           float* y, int64_t ldy, bool pf) {
+           float* y, int64_t ldy, int pf) {
   static_assert(NT == 1, "the AVX2 kernel runs one tile at a time");
-  (void)tstride;
   const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256 base = _mm256_set1_ps(65536.f);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * TBYTES;
-    if (pf && b + AHEAD < nb)
+    if ((pf & PF_NEAR) && b + AHEAD < nb)
       for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + AHEAD * TBYTES + l), _MM_HINT_T0);
+    if (pf & PF_NEXT) prefetch_next(wb + tstride);
     for (int h = 0; h < 2; ++h) {
       __m256i s[R][3];
       for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = s[r][2] = _mm256_setzero_si256();
@@ -306,7 +318,7 @@ inline int group_tiles(int64_t) { return 1; }
 // Without AVX2: the same integers and the same float operations, one output at a time.
 template <int R, int NT>
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-           float* y, int64_t ldy, bool) {
+           float* y, int64_t ldy, int) {
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t)
       for (int64_t j = 0; j < TILE; ++j) {
@@ -334,7 +346,7 @@ inline int group_tiles(int64_t) { return 1; }
 
 template <int R>
 void group(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-           int nt, float* y, int64_t ldy, bool pf) {
+           int nt, float* y, int64_t ldy, int pf) {
   switch (nt) {
 #if defined(KVGATE_I24_VNNI)
     case 4: tiles<R, 4>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
@@ -345,7 +357,7 @@ void group(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
 }
 
 void rows_group(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-                int64_t rows, int nt, float* y, int64_t ldy, bool pf) {
+                int64_t rows, int nt, float* y, int64_t ldy, int pf) {
   switch (rows) {
 #if defined(KVGATE_I24_VNNI)
     case 8: group<8>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf); break;
@@ -378,7 +390,7 @@ void digits(const float* x, int64_t i0, int64_t i1, int32_t* xd, float* sc) {
 
 // Decode rows [0, M) against tiles [t0, t1) (see the file's opening and q4_1_int24.h).
 void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
-                 const uint8_t* w, float* y, int64_t t0, int64_t t1, bool pf_one, bool pf_more) {
+                 const uint8_t* w, float* y, int64_t t0, int64_t t1, int pf_one, int pf_more) {
   const int64_t tstride = nb * TBYTES, full = N / TILE;
   std::vector<float> spare;
   for (int64_t c0 = t0; c0 < t1; c0 += 8) {
@@ -387,7 +399,7 @@ void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M,
       const int64_t avail = std::min(M - m, MAX_GROUP);
       int64_t rows = 1;
       while (rows * 2 <= avail) rows *= 2;
-      const bool pf = rows == 1 ? pf_one : pf_more;
+      const int pf = rows == 1 ? pf_one : pf_more;
       const int32_t* xdr = xd + m * nb * XDW;
       const float *scr = sc + m * nb, *xsr = xs + m * nb;
       int64_t t = c0;

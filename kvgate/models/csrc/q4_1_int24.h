@@ -12,9 +12,9 @@ const char* isa();  // "avx512-vnni", "avx2" or "scalar": which loop this build 
 // blocks [i0, i1) of x (32 values each) as each block's three digit bytes per value (xd: XDW dwords a
 // block) and scale (sc: one a block)
 void digits(const float* x, int64_t i0, int64_t i1, int32_t* xd, float* sc);
-// decode rows [0, M) against tiles [t0, t1); xs the rows' float block sums; pf_one / pf_more
-// tile_matmul.cpp's prefetch switches for groups of one row / more
+// decode rows [0, M) against tiles [t0, t1); xs the rows' float block sums; pf_one / pf_more the prefetch
+// modes (tile_matmul.cpp's switches: bit 1 L1 ahead, bit 2 the next group into L2) for one row / more
 void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
-                 const uint8_t* w, float* y, int64_t t0, int64_t t1, bool pf_one, bool pf_more);
+                 const uint8_t* w, float* y, int64_t t0, int64_t t1, int pf_one, int pf_more);
 
 }  // namespace kvgate_i24

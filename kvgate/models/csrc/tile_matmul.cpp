@@ -67,11 +67,23 @@ constexpr int64_t TILE = 16;  // output rows per tile
 // side, more streams than the hardware prefetcher follows. On Zen 5 (session 13) 2-4 blocks measured
 // alike, 8 slower, and with no prefetch one row took 1.45x as long; on Zen 4 (session 16) the same
 // loop over cold memory ran at 11-18 GB/s with it and 20-22 without, and SmolLM2's 30 layers at one
-// row took 4.3 ms with it against 3.7 without, while at 16 rows it still paid (18.5 against 19.8). So
-// it is two switches, for groups of one row and of more (set_decode_prefetch), chosen at load by a
-// measured probe (kvgate.models.decode_prefetch.choose); neither changes a bit.
+// row took 4.3 ms with it against 3.7 without, while at 16 rows it still paid (18.5 against 19.8).
+// The other prefetch asks for the next group's tiles, block for block as the current group reads
+// them, into L2: one group ahead (23-60 KB for SmolLM2's layers at one row, well inside L2). At a
+// thread's last group that is the next thread's first tiles or the bytes after the matrix (a prefetch
+// never faults). The L1 one runs a few hundred ns ahead: too short to cover DRAM at a call's start and
+// at each new group. Zen 4 (session 21), paired in one process, from memory, against no prefetch: the
+// Q8_0 head 0.72x the time at one row, 0.73x at 2, 0.70x at 4, 0.84x at 16; the int24 layer loop
+// (q4_1_int24.cpp) 0.78x at one row, 0.63x at 2, 0.88-0.95x at 4-16; both prefetches together 0.85x
+// (layers) and 0.80x (head) at one row, L1 alone 1.08x and 1.25x. A fixed 16 or 32 blocks ahead
+// (mostly landing in the group's own next tile) gained 3-10%. So each of the two switches, for groups
+// of one row and of more (set_decode_prefetch), is a mode: none, L1, next group, or both, chosen at
+// load by a measured probe (kvgate.models.decode_prefetch.choose); no mode changes a bit.
 constexpr int64_t AHEAD = 3;
-std::atomic<bool> g_prefetch_one{true}, g_prefetch_more{true};
+// Each switch is a mode: bit PF_NEAR the L1 prefetch AHEAD blocks ahead, bit PF_NEXT the next group's
+// tiles into L2 (0 none, 3 both).
+constexpr int PF_NEAR = 1, PF_NEXT = 2;
+std::atomic<int> g_prefetch_one{PF_NEAR | PF_NEXT}, g_prefetch_more{PF_NEAR | PF_NEXT};
 // q4_1_matmul's decode rows: q4_1_int24.cpp's integer products (true), or this file's float loop
 // (set_q4_1_decode("float"): for A/B runs and the tests that compare the two)
 std::atomic<bool> g_decode_int24{true};
@@ -160,6 +172,17 @@ struct Q80 {
 #endif
 };
 
+// tile block p into L2 (the next group's: at a thread's last group, the next thread's first tiles or the
+// bytes after the matrix, which a prefetch may ask for: it never faults)
+template <class F>
+inline void prefetch_next(const uint8_t* p) {
+#if defined(KVGATE_T_AVX2)
+  for (int64_t l = 0; l < F::BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
+#else
+  (void)p;
+#endif
+}
+
 template <class F>
 inline void prefetch_block(const uint8_t* p) {
 #if defined(KVGATE_T_AVX2)
@@ -175,15 +198,17 @@ template <class F, int R, int NT>
 void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
                   int64_t ldy) {
   const int64_t K = nb * QBLOCK;
-  const bool pf = (R == 1 ? g_prefetch_one : g_prefetch_more).load(std::memory_order_relaxed);
+  const int pf = (R == 1 ? g_prefetch_one : g_prefetch_more).load(std::memory_order_relaxed);
   __m512 acc[R][NT];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (pf && b + AHEAD < nb)
+    if ((pf & PF_NEAR) && b + AHEAD < nb)
       for (int t = 0; t < NT; ++t) prefetch_block<F>(w + t * tstride + (b + AHEAD) * F::BYTES);
+    if (pf & PF_NEXT)
+      for (int t = 0; t < NT; ++t) prefetch_next<F>(w + (t + NT) * tstride + b * F::BYTES);
     constexpr int C = F::CHAINS;
     __m512 s[R][NT][C];
 #pragma GCC unroll 8
@@ -237,13 +262,15 @@ template <class F, int R, int NT>
 void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride, float* y,
                   int64_t ldy) {
   const int64_t K = nb * QBLOCK;
-  const bool pf = (R == 1 ? g_prefetch_one : g_prefetch_more).load(std::memory_order_relaxed);
+  const int pf = (R == 1 ? g_prefetch_one : g_prefetch_more).load(std::memory_order_relaxed);
   __m256 acc[R][NT][2];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (pf && b + AHEAD < nb)
+    if ((pf & PF_NEAR) && b + AHEAD < nb)
       for (int t = 0; t < NT; ++t) prefetch_block<F>(w + t * tstride + (b + AHEAD) * F::BYTES);
+    if (pf & PF_NEXT)
+      for (int t = 0; t < NT; ++t) prefetch_next<F>(w + (t + NT) * tstride + b * F::BYTES);
     constexpr int C = F::CHAINS;
     __m256 s[R][NT][2][C];
     for (int r = 0; r < R; ++r)
@@ -553,8 +580,8 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
     for (int64_t i = i0; i < i1; ++i) xs[i] = block_sum(xp + i * QBLOCK);
     if (int24) kvgate_i24::digits(xp, i0, i1, xd.data(), sc.data());
   });
-  const bool pf_one = g_prefetch_one.load(std::memory_order_relaxed);
-  const bool pf_more = g_prefetch_more.load(std::memory_order_relaxed);
+  const int pf_one = g_prefetch_one.load(std::memory_order_relaxed);
+  const int pf_more = g_prefetch_more.load(std::memory_order_relaxed);
   const bool amx = M > Md && kvgate_amx::active();
   if (Md > 0 || !amx)
     at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
@@ -568,12 +595,15 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
   return y;
 }
 
-std::tuple<bool, bool> decode_prefetch() {
+std::tuple<int64_t, int64_t> decode_prefetch() {
   return {g_prefetch_one.load(std::memory_order_relaxed), g_prefetch_more.load(std::memory_order_relaxed)};
 }
-std::tuple<bool, bool> set_decode_prefetch(bool one_row, bool more_rows) {
-  g_prefetch_one.store(one_row, std::memory_order_relaxed);
-  g_prefetch_more.store(more_rows, std::memory_order_relaxed);
+std::tuple<int64_t, int64_t> set_decode_prefetch(int64_t one_row, int64_t more_rows) {
+  TORCH_CHECK(one_row >= 0 && one_row <= 3 && more_rows >= 0 && more_rows <= 3, "set_decode_prefetch: each mode ",
+              "is 0 (none), 1 (L1, a few blocks ahead), 2 (the next group into L2) or 3 (both); got ", one_row,
+              " and ", more_rows);
+  g_prefetch_one.store(static_cast<int>(one_row), std::memory_order_relaxed);
+  g_prefetch_more.store(static_cast<int>(more_rows), std::memory_order_relaxed);
   return decode_prefetch();
 }
 
