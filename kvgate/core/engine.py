@@ -36,6 +36,7 @@ from kvgate.core import admission
 from kvgate.core.gate import SHUTTING_DOWN, AdmissionGate
 from kvgate.core.inbox import Cancel, CancelAll, Drain, Inbox, Stop
 from kvgate.core.kv_cache import KVPool
+from kvgate.core.omp_pool import release_calling_thread_pool
 from kvgate.core.placement import plan_for
 from kvgate.core.runner import ModelRunner
 from kvgate.core.snapshot import EngineSnapshot
@@ -239,6 +240,10 @@ class Engine:
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> Engine:
         if self._thread is None:
+            # the building thread's OpenMP pool would make libgomp throttle the worker's (omp_pool)
+            why_not = release_calling_thread_pool()
+            if why_not:
+                log.info("the building thread's OpenMP pool stays: %s", why_not)
             self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
             self._thread.start()
         return self
