@@ -18,7 +18,10 @@ import torch
 
 from kvgate.core.omp_pool import release_calling_thread_pool
 
-pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: no second OpenMP thread")
+pytestmark = [
+    pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: no second OpenMP thread"),
+    pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task"),
+]
 
 
 @pytest.fixture(autouse=True)

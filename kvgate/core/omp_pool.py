@@ -11,7 +11,8 @@ and ran a one-row SmolLM2 step in ~15 ms instead of ~5.5 ms (`kvgate generate`, 
 `release_calling_thread_pool()` frees the calling thread's pool (OpenMP 5.0's
 `omp_pause_resource_all`, soft: libgomp frees only the caller's pool, and a later parallel region on
 that thread builds a new one). `Engine.start()` calls it before starting the worker, so the thread
-that built the engine leaves no pool behind. It changes no number, only how threads wait.
+that starts the engine (in practice the one that built it) leaves no pool behind. It changes no
+number, only how threads wait.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def _find_pause():
         return _pause
     import torch  # noqa: F401  (loads the runtime PyTorch uses before we look for it)
 
+    if not hasattr(os, "RTLD_NOLOAD"):
+        _why_not = "this platform's dlopen has no RTLD_NOLOAD to find the loaded OpenMP runtime"
+        return None
     tried = []
     for name in RUNTIMES:
         try:
