@@ -18,27 +18,21 @@ number, only how threads wait.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-import threading
 
 OMP_PAUSE_SOFT = 1
 # The runtime PyTorch loaded, found by the soname it was loaded under (RTLD_NOLOAD: never load one).
 RUNTIMES = ("libgomp.so.1", "libomp.so", "libiomp5.so")
 
-_lock = threading.Lock()
-_pause = None
-_why_not = ""
 
-
-def _find_pause():
-    global _pause, _why_not
-    if _pause is not None or _why_not:
-        return _pause
+@functools.cache
+def _pause_fn():
+    """(omp_pause_resource_all of the runtime PyTorch loaded, '') or (None, why not); looked up once."""
     import torch  # noqa: F401  (loads the runtime PyTorch uses before we look for it)
 
     if not hasattr(os, "RTLD_NOLOAD"):
-        _why_not = "this platform's dlopen has no RTLD_NOLOAD to find the loaded OpenMP runtime"
-        return None
+        return None, "this platform's dlopen has no RTLD_NOLOAD to find the loaded OpenMP runtime"
     tried = []
     for name in RUNTIMES:
         try:
@@ -51,18 +45,15 @@ def _find_pause():
             tried.append(f"{name} (no omp_pause_resource_all)")
             continue
         fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        _pause = fn
-        return fn
-    _why_not = "no loaded OpenMP runtime with omp_pause_resource_all: " + ", ".join(tried)
-    return None
+        return fn, ""
+    return None, "no loaded OpenMP runtime with omp_pause_resource_all: " + ", ".join(tried)
 
 
 def release_calling_thread_pool() -> str:
     """Free the calling thread's OpenMP pool, if it has one. '' when done, else why not (never raises:
     the engine runs either way, only slower where two pools make libgomp throttle its spinning)."""
-    with _lock:
-        fn = _find_pause()
+    fn, why_not = _pause_fn()
     if fn is None:
-        return _why_not
+        return why_not
     rc = fn(OMP_PAUSE_SOFT)
     return "" if rc == 0 else f"omp_pause_resource_all returned {rc} (called inside a parallel region?)"
