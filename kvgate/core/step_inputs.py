@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from kvgate.models.llama import DecodeGroup, PrefillSpan, StepBatch
-from kvgate.models.paged_attention import length_mask
 
 
 @dataclass(slots=True)
@@ -93,7 +92,7 @@ def build_step(
         nblk = per_row // block_size
         table = decode_tables[i : i + take, :nblk]
         table = table if nblk == width else table.contiguous()
-        groups.append(DecodeGroup(i, i + take, table, length_mask(decode_lens[i : i + take], per_row)))
+        groups.append(DecodeGroup(i, i + take, table, decode_lens[i : i + take], per_row))
         i += take
     spans: list[PrefillSpan] = []
     prefill_logit_row = [-1] * len(prefills)

@@ -42,6 +42,7 @@ SOURCES = (
     "paged_attention.cpp",
     "prefill_attention.cpp",
     "q4_1_int24.cpp",
+    "q8_embed.cpp",
     "tile_matmul.cpp",
 )  # one module
 HEADERS = ("int8_layout.h", "q4_1_int24.h", "vec_exp.h")  # included by the sources: part of the cache key

@@ -91,25 +91,10 @@ class Q8Table:
         if self._ext is None:
             raise RuntimeError(native.unavailable() or "kvgate's C++ kernels are unavailable")
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
-        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < self.rows):  # as index_select would
-            raise IndexError(f"token ids must be in [0, {self.rows}), got {ids.min()}..{ids.max()}")
-
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` as `dtype`: each row's codes and scales gathered from its tile, widened as the float
-        table holds them."""
-        self._check_ids(ids)
-        t, nb = self.tiles.shape[0], self.tiles.shape[1]
-        tile, lane, n = ids // ROWS16, ids % ROWS16, len(ids)
-        codes = self.tiles[..., : ROWS16 * QBLOCK].view(t, nb, QBLOCK, ROWS16)[
-            tile, :, :, lane
-        ]  # [n, nb, 32]
-        scales = self.tiles[..., ROWS16 * QBLOCK :].view(t, nb, ROWS16, 4)[
-            tile, :, lane, :
-        ]  # [n, nb, 4] bytes
-        rows = codes.view(torch.int8).float()
-        rows.mul_(scales.contiguous().view(torch.float32))
-        return rows.view(n, -1).to(dtype)
+        table holds them (csrc/q8_embed.cpp; ids outside the table raise IndexError, as index_select)."""
+        return self._ext.q8_embed(self.tiles, ids, self.rows, ROWS16).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._ext.q8_matmul(x.float(), self.tiles, self.rows)
@@ -205,16 +190,7 @@ class Q8DotTable(Q8Table):
         self.nbytes = self.packed.numel()
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        self._check_ids(ids)
-        t, nb = self.packed.shape[0], self.packed.shape[1]
-        tile, lane, n = ids // TILE, ids % TILE, len(ids)
-        codes = self.packed[..., : TILE * QBLOCK].view(t, nb, 8, TILE, 4)[
-            tile, :, :, lane, :
-        ]  # [n, nb, 8, 4]
-        scales = self.packed[..., TILE * QBLOCK :].view(t, nb, TILE, 4)[tile, :, lane, :]  # [n, nb, 4] bytes
-        rows = codes.view(torch.int8).float().view(n, nb, QBLOCK)
-        rows.mul_(scales.contiguous().view(torch.float32))
-        return rows.view(n, -1).to(dtype)
+        return self._ext.q8_embed(self.packed, ids, self.rows, TILE).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._ext.q8_dot8(x.float(), self.packed, self.rows)

@@ -1,9 +1,8 @@
 // The Python module of kvgate's C++ kernels: the Q8_0 and Q4_1 float matmuls (tile_matmul.cpp), the
-// integer-dot kernels
-// of --weights gguf-q8act (int8_dot.cpp), the small layer ops (layer_ops.cpp) and the decode-only
-// layer stack (decode_stack.cpp), prompt-chunk attention (prefill_attention.cpp), the sampler's draw
-// (draw.cpp). The paged decode attention
-// kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
+// Q8_0 table's row lookup (q8_embed.cpp), the integer-dot kernels of --weights gguf-q8act
+// (int8_dot.cpp), the small layer ops (layer_ops.cpp) and the decode-only layer stack
+// (decode_stack.cpp), prompt-chunk attention (prefill_attention.cpp), the sampler's draw (draw.cpp).
+// The paged decode attention kernel registers itself as torch.ops.kvgate (paged_attention.cpp).
 #include <torch/extension.h>
 
 #include <string>
@@ -14,6 +13,7 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q8_rows(torch::Tensor x);
 torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor q8_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
+torch::Tensor q8_embed(torch::Tensor packed, torch::Tensor ids, int64_t rows, int64_t tile_rows);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
@@ -57,6 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_1_dot8", &q4_1_dot8,
           "float32 x, rounded to 8-bit blocks, times Q4_1 weights repacked in tiles of 8 rows (q4_1_pack8)");
   mod.def("q8_dot8", &q8_dot8, "float32 x, rounded to 8-bit blocks, times a Q8_0 table in tiles of 8 rows (q8_pack8)");
+  mod.def("q8_embed", &q8_embed,
+          "rows ids of a Q8_0 table held in tiles of tile_rows rows (16: q8_pack16, 8: q8_pack8) as float32");
   mod.def("rms_norm", &rms_norm, "RMSNorm of each row of a float32 [rows, hidden] tensor times w");
   mod.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of each row times w");
   mod.def("silu_mul", &silu_mul, "SiLU(gate) * up of fused [rows, 2 x intermediate] gate_up rows");

@@ -24,7 +24,7 @@
 //
 // Scratch per thread, at most `max_threads` threads: the row's w (4 B a token), its block sums (0.5 B)
 // and two lists of at most V token ids (4 B each): 12.5 B a token, 3.1 rows of float32 logits
-// (kvgate.memory.workspace's SAMPLING_TEMPS counts it).
+// (kvgate.memory.workspace's SAMPLING_TEMPS counts it). A thread keeps its scratch between calls.
 #pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
@@ -66,7 +66,9 @@ inline float exp_lane(float x) {
   return y * scale;
 }
 
-// w = x / T into w; returns max(w) over the non-NaN values and whether any value was NaN.
+// w = x / T into w (Store), or only read (a greedy row: T = 1, and x / 1 is x, so its argmax is read off
+// x itself); returns max(w) over the non-NaN values and whether any value was NaN.
+template <bool Store>
 std::pair<float, bool> scale_and_max(const float* x, float T, int64_t V, float* w) {
   float m = -std::numeric_limits<float>::infinity();
   bool nan = false;
@@ -77,7 +79,7 @@ std::pair<float, bool> scale_and_max(const float* x, float T, int64_t V, float* 
   __mmask16 bad = 0;
   for (; i + 16 <= V; i += 16) {
     const __m512 s = _mm512_div_ps(_mm512_loadu_ps(x + i), t);
-    _mm512_storeu_ps(w + i, s);
+    if constexpr (Store) _mm512_storeu_ps(w + i, s);
     bad |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
     mv = _mm512_max_ps(s, mv);  // a NaN lane of s keeps mv
   }
@@ -88,7 +90,7 @@ std::pair<float, bool> scale_and_max(const float* x, float T, int64_t V, float* 
   __m256 mv = _mm256_set1_ps(m), bad = _mm256_setzero_ps();
   for (; i + 8 <= V; i += 8) {
     const __m256 s = _mm256_div_ps(_mm256_loadu_ps(x + i), t);
-    _mm256_storeu_ps(w + i, s);
+    if constexpr (Store) _mm256_storeu_ps(w + i, s);
     bad = _mm256_or_ps(bad, _mm256_cmp_ps(s, s, _CMP_UNORD_Q));
     mv = _mm256_max_ps(s, mv);
   }
@@ -99,7 +101,7 @@ std::pair<float, bool> scale_and_max(const float* x, float T, int64_t V, float* 
 #endif
   for (; i < V; ++i) {
     const float s = x[i] / T;
-    w[i] = s;
+    if constexpr (Store) w[i] = s;
     if (std::isnan(s)) nan = true;
     else m = std::max(m, s);
   }
@@ -254,12 +256,13 @@ void kept_of_row(const float* x, int64_t V, const Params& p, float* w, std::vect
   out.floor = 0.0f;
   out.ids.clear();
   const bool greedy = p.temperature == 0.0f;
-  const auto [m, nan] = scale_and_max(x, greedy ? 1.0f : p.temperature, V, w);  // x / 1 is x
-  if (greedy && nan) {  // torch.argmax: the first NaN
-    out.fallback = std::find_if(x, x + V, [](float v) { return std::isnan(v); }) - x;
+  if (greedy) {  // torch.argmax: the first NaN, else the first largest (read off x: no copy into w)
+    const auto [m, nan] = scale_and_max<false>(x, 1.0f, V, nullptr);
+    out.fallback = nan ? std::find_if(x, x + V, [](float v) { return std::isnan(v); }) - x : first_equal(x, V, m);
     return;
   }
-  if (greedy || nan || !std::isfinite(m)) {  // greedy: the first largest; degenerate: NaN read as -inf
+  const auto [m, nan] = scale_and_max<true>(x, p.temperature, V, w);
+  if (nan || !std::isfinite(m)) {  // degenerate: the argmax with NaN read as -inf
     out.fallback = first_equal(w, V, m);
     return;
   }
@@ -371,6 +374,26 @@ Batch check(const torch::Tensor& logits, const torch::Tensor& rows, const torch:
   return b;
 }
 
+// A thread's scratch, kept from call to call: allocating it per call (three fresh lists of V floats or
+// ids, past malloc's mmap threshold for a 49,152-token vocabulary) cost a one-row greedy step ~60 us
+// of page faults and zero-filling. Its size is what the file's opening says the plan counts.
+struct Scratch {
+  std::vector<float> w;
+  std::vector<double> blocks;
+  std::vector<int32_t> s;
+  Kept kept;
+};
+
+Scratch& thread_scratch(int64_t V) {
+  static thread_local Scratch sc;
+  if (static_cast<int64_t>(sc.w.size()) < V) {
+    sc.w.resize(V);
+    sc.s.reserve(V);  // neither list ever holds more than V ids: no regrowth past that
+    sc.kept.ids.reserve(V);
+  }
+  return sc;
+}
+
 // Each row's kept distribution, then f(row, w, blocks, kept), over at most max_threads threads, each
 // with its own scratch.
 template <class F>
@@ -378,15 +401,10 @@ void over_rows(const Batch& b, int64_t max_threads, F&& f) {
   const int64_t n = static_cast<int64_t>(b.rows.size()), V = b.V;
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>({n, max_threads, at::get_num_threads()}));
   at::parallel_for(0, n, (n + tasks - 1) / tasks, [&](int64_t r0, int64_t r1) {
-    std::vector<float> w(V);
-    std::vector<double> blocks;
-    std::vector<int32_t> s;
-    Kept kept;
-    s.reserve(V);  // neither list ever holds more than V ids: no regrowth past that
-    kept.ids.reserve(V);
+    Scratch& sc = thread_scratch(V);
     for (int64_t r = r0; r < r1; ++r) {
-      kept_of_row(b.x + b.rows[r] * V, V, b.params[r], w.data(), blocks, kept, s);
-      f(r, w.data(), blocks, kept);
+      kept_of_row(b.x + b.rows[r] * V, V, b.params[r], sc.w.data(), sc.blocks, sc.kept, sc.s);
+      f(r, sc.w.data(), sc.blocks, sc.kept);
     }
   });
 }
