@@ -248,24 +248,27 @@ class LlamaModel:
         T = batch.input_ids.shape[0]
         eps = s.rms_norm_eps
         ops = self.layer_ops
-        if ops is not None:  # C++ RMSNorm (+ the residual add) and RoPE + K/V write, one call each
+        n_dec = 0 if batch.decode_lens is None else batch.decode_lens.shape[0]
+        stacked = self.decode_stack is not None and n_dec == T  # every token a decode row
+        if stacked:
+            cos = sin = None  # the stack looks its positions' rows up itself
+        elif ops is not None:  # C++ RMSNorm (+ the residual add) and RoPE + K/V write, one call each
             cos = self.cos[batch.positions]
             sin = self.sin[batch.positions]
         else:
             cos = self.cos[batch.positions].unsqueeze(1)
             sin = self.sin[batch.positions].unsqueeze(1)
         half = D // 2
-        n_dec = 0 if batch.decode_lens is None else batch.decode_lens.shape[0]
         paged = paged_kernel() if self.paged_attention else None
         if self.q8 is not None:
             x = self.q8.embed(batch.input_ids, self.dtype)
         else:
             x = F.embedding(batch.input_ids, self.embed)
         pending = None  # the last residual branch, added to x by the next norm
-        stacked = self.decode_stack is not None and n_dec == T  # every token a decode row
         if stacked:  # the same kernels in the same order in one C++ call (kvgate.models.decode_stack)
             x = self.decode_stack.run(
-                x, kv.k, kv.v, cos, sin, batch.slots, batch.decode_tables, batch.decode_lens
+                x, kv.k, kv.v, self.cos, self.sin, batch.positions, batch.slots, batch.decode_tables,
+                batch.decode_lens,
             )
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(
             () if stacked else self.layers

@@ -94,7 +94,8 @@ class Q8Table:
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` as `dtype`: each row's codes and scales gathered from its tile, widened as the float
         table holds them (csrc/q8_embed.cpp; ids outside the table raise IndexError, as index_select)."""
-        return self._ext.q8_embed(self.tiles, ids, self.rows, ROWS16).to(dtype)
+        rows = self._ext.q8_embed(self.tiles, ids, self.rows, ROWS16)
+        return rows if dtype == torch.float32 else rows.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._ext.q8_matmul(x.float(), self.tiles, self.rows)
@@ -190,7 +191,8 @@ class Q8DotTable(Q8Table):
         self.nbytes = self.packed.numel()
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._ext.q8_embed(self.packed, ids, self.rows, TILE).to(dtype)
+        rows = self._ext.q8_embed(self.packed, ids, self.rows, TILE)
+        return rows if dtype == torch.float32 else rows.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._ext.q8_dot8(x.float(), self.packed, self.rows)

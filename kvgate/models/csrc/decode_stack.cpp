@@ -67,9 +67,11 @@ class DecodeStack {
   // x [T, hidden] float32 (updated in place, as the loop's add_rms_norm_ updates it); returns the last
   // layer's output added to it, as `x + pending` makes it.
   // k_cache, v_cache: [layers, blocks, block_size, kv_heads, head_dim], each layer's pool a slice.
+  // cos_table, sin_table: the model's [max positions, head_dim] tables, looked up here at `positions`
+  // (the loop's `cos[positions]`: the same rows), two torch calls fewer from Python a step.
   torch::Tensor run(torch::Tensor x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
-                    const torch::Tensor& tables, const torch::Tensor& lens) const {
+                    const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& positions,
+                    const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens) const {
     const int64_t L = layers(), T = x.size(0), H = heads_, D = head_dim_;
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes(),
                 "DecodeStack.run: want K and V caches [", L, " layers, blocks, block_size, kv_heads, head_dim], got ",
@@ -77,6 +79,7 @@ class DecodeStack {
     TORCH_CHECK(tables.size(0) == T && lens.size(0) == T, "DecodeStack.run: every one of the ", T,
                 " tokens must be a decode row with a block table and a length");
     const double scale = std::pow(static_cast<double>(D), -0.5);  // Python's D**-0.5
+    const auto cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
     torch::Tensor pending;
     for (int64_t li = 0; li < L; ++li) {
       const Mat* m = &mats_[4 * li];
