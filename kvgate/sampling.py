@@ -14,6 +14,7 @@ logprobs less its temperature), so they describe the distribution the sampler tr
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -177,6 +178,14 @@ def draw_params(samplers: list[Sampler], vocab: int) -> tuple[torch.Tensor, ...]
     return temps, top_k, top_p, min_p
 
 
+@functools.lru_cache(maxsize=64)
+def _greedy_params(n: int) -> tuple[torch.Tensor, ...]:
+    """`draw_params` and the uniforms of n greedy rows, built once per n (the draw only reads them): five
+    tensors less to build a step, which a one-row step paid ~0.05 ms for."""
+    zeros = torch.zeros(n, dtype=torch.float32)
+    return zeros, torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.float32), zeros, zeros
+
+
 def _draw_native(
     ext, samplers: list[Sampler], logits: torch.Tensor, rows: list[int], masked: set[int], row_logits
 ):
@@ -184,9 +193,11 @@ def _draw_native(
     whose logits do not change before the draw in one call, each other row in a call of its own on
     its processed copy (so no more than one such copy is alive)."""
     vocab = logits.shape[-1]
-    # each sampled row's one uniform from its own generator; greedy rows draw none
-    u = torch.tensor([0.0 if s.greedy else float(torch.rand(1, generator=s.gen)) for s in samplers])
-    params = draw_params(samplers, vocab)
+    if all(s.greedy for s in samplers):  # the common serving case: constant parameters, no draws
+        *params, u = _greedy_params(len(samplers))
+    else:  # each sampled row's one uniform from its own generator; greedy rows draw none
+        u = torch.tensor([0.0 if s.greedy else float(torch.rand(1, generator=s.gen)) for s in samplers])
+        params = draw_params(samplers, vocab)
     tokens = [0] * len(samplers)
     plain = [i for i, s in enumerate(samplers) if not s.processed and i not in masked]
     if plain:

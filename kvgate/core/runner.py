@@ -110,7 +110,7 @@ class ModelRunner:
 
     def _sample(self, so: SchedulerOutput, logits: torch.Tensor, picks, out: ModelOutput) -> None:
         samplers = [so.samplers[rid] for rid, _ in picks]
-        states = [s.gen.get_state() for s in samplers]
+        states = [None if s.greedy else s.gen.get_state() for s in samplers]  # greedy rows never draw
         try:
             tokens = sample_batch(samplers, logits, [li for _, li in picks])
             out.tokens.update((rid, t) for (rid, _), t in zip(picks, tokens, strict=True))
@@ -118,7 +118,8 @@ class ModelRunner:
             return
         except Exception:  # find the row that failed: sample each alone (same draws), so it fails alone
             for s, st in zip(samplers, states, strict=True):
-                s.gen.set_state(st)
+                if st is not None:
+                    s.gen.set_state(st)
         for (rid, li), s in zip(picks, samplers, strict=True):
             try:
                 out.tokens[rid] = s.sample(logits[li])
