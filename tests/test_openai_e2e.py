@@ -142,15 +142,17 @@ def test_openai_client_surfaces_400_and_429(real_server):
     assert r["data"][0]["id"] == "SmolLM2-135M-Instruct"
 
 
-def test_a_1_mib_request_delays_running_streams_by_at_most_a_step(real_server):
+def test_a_1_mib_request_does_not_stall_running_streams(real_server):
     """A 1 MiB chat body (refused: too long) is parsed, templated and tokenized (about a second) while a
-    stream decodes: no gap of that stream meanwhile comes near the tokenizing time (at most half of
-    it, and at most 3 x the median gap plus 100 ms: the tokenizer shares the 2 cores with the worker,
-    which with `--weights gguf`'s ~19 ms steps stretched one gap to 102 ms, 5 medians).
+    stream decodes: no gap of that stream meanwhile comes near the tokenizing time (at most half of it).
 
     Before the fix (a87aed9) the same measurement gave one gap of 1637 ms (median 67 ms): the event
-    loop was tokenizing. After: max 177 ms and 153 ms against medians of 70 and 78 ms. Seen red with
-    `prepare_generation` run on the loop."""
+    loop was tokenizing. Seen red with `prepare_generation` run on the loop (session 23: a 965 ms gap
+    in a 1,114 ms window). A second bound, 3 x the median gap plus 100 ms, was dropped in session 23:
+    with ~10 ms steps its slack had to absorb every GIL-holding piece in this one process (converting
+    262k token ids to a list holds the GIL ~40 ms; the test's own client threads send the body and
+    read the stream), and fixed trees gave gaps of 23-320 ms against medians of 5-12 ms (max / window
+    0.02-0.44, the regression 0.87), failing it in the tree before that session's changes too."""
     import threading
     import time
 
@@ -182,4 +184,4 @@ def test_a_1_mib_request_delays_running_streams_by_at_most_a_step(real_server):
     median = sorted(gaps)[len(gaps) // 2]
     during = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
     assert t1 - t0 > 0.3 and during
-    assert max(during) <= min(0.5 * (t1 - t0), 3 * median + 0.1), (max(during), median, t1 - t0)
+    assert max(during) <= 0.5 * (t1 - t0), (max(during), median, t1 - t0)

@@ -14,6 +14,7 @@ Exits:
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from kvgate.core.kv_cache import KVCacheManager, choice_blocks
 from kvgate.core.rows import Row, WaitEntry
 from kvgate.core.snapshot import Counters, EngineSnapshot, RowView, WaiterView
 from kvgate.request import Finished, RequestHandle, Result
+
+_COUNTER_FIELDS = operator.attrgetter(*Counters.__slots__)  # a snapshot's copy of the counts, one C call
 
 log = logging.getLogger("kvgate.engine")
 
@@ -157,7 +160,7 @@ class EngineState:
         return EngineSnapshot(
             version=self._version,
             published_at=time.monotonic(),
-            counters=Counters(*(getattr(self.counters, f) for f in Counters.__slots__)),
+            counters=Counters(*_COUNTER_FIELDS(self.counters)),
             rows=tuple(
                 RowView(
                     r.id,
