@@ -369,7 +369,10 @@ struct Attend {
     // Positions go eight (vector path) or four at a time, then one at a time for the rest: the order
     // depends on L only.
     const int64_t L4 = L - L % 4;
+    // V is asked for alongside K, so it streams in during the score pass instead of after it: twice the
+    // misses in flight, and the weighted sums read V from L2 (a task's V is at most kChunk positions)
     ahead(k, 0, kAhead);
+    ahead(v, 0, kAhead);
     float s4[4];
     if (vec) {
 #ifdef KVGATE_AVX2_EXP
@@ -379,6 +382,7 @@ struct Attend {
         const T* kp[8];
         for (int64_t t = 0; t < L8; t += 8) {
           ahead(k, t + kAhead, 8);
+          ahead(v, t + kAhead, 8);
           for (int u = 0; u < 8; ++u) kp[u] = pos(k, t + u);
 #if defined(__AVX512VL__)
           for (int64_t h = 0; h < nh; ++h)
@@ -409,6 +413,7 @@ struct Attend {
     }
     for (int64_t t = 0; !vec && t < L4; t += 4) {
       ahead(k, t + kAhead, 4);
+      ahead(v, t + kAhead, 4);
       const T *p0 = pos(k, t), *p1 = pos(k, t + 1), *p2 = pos(k, t + 2), *p3 = pos(k, t + 3);
       for (int64_t h = 0; h < nh; ++h) {
         const float *k0 = as_float(p0 + h * D, buf, D), *k1 = as_float(p1 + h * D, buf + D, D),
@@ -426,7 +431,6 @@ struct Attend {
         for (int64_t i = h * g; i < (h + 1) * g; ++i) scores[i * L + t] = scale * dot(qf + i * D, kt, D);
       }
     }
-    ahead(v, 0, kAhead);  // V's first positions arrive during the softmax
     // Softmax numerators in place, and their sums.
     for (int64_t i = 0; i < gq; ++i) {
       float* si = scores + i * L;
