@@ -363,6 +363,10 @@ def test_ttft_budget_refuses_at_arrival_with_the_prediction_and_retry_after(make
     e.generate(req(40, 2), timeout=20)  # times a prefill (>= 32 tokens): the prediction needs one
     assert e.snapshot().prefill_token_time_ema is not None
     h = hog(e, 8, 400, step_sleep=0.01)  # the only row, ~4 s of decoding left
+    # the prediction reads the step-time EMA: wait until it has seen the slowed steps. Right after the
+    # hook it still held the fast steps before it, and once those were ~1.2 ms (session 23) 399 of them
+    # came to under the 0.5 s budget: this test failed in a full run for that reason alone
+    assert wait_until(lambda: e.snapshot().step_time_ema >= 0.005)
     t0 = time.monotonic()
     with pytest.raises(Refusal) as ei:
         e.submit(req(8, 4, salt=1))
