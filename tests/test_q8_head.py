@@ -61,6 +61,9 @@ def test_the_kernel_matches_the_float_matmul_and_gives_a_row_the_same_bits_among
         assert torch.equal(head(x[i : i + 1])[0], full[i]), i
     ids = torch.tensor([5, 0, 999, 5])
     assert torch.equal(head.embed(ids, torch.float32), table[ids])
+    assert torch.equal(head.embed(ids.int(), torch.float32), table[ids])  # int32 ids too
+    with pytest.raises(RuntimeError, match="integer token ids"):  # as indexing refuses float ids
+        head.embed(torch.tensor([5.0]), torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@
 //
 // Scratch per thread, at most `max_threads` threads: the row's w (4 B a token), its block sums (0.5 B)
 // and two lists of at most V token ids (4 B each): 12.5 B a token, 3.1 rows of float32 logits
-// (kvgate.memory.workspace's SAMPLING_TEMPS counts it). A thread keeps its scratch between calls.
+// (kvgate.memory.workspace's SAMPLING_TEMPS counts it); a task of greedy rows only needs none.
 #pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
@@ -374,25 +374,25 @@ Batch check(const torch::Tensor& logits, const torch::Tensor& rows, const torch:
   return b;
 }
 
-// A thread's scratch, kept from call to call: allocating it per call (three fresh lists of V floats or
-// ids, past malloc's mmap threshold for a 49,152-token vocabulary) cost a one-row greedy step ~60 us
-// of page faults and zero-filling. Its size is what the file's opening says the plan counts.
+// A task's scratch (see the file's opening), allocated at its first row that is not greedy: a greedy
+// row's token is read off its logits, so an all-greedy call allocates nothing. (Allocated for every
+// call, the three vocabulary-sized lists, past malloc's mmap threshold at a 49,152-token vocabulary,
+// cost a one-row greedy step ~60 us of fresh pages.) Per call, so the plan's sampling term holds it.
 struct Scratch {
   std::vector<float> w;
   std::vector<double> blocks;
   std::vector<int32_t> s;
   Kept kept;
-};
 
-Scratch& thread_scratch(int64_t V) {
-  static thread_local Scratch sc;
-  if (static_cast<int64_t>(sc.w.size()) < V) {
-    sc.w.resize(V);
-    sc.s.reserve(V);  // neither list ever holds more than V ids: no regrowth past that
-    sc.kept.ids.reserve(V);
+  float* ready(int64_t V) {
+    if (w.empty()) {
+      w.resize(V);
+      s.reserve(V);  // neither list ever holds more than V ids: no regrowth past that
+      kept.ids.reserve(V);
+    }
+    return w.data();
   }
-  return sc;
-}
+};
 
 // Each row's kept distribution, then f(row, w, blocks, kept), over at most max_threads threads, each
 // with its own scratch.
@@ -401,10 +401,12 @@ void over_rows(const Batch& b, int64_t max_threads, F&& f) {
   const int64_t n = static_cast<int64_t>(b.rows.size()), V = b.V;
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>({n, max_threads, at::get_num_threads()}));
   at::parallel_for(0, n, (n + tasks - 1) / tasks, [&](int64_t r0, int64_t r1) {
-    Scratch& sc = thread_scratch(V);
+    Scratch sc;
     for (int64_t r = r0; r < r1; ++r) {
-      kept_of_row(b.x + b.rows[r] * V, V, b.params[r], sc.w.data(), sc.blocks, sc.kept, sc.s);
-      f(r, sc.w.data(), sc.blocks, sc.kept);
+      // a greedy row reads only x and leaves its token in kept.fallback, which is all f reads of it
+      float* w = b.params[r].temperature == 0.0f ? sc.w.data() : sc.ready(V);
+      kept_of_row(b.x + b.rows[r] * V, V, b.params[r], w, sc.blocks, sc.kept, sc.s);
+      f(r, w, sc.blocks, sc.kept);
     }
   });
 }

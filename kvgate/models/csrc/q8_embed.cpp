@@ -1,7 +1,8 @@
 // The embedding lookup of a Q8_0 table held in matmul tiles (kvgate.models.q8_head): row `id` of the
 // table, w_k = float(c_k) * d_b, gathered from the tile that holds it, as float32 [n, K].
 //
-// Two layouts, both uint8 [T, K/32, bytes per block], output rows past the vocabulary zero:
+// Two layouts, both uint8 [T, K/32, bytes per block], the tiles' padding rows past the vocabulary
+// zero (ids there are refused, as ids past the table):
 // - tiles of 16 rows (q8_pack16, the float LM head): per block, byte 16 k + j is row j's code at k, then
 //   the 16 rows' d as float32 from byte 512;
 // - tiles of 8 rows (q8_pack8, gguf-q8act's head): per block, byte 32 g + 4 j + q is row j's code at
@@ -27,8 +28,8 @@ torch::Tensor q8_embed(torch::Tensor packed, torch::Tensor ids, int64_t rows, in
               packed.scalar_type());
   TORCH_CHECK(rows >= 0 && rows <= packed.size(0) * tile_rows, "q8_embed: ", rows, " rows do not fit ",
               packed.size(0), " tiles of ", tile_rows);
-  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1, "q8_embed: want a 1-D CPU tensor of token ids, got ",
-              ids.sizes());
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1 && at::isIntegralType(ids.scalar_type(), /*includeBool=*/false),
+              "q8_embed: want a 1-D CPU tensor of integer token ids, got ", ids.sizes(), " ", ids.scalar_type());
   const auto idc = ids.to(torch::kInt64).contiguous();
   const int64_t n = idc.numel(), nb = packed.size(1), K = nb * QBLOCK;
   const int64_t* ip = idc.data_ptr<int64_t>();
