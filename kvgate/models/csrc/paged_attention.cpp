@@ -162,15 +162,14 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
 
 // wsum32 over 64 columns in zmm: out[q][0, 64) = sum_t p[q][t] * at(t)[0, 64), t in order. Per column the
 // same FMAs in the same order as wsum32's, so the same bits, in half the instructions.
-template <int NQ, class At, class Each>
-inline void wsum64(const float* p, int64_t L, At at, float* out, int64_t D, Each each) {
+template <int NQ, class At>
+inline void wsum64(const float* p, int64_t L, At at, float* out, int64_t D) {
   __m512 a[NQ][4];
 #pragma GCC unroll 3
   for (int i = 0; i < NQ; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    each(t);
     const auto* x = at(t);
     __m512 w[NQ];
 #pragma GCC unroll 3
@@ -190,13 +189,12 @@ inline void wsum64(const float* p, int64_t L, At at, float* out, int64_t D, Each
 #endif
 
 // For NQ <= 3 queries q (scores p + q L, sums out + q D): out[q][0, 32) = sum_t p[q][t] * at(t)[0, 32),
-// t = 0..L-1 in order, the 4 NQ sums in registers; `each(t)` runs first at every position (a prefetch).
-template <int NQ, class At, class Each>
-inline void wsum32(const float* p, int64_t L, At at, float* out, int64_t D, Each each) {
+// t = 0..L-1 in order, the 4 NQ sums in registers.
+template <int NQ, class At>
+inline void wsum32(const float* p, int64_t L, At at, float* out, int64_t D) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
   __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
   for (int64_t t = 0; t < L; ++t) {
-    each(t);
     const auto* x = at(t);
     const __m256 w0 = _mm256_set1_ps(p[t]);
     const __m256 w1 = NQ > 1 ? _mm256_set1_ps(p[L + t]) : w0;
@@ -474,7 +472,7 @@ struct Attend {
 #ifdef KVGATE_AVX2_EXP
       // up to 3 queries of a head together, 32 columns at a time in registers, positions in order: each
       // V value is loaded once for the three (and 12 independent sums keep the FMA units busy); the
-      // task's first pass brings V into cache (the prefetches), the others read it from there
+      // score pass asked for every V position (the prefetches next to K's), so V is read from cache
       if constexpr (kVectorPool<T>) {
         for (int64_t h = 0; h < nh; ++h)
           for (int64_t i0 = h * g; i0 < (h + 1) * g; i0 += 3) {
@@ -484,32 +482,26 @@ struct Attend {
             if (D % 64 == 0) {
               for (int64_t c = 0; c < D; c += 64) {
                 auto at = [&](int64_t t) { return pos(v, t) + h * D + c; };
-                auto each = [&](int64_t t) {
-                  if (i0 == 0 && c == 0) ahead(v, t + kAhead, 1);
-                };
                 float* ai = acc + i0 * D + c;
                 if (nq == 3)
-                  wsum64<3>(pi, L, at, ai, D, each);
+                  wsum64<3>(pi, L, at, ai, D);
                 else if (nq == 2)
-                  wsum64<2>(pi, L, at, ai, D, each);
+                  wsum64<2>(pi, L, at, ai, D);
                 else
-                  wsum64<1>(pi, L, at, ai, D, each);
+                  wsum64<1>(pi, L, at, ai, D);
               }
               continue;
             }
 #endif
             for (int64_t c = 0; c + 32 <= D; c += 32) {
               auto at = [&](int64_t t) { return pos(v, t) + h * D + c; };
-              auto each = [&](int64_t t) {
-                if (i0 == 0 && c == 0) ahead(v, t + kAhead, 1);
-              };
               float* ai = acc + i0 * D + c;
               if (nq == 3)
-                wsum32<3>(pi, L, at, ai, D, each);
+                wsum32<3>(pi, L, at, ai, D);
               else if (nq == 2)
-                wsum32<2>(pi, L, at, ai, D, each);
+                wsum32<2>(pi, L, at, ai, D);
               else
-                wsum32<1>(pi, L, at, ai, D, each);
+                wsum32<1>(pi, L, at, ai, D);
             }
             if (const int64_t c = D - D % 32; c < D) {  // the last D % 32 columns, query by query
               auto at = [&](int64_t t) { return pos(v, t) + h * D + c; };
@@ -521,7 +513,6 @@ struct Attend {
     }
     float p4[4];
     for (int64_t t = 0; !vec && t < L4; t += 4) {
-      ahead(v, t + kAhead, 4);
       const T *p0 = pos(v, t), *p1 = pos(v, t + 1), *p2 = pos(v, t + 2), *p3 = pos(v, t + 3);
       for (int64_t h = 0; h < nh; ++h) {
         const float *v0 = as_float(p0 + h * D, buf, D), *v1 = as_float(p1 + h * D, buf + D, D),
