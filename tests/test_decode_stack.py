@@ -130,3 +130,55 @@ def test_models_the_stack_cannot_run_keep_the_loop(q4_smol_dir, tiny_dir, monkey
     assert decode_stack.build(model) is not None
     monkeypatch.setenv(decode_stack.ENV, "0")
     assert decode_stack.build(model) is None
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, kv_dtype):
+    """`--weights gguf` runs decode-only steps on the stack's thread team (one parallel region for all
+    layers); its logits and K/V writes equal the op-by-op stack's and the Python loop's exactly, with
+    fewer rows than threads (every thread does every row on its own copy) and more (rows split, shared
+    buffers), over float32, float16 and bfloat16 pools. Seen red (with the other gguf case above): the
+    team's post-attention norm taken before the o-projection's output was added to the residual."""
+    from kvgate.core.step_inputs import DecodeInput
+
+    model, kv = model_and_pool(q4_smol_dir, "gguf", kv_dtype)
+    stack = model.decode_stack
+    assert stack.team(), "a gguf stack should run on its thread team"
+    rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
+    for decodes in ([rows[4]], rows[:2], rows[:3], rows):
+        team = step(model, kv, decodes)
+        stack.set_team(False)
+        ops = step(model, kv, decodes)
+        stack.set_team(True)
+        model.decode_stack = None
+        loop = step(model, kv, decodes)
+        model.decode_stack = stack
+        for other in (ops, loop):
+            assert torch.equal(team[0], other[0])
+            assert all(torch.equal(a, b) for a, b in zip(team[1], other[1], strict=True))
+
+
+def test_what_the_team_does_not_take_runs_op_by_op(q4_smol_dir, monkeypatch):
+    """gguf-q8act's matrices and the float decode loop (`set_q4_1_decode("float")`) are not the team's:
+    their steps run op by op, still the loop's bits; KVGATE_DECODE_TEAM=0 turns the team off. Seen red:
+    `run` sending float-decode steps to the team (its tiles are the int24 kernel's)."""
+    from kvgate.core.step_inputs import DecodeInput
+    from kvgate.models import decode_stack
+
+    ext = native.extension()
+    q8, kv8 = model_and_pool(q4_smol_dir, "gguf-q8act")
+    assert not q8.decode_stack.team()
+    model, kv = model_and_pool(q4_smol_dir, "gguf")
+    rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(3)]
+    was = ext.q4_1_decode()
+    ext.set_q4_1_decode("float")
+    try:
+        with_stack = step(model, kv, rows)
+        stack, model.decode_stack = model.decode_stack, None
+        loop = step(model, kv, rows)
+        model.decode_stack = stack
+    finally:
+        ext.set_q4_1_decode("int24" if was.startswith("int24") else "float")
+    assert torch.equal(with_stack[0], loop[0])
+    monkeypatch.setenv(decode_stack.TEAM_ENV, "0")
+    assert not decode_stack.build(model).team()

@@ -22,6 +22,8 @@ from kvgate.models.q4_1_dot8 import Q41Dot8Linear
 
 # KVGATE_DECODE_STACK=0 keeps the Python loop for every step (to compare the two; nothing else changes)
 ENV = "KVGATE_DECODE_STACK"
+# KVGATE_DECODE_TEAM=0 runs the stack one op after another instead of on its thread team (the same bits)
+TEAM_ENV = "KVGATE_DECODE_TEAM"
 
 
 def _parts(lin) -> tuple[object, int, str] | None:
@@ -53,4 +55,6 @@ def build(model):
             outs.append(found[1])
             kinds.append(found[2])
     s = model.spec
-    return ext.DecodeStack(norms, mats, outs, kinds, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps)
+    stack = ext.DecodeStack(norms, mats, outs, kinds, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps)
+    stack.set_team(os.environ.get(TEAM_ENV, "1") != "0")
+    return stack

@@ -14,9 +14,15 @@
 // holding a prompt chunk keeps the Python loop.
 #include <torch/extension.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
+
+#include "layer_rows.h"
+#include "q4_1_int24.h"
 
 torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows);
 torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
@@ -28,7 +34,27 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 
+int64_t paged_attention_team_floats(const int64_t* lens, int64_t R, int64_t H, int64_t D, int64_t threads);
+void paged_attention_team(const float* q, int64_t q_row_stride, int64_t q_head_stride, at::ScalarType pool,
+                          const void* k, const void* v, bool tables64, const void* tables, int64_t maxblk,
+                          const int64_t* lens, float* out, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t bs,
+                          double scale, float* parts);
+namespace kvgate_team {
+bool int24();
+void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, float* sc);
+void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
+           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes);
+}  // namespace kvgate_team
+
 namespace {
+
+constexpr int64_t QB = 32;  // values per Q4_1 block
+
+// [begin, end) of n items for thread `tid` of `nt`: ceil(n / nt) each, the last ones short or empty
+inline std::pair<int64_t, int64_t> share(int64_t n, int64_t tid, int64_t nt) {
+  const int64_t per = (n + nt - 1) / nt, b = std::min(n, tid * per);
+  return {b, std::min(n, b + per)};
+}
 
 // One weight matrix: Q4_1 tiles, for the float kernel (kind "q4_1", q4_1_pack16) or the 8-bit-activation
 // one ("q4_1_dot8", q4_1_pack8).
@@ -36,6 +62,8 @@ struct Mat {
   torch::Tensor packed;
   int64_t out_features;
   bool dot8;
+  const uint8_t* w = nullptr;  // the tiles, [T, nb, per bytes]
+  int64_t T = 0, nb = 0, per = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (dot8) return q4_1_dot8(x, packed, out_features);
@@ -60,7 +88,13 @@ class DecodeStack {
                   "'q4_1' or 'q4_1_dot8', got '", kinds[i], "'");
       mats_.push_back(Mat{std::move(mats[i]), out_features[i], kinds[i] == "q4_1_dot8"});
     }
+    team_ok_ = team_shapes();
   }
+
+  // Runs decode-only steps on the thread team (`run_team`) where it can: the default. False: every step
+  // on `run_ops` (A/B runs and the tests that compare the two).
+  void set_team(bool on) { team_on_ = on; }
+  bool team() const { return team_on_ && team_ok_; }
 
   int64_t layers() const { return static_cast<int64_t>(norms_.size() / 2); }
 
@@ -72,6 +106,15 @@ class DecodeStack {
   torch::Tensor run(torch::Tensor x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                     const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& positions,
                     const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens) const {
+    if (team() && kvgate_team::int24() && k_cache.is_contiguous() && v_cache.is_contiguous() && x.is_contiguous())
+      return run_team(x, k_cache, v_cache, cos_table, sin_table, positions, slots, tables, lens);
+    return run_ops(x, k_cache, v_cache, cos_table, sin_table, positions, slots, tables, lens);
+  }
+
+  // The layers as one tensor op after another (each kernel with its own threads)
+  torch::Tensor run_ops(torch::Tensor x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& positions,
+                        const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens) const {
     const int64_t L = layers(), T = x.size(0), H = heads_, D = head_dim_;
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes(),
                 "DecodeStack.run: want K and V caches [", L, " layers, blocks, block_size, kv_heads, head_dim], got ",
@@ -95,11 +138,196 @@ class DecodeStack {
     return x + pending;
   }
 
+  // The same layers, kernels and order as `run_ops`, so the same bits, in one parallel region: the
+  // threads split each matmul's tiles and the attention's tasks as the ops split them, and meet at a
+  // barrier where a result is needed whole. The row work between (residual add, RMSNorm, the 24-bit
+  // digits, SiLU * up) is done by every thread on its own copy when there are fewer rows than threads
+  // (no barrier, no idle thread), else split by rows. What it removes is each op's fork and join,
+  // allocations and dispatch, and the idle thread during the serial row work; each thread also asks for
+  // its first tiles of the next matrix while it finishes the current one.
+  torch::Tensor run_team(torch::Tensor x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& positions,
+                         const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens) const {
+    const int64_t L = layers(), R = x.size(0), hid = x.size(1), H = heads_, KVH = kv_heads_, D = head_dim_;
+    const int64_t HD = H * D, KV = KVH * D, NQ = mats_[0].out_features, I2 = mats_[2].out_features, I = I2 / 2;
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && hid == mats_[0].nb * QB,
+                "DecodeStack.run: x must be float32 [rows, ", mats_[0].nb * QB, "], got ", x.sizes(), " ",
+                x.scalar_type());
+    TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes() &&
+                    k_cache.size(3) == KVH && k_cache.size(4) == D && v_cache.scalar_type() == k_cache.scalar_type(),
+                "DecodeStack.run: want K and V caches [", L, " layers, blocks, block_size, ", KVH, ", ", D,
+                "] of one dtype, got ", k_cache.sizes(), " and ", v_cache.sizes());
+    const auto pool = k_cache.scalar_type();
+    TORCH_CHECK(pool == at::kFloat || pool == at::kHalf || pool == at::kBFloat16,
+                "DecodeStack.run: the K/V caches must be float32, float16 or bfloat16, got ", pool);
+    const int64_t N = k_cache.size(1), bs = k_cache.size(2);
+    TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == R && slots.is_contiguous(),
+                "DecodeStack.run: slots must be a contiguous int64 [", R, "] tensor");
+    TORCH_CHECK(lens.scalar_type() == torch::kLong && lens.dim() == 1 && lens.size(0) == R && lens.is_contiguous(),
+                "DecodeStack.run: context lengths must be a contiguous int64 [", R, "] tensor");
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == R && tables.is_contiguous() &&
+                    (tables.scalar_type() == at::kLong || tables.scalar_type() == at::kInt),
+                "DecodeStack.run: block tables must be a contiguous int64 or int32 [", R, ", max_blocks] tensor, got ",
+                tables.sizes(), " ", tables.scalar_type());
+    const int64_t maxblk = tables.size(1);
+    const int64_t *sp = slots.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+    const bool t64 = tables.scalar_type() == at::kLong;
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK(sp[r] >= 0 && sp[r] < N * bs, "DecodeStack.run: slot ", sp[r], " of row ", r,
+                  " is outside the pool's ", N * bs, " slots");
+      TORCH_CHECK(lp[r] >= 1 && lp[r] <= maxblk * bs, "DecodeStack.run: row ", r, ": context length ", lp[r],
+                  " is outside 1..", maxblk * bs, " (its block table's capacity)");
+      for (int64_t b = 0; b < (lp[r] + bs - 1) / bs; ++b) {
+        const int64_t e = t64 ? tables.data_ptr<int64_t>()[r * maxblk + b] : tables.data_ptr<int32_t>()[r * maxblk + b];
+        TORCH_CHECK(e >= 0 && e < N, "DecodeStack.run: row ", r, ": block table entry ", b, " is ", e,
+                    ", outside the pool's ", N, " blocks");
+      }
+    }
+    const auto cos = cos_table.index_select(0, positions).contiguous();
+    const auto sin = sin_table.index_select(0, positions).contiguous();
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.dim() == 2 && cos.size(1) == D && cos.size(0) == R &&
+                    sin.sizes() == cos.sizes() && sin.scalar_type() == torch::kFloat32,
+                "DecodeStack.run: the cos/sin tables must be float32 [positions, ", D, "]");
+    const double scale = std::pow(static_cast<double>(D), -0.5);  // Python's D**-0.5
+    const int64_t wide = std::max({hid, HD, I}), nbw = wide / QB, nbh = hid / QB, nba = HD / QB, nbi = I / QB;
+
+    // Row buffers: x (the residual), the row work's output, its digits, scales and block sums
+    struct Rows {
+      float *x, *act, *xs, *sc;
+      int32_t* xd;
+    };
+    auto f32 = x.options();
+    auto rows_of = [&](float* xp, std::vector<torch::Tensor>& keep) {
+      keep.push_back(torch::empty({R * (wide + 2 * nbw)}, f32));
+      keep.push_back(torch::empty({R * nbw * kvgate_i24::XDW}, f32.dtype(torch::kInt32)));
+      float* a = keep[keep.size() - 2].data_ptr<float>();
+      return Rows{xp, a, a + R * wide, a + R * wide + R * nbw, keep.back().data_ptr<int32_t>()};
+    };
+    std::vector<torch::Tensor> keep;
+    const int64_t most = std::max<int64_t>(1, omp_get_max_threads());
+    const Rows shared_rows = rows_of(x.data_ptr<float>(), keep);
+    std::vector<Rows> own;  // one per thread while rows < threads (each thread does every row)
+    if (R < most) {
+      keep.push_back(torch::empty({most, R * hid}, f32));
+      float* xs0 = keep.back().data_ptr<float>();
+      for (int64_t t = 0; t < most; ++t) own.push_back(rows_of(xs0 + t * R * hid, keep));
+    }
+    auto qkv = torch::empty({R, NQ}, f32), attn = torch::empty({R, HD}, f32), o = torch::empty({R, hid}, f32);
+    auto gu = torch::empty({R, I2}, f32), out = torch::empty({R, hid}, f32);
+    auto parts = torch::empty({paged_attention_team_floats(lp, R, H, D, R + 1)}, f32);  // every row split: the most
+    float *qp = qkv.data_ptr<float>(), *ap = attn.data_ptr<float>(), *op = o.data_ptr<float>();
+    float *gp = gu.data_ptr<float>(), *outp = out.data_ptr<float>(), *pp = parts.data_ptr<float>();
+    const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+    float* xp = x.data_ptr<float>();
+    const void* tp = tables.data_ptr();
+    char *kb = static_cast<char*>(k_cache.data_ptr()), *vb = static_cast<char*>(v_cache.data_ptr());
+    const int64_t layer_bytes = k_cache.stride(0) * k_cache.element_size();
+
+#pragma omp parallel
+    {
+      const int64_t m = omp_get_num_threads(), tid = omp_get_thread_num();
+      const bool every = R < m;  // this thread does every row, on its own copy
+      const Rows& b = every ? own[tid] : shared_rows;
+      const auto mine = every ? std::pair<int64_t, int64_t>{0, R} : share(R, tid, m);
+      const auto split = share(R, tid, m);  // rows whose shared results this thread writes
+      const int64_t r0 = mine.first, r1 = mine.second;
+      if (every) std::copy(xp, xp + R * hid, b.x);
+      // this thread's tiles of M, then the first of the next matrix's asked for
+      auto mm = [&](const Mat& M, float* y, const Mat* next) {
+        const auto t = share(M.T, tid, m);
+        const uint8_t* nx = nullptr;
+        int64_t nxb = 0;
+        if (next) {
+          const auto u = share(next->T, tid, m);
+          nx = next->w + u.first * next->per;
+          nxb = std::min<int64_t>(4, u.second - u.first) * next->per;
+        }
+        if (t.first < t.second)
+          kvgate_team::tiles(b.xd, b.sc, b.xs, R, M.out_features, M.nb, M.w, y, t.first, t.second, nx, nxb);
+      };
+      for (int64_t li = 0; li < L; ++li) {
+        const Mat* mt = &mats_[4 * li];
+        const float *n1 = norms_[2 * li].data_ptr<float>(), *n2 = norms_[2 * li + 1].data_ptr<float>();
+        for (int64_t r = r0; r < r1; ++r) {
+          if (li > 0) kvgate_rows::add(b.x + r * hid, op + r * hid, hid);  // the last layer's down output
+          kvgate_rows::norm(b.x + r * hid, n1, hid, eps_, b.act + r * hid);
+        }
+        kvgate_team::prepare(b.act, r0 * nbh, r1 * nbh, b.xs, b.xd, b.sc);
+        if (!every) {
+#pragma omp barrier
+        }
+        mm(mt[0], qp, &mt[1]);
+#pragma omp barrier
+        char *kl = kb + li * layer_bytes, *vl = vb + li * layer_bytes;
+        for (int64_t r = split.first; r < split.second; ++r) {
+          kvgate_rows::rope(qp + r * NQ, H + KVH, cp + r * D, snp + r * D, D);
+          kvgate_rows::write_kv(qp + r * NQ + HD, KV, sp[r], pool, kl, vl);
+        }
+#pragma omp barrier
+        paged_attention_team(qp, NQ, D, pool, kl, vl, t64, tp, maxblk, lp, ap, R, H, KVH, D, bs, scale, pp);
+        kvgate_team::prepare(ap, r0 * nba, r1 * nba, b.xs, b.xd, b.sc);
+        if (!every) {
+#pragma omp barrier
+        }
+        mm(mt[1], op, &mt[2]);
+#pragma omp barrier
+        for (int64_t r = r0; r < r1; ++r) {
+          kvgate_rows::add(b.x + r * hid, op + r * hid, hid);
+          kvgate_rows::norm(b.x + r * hid, n2, hid, eps_, b.act + r * hid);
+        }
+        kvgate_team::prepare(b.act, r0 * nbh, r1 * nbh, b.xs, b.xd, b.sc);
+        if (!every) {
+#pragma omp barrier
+        }
+        mm(mt[2], gp, &mt[3]);
+#pragma omp barrier
+        for (int64_t r = r0; r < r1; ++r) kvgate_rows::silu_mul(gp + r * I2, I, b.act + r * I);
+        kvgate_team::prepare(b.act, r0 * nbi, r1 * nbi, b.xs, b.xd, b.sc);
+        if (!every) {
+#pragma omp barrier
+        }
+        mm(mt[3], op, li + 1 < L ? &mats_[4 * (li + 1)] : nullptr);
+#pragma omp barrier
+      }
+      for (int64_t r = split.first; r < split.second; ++r) {
+        if (every) std::copy(b.x + r * hid, b.x + (r + 1) * hid, xp + r * hid);
+        for (int64_t i = 0; i < hid; ++i) outp[r * hid + i] = xp[r * hid + i] + op[r * hid + i];
+      }
+    }
+    return out;
+  }
+
  private:
+  // Whether run_team can take this stack: every matrix "q4_1", each layer's shapes the first layer's and
+  // chained (hidden -> qkv, heads x head_dim -> hidden, hidden -> 2 x inter, inter -> hidden), every
+  // in-feature count a whole number of blocks, the norms contiguous float32. Fills the matrices' pointers.
+  bool team_shapes() {
+    const int64_t H = heads_, KVH = kv_heads_, D = head_dim_;
+    for (auto& m : mats_) {
+      if (m.dot8 || m.packed.dtype() != torch::kUInt8 || m.packed.dim() != 3 || !m.packed.is_contiguous()) return false;
+      m.w = m.packed.data_ptr<uint8_t>();
+      m.T = m.packed.size(0), m.nb = m.packed.size(1), m.per = m.packed.size(1) * m.packed.size(2);
+    }
+    for (const auto& n : norms_)
+      if (n.scalar_type() != torch::kFloat32 || n.dim() != 1 || !n.is_contiguous()) return false;
+    const int64_t hid = mats_[0].nb * QB, I2 = mats_[2].out_features;
+    if (I2 % 2 != 0 || (H * D) % QB != 0 || (I2 / 2) % QB != 0 || mats_[0].out_features != (H + 2 * KVH) * D)
+      return false;
+    for (size_t li = 0; li < norms_.size() / 2; ++li) {
+      const Mat* m = &mats_[4 * li];
+      if (m[0].nb * QB != hid || m[0].out_features != mats_[0].out_features || m[1].nb * QB != H * D ||
+          m[1].out_features != hid || m[2].nb * QB != hid || m[2].out_features != I2 || m[3].nb * QB != I2 / 2 ||
+          m[3].out_features != hid || norms_[2 * li].size(0) != hid || norms_[2 * li + 1].size(0) != hid)
+        return false;
+    }
+    return true;
+  }
+
   std::vector<torch::Tensor> norms_;
   std::vector<Mat> mats_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
+  bool team_ok_ = false, team_on_ = true;
 };
 
 }  // namespace
@@ -109,6 +337,8 @@ void bind_decode_stack(pybind11::module& mod) {
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                           std::vector<std::string>, int64_t, int64_t, int64_t, double>())
       .def("layers", &DecodeStack::layers)
+      .def("set_team", &DecodeStack::set_team, "False: run every decode step as one op after another (A/B, tests)")
+      .def("team", &DecodeStack::team, "whether decode steps run on the thread team")
       .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the layer stack of a decode-only step; x is updated in place, x + the last layer's output returned");
 }

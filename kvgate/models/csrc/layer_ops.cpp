@@ -32,6 +32,7 @@
 #define KVGATE_AVX2 1
 #endif
 #include "vec_exp.h"
+#include "layer_rows.h"
 
 namespace {
 
@@ -67,13 +68,7 @@ torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, double e
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* hp = h.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = xp + r * n;
-    float* hr = hp + r * n;
-    const float mean = row_sum_squares(xr, n) / static_cast<float>(n);
-    const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) hr[i] = (xr[i] * inv) * wp[i];
-  }
+  for (int64_t r = 0; r < R; ++r) kvgate_rows::norm(xp + r * n, wp, n, eps, hp + r * n);
   return h;
 }
 
@@ -83,6 +78,65 @@ inline float silu_one(float g) {
 }
 
 }  // namespace
+
+namespace kvgate_rows {
+
+void norm(const float* x, const float* w, int64_t n, double eps, float* h) {
+  const float mean = row_sum_squares(x, n) / static_cast<float>(n);
+  const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) h[i] = (x[i] * inv) * w[i];
+}
+
+void add(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+void silu_mul(const float* g, int64_t inter, float* a) {
+  const float* u = g + inter;
+  int64_t i = 0;
+#ifdef KVGATE_AVX2_EXP
+  const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= inter; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = kvgate_vec::exp8(_mm256_or_ps(x, sign));  // exp(-|x|)
+    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), neg);
+    _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < inter; ++i) a[i] = silu_one(g[i]) * u[i];
+}
+
+void rope(float* row, int64_t heads, const float* c, const float* s, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x = row + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      const float lo = a * c[i] + (-b) * s[i];
+      const float hi = b * c[i + half] + a * s[i + half];
+      x[i] = lo;
+      x[i + half] = hi;
+    }
+  }
+}
+
+template <typename P>
+void write_kv_typed(const float* kv_row, int64_t kv, int64_t slot, P* kp, P* vp) {
+  std::copy(kv_row, kv_row + kv, kp + slot * kv);  // converting, rounding to nearest even
+  std::copy(kv_row + kv, kv_row + 2 * kv, vp + slot * kv);
+}
+
+void write_kv(const float* kv_row, int64_t kv, int64_t slot, at::ScalarType pool, void* k_pool, void* v_pool) {
+  if (pool == at::kFloat)
+    write_kv_typed(kv_row, kv, slot, static_cast<float*>(k_pool), static_cast<float*>(v_pool));
+  else if (pool == at::kHalf)
+    write_kv_typed(kv_row, kv, slot, static_cast<at::Half*>(k_pool), static_cast<at::Half*>(v_pool));
+  else
+    write_kv_typed(kv_row, kv, slot, static_cast<at::BFloat16*>(k_pool), static_cast<at::BFloat16*>(v_pool));
+}
+
+}  // namespace kvgate_rows
 
 torch::Tensor silu_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.device().is_cpu() && gu.scalar_type() == torch::kFloat32 && gu.dim() == 2 && gu.is_contiguous() &&
@@ -94,23 +148,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   const float* src = gu.data_ptr<float>();
   float* dst = act.data_ptr<float>();
   at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = src + r * 2 * inter;
-      const float* u = g + inter;
-      float* a = dst + r * inter;
-      int64_t i = 0;
-#ifdef KVGATE_AVX2_EXP
-      const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= inter; i += 8) {
-        const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 e = kvgate_vec::exp8(_mm256_or_ps(x, sign));  // exp(-|x|)
-        const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-        const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), neg);
-        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-      }
-#endif
-      for (; i < inter; ++i) a[i] = silu_one(g[i]) * u[i];
-    }
+    for (int64_t r = r0; r < r1; ++r) kvgate_rows::silu_mul(src + r * 2 * inter, inter, dst + r * inter);
   });
   return act;
 }
@@ -124,10 +162,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
   check_rows(x, w, "add_rms_norm_");
   TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.sizes() == x.sizes() && y.is_contiguous(),
               "add_rms_norm_: y must be a contiguous float32 tensor shaped like x ", x.sizes(), ", got ", y.sizes());
-  float* xp = x.data_ptr<float>();
-  const float* yp = y.data_ptr<float>();
-  const int64_t total = x.numel();
-  for (int64_t i = 0; i < total; ++i) xp[i] += yp[i];
+  kvgate_rows::add(x.data_ptr<float>(), y.data_ptr<float>(), x.numel());
   return norm_rows(x, w, eps);
 }
 
@@ -140,7 +175,7 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
               "rope_write_kv_: cos and sin must be contiguous float32 [tokens, head_dim]");
-  const int64_t D = cos.size(1), half = D / 2, width = (heads + 2 * kv_heads) * D;
+  const int64_t D = cos.size(1), width = (heads + 2 * kv_heads) * D;
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == width, "rope_write_kv_: qkv has ", qkv.size(1), " columns, expected (",
               heads, " + 2 x ", kv_heads, ") x ", D);
   const auto pool_type = k_pool.scalar_type();
@@ -159,33 +194,8 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = qp + t * width;
-    const float* c = cp + t * D;
-    const float* s = snp + t * D;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) {
-      float* x = row + h * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = x[i], b = x[i + half];
-        const float lo = a * c[i] + (-b) * s[i];
-        const float hi = b * c[i + half] + a * s[i + half];
-        x[i] = lo;
-        x[i + half] = hi;
-      }
-    }
-  }
+  for (int64_t t = 0; t < T; ++t) kvgate_rows::rope(qp + t * width, heads + kv_heads, cp + t * D, snp + t * D, D);
   const int64_t kv = kv_heads * D;
-  auto write = [&](auto* kp, auto* vp) {
-    for (int64_t t = 0; t < T; ++t) {
-      const float* row = qp + t * width + heads * D;
-      std::copy(row, row + kv, kp + sp[t] * kv);  // converting, rounding to nearest even
-      std::copy(row + kv, row + 2 * kv, vp + sp[t] * kv);
-    }
-  };
-  if (pool_type == torch::kFloat32)
-    write(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
-  else if (pool_type == torch::kFloat16)
-    write(k_pool.data_ptr<at::Half>(), v_pool.data_ptr<at::Half>());
-  else
-    write(k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
+  for (int64_t t = 0; t < T; ++t)
+    kvgate_rows::write_kv(qp + t * width + heads * D, kv, sp[t], pool_type, k_pool.data_ptr(), v_pool.data_ptr());
 }

@@ -561,6 +561,43 @@ struct Attend {
   }
 };
 
+// The split rows' first task / partial (see `run`): first[i] for split row whole + i, first.back() in all.
+inline std::vector<int64_t> split_firsts(const int64_t* lens, int64_t R, int64_t whole) {
+  std::vector<int64_t> first(R - whole + 1, 0);
+  for (int64_t r = whole; r < R; ++r) first[r - whole + 1] = first[r - whole] + chunks_of(lens[r]);
+  return first;
+}
+
+// Every thread of the current parallel region runs this (its worksharing loops bind to that region); it
+// returns after a barrier, with every row's output written. parts: first.back() * H * part_floats(D) floats.
+template <typename Q, typename T, typename I>
+void team_body(const Attend<Q, T, I>& attend, int64_t R, int64_t whole, const std::vector<int64_t>& first,
+               float* parts) {
+  const int64_t H = attend.H, KVH = attend.KVH, D = attend.D;
+  const int64_t split = first.back() * KVH, pf = part_floats(D);
+  typename Attend<Q, T, I>::Scratch s;
+  std::vector<float> own, acc(D);
+#pragma omp for schedule(static) nowait
+  for (int64_t r = 0; r < whole; ++r) {
+    const int64_t n = chunks_of(attend.lens[r]);
+    own.resize(static_cast<size_t>(n * H * pf));
+    for (int64_t c = 0; c < n; ++c) attend(r, c, 0, KVH, s, own.data() + c * H * pf);
+    attend.merge(r, n, own.data(), 0, KVH, acc.data());
+  }
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < split; ++task) {
+    const int64_t piece = task / KVH, kh = task % KVH;
+    const int64_t r = whole + (std::upper_bound(first.begin(), first.end(), piece) - first.begin()) - 1;
+    attend(r, piece - first[r - whole], kh, kh + 1, s, parts + piece * H * pf);
+  }
+#pragma omp for schedule(static)
+  for (int64_t task = 0; task < (R - whole) * KVH; ++task) {
+    const int64_t r = whole + task / KVH, kh = task % KVH;
+    attend.merge(r, first[r - whole + 1] - first[r - whole], parts + first[r - whole] * H * pf, kh, kh + 1,
+                 acc.data());
+  }
+}
+
 template <typename Q, typename T, typename I>
 void run(const Q* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, const T* v, const I* tables,
          int64_t maxblk, const int64_t* lens, Q* out, int64_t R, int64_t H, int64_t KVH, int64_t D,
@@ -572,34 +609,10 @@ void run(const Q* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, co
   // uses every thread, and are merged after those tasks.
   const int64_t threads = omp_get_max_threads();
   const int64_t whole = R - R % threads;
-  std::vector<int64_t> first(R - whole + 1, 0);  // the split rows' first task / partial
-  for (int64_t r = whole; r < R; ++r) first[r - whole + 1] = first[r - whole] + chunks_of(lens[r]);
-  const int64_t split = first.back() * KVH, pf = part_floats(D);
-  std::vector<float> parts(static_cast<size_t>(first.back() * H * pf));
+  const auto first = split_firsts(lens, R, whole);
+  std::vector<float> parts(static_cast<size_t>(first.back() * H * part_floats(D)));
 #pragma omp parallel
-  {
-    typename Attend<Q, T, I>::Scratch s;
-    std::vector<float> own, acc(D);
-#pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < whole; ++r) {
-      const int64_t n = chunks_of(lens[r]);
-      own.resize(static_cast<size_t>(n * H * pf));
-      for (int64_t c = 0; c < n; ++c) attend(r, c, 0, KVH, s, own.data() + c * H * pf);
-      attend.merge(r, n, own.data(), 0, KVH, acc.data());
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < split; ++task) {
-      const int64_t piece = task / KVH, kh = task % KVH;
-      const int64_t r = whole + (std::upper_bound(first.begin(), first.end(), piece) - first.begin()) - 1;
-      attend(r, piece - first[r - whole], kh, kh + 1, s, parts.data() + piece * H * pf);
-    }
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < (R - whole) * KVH; ++task) {
-      const int64_t r = whole + task / KVH, kh = task % KVH;
-      attend.merge(r, first[r - whole + 1] - first[r - whole], parts.data() + first[r - whole] * H * pf, kh, kh + 1,
-                   acc.data());
-    }
-  }
+  team_body(attend, R, whole, first, parts.data());
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -678,6 +691,41 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale);
+}
+
+// The kernel inside a thread team the caller runs (decode_stack.cpp): every thread of the current
+// parallel region calls this with the same arguments, checked beforehand as paged_decode_attention
+// checks them; q float32 [R, H, D] at the strides given, out float32 [R, H, D] contiguous; the pools in
+// float32, float16 or bfloat16; tables int64 (tables64) or int32. Same tasks, same bits as the call.
+int64_t paged_attention_team_floats(const int64_t* lens, int64_t R, int64_t H, int64_t D, int64_t threads) {
+  return split_firsts(lens, R, R - R % threads).back() * H * part_floats(D);
+}
+
+void paged_attention_team(const float* q, int64_t q_row_stride, int64_t q_head_stride, at::ScalarType pool,
+                          const void* k, const void* v, bool tables64, const void* tables, int64_t maxblk,
+                          const int64_t* lens, float* out, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t bs,
+                          double scale, float* parts) {
+  const int64_t threads = omp_get_num_threads(), whole = R - R % threads;
+  const auto first = split_firsts(lens, R, whole);
+  auto go = [&](auto pool_type, auto* tab) {
+    using T = decltype(pool_type);
+    using I = std::remove_const_t<std::remove_pointer_t<decltype(tab)>>;
+    const Attend<float, T, I> attend{q, static_cast<const T*>(k), static_cast<const T*>(v), q_row_stride,
+                                     q_head_stride, tab, maxblk, lens, out, H, KVH, D, bs, static_cast<float>(scale)};
+    team_body(attend, R, whole, first, parts);
+  };
+  auto with_tables = [&](auto pool_type) {
+    if (tables64)
+      go(pool_type, static_cast<const int64_t*>(tables));
+    else
+      go(pool_type, static_cast<const int32_t*>(tables));
+  };
+  if (pool == at::kFloat)
+    with_tables(float{});
+  else if (pool == at::kHalf)
+    with_tables(c10::Half{});
+  else
+    with_tables(c10::BFloat16{});
 }
 
 TORCH_LIBRARY(kvgate, m) {

@@ -72,6 +72,16 @@ inline void prefetch_next(const uint8_t* p) {
 #endif
 }
 
+// block b's share (of nb) of a span of the next matrix, into L2
+inline void prefetch_span(const uint8_t* p, int64_t bytes, int64_t b, int64_t nb) {
+#if defined(KVGATE_I24_AVX2)
+  const int64_t lines = (bytes + 63) / 64, l0 = lines * b / nb, l1 = lines * (b + 1) / nb;
+  for (int64_t l = l0; l < l1; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * l), _MM_HINT_T1);
+#else
+  (void)p; (void)bytes; (void)b; (void)nb;
+#endif
+}
+
 // the k of lane t (0..15) in a group pair's digit bytes: t = 4 (2g + h) + i holds k = 8g + h + 2i
 constexpr int lane_k(int t) { return 8 * (t / 8) + (t / 4) % 2 + 2 * (t % 4); }
 
@@ -206,7 +216,7 @@ inline void prefetch_tile_block(const uint8_t* p) {
 
 template <int R, int NT>
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-           float* y, int64_t ldy, int pf) {
+           float* y, int64_t ldy, int pf, const uint8_t* nx, int64_t nx_bytes) {
   alignas(64) uint8_t ix[64];
   for (int n = 0; n < 16; ++n)
     for (int q = 0; q < 4; ++q) ix[4 * n + q] = static_cast<uint8_t>(16 * q + n);
@@ -218,8 +228,10 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
   for (int64_t b = 0; b < nb; ++b) {
     if ((pf & PF_NEAR) && b + AHEAD < nb)
       for (int t = 0; t < NT; ++t) prefetch_tile_block(w + t * tstride + (b + AHEAD) * TBYTES);
-    if (pf & PF_NEXT)
-      for (int t = 0; t < NT; ++t) prefetch_next(w + (t + NT) * tstride + b * TBYTES);
+    if (pf & PF_NEXT) {
+      if (nx) prefetch_span(nx, nx_bytes, b, nb);
+      else for (int t = 0; t < NT; ++t) prefetch_next(w + (t + NT) * tstride + b * TBYTES);
+    }
     __m512i i0[R][NT], i1[R][NT], i2[R][NT];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < NT; ++t) i0[r][t] = i1[r][t] = i2[r][t] = _mm512_setzero_si512();
@@ -265,7 +277,7 @@ inline int group_tiles(int64_t rows) { return rows >= 4 ? 1 : rows >= 2 ? 2 : 4;
 // most 2 x 15 x 128 each: 30,720, no overflow), then one madd widens them: the same integers.
 template <int R, int NT>
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-           float* y, int64_t ldy, int pf) {
+           float* y, int64_t ldy, int pf, const uint8_t* nx, int64_t nx_bytes) {
   static_assert(NT == 1, "the AVX2 kernel runs one tile at a time");
   const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256 base = _mm256_set1_ps(65536.f);
@@ -275,7 +287,10 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
     const uint8_t* wb = w + b * TBYTES;
     if ((pf & PF_NEAR) && b + AHEAD < nb)
       for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + AHEAD * TBYTES + l), _MM_HINT_T0);
-    if (pf & PF_NEXT) prefetch_next(wb + tstride);
+    if (pf & PF_NEXT) {
+      if (nx) prefetch_span(nx, nx_bytes, b, nb);
+      else prefetch_next(wb + tstride);
+    }
     for (int h = 0; h < 2; ++h) {
       __m256i s[R][3];
       for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = s[r][2] = _mm256_setzero_si256();
@@ -318,7 +333,7 @@ inline int group_tiles(int64_t) { return 1; }
 // Without AVX2: the same integers and the same float operations, one output at a time.
 template <int R, int NT>
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-           float* y, int64_t ldy, int) {
+           float* y, int64_t ldy, int, const uint8_t*, int64_t) {
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t)
       for (int64_t j = 0; j < TILE; ++j) {
@@ -346,27 +361,27 @@ inline int group_tiles(int64_t) { return 1; }
 
 template <int R>
 void group(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-           int nt, float* y, int64_t ldy, int pf) {
+           int nt, float* y, int64_t ldy, int pf, const uint8_t* nx, int64_t nxb) {
   switch (nt) {
 #if defined(KVGATE_I24_VNNI)
-    case 4: tiles<R, 4>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
-    case 2: tiles<R, 2>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
+    case 4: tiles<R, 4>(xd, sc, xs, nb, w, tstride, y, ldy, pf, nx, nxb); break;
+    case 2: tiles<R, 2>(xd, sc, xs, nb, w, tstride, y, ldy, pf, nx, nxb); break;
 #endif
-    default: tiles<R, 1>(xd, sc, xs, nb, w, tstride, y, ldy, pf); break;
+    default: tiles<R, 1>(xd, sc, xs, nb, w, tstride, y, ldy, pf, nx, nxb); break;
   }
 }
 
 void rows_group(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
-                int64_t rows, int nt, float* y, int64_t ldy, int pf) {
+                int64_t rows, int nt, float* y, int64_t ldy, int pf, const uint8_t* nx = nullptr, int64_t nxb = 0) {
   switch (rows) {
 #if defined(KVGATE_I24_VNNI)
-    case 8: group<8>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf); break;
-    case 4: group<4>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf); break;
+    case 8: group<8>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
+    case 4: group<4>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
 #endif
 #if defined(KVGATE_I24_AVX2)
-    case 2: group<2>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf); break;
+    case 2: group<2>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
 #endif
-    default: group<1>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf); break;
+    default: group<1>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
   }
 }
 
@@ -390,7 +405,8 @@ void digits(const float* x, int64_t i0, int64_t i1, int32_t* xd, float* sc) {
 
 // Decode rows [0, M) against tiles [t0, t1) (see the file's opening and q4_1_int24.h).
 void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
-                 const uint8_t* w, float* y, int64_t t0, int64_t t1, int pf_one, int pf_more) {
+                 const uint8_t* w, float* y, int64_t t0, int64_t t1, int pf_one, int pf_more, const uint8_t* nx,
+                 int64_t nx_bytes) {
   const int64_t tstride = nb * TBYTES, full = N / TILE;
   std::vector<float> spare;
   for (int64_t c0 = t0; c0 < t1; c0 += 8) {
@@ -405,8 +421,11 @@ void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M,
       int64_t t = c0;
       const int64_t end = std::min(c1, full);
       for (int nt = group_tiles(rows); nt >= 1; nt /= 2)
-        for (; t + nt <= end; t += nt)
-          rows_group(xdr, scr, xsr, nb, w + t * tstride, tstride, rows, nt, y + m * N + t * TILE, N, pf);
+        for (; t + nt <= end; t += nt) {
+          const bool last = nx && t + nt >= t1 && m + rows >= M;  // this thread's last group: the next matrix's first
+          rows_group(xdr, scr, xsr, nb, w + t * tstride, tstride, rows, nt, y + m * N + t * TILE, N, pf,
+                     last ? nx : nullptr, nx_bytes);
+        }
       if (t < c1) {  // the last, partial tile (its padding outputs are zero codes and scales)
         spare.resize(static_cast<size_t>(rows * TILE));
         rows_group(xdr, scr, xsr, nb, w + t * tstride, tstride, rows, 1, spare.data(), TILE, pf);

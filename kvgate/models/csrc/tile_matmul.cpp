@@ -595,6 +595,26 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
   return y;
 }
 
+namespace kvgate_team {  // q4_1_matmul's decode rows in pieces, for decode_stack.cpp's thread team
+
+bool int24() { return g_decode_int24.load(std::memory_order_relaxed); }
+
+// blocks [i0, i1) of x: their float sums and 24-bit digits, as q4_1_matmul's first pass makes them
+void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, float* sc) {
+  for (int64_t i = i0; i < i1; ++i) xs[i] = block_sum(x + i * QBLOCK);
+  kvgate_i24::digits(x, i0, i1, xd, sc);
+}
+
+// decode rows [0, M) against tiles [t0, t1): q4_1_matmul's second pass on one thread's share; nx: the
+// span of the next matrix this thread reads first, asked for during its last group
+void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
+           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes) {
+  kvgate_i24::decode_cols(xd, sc, xs, M, N, nb, w, y, t0, t1, g_prefetch_one.load(std::memory_order_relaxed),
+                          g_prefetch_more.load(std::memory_order_relaxed), nx, nx_bytes);
+}
+
+}  // namespace kvgate_team
+
 std::tuple<int64_t, int64_t> decode_prefetch() {
   return {g_prefetch_one.load(std::memory_order_relaxed), g_prefetch_more.load(std::memory_order_relaxed)};
 }
