@@ -76,7 +76,8 @@ inline void prefetch_next(const uint8_t* p) {
 inline void prefetch_span(const uint8_t* p, int64_t bytes, int64_t b, int64_t nb) {
 #if defined(KVGATE_I24_AVX2)
   const int64_t lines = (bytes + 63) / 64, l0 = lines * b / nb, l1 = lines * (b + 1) / nb;
-  for (int64_t l = l0; l < l1; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * l), _MM_HINT_T1);
+  for (int64_t l = l0; l < l1; ++l)  // as asm: GCC may delete a loop of _mm_prefetch as one without effects
+    asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(p + 64 * l)));
 #else
   (void)p; (void)bytes; (void)b; (void)nb;
 #endif
