@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
-from kvgate.models import decode_stack, native
+from kvgate.models import decode_stack, huge_pages, native
 from kvgate.models.linear import Linear, packs_weights, row_buckets
 from kvgate.models.paged_attention import gather_attention, length_mask
 from kvgate.models.paged_attention import kernel as paged_kernel
@@ -219,8 +219,21 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
         self.sin = emb.sin().to(device=self.device, dtype=dtype)
+        # the Q4_1 layer tiles and the Q8 table, streamed whole by every decode step, on huge pages
+        self.huge_page_bytes = huge_pages.move(self._streamed()) if self.device.type == "cpu" else 0
         # decode-only steps run the layers in one C++ call where every kernel is kvgate's own
         self.decode_stack = decode_stack.build(self)
+
+    def _streamed(self) -> list[tuple[object, str]]:
+        """(owner, attribute) of each kvgate-packed weight tensor: the Q4_1 layer tiles and the Q8 table."""
+        out: list[tuple[object, str]] = [
+            (lin, "packed") for layer in self.layers for lin in layer if isinstance(lin, (Q41Linear, Q41Dot8Linear))
+        ]
+        if isinstance(self.q8, Q8DotTable):
+            out.append((self.q8, "packed"))
+        elif isinstance(self.q8, Q8Table):
+            out.append((self.q8, "tiles"))
+        return out
 
     def set_row_buckets(self, step_tokens: int, logit_rows: int) -> None:
         """Round each matmul's rows up to the buckets `warm_kernels` ran (see kvgate.models.linear)."""
