@@ -12,6 +12,11 @@
 //
 // It takes only steps where every token is a decode row (verify positions are decode rows too); a step
 // holding a prompt chunk keeps the Python loop.
+//
+// `run` takes the thread team (`run_team`, one parallel region for all layers; see there) for stacks of
+// "q4_1" matrices under the int24 decode rows, and `run_ops` (one op after another, each with its own
+// threads) otherwise: gguf-q8act, the float decode loop, or set_team(false). Both give the same bits.
+// One-row stack at context 300 (Zen 4, 2 vCPUs): 3.73 ms op by op, 2.93 ms on the team.
 #include <torch/extension.h>
 
 #include <omp.h>
