@@ -132,30 +132,40 @@ def test_models_the_stack_cannot_run_keep_the_loop(q4_smol_dir, tiny_dir, monkey
     assert decode_stack.build(model) is None
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, kv_dtype):
+@pytest.mark.parametrize(
+    "kv_dtype,threads",
+    [(torch.float32, 1), (torch.float16, 2), (torch.bfloat16, 3), (torch.float32, 3)],
+)
+def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, kv_dtype, threads):
     """`--weights gguf` runs decode-only steps on the stack's thread team (one parallel region for all
     layers); its logits and K/V writes equal the op-by-op stack's and the Python loop's exactly, with
     fewer rows than threads (every thread does every row on its own copy) and more (rows split, shared
-    buffers), over float32, float16 and bfloat16 pools. Seen red (with the other gguf case above): the
-    team's post-attention norm taken before the o-projection's output was added to the residual."""
+    buffers), on 1-3 threads, over float32, float16 and bfloat16 pools, with contexts of one attention
+    chunk and of several (up to 290 positions). Seen red (with the other gguf case above): the team's
+    post-attention norm taken before the o-projection's output was added to the residual."""
     from kvgate.core.step_inputs import DecodeInput
 
     model, kv = model_and_pool(q4_smol_dir, "gguf", kv_dtype)
     stack = model.decode_stack
     assert stack.team(), "a gguf stack should run on its thread team"
     rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
-    for decodes in ([rows[4]], rows[:2], rows[:3], rows):
-        team = step(model, kv, decodes)
-        stack.set_team(False)
-        ops = step(model, kv, decodes)
-        stack.set_team(True)
-        model.decode_stack = None
-        loop = step(model, kv, decodes)
-        model.decode_stack = stack
-        for other in (ops, loop):
-            assert torch.equal(team[0], other[0])
-            assert all(torch.equal(a, b) for a, b in zip(team[1], other[1], strict=True))
+    rows += [DecodeInput(7, 11, 290, list(range(100, 173))), DecodeInput(8, 12, 140, list(range(180, 216)))]
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for decodes in ([rows[4]], [rows[7]], rows[:2], rows[6:9], rows):
+            team = step(model, kv, decodes)
+            stack.set_team(False)
+            ops = step(model, kv, decodes)
+            stack.set_team(True)
+            model.decode_stack = None
+            loop = step(model, kv, decodes)
+            model.decode_stack = stack
+            for other in (ops, loop):
+                assert torch.equal(team[0], other[0])
+                assert all(torch.equal(a, b) for a, b in zip(team[1], other[1], strict=True))
+    finally:
+        torch.set_num_threads(was)
 
 
 def test_what_the_team_does_not_take_runs_op_by_op(q4_smol_dir, monkeypatch):

@@ -111,7 +111,10 @@ class DecodeStack {
   torch::Tensor run(torch::Tensor x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                     const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& positions,
                     const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens) const {
-    if (team() && kvgate_team::int24() && k_cache.is_contiguous() && v_cache.is_contiguous() && x.is_contiguous())
+    if (team() && kvgate_team::int24() && k_cache.is_contiguous() && v_cache.is_contiguous() && x.is_contiguous() &&
+        x.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() && cos_table.device().is_cpu() &&
+        sin_table.device().is_cpu() && positions.device().is_cpu() && slots.device().is_cpu() &&
+        tables.device().is_cpu() && lens.device().is_cpu() && distinct_slots(slots))
       return run_team(x, k_cache, v_cache, cos_table, sin_table, positions, slots, tables, lens);
     return run_ops(x, k_cache, v_cache, cos_table, sin_table, positions, slots, tables, lens);
   }
@@ -303,18 +306,32 @@ class DecodeStack {
   }
 
  private:
+  // Rows writing the same K/V slot (never in the engine's steps) keep run_ops, whose writes go in row
+  // order (the last row's stays); the team's threads would race on it.
+  static bool distinct_slots(const torch::Tensor& slots) {
+    if (slots.scalar_type() != torch::kLong || slots.dim() != 1 || !slots.is_contiguous()) return false;
+    const int64_t* p = slots.data_ptr<int64_t>();
+    std::vector<int64_t> s(p, p + slots.numel());
+    std::sort(s.begin(), s.end());
+    return std::adjacent_find(s.begin(), s.end()) == s.end();
+  }
+
   // Whether run_team can take this stack: every matrix "q4_1", each layer's shapes the first layer's and
   // chained (hidden -> qkv, heads x head_dim -> hidden, hidden -> 2 x inter, inter -> hidden), every
   // in-feature count a whole number of blocks, the norms contiguous float32. Fills the matrices' pointers.
   bool team_shapes() {
     const int64_t H = heads_, KVH = kv_heads_, D = head_dim_;
+    if (norms_.empty() || norms_.size() % 2 != 0 || mats_.size() != 2 * norms_.size()) return false;
+    if (KVH <= 0 || H % KVH != 0 || D % 2 != 0) return false;  // run_ops' kernels say what is wrong
     for (auto& m : mats_) {
-      if (m.dot8 || m.packed.dtype() != torch::kUInt8 || m.packed.dim() != 3 || !m.packed.is_contiguous()) return false;
+      if (m.dot8 || m.packed.dtype() != torch::kUInt8 || m.packed.dim() != 3 || !m.packed.is_contiguous() ||
+          !m.packed.device().is_cpu() || m.packed.size(2) != 320 || m.packed.size(0) != (m.out_features + 15) / 16)
+        return false;  // not q4_1_pack16 tiles of out_features outputs: run_ops' checks name the problem
       m.w = m.packed.data_ptr<uint8_t>();
       m.T = m.packed.size(0), m.nb = m.packed.size(1), m.per = m.packed.size(1) * m.packed.size(2);
     }
     for (const auto& n : norms_)
-      if (n.scalar_type() != torch::kFloat32 || n.dim() != 1 || !n.is_contiguous()) return false;
+      if (n.scalar_type() != torch::kFloat32 || n.dim() != 1 || !n.is_contiguous() || !n.device().is_cpu()) return false;
     const int64_t hid = mats_[0].nb * QB, I2 = mats_[2].out_features;
     if (I2 % 2 != 0 || (H * D) % QB != 0 || (I2 / 2) % QB != 0 || mats_[0].out_features != (H + 2 * KVH) * D)
       return false;
