@@ -40,6 +40,8 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 
 int64_t paged_attention_team_floats(const int64_t* lens, int64_t R, int64_t H, int64_t D, int64_t threads);
+void paged_attention_check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t R,
+                                  int64_t N, int64_t bs);
 void paged_attention_team(const float* q, int64_t q_row_stride, int64_t q_head_stride, at::ScalarType pool,
                           const void* k, const void* v, bool tables64, const void* tables, int64_t maxblk,
                           const int64_t* lens, float* out, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t bs,
@@ -53,7 +55,8 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64
 
 namespace {
 
-constexpr int64_t QB = 32;  // values per Q4_1 block
+constexpr int64_t QB = 32;           // values per Q4_1 block
+constexpr int64_t TILE_BLOCK = 320;  // q4_1_pack16: a tile's bytes per block (16 outputs' codes, d and m)
 
 // [begin, end) of n items for thread `tid` of `nt`: ceil(n / nt) each, the last ones short or empty
 inline std::pair<int64_t, int64_t> share(int64_t n, int64_t tid, int64_t nt) {
@@ -171,26 +174,13 @@ class DecodeStack {
     const int64_t N = k_cache.size(1), bs = k_cache.size(2);
     TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == R && slots.is_contiguous(),
                 "DecodeStack.run: slots must be a contiguous int64 [", R, "] tensor");
-    TORCH_CHECK(lens.scalar_type() == torch::kLong && lens.dim() == 1 && lens.size(0) == R && lens.is_contiguous(),
-                "DecodeStack.run: context lengths must be a contiguous int64 [", R, "] tensor");
-    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == R && tables.is_contiguous() &&
-                    (tables.scalar_type() == at::kLong || tables.scalar_type() == at::kInt),
-                "DecodeStack.run: block tables must be a contiguous int64 or int32 [", R, ", max_blocks] tensor, got ",
-                tables.sizes(), " ", tables.scalar_type());
+    paged_attention_check_tables(tables, lens, R, N, bs);
     const int64_t maxblk = tables.size(1);
     const int64_t *sp = slots.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
     const bool t64 = tables.scalar_type() == at::kLong;
-    for (int64_t r = 0; r < R; ++r) {
+    for (int64_t r = 0; r < R; ++r)
       TORCH_CHECK(sp[r] >= 0 && sp[r] < N * bs, "DecodeStack.run: slot ", sp[r], " of row ", r,
                   " is outside the pool's ", N * bs, " slots");
-      TORCH_CHECK(lp[r] >= 1 && lp[r] <= maxblk * bs, "DecodeStack.run: row ", r, ": context length ", lp[r],
-                  " is outside 1..", maxblk * bs, " (its block table's capacity)");
-      for (int64_t b = 0; b < (lp[r] + bs - 1) / bs; ++b) {
-        const int64_t e = t64 ? tables.data_ptr<int64_t>()[r * maxblk + b] : tables.data_ptr<int32_t>()[r * maxblk + b];
-        TORCH_CHECK(e >= 0 && e < N, "DecodeStack.run: row ", r, ": block table entry ", b, " is ", e,
-                    ", outside the pool's ", N, " blocks");
-      }
-    }
     const auto cos = cos_table.index_select(0, positions).contiguous();
     const auto sin = sin_table.index_select(0, positions).contiguous();
     TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.dim() == 2 && cos.size(1) == D && cos.size(0) == R &&
@@ -253,6 +243,14 @@ class DecodeStack {
         if (t.first < t.second)
           kvgate_team::tiles(b.xd, b.sc, b.xs, R, M.out_features, M.nb, M.w, y, t.first, t.second, nx, nxb);
       };
+      // this thread's rows of src (nbk blocks a row) as the next matmul's input; with rows split, the
+      // others' too before it runs
+      auto digits_of = [&](const float* src, int64_t nbk) {
+        kvgate_team::prepare(src, r0 * nbk, r1 * nbk, b.xs, b.xd, b.sc);
+        if (!every) {
+#pragma omp barrier
+        }
+      };
       for (int64_t li = 0; li < L; ++li) {
         const Mat* mt = &mats_[4 * li];
         const float *n1 = norms_[2 * li].data_ptr<float>(), *n2 = norms_[2 * li + 1].data_ptr<float>();
@@ -260,10 +258,7 @@ class DecodeStack {
           if (li > 0) kvgate_rows::add(b.x + r * hid, op + r * hid, hid);  // the last layer's down output
           kvgate_rows::norm(b.x + r * hid, n1, hid, eps_, b.act + r * hid);
         }
-        kvgate_team::prepare(b.act, r0 * nbh, r1 * nbh, b.xs, b.xd, b.sc);
-        if (!every) {
-#pragma omp barrier
-        }
+        digits_of(b.act, nbh);
         mm(mt[0], qp, &mt[1]);
 #pragma omp barrier
         char *kl = kb + li * layer_bytes, *vl = vb + li * layer_bytes;
@@ -273,27 +268,18 @@ class DecodeStack {
         }
 #pragma omp barrier
         paged_attention_team(qp, NQ, D, pool, kl, vl, t64, tp, maxblk, lp, ap, R, H, KVH, D, bs, scale, pp);
-        kvgate_team::prepare(ap, r0 * nba, r1 * nba, b.xs, b.xd, b.sc);
-        if (!every) {
-#pragma omp barrier
-        }
+        digits_of(ap, nba);
         mm(mt[1], op, &mt[2]);
 #pragma omp barrier
         for (int64_t r = r0; r < r1; ++r) {
           kvgate_rows::add(b.x + r * hid, op + r * hid, hid);
           kvgate_rows::norm(b.x + r * hid, n2, hid, eps_, b.act + r * hid);
         }
-        kvgate_team::prepare(b.act, r0 * nbh, r1 * nbh, b.xs, b.xd, b.sc);
-        if (!every) {
-#pragma omp barrier
-        }
+        digits_of(b.act, nbh);
         mm(mt[2], gp, &mt[3]);
 #pragma omp barrier
         for (int64_t r = r0; r < r1; ++r) kvgate_rows::silu_mul(gp + r * I2, I, b.act + r * I);
-        kvgate_team::prepare(b.act, r0 * nbi, r1 * nbi, b.xs, b.xd, b.sc);
-        if (!every) {
-#pragma omp barrier
-        }
+        digits_of(b.act, nbi);
         mm(mt[3], op, li + 1 < L ? &mats_[4 * (li + 1)] : nullptr);
 #pragma omp barrier
       }
@@ -325,7 +311,7 @@ class DecodeStack {
     if (KVH <= 0 || H % KVH != 0 || D % 2 != 0) return false;  // run_ops' kernels say what is wrong
     for (auto& m : mats_) {
       if (m.dot8 || m.packed.dtype() != torch::kUInt8 || m.packed.dim() != 3 || !m.packed.is_contiguous() ||
-          !m.packed.device().is_cpu() || m.packed.size(2) != 320 || m.packed.size(0) != (m.out_features + 15) / 16)
+          !m.packed.device().is_cpu() || m.packed.size(2) != TILE_BLOCK || m.packed.size(0) != (m.out_features + 15) / 16)
         return false;  // not q4_1_pack16 tiles of out_features outputs: run_ops' checks name the problem
       m.w = m.packed.data_ptr<uint8_t>();
       m.T = m.packed.size(0), m.nb = m.packed.size(1), m.per = m.packed.size(1) * m.packed.size(2);

@@ -48,6 +48,9 @@
 
 #include "vec_exp.h"  // defines KVGATE_AVX2_EXP and exp8 where AVX2 and FMA are on
 
+void paged_attention_check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t R,
+                                  int64_t N, int64_t bs);
+
 namespace {
 
 #ifdef KVGATE_AVX2_EXP
@@ -637,26 +640,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   TORCH_CHECK(k_pool.size(3) == D, "head_dim of q (", D, ") and of the pool (", k_pool.size(3), ") differ");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
   TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == R && block_tables.is_contiguous(),
-              "block_tables must be a contiguous [R, max_blocks] tensor; got ", block_tables.sizes());
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong || block_tables.scalar_type() == at::kInt,
-              "block_tables must be int64 or int32");
-  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.dim() == 1 &&
-                  context_lens.size(0) == R && context_lens.is_contiguous(),
-              "context_lens must be a contiguous int64 [R] tensor");
+  paged_attention_check_tables(block_tables, context_lens, R, k_pool.size(0), bs);
   const int64_t maxblk = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(lens[r] >= 1 && lens[r] <= maxblk * bs, "row ", r, ": context length ", lens[r],
-                " is outside 1..", maxblk * bs, " (its block table's capacity)");
-  const int64_t N = k_pool.size(0);
-  AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode_attention_tables", [&] {
-    const index_t* t = block_tables.data_ptr<index_t>();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t b = 0; b < (lens[r] + bs - 1) / bs; ++b)
-        TORCH_CHECK(t[r * maxblk + b] >= 0 && t[r * maxblk + b] < N, "row ", r, ": block table entry ", b,
-                    " is ", t[r * maxblk + b], ", outside the pool's ", N, " blocks");
-  });
   auto out = at::empty({R, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   // q (and the output) in scalar_t; the pools in scalar_t too, or float16/bfloat16 under float32 q
   auto with_pool = [&](auto qp, auto* op, auto pool_type) {
@@ -691,6 +677,31 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale);
+}
+
+// The block tables and context lengths of R rows over a pool of N blocks of bs positions: shapes, dtypes,
+// every length within its table and every entry it reaches within the pool (also decode_stack.cpp's).
+void paged_attention_check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t R,
+                                  int64_t N, int64_t bs) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == R && block_tables.is_contiguous(),
+              "block_tables must be a contiguous [R, max_blocks] tensor; got ", block_tables.sizes());
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong || block_tables.scalar_type() == at::kInt,
+              "block_tables must be int64 or int32");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.dim() == 1 &&
+                  context_lens.size(0) == R && context_lens.is_contiguous(),
+              "context_lens must be a contiguous int64 [R] tensor");
+  const int64_t maxblk = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= maxblk * bs, "row ", r, ": context length ", lens[r],
+                " is outside 1..", maxblk * bs, " (its block table's capacity)");
+  AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode_attention_tables", [&] {
+    const index_t* t = block_tables.data_ptr<index_t>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t b = 0; b < (lens[r] + bs - 1) / bs; ++b)
+        TORCH_CHECK(t[r * maxblk + b] >= 0 && t[r * maxblk + b] < N, "row ", r, ": block table entry ", b,
+                    " is ", t[r * maxblk + b], ", outside the pool's ", N, " blocks");
+  });
 }
 
 // The kernel inside a thread team the caller runs (decode_stack.cpp): every thread of the current

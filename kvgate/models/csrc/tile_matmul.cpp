@@ -560,41 +560,6 @@ bool active();
 void q4_1_prefill(const float* x, float* y, int64_t M, int64_t N, int64_t nb, const uint8_t* w);
 }  // namespace kvgate_amx
 
-torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows) {
-  check_tiles("q4_1_matmul", "q4_1_pack16", packed, N, Q41::BYTES);
-  const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QBLOCK, M = x.size(0);
-  check_x("q4_1_matmul", x, K);
-  const int64_t Md = decode_rows < 0 ? M : std::min(decode_rows, M);  // rows [Md, M) are prefill rows
-  auto xc = x.contiguous(), pc = packed.contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const uint8_t* wp = pc.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const bool int24 = g_decode_int24.load(std::memory_order_relaxed);
-  std::vector<float> xs(static_cast<size_t>(Md * nb));  // each decode row's block sums
-  std::vector<int32_t> xd(int24 ? static_cast<size_t>(Md * nb * kvgate_i24::XDW) : 0);  // 24-bit digits
-  std::vector<float> sc(int24 ? static_cast<size_t>(Md * nb) : 0);
-  // one pass over the decode rows' blocks, split across threads (each block's numbers are its own); on
-  // one thread it ran 2-12 us a call at 8-16 rows while the other waited for the tiles' parallel_for
-  at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) xs[i] = block_sum(xp + i * QBLOCK);
-    if (int24) kvgate_i24::digits(xp, i0, i1, xd.data(), sc.data());
-  });
-  const int pf_one = g_prefetch_one.load(std::memory_order_relaxed);
-  const int pf_more = g_prefetch_more.load(std::memory_order_relaxed);
-  const bool amx = M > Md && kvgate_amx::active();
-  if (Md > 0 || !amx)
-    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-      if (int24)
-        kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more);
-      else
-        decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
-      if (!amx) prefill_cols(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
-    });
-  if (amx) kvgate_amx::q4_1_prefill(xp + Md * K, yp + Md * N, M - Md, N, nb, wp);
-  return y;
-}
-
 namespace kvgate_team {  // q4_1_matmul's decode rows in pieces, for decode_stack.cpp's thread team
 
 bool int24() { return g_decode_int24.load(std::memory_order_relaxed); }
@@ -614,6 +579,43 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64
 }
 
 }  // namespace kvgate_team
+
+torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows) {
+  check_tiles("q4_1_matmul", "q4_1_pack16", packed, N, Q41::BYTES);
+  const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QBLOCK, M = x.size(0);
+  check_x("q4_1_matmul", x, K);
+  const int64_t Md = decode_rows < 0 ? M : std::min(decode_rows, M);  // rows [Md, M) are prefill rows
+  auto xc = x.contiguous(), pc = packed.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = pc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const bool int24 = g_decode_int24.load(std::memory_order_relaxed);
+  std::vector<float> xs(static_cast<size_t>(Md * nb));  // each decode row's block sums
+  std::vector<int32_t> xd(int24 ? static_cast<size_t>(Md * nb * kvgate_i24::XDW) : 0);  // 24-bit digits
+  std::vector<float> sc(int24 ? static_cast<size_t>(Md * nb) : 0);
+  // one pass over the decode rows' blocks, split across threads (each block's numbers are its own); on
+  // one thread it ran 2-12 us a call at 8-16 rows while the other waited for the tiles' parallel_for
+  at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) {
+    if (int24)
+      kvgate_team::prepare(xp, i0, i1, xs.data(), xd.data(), sc.data());
+    else
+      for (int64_t i = i0; i < i1; ++i) xs[i] = block_sum(xp + i * QBLOCK);
+  });
+  const int pf_one = g_prefetch_one.load(std::memory_order_relaxed);
+  const int pf_more = g_prefetch_more.load(std::memory_order_relaxed);
+  const bool amx = M > Md && kvgate_amx::active();
+  if (Md > 0 || !amx)
+    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+      if (int24)
+        kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more);
+      else
+        decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
+      if (!amx) prefill_cols(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
+    });
+  if (amx) kvgate_amx::q4_1_prefill(xp + Md * K, yp + Md * N, M - Md, N, nb, wp);
+  return y;
+}
 
 std::tuple<int64_t, int64_t> decode_prefetch() {
   return {g_prefetch_one.load(std::memory_order_relaxed), g_prefetch_more.load(std::memory_order_relaxed)};
