@@ -133,51 +133,67 @@ def test_models_the_stack_cannot_run_keep_the_loop(q4_smol_dir, tiny_dir, monkey
 
 
 @pytest.mark.parametrize(
-    "kv_dtype,threads",
-    [(torch.float32, 1), (torch.float16, 2), (torch.bfloat16, 3), (torch.float32, 3)],
+    "fmt,kv_dtype,threads",
+    [
+        ("gguf", torch.float32, 1),
+        ("gguf", torch.float16, 2),
+        ("gguf", torch.bfloat16, 3),
+        ("gguf", torch.float32, 3),
+        ("gguf-q8act", torch.float16, 2),
+        ("gguf-q8act", torch.bfloat16, 1),
+        ("gguf-q8act", torch.float32, 3),
+    ],
 )
-def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, kv_dtype, threads):
-    """`--weights gguf` runs decode-only steps on the stack's thread team (one parallel region for all
-    layers); its logits and K/V writes equal the op-by-op stack's and the Python loop's exactly, with
-    fewer rows than threads (every thread does every row on its own copy) and more (rows split, shared
-    buffers), on 1-3 threads, over float32, float16 and bfloat16 pools, with contexts of one attention
-    chunk and of several (up to 290 positions). Seen red (with the other gguf case above): the team's
-    post-attention norm taken before the o-projection's output was added to the residual."""
+def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, fmt, kv_dtype, threads):
+    """`--weights gguf` and `gguf-q8act` run decode-only steps on the stack's thread team (one parallel
+    region for all layers); its logits and K/V writes equal the op-by-op stack's and the Python loop's
+    exactly, with fewer rows than threads (every thread does every row on its own copy) and more (rows
+    split, shared buffers), on 1-3 threads, over float32, float16 and bfloat16 pools, with contexts of
+    one attention chunk and of several (up to 290 positions). gguf-q8act runs with the AVX-512 VNNI
+    kernels where the build has them (pairs of tiles from 5 rows) and again with the AVX2 tiles only.
+    Seen red (with the other gguf case above): the team's post-attention norm taken before the
+    o-projection's output was added to the residual; for gguf-q8act, the team's rounding writing each
+    block's scale where its code sum belongs and the sum where the scale does."""
     from kvgate.core.step_inputs import DecodeInput
 
-    model, kv = model_and_pool(q4_smol_dir, "gguf", kv_dtype)
+    ext = native.extension()
+    model, kv = model_and_pool(q4_smol_dir, fmt, kv_dtype)
     stack = model.decode_stack
-    assert stack.team(), "a gguf stack should run on its thread team"
+    assert stack.team(), f"a {fmt} stack should run on its thread team"
     rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
     rows += [DecodeInput(7, 11, 290, list(range(100, 173))), DecodeInput(8, 12, 140, list(range(180, 216)))]
-    was = torch.get_num_threads()
+    isas = ["avx2", ext.int8_isa()] if fmt == "gguf-q8act" and ext.int8_isa() != "scalar" else [None]
+    was, was_isa = torch.get_num_threads(), ext.int8_isa()
     torch.set_num_threads(threads)
     try:
-        for decodes in ([rows[4]], [rows[7]], rows[:2], rows[6:9], rows):
-            team = step(model, kv, decodes)
-            stack.set_team(False)
-            ops = step(model, kv, decodes)
-            stack.set_team(True)
-            model.decode_stack = None
-            loop = step(model, kv, decodes)
-            model.decode_stack = stack
-            for other in (ops, loop):
-                assert torch.equal(team[0], other[0])
-                assert all(torch.equal(a, b) for a, b in zip(team[1], other[1], strict=True))
+        for isa in sorted(set(isas), key=str):
+            if isa is not None:
+                ext.set_int8_isa(isa)
+            for decodes in ([rows[4]], [rows[7]], rows[:2], rows[6:9], rows):
+                team = step(model, kv, decodes)
+                stack.set_team(False)
+                ops = step(model, kv, decodes)
+                stack.set_team(True)
+                model.decode_stack = None
+                loop = step(model, kv, decodes)
+                model.decode_stack = stack
+                for other in (ops, loop):
+                    assert torch.equal(team[0], other[0])
+                    assert all(torch.equal(a, b) for a, b in zip(team[1], other[1], strict=True))
     finally:
         torch.set_num_threads(was)
+        if was_isa != "scalar":
+            ext.set_int8_isa(was_isa)
 
 
 def test_what_the_team_does_not_take_runs_op_by_op(q4_smol_dir, monkeypatch):
-    """gguf-q8act's matrices and the float decode loop (`set_q4_1_decode("float")`) are not the team's:
-    their steps run op by op, still the loop's bits; KVGATE_DECODE_TEAM=0 turns the team off. Seen red:
-    `run` sending float-decode steps to the team (its tiles are the int24 kernel's)."""
+    """The float decode loop (`set_q4_1_decode("float")`) is not the team's: its steps run op by op,
+    still the loop's bits; KVGATE_DECODE_TEAM=0 turns the team off. Seen red: `run` sending
+    float-decode steps to the team (its tiles are the int24 kernel's)."""
     from kvgate.core.step_inputs import DecodeInput
     from kvgate.models import decode_stack
 
     ext = native.extension()
-    q8, kv8 = model_and_pool(q4_smol_dir, "gguf-q8act")
-    assert not q8.decode_stack.team()
     model, kv = model_and_pool(q4_smol_dir, "gguf")
     rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(3)]
     was = ext.q4_1_decode()

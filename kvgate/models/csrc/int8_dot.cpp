@@ -298,9 +298,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> q8_rows(torch::Tensor x)
   const float* xp = xc.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * nb, sp + m * nb);
-  });
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { round_rows(xp, m0, m1, K, qp, dp, sp); });
   return {q, d, s};
 }
 
@@ -315,6 +313,20 @@ namespace {
 // rows: 9.2-9.5 -> 5.4-5.5 ms; the LM head 3.2-3.4 -> 1.9 ms). Both give the same bits, so which one
 // a call takes never changes a row's result.
 using VnniFn = void (*)(const Rounded&, const uint8_t*, int64_t, int64_t, float*);
+
+// Tiles [t0, t1) of w against every group of up to MR rows of x, through `group`
+template <class Group>
+void tile_range(Group group, const Rounded& x, const uint8_t* w, int64_t block_bytes, int64_t N, float* y, int64_t t0,
+                int64_t t1) {
+  const int64_t M = x.M, K = x.K, nb = K / QB;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t width = std::min(NT, N - t * NT);
+    for (int64_t r = 0; r < M; r += MR) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, M - r));
+      group(rows, x.q + r * K, x.d + r * nb, x.s + r * nb, K, w + t * nb * block_bytes, y + r * N + t * NT, N, width);
+    }
+  }
+}
 
 template <class Group>
 torch::Tensor run_tiles(const char* name, torch::Tensor x, torch::Tensor packed, int64_t N, int64_t block_bytes,
@@ -338,20 +350,30 @@ torch::Tensor run_tiles(const char* name, torch::Tensor x, torch::Tensor packed,
     vnni(Rounded{qp, xdp, xsp, M, K}, wp, T, N, yp);
     return y;
   }
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t width = std::min(NT, N - t * NT);
-      for (int64_t r = 0; r < M; r += MR) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, M - r));
-        group(rows, qp + r * K, xdp + r * nb, xsp + r * nb, K, wp + t * nb * block_bytes, yp + r * N + t * NT, N,
-              width);
-      }
-    }
-  });
+  const Rounded rx{qp, xdp, xsp, M, K};
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) { tile_range(group, rx, wp, block_bytes, N, yp, t0, t1); });
   return y;
 }
 
 }  // namespace
+
+namespace kvgate_int8 {
+
+void round_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / QB;
+  for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, q + r * K, d + r * nb, s + r * nb);
+}
+
+int64_t units(int64_t M, int64_t T) { return vnni_enabled() && M > MR ? (T + 1) / 2 : T; }
+
+void run_units(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y, int64_t u0, int64_t u1) {
+  if (vnni_enabled() && x.M > MR)
+    q4_1_dot8_vnni_pairs(x, w, T, N, y, u0, u1);
+  else
+    tile_range(tile_group, x, w, TILE_BLOCK, N, y, u0, u1);
+}
+
+}  // namespace kvgate_int8
 
 torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N) {
   return run_tiles("q4_1_dot8", x, packed, N, TILE_BLOCK, 4, tile_group, q4_1_dot8_vnni);

@@ -29,5 +29,16 @@ bool vnni_built();
 bool& vnni_enabled();
 void q4_1_dot8_vnni(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y);
 void q8_dot8_vnni(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y);
+// q4_1_dot8_vnni's pairs of tiles [p0, p1) only, on the calling thread (decode_stack.cpp's thread team)
+void q4_1_dot8_vnni_pairs(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y, int64_t p0, int64_t p1);
+
+// The thread team's pieces of q4_1_dot8 (int8_dot.cpp), so that a decode stack's threads can share one
+// parallel region: the same roundings and tiles, hence the same bits.
+// - round_rows: rows [r0, r1) of x (K floats a row) as q8_rows rounds them, into q [.., K] and d, s [.., K/32]
+// - units: how many pieces a call of M rows against T tiles splits into (pairs of tiles where it would
+//   take the VNNI kernels, else tiles); run_units runs pieces [u0, u1) on the calling thread
+void round_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d, float* s);
+int64_t units(int64_t M, int64_t T);
+void run_units(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y, int64_t u0, int64_t u1);
 
 }  // namespace kvgate_int8

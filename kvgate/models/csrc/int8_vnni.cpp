@@ -187,22 +187,27 @@ constexpr PairFn Q4_BY_ROWS[MR + 1] = {nullptr,     q4_pair<1>, q4_pair<2>, q4_p
 constexpr PairFn Q8_BY_ROWS[MR + 1] = {nullptr,     q8_pair<1>, q8_pair<2>, q8_pair<3>, q8_pair<4>,
                                        q8_pair<5>, q8_pair<6>, q8_pair<7>, q8_pair<8>};
 
+// Pairs [p0, p1) of tiles, each against every group of up to MR rows
+void pair_range(const PairFn* by_rows, const Rounded& x, const uint8_t* w, int64_t block_bytes, int64_t T, int64_t N,
+                float* y, int64_t p0, int64_t p1) {
+  const int64_t tile_bytes = x.K / QB * block_bytes;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t t = 2 * p, width = std::min<int64_t>(2 * NT, N - t * NT);
+    const uint8_t* w0 = w + t * tile_bytes;
+    const uint8_t* w1 = t + 1 < T ? w0 + tile_bytes : w0;  // a lone last tile: its own pair, high half dropped
+    const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+    for (int64_t r = 0; r < x.M; r += MR) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, x.M - r));
+      by_rows[rows](x, r, w0, w1, y + r * N + t * NT, N, keep);
+    }
+  }
+}
+
 // Every (pair of tiles, group of up to MR rows); threads split the pairs.
 void run_pairs(const PairFn* by_rows, const Rounded& x, const uint8_t* w, int64_t block_bytes, int64_t T, int64_t N,
                float* y, int64_t grain) {
-  const int64_t nb = x.K / QB, tile_bytes = nb * block_bytes, pairs = (T + 1) / 2;
-  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t t = 2 * p, width = std::min<int64_t>(2 * NT, N - t * NT);
-      const uint8_t* w0 = w + t * tile_bytes;
-      const uint8_t* w1 = t + 1 < T ? w0 + tile_bytes : w0;  // a lone last tile: its own pair, high half dropped
-      const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
-      for (int64_t r = 0; r < x.M; r += MR) {
-        const int rows = static_cast<int>(std::min<int64_t>(MR, x.M - r));
-        by_rows[rows](x, r, w0, w1, y + r * N + t * NT, N, keep);
-      }
-    }
-  });
+  at::parallel_for(0, (T + 1) / 2, grain,
+                   [&](int64_t p0, int64_t p1) { pair_range(by_rows, x, w, block_bytes, T, N, y, p0, p1); });
 }
 
 }  // namespace
@@ -214,12 +219,19 @@ void q4_1_dot8_vnni(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, fl
 void q8_dot8_vnni(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y) {
   run_pairs(Q8_BY_ROWS, x, w, Q8_BLOCK, T, N, y, 8);
 }
+
+void q4_1_dot8_vnni_pairs(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y, int64_t p0, int64_t p1) {
+  pair_range(Q4_BY_ROWS, x, w, TILE_BLOCK, T, N, y, p0, p1);
+}
 #else
 void q4_1_dot8_vnni(const Rounded&, const uint8_t*, int64_t, int64_t, float*) {
   TORCH_CHECK(false, "q4_1_dot8: this build has no AVX-512 VNNI kernels");
 }
 void q8_dot8_vnni(const Rounded&, const uint8_t*, int64_t, int64_t, float*) {
   TORCH_CHECK(false, "q8_dot8: this build has no AVX-512 VNNI kernels");
+}
+void q4_1_dot8_vnni_pairs(const Rounded&, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t) {
+  TORCH_CHECK(false, "q4_1_dot8: this build has no AVX-512 VNNI kernels");
 }
 #endif
 
