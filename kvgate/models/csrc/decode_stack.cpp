@@ -23,7 +23,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -47,7 +49,9 @@ void paged_attention_check_tables(const at::Tensor& block_tables, const at::Tens
 void paged_attention_team(const float* q, int64_t q_row_stride, int64_t q_head_stride, at::ScalarType pool,
                           const void* k, const void* v, bool tables64, const void* tables, int64_t maxblk,
                           const int64_t* lens, float* out, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                          double scale, float* parts);
+                          double scale, float* parts, void* scratch);
+void* paged_attention_team_scratch(int64_t R, int64_t H, int64_t D, int64_t max_len);
+void paged_attention_team_scratch_free(void* scratch);
 namespace kvgate_team {
 bool int24();
 void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, float* sc);
@@ -105,6 +109,8 @@ class DecodeStack {
   // on `run_ops` (A/B runs and the tests that compare the two).
   void set_team(bool on) { team_on_ = on; }
   bool team() const { return team_on_ && team_ok_; }
+  // how many steps run_team has run (the tests check that the team, not run_ops, took a step)
+  int64_t team_steps() const { return team_steps_.load(std::memory_order_relaxed); }
 
   int64_t layers() const { return static_cast<int64_t>(norms_.size() / 2); }
 
@@ -221,6 +227,12 @@ class DecodeStack {
     auto qkv = torch::empty({R, NQ}, f32), attn = torch::empty({R, HD}, f32), o = torch::empty({R, hid}, f32);
     auto gu = torch::empty({R, I2}, f32), out = torch::empty({R, hid}, f32);
     auto parts = torch::empty({paged_attention_team_floats(lp, R, H, D, R + 1)}, f32);  // every row split: the most
+    // each thread's attention scratch, reserved here: nothing inside the region allocates
+    using ScratchPtr = std::unique_ptr<void, void (*)(void*)>;
+    std::vector<ScratchPtr> scratch;
+    const int64_t longest = R > 0 ? *std::max_element(lp, lp + R) : 0;
+    for (int64_t t = 0; t < most; ++t)
+      scratch.emplace_back(paged_attention_team_scratch(R, H, D, longest), paged_attention_team_scratch_free);
     float *qp = qkv.data_ptr<float>(), *ap = attn.data_ptr<float>(), *op = o.data_ptr<float>();
     float *gp = gu.data_ptr<float>(), *outp = out.data_ptr<float>(), *pp = parts.data_ptr<float>();
     const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
@@ -228,6 +240,8 @@ class DecodeStack {
     const void* tp = tables.data_ptr();
     char *kb = static_cast<char*>(k_cache.data_ptr()), *vb = static_cast<char*>(v_cache.data_ptr());
     const int64_t layer_bytes = k_cache.stride(0) * k_cache.element_size();
+    const bool pairs = dot8_ && kvgate_int8::use_pairs(R);  // read once: every thread, every matrix the same
+    team_steps_.fetch_add(1, std::memory_order_relaxed);
 
 #pragma omp parallel
     {
@@ -242,8 +256,8 @@ class DecodeStack {
       auto mm = [&](const Mat& M, float* y, const Mat* next) {
         if (dot8_) {
           const kvgate_int8::Rounded rx{b.q8, b.sc, b.xs, R, M.nb * QB};
-          const auto u = share(kvgate_int8::units(R, M.T), tid, m);
-          if (u.first < u.second) kvgate_int8::run_units(rx, M.w, M.T, M.out_features, y, u.first, u.second);
+          const auto u = share(kvgate_int8::units(M.T, pairs), tid, m);
+          if (u.first < u.second) kvgate_int8::run_units(rx, M.w, M.T, M.out_features, y, u.first, u.second, pairs);
           return;
         }
         const auto t = share(M.T, tid, m);
@@ -284,7 +298,8 @@ class DecodeStack {
           kvgate_rows::write_kv(qp + r * NQ + HD, KV, sp[r], pool, kl, vl);
         }
 #pragma omp barrier
-        paged_attention_team(qp, NQ, D, pool, kl, vl, t64, tp, maxblk, lp, ap, R, H, KVH, D, bs, scale, pp);
+        paged_attention_team(qp, NQ, D, pool, kl, vl, t64, tp, maxblk, lp, ap, R, H, KVH, D, bs, scale, pp,
+                             scratch[tid].get());
         digits_of(ap, nba);
         mm(mt[1], op, &mt[2]);
 #pragma omp barrier
@@ -355,6 +370,7 @@ class DecodeStack {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
   bool team_ok_ = false, team_on_ = true;
+  mutable std::atomic<int64_t> team_steps_{0};
   bool dot8_ = false;  // the team's matrices are gguf-q8act's (q4_1_pack8 tiles, 8-bit activations)
 };
 
@@ -367,6 +383,7 @@ void bind_decode_stack(pybind11::module& mod) {
       .def("layers", &DecodeStack::layers)
       .def("set_team", &DecodeStack::set_team, "False: run every decode step as one op after another (A/B, tests)")
       .def("team", &DecodeStack::team, "whether decode steps run on the thread team")
+      .def("team_steps", &DecodeStack::team_steps, "how many steps ran on the thread team")
       .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the layer stack of a decode-only step; x is updated in place, x + the last layer's output returned");
 }

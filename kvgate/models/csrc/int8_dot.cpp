@@ -364,10 +364,13 @@ void round_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, fl
   for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, q + r * K, d + r * nb, s + r * nb);
 }
 
-int64_t units(int64_t M, int64_t T) { return vnni_enabled() && M > MR ? (T + 1) / 2 : T; }
+bool use_pairs(int64_t M) { return vnni_enabled() && M > MR; }
 
-void run_units(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y, int64_t u0, int64_t u1) {
-  if (vnni_enabled() && x.M > MR)
+int64_t units(int64_t T, bool pairs) { return pairs ? (T + 1) / 2 : T; }
+
+void run_units(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y, int64_t u0, int64_t u1,
+               bool pairs) {
+  if (pairs)
     q4_1_dot8_vnni_pairs(x, w, T, N, y, u0, u1);
   else
     tile_range(tile_group, x, w, TILE_BLOCK, N, y, u0, u1);

@@ -315,6 +315,16 @@ inline int64_t chunks_of(int64_t L) { return (L + kChunk - 1) / kChunk; }
 // max score and the sum of its weights.
 inline int64_t part_floats(int64_t D) { return D + 2; }
 
+// A thread's working memory for its tasks: the task's (qf .. offs), a whole row's partials (own) and a
+// merge's sums (sum). `reserve` sizes it up front for rows of up to max_len positions, so a thread team
+// that reserved it before its parallel region allocates nothing inside it (decode_stack.cpp; an
+// allocation failing inside the region could not be reported, only terminate the process).
+struct Scratch {
+  std::vector<float> qf, acc, buf, scores, denom, top, own, sum;
+  std::vector<int64_t> offs, first;
+  void reserve(int64_t R, int64_t H, int64_t D, int64_t max_len);
+};
+
 // One task: chunk c of row r for KV heads [kh0, kh1), each with its `g` queries. Per position the heads
 // of a task are adjacent in the pool, so a task covering all heads reads each block as one contiguous
 // stretch. Each (row, head, chunk)'s arithmetic is the same fixed sequence whichever heads share its
@@ -330,11 +340,6 @@ struct Attend {
   Q* out;
   int64_t H, KVH, D, bs;
   float scale;
-
-  struct Scratch {
-    std::vector<float> qf, acc, buf, scores, denom, top;
-    std::vector<int64_t> offs;
-  };
 
   // Writes the chunk's partial result of query j of the row (j = kh0 * g ..) at part + j * part_floats(D).
   void operator()(int64_t r, int64_t c, int64_t kh0, int64_t kh1, Scratch& s, float* part) const {
@@ -564,6 +569,12 @@ struct Attend {
   }
 };
 
+void Scratch::reserve(int64_t R, int64_t H, int64_t D, int64_t max_len) {
+  qf.reserve(H * D), acc.reserve(H * D), buf.reserve(4 * D), scores.reserve(H * kChunk);
+  denom.reserve(H), top.reserve(H), own.reserve(chunks_of(max_len) * H * part_floats(D)), sum.reserve(D);
+  offs.reserve(kChunk), first.reserve(R + 1);
+}
+
 // The split rows' first task / partial (see `run`): first[i] for split row whole + i, first.back() in all.
 inline std::vector<int64_t> split_firsts(const int64_t* lens, int64_t R, int64_t whole) {
   std::vector<int64_t> first(R - whole + 1, 0);
@@ -575,17 +586,17 @@ inline std::vector<int64_t> split_firsts(const int64_t* lens, int64_t R, int64_t
 // returns after a barrier, with every row's output written. parts: first.back() * H * part_floats(D) floats.
 template <typename Q, typename T, typename I>
 void team_body(const Attend<Q, T, I>& attend, int64_t R, int64_t whole, const std::vector<int64_t>& first,
-               float* parts) {
+               float* parts, Scratch& s) {
   const int64_t H = attend.H, KVH = attend.KVH, D = attend.D;
   const int64_t split = first.back() * KVH, pf = part_floats(D);
-  typename Attend<Q, T, I>::Scratch s;
-  std::vector<float> own, acc(D);
+  s.sum.resize(D);
+  float* acc = s.sum.data();
 #pragma omp for schedule(static) nowait
   for (int64_t r = 0; r < whole; ++r) {
     const int64_t n = chunks_of(attend.lens[r]);
-    own.resize(static_cast<size_t>(n * H * pf));
-    for (int64_t c = 0; c < n; ++c) attend(r, c, 0, KVH, s, own.data() + c * H * pf);
-    attend.merge(r, n, own.data(), 0, KVH, acc.data());
+    s.own.resize(static_cast<size_t>(n * H * pf));
+    for (int64_t c = 0; c < n; ++c) attend(r, c, 0, KVH, s, s.own.data() + c * H * pf);
+    attend.merge(r, n, s.own.data(), 0, KVH, acc);
   }
 #pragma omp for schedule(dynamic, 1)
   for (int64_t task = 0; task < split; ++task) {
@@ -596,8 +607,7 @@ void team_body(const Attend<Q, T, I>& attend, int64_t R, int64_t whole, const st
 #pragma omp for schedule(static)
   for (int64_t task = 0; task < (R - whole) * KVH; ++task) {
     const int64_t r = whole + task / KVH, kh = task % KVH;
-    attend.merge(r, first[r - whole + 1] - first[r - whole], parts + first[r - whole] * H * pf, kh, kh + 1,
-                 acc.data());
+    attend.merge(r, first[r - whole + 1] - first[r - whole], parts + first[r - whole] * H * pf, kh, kh + 1, acc);
   }
 }
 
@@ -615,7 +625,10 @@ void run(const Q* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, co
   const auto first = split_firsts(lens, R, whole);
   std::vector<float> parts(static_cast<size_t>(first.back() * H * part_floats(D)));
 #pragma omp parallel
-  team_body(attend, R, whole, first, parts.data());
+  {
+    Scratch s;
+    team_body(attend, R, whole, first, parts.data(), s);
+  }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -712,18 +725,29 @@ int64_t paged_attention_team_floats(const int64_t* lens, int64_t R, int64_t H, i
   return split_firsts(lens, R, R - R % threads).back() * H * part_floats(D);
 }
 
+// A thread's Scratch for paged_attention_team, reserved for R rows of up to max_len positions, H heads of D
+void* paged_attention_team_scratch(int64_t R, int64_t H, int64_t D, int64_t max_len) {
+  auto* s = new Scratch;
+  s->reserve(R, H, D, max_len);
+  return s;
+}
+void paged_attention_team_scratch_free(void* scratch) { delete static_cast<Scratch*>(scratch); }
+
 void paged_attention_team(const float* q, int64_t q_row_stride, int64_t q_head_stride, at::ScalarType pool,
                           const void* k, const void* v, bool tables64, const void* tables, int64_t maxblk,
                           const int64_t* lens, float* out, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                          double scale, float* parts) {
+                          double scale, float* parts, void* scratch) {
   const int64_t threads = omp_get_num_threads(), whole = R - R % threads;
-  const auto first = split_firsts(lens, R, whole);
+  Scratch& s = *static_cast<Scratch*>(scratch);
+  auto& first = s.first;  // split_firsts' numbers, in the reserved vector
+  first.assign(R - whole + 1, 0);
+  for (int64_t r = whole; r < R; ++r) first[r - whole + 1] = first[r - whole] + chunks_of(lens[r]);
   auto go = [&](auto pool_type, auto* tab) {
     using T = decltype(pool_type);
     using I = std::remove_const_t<std::remove_pointer_t<decltype(tab)>>;
     const Attend<float, T, I> attend{q, static_cast<const T*>(k), static_cast<const T*>(v), q_row_stride,
                                      q_head_stride, tab, maxblk, lens, out, H, KVH, D, bs, static_cast<float>(scale)};
-    team_body(attend, R, whole, first, parts);
+    team_body(attend, R, whole, first, parts, s);
   };
   auto with_tables = [&](auto pool_type) {
     if (tables64)
