@@ -576,10 +576,10 @@ void Scratch::reserve(int64_t R, int64_t H, int64_t D, int64_t max_len) {
 }
 
 // The split rows' first task / partial (see `run`): first[i] for split row whole + i, first.back() in all.
-inline std::vector<int64_t> split_firsts(const int64_t* lens, int64_t R, int64_t whole) {
-  std::vector<int64_t> first(R - whole + 1, 0);
+// Written into `first` (a reserved Scratch::first stays within its capacity).
+inline void split_firsts(const int64_t* lens, int64_t R, int64_t whole, std::vector<int64_t>& first) {
+  first.assign(R - whole + 1, 0);
   for (int64_t r = whole; r < R; ++r) first[r - whole + 1] = first[r - whole] + chunks_of(lens[r]);
-  return first;
 }
 
 // Every thread of the current parallel region runs this (its worksharing loops bind to that region); it
@@ -622,7 +622,8 @@ void run(const Q* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, co
   // uses every thread, and are merged after those tasks.
   const int64_t threads = omp_get_max_threads();
   const int64_t whole = R - R % threads;
-  const auto first = split_firsts(lens, R, whole);
+  std::vector<int64_t> first;
+  split_firsts(lens, R, whole, first);
   std::vector<float> parts(static_cast<size_t>(first.back() * H * part_floats(D)));
 #pragma omp parallel
   {
@@ -722,7 +723,9 @@ void paged_attention_check_tables(const at::Tensor& block_tables, const at::Tens
 // checks them; q float32 [R, H, D] at the strides given, out float32 [R, H, D] contiguous; the pools in
 // float32, float16 or bfloat16; tables int64 (tables64) or int32. Same tasks, same bits as the call.
 int64_t paged_attention_team_floats(const int64_t* lens, int64_t R, int64_t H, int64_t D, int64_t threads) {
-  return split_firsts(lens, R, R - R % threads).back() * H * part_floats(D);
+  std::vector<int64_t> first;
+  split_firsts(lens, R, R - R % threads, first);
+  return first.back() * H * part_floats(D);
 }
 
 // A thread's Scratch for paged_attention_team, reserved for R rows of up to max_len positions, H heads of D
@@ -739,9 +742,8 @@ void paged_attention_team(const float* q, int64_t q_row_stride, int64_t q_head_s
                           double scale, float* parts, void* scratch) {
   const int64_t threads = omp_get_num_threads(), whole = R - R % threads;
   Scratch& s = *static_cast<Scratch*>(scratch);
-  auto& first = s.first;  // split_firsts' numbers, in the reserved vector
-  first.assign(R - whole + 1, 0);
-  for (int64_t r = whole; r < R; ++r) first[r - whole + 1] = first[r - whole] + chunks_of(lens[r]);
+  auto& first = s.first;
+  split_firsts(lens, R, whole, first);
   auto go = [&](auto pool_type, auto* tab) {
     using T = decltype(pool_type);
     using I = std::remove_const_t<std::remove_pointer_t<decltype(tab)>>;
