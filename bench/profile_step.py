@@ -1,7 +1,7 @@
 """Where a decode step's time goes: matmuls, attention, K/V gathers, small ops, Python, sampling.
 
     python -m bench.profile_step [--rows 1 4 16] [--context 300] [--dtype float32] [--weights full] [--steps 20]
-        [--decode-attention auto | paged | gather]
+        [--decode-attention auto | paged | gather] [--model default | PATH] [--device auto | cpu | cuda]
 
 Builds the real engine (no server), puts `rows` requests in decode at `context` positions, then times
 `--steps` engine steps on the worker's own code path (`EngineCore.tick`), once plainly (wall time per
@@ -14,6 +14,7 @@ model and flags; docs/DESIGN_NOTES.md quotes it. The profiler does not see kvgat
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
 
@@ -54,6 +55,8 @@ def setup(
     attention: str = "auto",
     kv_dtype: str = "auto",
     temperature: float = 0.7,
+    model: str = "default",
+    device: str = "auto",
 ):
     """An engine with `rows` requests all decoding at `context` (top-p 0.9 at `temperature`; 0 is greedy,
     what bench.compare sends)."""
@@ -63,8 +66,9 @@ def setup(
     from kvgate.sampling import SamplingParams
 
     e = Engine.from_model(
-        "default",
+        model,
         EngineConfig(
+            device=device,
             dtype=dtype,
             memory_limit="4GiB",
             max_seqs=max(rows, 1),
@@ -96,8 +100,10 @@ def profile(
     weights: str = "full",
     q8_head: str = "auto",
     attention: str = "auto",
+    model: str = "default",
+    device: str = "auto",
 ) -> dict:
-    e = setup(rows, context, dtype, weights, q8_head, attention)
+    e = setup(rows, context, dtype, weights, q8_head, attention, model=model, device=device)
     core, inbox = e.core, e.inbox
     for _ in range(3):
         core.tick(inbox.take(0))
@@ -155,18 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--q8-head", default="auto", help="auto | on | off")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--decode-attention", default="auto", help="auto | paged | gather")
+    ap.add_argument("--model", default="default", help="default (SmolLM2) | PATH")
+    ap.add_argument(
+        "--device", default="auto", help="auto | cpu | cuda (on CUDA the ops' times are their launches)"
+    )
     a = ap.parse_args(argv)
     from bench.compare import machine_info
 
     m = machine_info()
-    results = [
-        profile(r, a.context, a.dtype, a.steps, a.weights, a.q8_head, a.decode_attention) for r in a.rows
-    ]
     fams = [f for f, _ in FAMILIES] + ["other ops"]
     print(
         f"CPU: {m['model_name']}, {m['cpus']} cores, flags {' '.join(m['flags_present'])}; load at start "
         f"{m['loadavg_at_start'][0]:.1f}; {a.dtype}, weights {a.weights}, --q8-head {a.q8_head}, "
         f"decode attention {a.decode_attention}, decode at context {a.context}, torch threads {torch.get_num_threads()}"
+        + (f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() and a.device != "cpu" else "")
     )
     print()
     print(
@@ -174,14 +182,22 @@ def main(argv: list[str] | None = None) -> int:
         + " | ".join(fams)
         + " | python and glue | sampling (of which ops) | op calls |"
     )
-    print("|---" * (len(fams) + 6) + "|")
-    for r in results:
+    print("|---" * (len(fams) + 6) + "|", flush=True)
+    for rows in a.rows:  # each row of the table as soon as it is measured
+        t0 = time.perf_counter()
+        r = profile(
+            rows, a.context, a.dtype, a.steps, a.weights, a.q8_head, a.decode_attention, a.model, a.device
+        )
         f = r["families_ms"]
         cells = [f"{f.get(k, 0.0):.1f}" for k in fams]
         print(
             f"| {r['rows']} | {r['step_ms']:.1f} | {r['rows'] * 1000 / r['step_ms']:.1f} | "
             + " | ".join(cells)
-            + f" | {r['python_and_glue_ms']:.1f} | {r['sampling_ms_incl_ops']:.1f} | {r['op_calls_per_step']:.0f} |"
+            + f" | {r['python_and_glue_ms']:.1f} | {r['sampling_ms_incl_ops']:.1f} | {r['op_calls_per_step']:.0f} |",
+            flush=True,
+        )
+        print(
+            f"<!-- {rows} rows: {time.perf_counter() - t0:.1f} s with setup -->", file=sys.stderr, flush=True
         )
     return 0
 

@@ -1,4 +1,10 @@
-"""Shared fixtures: a tiny random model on disk, engines built on it, and the cache dir kept per-session."""
+"""Shared fixtures: a tiny random model on disk, engines built on it, and the cache dir kept per-session.
+
+`KVGATE_TEST_DEVICE` (default cpu) places the fixtures' engines: `bench/cuda_check.sh` runs the
+tiny-model modules with it set to cuda on a machine with a GPU. Tests that name a device keep theirs.
+Off the CPU a float32 model's KV cache is float16 here, as the CPU's `--kv-dtype auto` makes it, so the
+pools the tests size in positions (TINY_KV_BYTES_PER_TOKEN) hold the same number of them.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ import os
 import pytest
 
 from tests.tiny_model import make_tiny_hf_dir
+
+TEST_DEVICE = os.environ.get("KVGATE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -35,7 +43,9 @@ def make_engine(tiny_dir):
             cfg["kv_cache_bytes"] = 16 << 20
         cfg.setdefault("memory_limit", "2GiB")
         cfg.setdefault("dtype", "float32")
-        cfg.setdefault("device", "cpu")
+        cfg.setdefault("device", TEST_DEVICE)
+        if TEST_DEVICE != "cpu" and cfg["device"] != "cpu" and cfg["dtype"] == "float32":
+            cfg.setdefault("kv_dtype", "float16")
         overhead = cfg.pop("overhead_bytes", 0)
         e = Engine.from_model(str(tiny_dir), EngineConfig(**cfg), overhead_bytes=overhead).start()
         engines.append(e)
@@ -53,7 +63,10 @@ def tiny_base(tiny_dir):
     from kvgate.core.engine import Engine
     from tests.server_util import running_server
 
-    cfg = EngineConfig(kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
+    kv = {"kv_dtype": "float16"} if TEST_DEVICE != "cpu" else {}
+    cfg = EngineConfig(
+        kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device=TEST_DEVICE, **kv
+    )
     e = Engine.from_model(str(tiny_dir), cfg, overhead_bytes=0).start()
     with running_server(e) as (b, _app):
         yield b

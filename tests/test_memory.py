@@ -280,7 +280,11 @@ def test_weights_resident_within_plan(probes):
 def test_cuda_peak_allocated_within_plan():
     """On CUDA the ledger covers device memory: torch.cuda.max_memory_allocated over a mixed load stays
     within weights + KV pool + workspace (the CUDA context is outside torch's allocator, in the fixed
-    overhead), and the limit. Broken by: under-counting any of those terms on the device."""
+    overhead), and the limit. Broken by: under-counting any of those terms on the device.
+    KVGATE_CUDA_MODEL names the model (default: SmolLM2; `bench/cuda_check.sh` passes a stand-in of
+    its shapes from `bench/shape_model.py`, since the GGUF cannot travel to the GPU machine)."""
+    import os
+
     import torch
 
     from kvgate.config import EngineConfig
@@ -290,7 +294,7 @@ def test_cuda_peak_allocated_within_plan():
 
     torch.cuda.reset_peak_memory_stats()
     engine = Engine.from_model(
-        "default",
+        os.environ.get("KVGATE_CUDA_MODEL", "default"),
         EngineConfig(
             device="cuda",
             dtype="bfloat16",

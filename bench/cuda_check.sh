@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The CUDA checks a session lent a GPU runs there, in one call of the device tool (CI has no GPU).
+#
+#   here:  python -m bench.shape_model export .gpu/smol        # SmolLM2's config + tokenizer
+#          pip download the server's wheels for cp312 into .whl (docs/DESIGN_NOTES.md, "CUDA")
+#   there: bash bench/cuda_check.sh   (carry .whl and .gpu; results land in $OUT)
+#
+# 1. the CUDA tests, and the tiny-model modules with their engines on the GPU (KVGATE_TEST_DEVICE);
+# 2. a SmolLM2-shaped stand-in (bench/shape_model.py) served on the GPU and driven by `kvgate bench`
+#    at c=1, 16 and 64 (256 tokens in, 128 out);
+# 3. its decode step's wall time at 1, 16 and 64 rows (bench/profile_step.py);
+# 4. the same step's forward eager against one CUDA graph replay (bench/cuda_graph_probe.py).
+# PARTS="tests serve step graph" (the default) picks which run; DEVICE=cpu runs them here, as a dry run of the
+# script itself.
+set -u
+OUT=${OUT:-/tmp/cuda_check}
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+TEST_S=${TEST_S:-150}
+PARTS=${PARTS:-tests serve step graph}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && [ "$DEVICE" != cpu ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+  $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+  grep -m1 'model name' /proc/cpuinfo; nproc
+} >"$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+$PY -m bench.shape_model fill .gpu/smol || exit 1
+
+if [[ " $PARTS " == *" tests "* ]]; then
+echo "== tests on $DEVICE"
+KVGATE_TEST_DEVICE=$DEVICE KVGATE_CUDA_MODEL=$PWD/.gpu/smol timeout -s INT -k 10 "$TEST_S" $PY -m pytest -q -m "not slow" \
+  -p no:cacheprovider --timeout 60 --maxfail=40 -rfE --tb=short \
+  tests/test_cuda.py tests/test_memory.py::test_cuda_peak_allocated_within_plan \
+  tests/test_batching.py tests/test_engine_contract.py tests/test_admission.py tests/test_prefix_cache.py \
+  tests/test_spec_sample.py tests/test_speculate.py tests/test_structured.py tests/test_logprobs.py \
+  tests/test_prompt_logprobs.py tests/test_server.py tests/test_cancel.py >"$OUT/pytest.txt" 2>&1
+echo "pytest rc=$?"; tail -40 "$OUT/pytest.txt"
+fi
+
+if [[ " $PARTS " == *" serve "* ]]; then
+echo "== served on $DEVICE"
+PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+$PY -m kvgate.cli serve --model .gpu/smol --device "$DEVICE" --port "$PORT" --log-level warning \
+  --served-model-name smol-shape >"$OUT/serve.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 240); do
+  $PY -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/health').status_code != 200)" 2>/dev/null && break
+  kill -0 $SERVER 2>/dev/null || break
+  sleep 0.5
+done
+timeout 110 $PY -m kvgate.cli bench --base-url "http://127.0.0.1:$PORT" --input-len 256 --output-len 128 \
+  --eos-mode ignore_eos --concurrency 1,16,64 --max-seconds ${BENCH_S:-20} --quiet --json "$OUT/bench.json" \
+  >"$OUT/bench.txt" 2>&1
+echo "bench rc=$?"; cat "$OUT/bench.txt" | tail -30
+kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
+tail -5 "$OUT/serve.log"
+fi
+
+if [[ " $PARTS " == *" step "* ]]; then
+echo "== decode step on $DEVICE"
+timeout ${STEP_S:-90} $PY -m bench.profile_step --model .gpu/smol --device "$DEVICE" --dtype bfloat16 --rows 1 16 64 \
+  --steps 10 >"$OUT/step.txt" 2>&1
+cat "$OUT/step.txt" | tail -8
+fi
+
+if [[ " $PARTS " == *" graph "* ]]; then
+echo "== forward eager against a CUDA graph replay on $DEVICE"
+timeout ${GRAPH_S:-120} $PY -m bench.cuda_graph_probe --model .gpu/smol --device "$DEVICE" --rows 1 16 64 \
+  >"$OUT/graph.txt" 2>&1
+grep -v USDT "$OUT/graph.txt" | tail -12
+fi
