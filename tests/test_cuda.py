@@ -88,3 +88,16 @@ def test_the_openai_sdk_streams_from_a_cuda_server(tiny_dir):
             assert e.plan.device.startswith("cuda")
     finally:
         e.shutdown()
+
+
+def test_a_cuda_engine_draws_its_host_logits_with_the_c_draw(tiny_dir):
+    """The logits come to the host each step; a CUDA engine builds kvgate's C++ kernels at its start so
+    the C++ draw takes them (5x PyTorch's draw at 16 top-p rows), as on a CPU server. Written in
+    session 26 after the GPU time was spent: not yet run on a GPU."""
+    from kvgate.sampling import draw_kernel
+
+    e = engine_on(tiny_dir, "cuda", "bfloat16")
+    try:
+        assert draw_kernel(torch.zeros(2, 8)) is not None
+    finally:
+        e.shutdown()
