@@ -286,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     import kvgate.memory.workspace as plan_mod
 
     runner = engine.runner
-    dtype_bytes = torch.finfo(engine.dtype).bits // 8  # the model's: the KV pool's may be narrower (--kv-dtype)
+    dtype_bytes = (
+        torch.finfo(engine.dtype).bits // 8
+    )  # the model's: the KV pool's may be narrower (--kv-dtype)
     readings = [warm_rss]
     steps: list[dict] = []
     rows_seen = [0]

@@ -136,5 +136,7 @@ def test_the_default_decodes_smollm2_as_full_weights_with_a_float32_cache_within
 
     steps = 24
     same, worst = greedy_agreement("auto", steps, kv_dtype="auto")
-    print(f"\ndefaults vs full + float32 KV: {same}/8 prompts identical for {steps} tokens; max error {worst:.4f}")
+    print(
+        f"\ndefaults vs full + float32 KV: {same}/8 prompts identical for {steps} tokens; max error {worst:.4f}"
+    )
     assert same >= 6 and worst <= 0.05, (same, worst)

@@ -268,7 +268,12 @@ def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
     )
     assert (plan.limits.prefill_chunk, plan.limits.max_seqs) < (64, 8) and plan.notes
     engine = make_engine(  # a float32 KV cache, as the plans above (auto would be float16 on a CPU)
-        memory_limit=str(limit), block_size=16, prefill_chunk=64, max_seqs=8, max_model_len=512, kv_dtype="float32"
+        memory_limit=str(limit),
+        block_size=16,
+        prefill_chunk=64,
+        max_seqs=8,
+        max_model_len=512,
+        kv_dtype="float32",
     )
     assert engine.plan.limits == plan.limits
     assert engine.sched_cfg.prefill_chunk == plan.limits.prefill_chunk

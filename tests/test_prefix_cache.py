@@ -230,7 +230,10 @@ def test_n_choices_are_admitted_together_or_refused_with_the_group_numbers(make_
     with pytest.raises(Refusal) as ei:
         e.submit_choices(req(17, 20), 3)
     r = ei.value
-    assert (r.status, r.code) == (400, "kv_budget_exceeded") and r.estimated_bytes == 22 * BS * TINY_KV_BYTES_PER_TOKEN
+    assert (r.status, r.code) == (
+        400,
+        "kv_budget_exceeded",
+    ) and r.estimated_bytes == 22 * BS * TINY_KV_BYTES_PER_TOKEN
     assert "3 choices" in r.message
     hs = e.submit_choices(req(17, 20), 2)
     assert [h.result(10).completion_tokens for h in hs] == [20, 20]

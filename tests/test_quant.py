@@ -120,10 +120,17 @@ def test_the_plan_charges_exactly_what_the_quantized_model_holds(
         kinds = {type(lin).__name__ for layer in e.model.layers for lin in layer[1:3] + layer[4:]}
         assert kinds == ({"Quantized"} if model == "tiny" or fmt == "int8" else {"Quantized", "Linear"})
         # the probe's activation dtype moves the numbers, so the plan names the one the layers use
-        qs = [lin for layer in e.model.layers for lin in layer[1:3] + layer[4:] if type(lin).__name__ == "Quantized"]
+        qs = [
+            lin
+            for layer in e.model.layers
+            for lin in layer[1:3] + layer[4:]
+            if type(lin).__name__ == "Quantized"
+        ]
         act = qs[0].act
         named = [n for n in e.plan.notes if n.startswith(f"{fmt} matmuls on ")]
-        assert named and named[0].startswith(f"{fmt} matmuls on {str(act).removeprefix('torch.')} "), e.plan.notes
+        assert named and named[0].startswith(f"{fmt} matmuls on {str(act).removeprefix('torch.')} "), (
+            e.plan.notes
+        )
     finally:
         e.shutdown(), full.shutdown()
 

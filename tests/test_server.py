@@ -97,7 +97,12 @@ def test_overload_gets_429_before_any_sse_byte_and_counts_each_once(make_engine)
     """16 over-budget streaming requests while the KV is full: each a plain 429 + Retry-After with the
     stable body and no SSE bytes; kvgate_rejections_total rises by exactly 16; a small request then
     succeeds. Seen to fail when headers were sent before admission (SSE 200 then error event)."""
-    engine = make_engine(kv_cache_bytes=8 * 16 * TINY_KV_BYTES_PER_TOKEN, block_size=16, max_queue_wait=0, min_cap_tokens=10_000)
+    engine = make_engine(
+        kv_cache_bytes=8 * 16 * TINY_KV_BYTES_PER_TOKEN,
+        block_size=16,
+        max_queue_wait=0,
+        min_cap_tokens=10_000,
+    )
     slow_steps(engine, 0.02)
     with running_server(engine) as (base, _):
         holder = threading.Thread(
@@ -138,7 +143,12 @@ def test_overload_gets_429_before_any_sse_byte_and_counts_each_once(make_engine)
 
 def test_never_fits_is_400_with_numbers_and_a_waiter_streams_once_room_frees(make_engine):
     """Seen to fail when kv_budget_exceeded was reported as 429 (come back later) instead of 400."""
-    engine = make_engine(kv_cache_bytes=8 * 16 * TINY_KV_BYTES_PER_TOKEN, block_size=16, max_queue_wait=20, min_cap_tokens=10_000)
+    engine = make_engine(
+        kv_cache_bytes=8 * 16 * TINY_KV_BYTES_PER_TOKEN,
+        block_size=16,
+        max_queue_wait=20,
+        min_cap_tokens=10_000,
+    )
     with running_server(engine) as (base, _):
         r = httpx.post(base + CHAT, json={"messages": MSG, "max_tokens": 200})
         assert r.status_code == 400
@@ -166,7 +176,11 @@ def test_never_fits_is_400_with_numbers_and_a_waiter_streams_once_room_frees(mak
 def test_queue_full_is_503_with_retry_after(make_engine):
     """Seen to fail when a full queue answered 429 instead of 503."""
     engine = make_engine(
-        kv_cache_bytes=8 * 16 * TINY_KV_BYTES_PER_TOKEN, block_size=16, max_queue=1, max_queue_wait=20, min_cap_tokens=10_000
+        kv_cache_bytes=8 * 16 * TINY_KV_BYTES_PER_TOKEN,
+        block_size=16,
+        max_queue=1,
+        max_queue_wait=20,
+        min_cap_tokens=10_000,
     )
     slow_steps(engine, 0.02)
     with running_server(engine) as (base, _):

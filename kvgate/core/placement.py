@@ -265,7 +265,9 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     try:
         # the probes time the pools in the cache's own dtype (float16 by default on a CPU)
         paged, why = resolve_decode_attention(cfg.decode_attention, *geometry, kv_dtype=kv_dtype)
-        prefill_kernel, prefill_why = resolve_prefill_attention(cfg.prefill_attention, *geometry, kv_dtype=kv_dtype)
+        prefill_kernel, prefill_why = resolve_prefill_attention(
+            cfg.prefill_attention, *geometry, kv_dtype=kv_dtype
+        )
     except ValueError as exc:
         raise DeviceError(str(exc)) from None
     log.info("decode attention: %s", why)
@@ -321,7 +323,9 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
             if cfg.kv_dtype == "auto"
             else "--kv-dtype"
         )
-        plan.notes.append(f"KV cache in {str(kv_dtype).removeprefix('torch.')} ({source}), the model in {plan.dtype}")
+        plan.notes.append(
+            f"KV cache in {str(kv_dtype).removeprefix('torch.')} ({source}), the model in {plan.dtype}"
+        )
     return Placement(
         device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason, paged, kv_dtype, prefill_kernel
     )

@@ -227,7 +227,10 @@ class LlamaModel:
     def _streamed(self) -> list[tuple[object, str]]:
         """(owner, attribute) of each kvgate-packed weight tensor: the Q4_1 layer tiles and the Q8 table."""
         out: list[tuple[object, str]] = [
-            (lin, "packed") for layer in self.layers for lin in layer if isinstance(lin, (Q41Linear, Q41Dot8Linear))
+            (lin, "packed")
+            for layer in self.layers
+            for lin in layer
+            if isinstance(lin, (Q41Linear, Q41Dot8Linear))
         ]
         if isinstance(self.q8, Q8DotTable):
             out.append((self.q8, "packed"))
@@ -280,7 +283,14 @@ class LlamaModel:
         pending = None  # the last residual branch, added to x by the next norm
         if stacked:  # the same kernels in the same order in one C++ call (kvgate.models.decode_stack)
             x = self.decode_stack.run(
-                x, kv.k, kv.v, self.cos, self.sin, batch.positions, batch.slots, batch.decode_tables,
+                x,
+                kv.k,
+                kv.v,
+                self.cos,
+                self.sin,
+                batch.positions,
+                batch.slots,
+                batch.decode_tables,
                 batch.decode_lens,
             )
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(

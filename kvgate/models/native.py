@@ -45,7 +45,12 @@ SOURCES = (
     "q8_embed.cpp",
     "tile_matmul.cpp",
 )  # one module
-HEADERS = ("int8_layout.h", "layer_rows.h", "q4_1_int24.h", "vec_exp.h")  # included by the sources: part of the cache key
+HEADERS = (
+    "int8_layout.h",
+    "layer_rows.h",
+    "q4_1_int24.h",
+    "vec_exp.h",
+)  # included by the sources: part of the cache key
 _state: dict = {}
 
 

@@ -42,10 +42,14 @@ def tighten_features(js: dict, vocab: int | None, chat: bool) -> None:
         scored = {"echo": {"const": True}, "logprobs": {"type": "integer"}}
         rules.append(_needs(scored, {"stream": {"anyOf": [_NULL, {"const": False}]}}, False))
         # max_tokens 0 echoes (and with logprobs scores) the prompt alone; without echo it is a 400
-        for b in (b for b in props["max_tokens"].get("anyOf", [props["max_tokens"]]) if b.get("type") == "integer"):
+        for b in (
+            b for b in props["max_tokens"].get("anyOf", [props["max_tokens"]]) if b.get("type") == "integer"
+        ):
             b["minimum"] = 0
         rules.append(_needs({"max_tokens": {"const": 0}}, {"echo": {"const": True}}))
-        rules.append(_needs({"max_tokens": {"const": 0}}, {"stream": {"anyOf": [_NULL, {"const": False}]}}, False))
+        rules.append(
+            _needs({"max_tokens": {"const": 0}}, {"stream": {"anyOf": [_NULL, {"const": False}]}}, False)
+        )
     fmt = {"response_format": {"type": "object", "properties": {"type": {"const": "json_schema"}}}}
     with_schema = {
         "required": ["json_schema"],
