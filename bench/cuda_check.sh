@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA checks a session lent a GPU runs there, in one call of the device tool (CI has no GPU).
 #
-#   here:  python -m bench.shape_model export .gpu/smol        # SmolLM2's config + tokenizer
-#          pip download the server's wheels for cp312 into .whl (docs/DESIGN_NOTES.md, "CUDA")
-#   there: bash bench/cuda_check.sh   (carry .whl and .gpu; results land in $OUT)
+#   here:  bash bench/cuda_check.sh prepare   # .gpu/smol (SmolLM2's config + tokenizer) and .whl (the
+#                                             # cp312 wheels the GPU machine lacks, at .venv's versions)
+#   there: bash bench/cuda_check.sh           # (carry .whl and .gpu; results land in $OUT)
 #
 # 1. the CUDA tests, and the tiny-model modules with their engines on the GPU (KVGATE_TEST_DEVICE);
+#    the first CUDA engine builds kvgate's C++ kernels there (for the host-side draw): allow a minute
+#    or two more than the 97 s the tests took in session 26, before that build;
 # 2. a SmolLM2-shaped stand-in (bench/shape_model.py) served on the GPU and driven by `kvgate bench`
 #    at c=1, 16 and 64 (256 tokens in, 128 out);
 # 3. its decode step's wall time at 1, 16 and 64 rows (bench/profile_step.py);
@@ -13,10 +15,27 @@
 # PARTS="tests serve step graph" (the default) picks which run; DEVICE=cpu runs them here, as a dry run of the
 # script itself.
 set -u
+WHEELS="fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection opentelemetry-api gguf
+llguidance openai httpx2 httpcore2 truststore distro jiter sniffio typing_extensions jsonschema referencing
+jsonschema-specifications rpds-py"
+if [ "${1:-}" = prepare ]; then  # here, before the device call; both folders are in .git/info/exclude
+  for d in /.whl/ /.gpu/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >>.git/info/exclude; done
+  .venv/bin/python -m bench.shape_model export .gpu/smol || exit 1
+  rm -f .gpu/smol/model.safetensors
+  for p in $WHEELS; do
+    v=$(.venv/bin/python -m pip show "$p" 2>/dev/null | awk '/^Version:/ {print $2}')
+    [ -n "$v" ] || { echo "not in .venv: $p"; exit 1; }
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d .whl "$p==$v" 2>&1 | grep -v WARNING
+  done
+  du -sh .whl .gpu
+  exit 0
+fi
 OUT=${OUT:-/tmp/cuda_check}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
-TEST_S=${TEST_S:-150}
+TEST_S=${TEST_S:-330}
 PARTS=${PARTS:-tests serve step graph}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -38,7 +57,7 @@ $PY -m bench.shape_model fill .gpu/smol || exit 1
 if [[ " $PARTS " == *" tests "* ]]; then
 echo "== tests on $DEVICE"
 KVGATE_TEST_DEVICE=$DEVICE KVGATE_CUDA_MODEL=$PWD/.gpu/smol timeout -s INT -k 10 "$TEST_S" $PY -m pytest -q -m "not slow" \
-  -p no:cacheprovider --timeout 60 --maxfail=40 -rfE --tb=short \
+  -p no:cacheprovider --timeout 300 --maxfail=40 -rfE --tb=short \
   tests/test_cuda.py tests/test_memory.py::test_cuda_peak_allocated_within_plan \
   tests/test_batching.py tests/test_engine_contract.py tests/test_admission.py tests/test_prefix_cache.py \
   tests/test_spec_sample.py tests/test_speculate.py tests/test_structured.py tests/test_logprobs.py \
