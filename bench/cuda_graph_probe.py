@@ -66,6 +66,13 @@ def measure(rows: int, context: int, model: str, device: str, reps: int) -> dict
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     e = setup(rows, context, "bfloat16", "full", "off", "gather", model=model, device=device)
+    try:
+        return _measure(e, rows, cuda, sync, reps)
+    finally:
+        e.shutdown()
+
+
+def _measure(e, rows: int, cuda: bool, sync, reps: int) -> dict:
     core, inbox, runner = e.core, e.inbox, e.core.runner
     real, seen = runner.model_forward, {}
     for _ in range(5):  # first steps at a shape pick their kernels
@@ -100,7 +107,6 @@ def measure(rows: int, context: int, model: str, device: str, reps: int) -> dict
                 out["replay_ms"] = timed(graph.replay, reps, sync)
             except Exception as exc:  # the probe reports what broke the capture
                 out["capture_error"] = f"{type(exc).__name__}: {exc}"[:400]
-    e.shutdown()
     return out
 
 

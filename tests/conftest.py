@@ -14,7 +14,7 @@ import pytest
 
 from tests.tiny_model import make_tiny_hf_dir
 
-TEST_DEVICE = os.environ.get("KVGATE_TEST_DEVICE", "cpu")
+TEST_DEVICE = os.environ.get("KVGATE_TEST_DEVICE") or "cpu"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -46,6 +46,7 @@ from kvgate.memory.plan import MemoryPlan, PlanError
 from kvgate.models import LoadedModel, decode_prefetch, load_model
 from kvgate.models.llama import LlamaModel
 from kvgate.request import GenerationRequest, RequestHandle
+from kvgate.sampling import host_draw_kernels
 from kvgate.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvgate.engine")
@@ -103,6 +104,8 @@ class Engine:
         # gguf's float decode loops, per CPU; not a plan note: `kvgate plan` (no model built, no probe)
         # must give the engine's plan, and this choice changes speed only, never memory
         self.prefetch_note = decode_prefetch.choose(self.model)
+        if self.device.type != "cpu":  # its logits are drawn on the host: the C++ draw, built once
+            log.info(host_draw_kernels())
         if self.model.weight_bytes > p.weights_bytes:
             raise PlanError(
                 f"the loaded weights take {self.model.weight_bytes:,} bytes but the plan charged "

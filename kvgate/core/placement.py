@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgate import sampling
 from kvgate.config import EngineConfig
 from kvgate.core.speculate import MAX_SPECULATE
 from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
@@ -272,10 +271,6 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         raise DeviceError(str(exc)) from None
     log.info("decode attention: %s", why)
     log.info("prefill attention: %s", prefill_why)
-    if device.type != "cpu" and sampling.NATIVE_DRAW and native.extension() is None:
-        # the logits come to the host each step and are drawn there; the C++ draw (built here, on the
-        # first start of a machine, as on a CPU server) is 5x PyTorch's at 16 top-p rows, measured here
-        log.info("sampling: PyTorch ops draw on the host (%s)", native.unavailable())
     if overhead_bytes is None:
         overhead_bytes = runtime_overhead_bytes(str(device), checkpoint_bytes(loaded))
     ext = native.extension() if fmt == "gguf" and device.type == "cpu" else None  # gguf's kernels
