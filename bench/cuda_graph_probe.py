@@ -19,6 +19,7 @@ import time
 import torch
 
 from bench.profile_step import setup
+from bench.step_split import timed as timed_calls  # a call wrapper that adds its time to a dict
 
 
 def timed(fn, reps: int, sync) -> float:
@@ -37,22 +38,12 @@ def split_step(core, inbox, runner, reps: int, sync) -> dict:
     real_forward, real_sample = runner.model_forward, runner_mod.sample_batch
     spent = {"forward": 0.0, "sampling": 0.0}
 
-    def forward(batch):
-        t0 = time.perf_counter()
-        try:
-            logits = real_forward(batch)
-            sync()
-            return logits
-        finally:
-            spent["forward"] += time.perf_counter() - t0
+    def forward(batch):  # to the logits on the device, synchronized
+        logits = real_forward(batch)
+        sync()
+        return logits
 
-    def sample(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return real_sample(*a, **k)
-        finally:
-            spent["sampling"] += time.perf_counter() - t0
-
+    forward, sample = timed_calls(spent, "forward", forward), timed_calls(spent, "sampling", real_sample)
     runner.model_forward, runner_mod.sample_batch = forward, sample
     try:
         step = timed(lambda: core.tick(inbox.take(0)), reps, sync)

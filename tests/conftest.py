@@ -17,6 +17,12 @@ from tests.tiny_model import make_tiny_hf_dir
 TEST_DEVICE = os.environ.get("KVGATE_TEST_DEVICE") or "cpu"
 
 
+def kv_like_the_cpu(device: str, dtype: str) -> dict:
+    """The KV dtype setting that gives an engine off the CPU the cache the CPU's auto gives a float32
+    model (float16), so pools sized in positions hold as many; nothing on the CPU or for 16-bit models."""
+    return {"kv_dtype": "float16"} if device != "cpu" and dtype == "float32" else {}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     # Converted-GGUF caches go to a per-session folder unless the caller chose one (CI reuses ~/.cache).
@@ -44,8 +50,7 @@ def make_engine(tiny_dir):
         cfg.setdefault("memory_limit", "2GiB")
         cfg.setdefault("dtype", "float32")
         cfg.setdefault("device", TEST_DEVICE)
-        if TEST_DEVICE != "cpu" and cfg["device"] != "cpu" and cfg["dtype"] == "float32":
-            cfg.setdefault("kv_dtype", "float16")
+        cfg = {**kv_like_the_cpu(cfg["device"], cfg["dtype"]), **cfg}
         overhead = cfg.pop("overhead_bytes", 0)
         e = Engine.from_model(str(tiny_dir), EngineConfig(**cfg), overhead_bytes=overhead).start()
         engines.append(e)
@@ -63,9 +68,12 @@ def tiny_base(tiny_dir):
     from kvgate.core.engine import Engine
     from tests.server_util import running_server
 
-    kv = {"kv_dtype": "float16"} if TEST_DEVICE != "cpu" else {}
     cfg = EngineConfig(
-        kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device=TEST_DEVICE, **kv
+        kv_cache_bytes=16 << 20,
+        memory_limit="2GiB",
+        dtype="float32",
+        device=TEST_DEVICE,
+        **kv_like_the_cpu(TEST_DEVICE, "float32"),
     )
     e = Engine.from_model(str(tiny_dir), cfg, overhead_bytes=0).start()
     with running_server(e) as (b, _app):
