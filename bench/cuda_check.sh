@@ -8,9 +8,10 @@
 # 1. the CUDA tests, and the tiny-model modules with their engines on the GPU (KVGATE_TEST_DEVICE);
 #    (kvgate's C++ kernels are built first, on their own: the CUDA engine's host-side draw uses them);
 # 2. a SmolLM2-shaped stand-in (bench/shape_model.py) served on the GPU and driven by `kvgate bench`
-#    at c=1, 16 and 64 (256 tokens in, 128 out);
+#    at c=1, 16 and 64 (256 tokens in, 128 out), with --cuda-graphs on and off (SERVE_GRAPHS);
 # 3. its decode step's wall time at 1, 16 and 64 rows (bench/profile_step.py);
-# 4. the same step's forward eager against one CUDA graph replay (bench/cuda_graph_probe.py).
+# 4. its engine step with the decode graphs on and off, split into forward, sampling and the rest, and
+#    the graph step's Python profile (bench/cuda_graph_probe.py).
 # PARTS="tests serve step graph" (the default) picks which run; DEVICE=cpu runs them here, as a dry run of the
 # script itself. The parts' timeouts add up to more than one device call's 600 s (tests 330, serve
 # 60 + 110, step 90, graph 120, the kernels' build up to 400 the first time): in session 26 they took
@@ -69,7 +70,7 @@ if [[ " $PARTS " == *" tests "* ]]; then
 echo "== tests on $DEVICE"
 KVGATE_TEST_DEVICE=$DEVICE KVGATE_CUDA_MODEL=$PWD/.gpu/smol timeout -s INT -k 10 "$TEST_S" $PY -m pytest -q -m "not slow" \
   -p no:cacheprovider --timeout 300 --maxfail=40 -rfE --tb=short \
-  tests/test_cuda.py tests/test_memory.py::test_cuda_peak_allocated_within_plan \
+  tests/test_cuda.py tests/test_memory.py::test_cuda_peak_allocated_within_plan tests/test_decode_graphs.py \
   tests/test_batching.py tests/test_engine_contract.py tests/test_admission.py tests/test_prefix_cache.py \
   tests/test_spec_sample.py tests/test_speculate.py tests/test_structured.py tests/test_logprobs.py \
   tests/test_prompt_logprobs.py tests/test_server.py tests/test_cancel.py >"$OUT/pytest.txt" 2>&1
@@ -77,10 +78,12 @@ echo "pytest rc=$?"; tail -40 "$OUT/pytest.txt"
 fi
 
 if [[ " $PARTS " == *" serve "* ]]; then
-echo "== served on $DEVICE"
+for G in ${SERVE_GRAPHS:-on off}; do
+[ "$DEVICE" = cpu ] && G=off  # a CPU refuses --cuda-graphs on
+echo "== served on $DEVICE, --cuda-graphs $G"
 PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-$PY -m kvgate.cli serve --model .gpu/smol --device "$DEVICE" --port "$PORT" --log-level warning \
-  --served-model-name smol-shape >"$OUT/serve.log" 2>&1 &
+$PY -m kvgate.cli serve --model .gpu/smol --device "$DEVICE" --port "$PORT" --log-level info --cuda-graphs "$G" \
+  --served-model-name smol-shape >"$OUT/serve_$G.log" 2>&1 &
 SERVER=$!
 UP=0
 for _ in $(seq 120); do
@@ -88,13 +91,15 @@ for _ in $(seq 120); do
   kill -0 $SERVER 2>/dev/null || break
   sleep 0.5
 done
-[ $UP = 1 ] || echo "the server did not come up within 60 s (serve.log says why); the bench below fails at once"
+[ $UP = 1 ] || echo "the server did not come up within 60 s (serve_$G.log says why); the bench below fails at once"
 timeout 110 $PY -m kvgate.cli bench --base-url "http://127.0.0.1:$PORT" --input-len 256 --output-len 128 \
-  --eos-mode ignore_eos --concurrency 1,16,64 --max-seconds ${BENCH_S:-20} --quiet --json "$OUT/bench.json" \
-  >"$OUT/bench.txt" 2>&1
-echo "bench rc=$?"; cat "$OUT/bench.txt" | tail -30
+  --eos-mode ignore_eos --concurrency ${BENCH_C:-1,16,64} --max-seconds ${BENCH_S:-20} --quiet \
+  --json "$OUT/bench_$G.json" >"$OUT/bench_$G.txt" 2>&1
+echo "bench rc=$?"; cat "$OUT/bench_$G.txt" | tail -30
 kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null
-tail -5 "$OUT/serve.log"
+grep -E "decode graphs|WARNING|ERROR|Traceback" "$OUT/serve_$G.log" | head -5
+[ "$DEVICE" = cpu ] && break
+done
 fi
 
 if [[ " $PARTS " == *" step "* ]]; then
@@ -105,8 +110,8 @@ cat "$OUT/step.txt" | tail -8
 fi
 
 if [[ " $PARTS " == *" graph "* ]]; then
-echo "== forward eager against a CUDA graph replay on $DEVICE"
-timeout ${GRAPH_S:-120} $PY -m bench.cuda_graph_probe --model .gpu/smol --device "$DEVICE" --rows 1 16 64 \
-  >"$OUT/graph.txt" 2>&1
-grep -v USDT "$OUT/graph.txt" | tail -12
+echo "== the engine step with CUDA graphs on and off on $DEVICE"
+timeout ${GRAPH_S:-150} $PY -m bench.cuda_graph_probe --model .gpu/smol --device "$DEVICE" --rows ${GRAPH_ROWS:-1 16 64} \
+  --profile >"$OUT/graph.txt" 2>&1
+grep -v USDT "$OUT/graph.txt" | head -16
 fi

@@ -1,18 +1,21 @@
-"""What a CUDA graph would make of a decode step: the same step's forward run eagerly and replayed
-from one captured graph, and the whole engine step (inputs, forward, logits to the host, sampling).
+"""What the CUDA decode graphs do to a decode step: the same engine step with `--cuda-graphs on` and off.
 
     python -m bench.cuda_graph_probe --model PATH [--rows 1 16 64] [--context 300] [--reps 50]
 
-Builds the real engine on the GPU (bf16, gather attention: the CUDA path), puts `rows` requests in
-decode at `context`, takes one decode step's `StepBatch` and times `model.forward` on it eagerly and as
-a graph replay (checking the replay's logits against the eager ones). The engine step is split into its
-forward (synchronized), its sampling (top-p 0.9 at temperature 0.7) and the rest. A measurement for
-planning, not a serving path: kvgate does not capture graphs yet. On a CPU it reports the eager times.
+Builds the real engine on the GPU (bf16, gather attention: the CUDA path) twice, graphs on and off, puts
+`rows` requests in decode at `context`, and times the engine step (`core.tick`), split into its forward
+(to the logits on the device, synchronized), its sampling (top-p 0.9 at temperature 0.7; `--greedy`
+for argmax) and the rest (scheduling, inputs, the logits' copy to the host, the update). With
+`--profile` it also prints the Python functions that take the graph step's time at the first row count
+(cProfile, cumulative). On a CPU, `--cuda-graphs on` is refused, so only the off rows print.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 
@@ -32,13 +35,13 @@ def timed(fn, reps: int, sync) -> float:
 
 
 def split_step(core, inbox, runner, reps: int, sync) -> dict:
-    """The engine step's wall time, and its forward (to the logits on the host) and sampling parts."""
+    """The engine step's wall time, and its forward (to the logits on the device) and sampling parts."""
     import kvgate.core.runner as runner_mod
 
     real_forward, real_sample = runner.model_forward, runner_mod.sample_batch
     spent = {"forward": 0.0, "sampling": 0.0}
 
-    def forward(batch):  # to the logits on the device, synchronized
+    def forward(batch):
         logits = real_forward(batch)
         sync()
         return logits
@@ -50,55 +53,36 @@ def split_step(core, inbox, runner, reps: int, sync) -> dict:
     finally:
         runner.model_forward, runner_mod.sample_batch = real_forward, real_sample
     f, smp = spent["forward"] / reps * 1000, spent["sampling"] / reps * 1000
-    return {"step_ms": step, "in_step_forward_ms": f, "sampling_ms": smp, "rest_ms": step - f - smp}
+    return {"step_ms": step, "forward_ms": f, "sampling_ms": smp, "rest_ms": step - f - smp}
 
 
-def measure(rows: int, context: int, model: str, device: str, reps: int) -> dict:
-    cuda = device.startswith("cuda")
+def measure(rows: int, a, graphs: str, profile: bool) -> dict:
+    cuda = a.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    e = setup(rows, context, "bfloat16", "full", "off", "gather", model=model, device=device)
+    temp = 0.0 if a.greedy else 0.7
+    e = setup(rows, a.context, "bfloat16", "full", "off", "gather", "auto", temp, a.model, a.device, graphs)
     try:
-        return _measure(e, rows, cuda, sync, reps)
+        core, inbox = e.core, e.inbox
+        for _ in range(5):  # first steps at a shape pick their kernels
+            core.tick(inbox.take(0))
+        g = e.runner.graphs
+        before = g.replays if g is not None else 0
+        out = {"rows": rows, "graphs": graphs, **split_step(core, inbox, e.runner, a.reps, sync)}
+        out["replayed"] = (g.replays - before) if g is not None else 0
+        out["note"] = e.graphs_note
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.reps):
+                core.tick(inbox.take(0))
+            sync()
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+            out["profile"] = text.getvalue()
+        return out
     finally:
         e.shutdown()
-
-
-def _measure(e, rows: int, cuda: bool, sync, reps: int) -> dict:
-    core, inbox, runner = e.core, e.inbox, e.core.runner
-    real, seen = runner.model_forward, {}
-    for _ in range(5):  # first steps at a shape pick their kernels
-        core.tick(inbox.take(0))
-    out = {"rows": rows, **split_step(core, inbox, runner, reps, sync)}
-
-    def grab(batch):
-        seen["batch"] = batch
-        return real(batch)
-
-    runner.model_forward = grab
-    core.tick(inbox.take(0))
-    runner.model_forward = real
-    batch = seen["batch"]
-    with torch.inference_mode():
-        ref = real(batch)
-        out["forward_ms"] = timed(lambda: real(batch), reps, sync)
-        if cuda:
-            try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        real(batch)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    logits = real(batch)
-                graph.replay()
-                sync()
-                out["replay_max_diff"] = (logits - ref).abs().max().item()
-                out["replay_ms"] = timed(graph.replay, reps, sync)
-            except Exception as exc:  # the probe reports what broke the capture
-                out["capture_error"] = f"{type(exc).__name__}: {exc}"[:400]
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,23 +92,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
-    gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else "none"
+    cuda = a.device.startswith("cuda")
+    gpu = torch.cuda.get_device_name() if cuda else "none"
     print(f"device {a.device} ({gpu}), torch {torch.__version__}, bf16, context {a.context}")
-    print(
-        "| rows | engine step (ms) | its forward | its sampling | the rest | forward eager (ms) "
-        "| forward graph replay (ms) | replay vs eager |"
-    )
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| rows | graphs | engine step (ms) | its forward | its sampling | the rest | steps replayed |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    notes, profiles = set(), []
     for rows in a.rows:
-        r = measure(rows, a.context, a.model, a.device, a.reps)
-        replay = f"{r['replay_ms']:.2f}" if "replay_ms" in r else r.get("capture_error", "-")
-        diff = f"{r['replay_max_diff']:.1e}" if "replay_max_diff" in r else "-"
-        print(
-            f"| {rows} | {r['step_ms']:.2f} | {r['in_step_forward_ms']:.2f} | {r['sampling_ms']:.2f} "
-            f"| {r['rest_ms']:.2f} | {r['forward_ms']:.2f} | {replay} | {diff} |",
-            flush=True,
-        )
+        for graphs in ("on", "off") if cuda else ("off",):
+            r = measure(rows, a, graphs, a.profile and rows == a.rows[0] and graphs == "on")
+            notes.add(r["note"])
+            if "profile" in r:
+                profiles.append(r["profile"])
+            print(
+                f"| {rows} | {graphs} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['sampling_ms']:.2f} "
+                f"| {r['rest_ms']:.2f} | {r['replayed']}/{a.reps} |",
+                flush=True,
+            )
+    for n in sorted(notes):
+        print("graphs:", n)
+    for p in profiles:
+        print(p)
     return 0
 
 

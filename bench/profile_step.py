@@ -57,6 +57,7 @@ def setup(
     temperature: float = 0.7,
     model: str = "default",
     device: str = "auto",
+    cuda_graphs: str = "auto",
 ):
     """An engine with `rows` requests all decoding at `context` (top-p 0.9 at `temperature`; 0 is greedy,
     what bench.compare sends)."""
@@ -76,6 +77,7 @@ def setup(
             q8_head=q8_head,
             decode_attention=attention,
             kv_dtype=kv_dtype,
+            cuda_graphs=cuda_graphs,
         ),
     )
     core = e.core

@@ -78,6 +78,7 @@ class EngineConfig:
     # None = auto: max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_FACTOR x the slowest step measured so far)
     step_timeout: float | None = None
     prefix_cache: str = "on"  # on | off: share the KV of prompt prefixes already computed
+    cuda_graphs: str = "auto"  # auto | on | off: decode steps replayed from captured CUDA graphs (CUDA only)
     extra: dict = field(default_factory=dict)
 
 
@@ -193,6 +194,13 @@ ENGINE_FLAGS = [
         "on",
         "on | off: reuse the KV of prompt prefixes already computed (inside the pool)",
     ),
+    (
+        "--cuda-graphs",
+        str,
+        "auto",
+        "auto | on | off: run decode steps as CUDA graphs captured at startup, one per (rows, context) "
+        "bucket; their memory is in the plan (auto: on for a CUDA device, off on a CPU)",
+    ),
 ]
 
 
@@ -236,4 +244,5 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         speculate=a.speculate,
         step_timeout=a.step_timeout,
         prefix_cache=a.prefix_cache,
+        cuda_graphs=a.cuda_graphs,
     )

@@ -280,7 +280,8 @@ def test_weights_resident_within_plan(probes):
 def test_cuda_peak_allocated_within_plan():
     """On CUDA the ledger covers device memory: torch.cuda.max_memory_allocated over a mixed load stays
     within weights + KV pool + workspace (the CUDA context is outside torch's allocator, in the fixed
-    overhead), and the limit. Broken by: under-counting any of those terms on the device.
+    overhead), and the limit, with the CUDA decode graphs' charge added: their pool, measured after
+    capture, within its estimate. Broken by: under-counting any of those terms on the device.
     KVGATE_CUDA_MODEL names the model (default: SmolLM2; `bench/cuda_check.sh` passes a stand-in of
     its shapes from `bench/shape_model.py`, since the GGUF cannot travel to the GPU machine)."""
     import os
@@ -305,7 +306,9 @@ def test_cuda_peak_allocated_within_plan():
         ),
     )
     p = engine.plan
-    budget = p.weights_bytes + p.kv_pool_bytes + p.workspace_bytes
+    budget = p.weights_bytes + p.kv_pool_bytes + p.workspace_bytes + p.graph_bytes
+    graphs = engine.runner.graphs  # captured at startup (--cuda-graphs auto), their pool measured
+    assert graphs is not None and 0 < graphs.pool_bytes <= p.graph_breakdown["pool"], engine.graphs_note
     load_peak = torch.cuda.max_memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     engine.start()
@@ -323,6 +326,10 @@ def test_cuda_peak_allocated_within_plan():
     assert all(r.finish_reason == "length" for r in results)
     assert load_peak <= budget
     assert torch.cuda.max_memory_allocated() <= budget <= p.limit_bytes
+    assert graphs.replays > 0
+    print(
+        f"graphs: {engine.graphs_note}; device memory reserved {torch.cuda.memory_reserved():,} B, budget {budget:,} B"
+    )
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import torch
 from kvgate.config import EngineConfig, ModelSpec
 from kvgate.memory import plan as P
 from kvgate.memory import workspace as W
+from kvgate.memory.overhead import OVERHEAD_SLACK
 from kvgate.memory.plan import PlanError, make_plan, resolve_limit
 from kvgate.models.linear import packs_weights
 from kvgate.units import parse_bytes
@@ -321,7 +322,7 @@ def test_cli_plan_json_equals_engine_plan(default_model_cache):
     assert out.returncode == 0, out.stderr
     cli = json.loads(out.stdout)
     assert cli["limit_bytes"] == 1280 * MiB and cli["context_tokens"] == 1024
-    assert P.OVERHEAD_SLACK + (64 << 20) < cli["overhead_bytes"] < P.OVERHEAD_SLACK + (1 << 30)
+    assert OVERHEAD_SLACK + (64 << 20) < cli["overhead_bytes"] < OVERHEAD_SLACK + (1 << 30)
 
     from kvgate.core.engine import Engine
 

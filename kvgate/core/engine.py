@@ -41,10 +41,12 @@ from kvgate.core.placement import plan_for
 from kvgate.core.runner import ModelRunner
 from kvgate.core.snapshot import EngineSnapshot
 from kvgate.core.stepper import EngineCore
+from kvgate.memory.graphs import graph_shapes
 from kvgate.memory.ledger import MemoryLedger
 from kvgate.memory.plan import MemoryPlan, PlanError
 from kvgate.models import LoadedModel, decode_prefetch, load_model
-from kvgate.models.llama import LlamaModel
+from kvgate.models.decode_graphs import DecodeGraphs, GraphStep
+from kvgate.models.llama import LlamaModel, StepBatch
 from kvgate.request import GenerationRequest, RequestHandle
 from kvgate.sampling import host_draw_kernels
 from kvgate.tokenizer import TextTokenizer
@@ -113,9 +115,13 @@ class Engine:
                 "This is a kvgate bug; please report it with the model file's name."
             )
         self.ledger.reserve("workspace", p.workspace_bytes, "step workspace", lifetime="step")
+        if p.graph_bytes:
+            self.ledger.reserve("cuda_graphs", p.graph_bytes, "CUDA decode graphs")
         self.ledger.reserve("kv_cache", p.kv_pool_bytes, "KV pool")
         self.kv_dtype = place.kv_dtype or self.dtype
-        self.kv = KVPool(spec, p.kv_blocks, p.block_size, self.kv_dtype, self.device)
+        # with graphs, one block past the plan's: where padding rows write (charged with the graphs)
+        pad = 1 if place.cuda_graphs else 0
+        self.kv = KVPool(spec, p.kv_blocks + pad, p.block_size, self.kv_dtype, self.device)
         self.tokenizer = TextTokenizer(loaded.tokenizer)
         self.sched_cfg = SchedulerConfig(
             block_size=p.block_size,
@@ -134,16 +140,49 @@ class Engine:
         )
         self.inbox = Inbox()
         self.runner = ModelRunner(
-            lambda batch: self.model.forward(batch, self.kv),
+            self._forward,
             block_size=p.block_size,
             attn_token_cap=p.limits.attn_token_cap,
             device=self.device,
         )
+        self.graphs_note = "off"
+        if place.cuda_graphs:
+            self._capture_graphs(cfg.cuda_graphs)
         self.core = EngineCore(self.sched_cfg, self.tokenizer, self.runner, self.inbox)
         self.gate = AdmissionGate(self.sched_cfg, self.inbox, lambda: self.core.snapshot, self._unavailable)
         self.info = EngineInfo(spec.name, loaded.source, str(self.device), p.dtype, time.monotonic() - t0)
         self._thread: threading.Thread | None = None
         self.dead: str | None = None
+
+    def _forward(self, batch: StepBatch | GraphStep) -> torch.Tensor:
+        if isinstance(batch, GraphStep):
+            return self.runner.graphs.run(batch)
+        return self.model.forward(batch, self.kv)
+
+    def _capture_graphs(self, setting: str) -> None:
+        """Capture the decode graphs the plan charged (`kvgate.memory.graphs`), and check their measured
+        pool against the charge. Under `--cuda-graphs auto` a capture that fails, or a pool over its
+        charge, leaves the engine eager and says why; under `on` it is an error."""
+        p = self.plan
+        graphs = DecodeGraphs(self.model, self.kv, graph_shapes(p.limits, p.block_size), p.kv_blocks)
+        charged = p.graph_breakdown["pool"]
+        try:
+            line = graphs.capture_all()
+            if graphs.pool_bytes > charged:
+                raise PlanError(
+                    f"the CUDA decode graphs' pool holds {graphs.pool_bytes:,} bytes but the plan charged "
+                    f"{charged:,}. This is a kvgate bug; please report it. --cuda-graphs off runs eager steps."
+                )
+        except Exception as exc:
+            graphs.release()
+            if setting == "on":
+                raise
+            self.graphs_note = f"off: capture failed ({type(exc).__name__}: {exc}); decode steps run eagerly"
+            log.warning("decode graphs %s", self.graphs_note)
+            return
+        self.runner.graphs = graphs
+        self.graphs_note = f"{line} (charged {charged / (1 << 20):.1f} MiB)"
+        log.info(self.graphs_note)
 
     @classmethod
     def from_model(cls, model: str, cfg: EngineConfig | None = None, **kw) -> Engine:
@@ -278,6 +317,9 @@ class Engine:
         if getattr(self, "_released", False):
             return
         self._released = True
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()
+            self.runner.graphs = None
         self.kv = None
         self.model = None
         for r in self.ledger._live[:]:

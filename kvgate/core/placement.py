@@ -15,7 +15,8 @@ import torch
 
 from kvgate.config import EngineConfig
 from kvgate.core.speculate import MAX_SPECULATE
-from kvgate.memory.plan import MemoryPlan, make_plan, runtime_overhead_bytes
+from kvgate.memory.overhead import runtime_overhead_bytes
+from kvgate.memory.plan import MemoryPlan, make_plan
 from kvgate.models import LoadedModel, native
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
@@ -168,6 +169,17 @@ class Placement:
     paged_attention: bool = False  # decode attention by the paged CPU kernel (else gather + SDPA)
     kv_dtype: torch.dtype | None = None  # the KV pool's dtype (None: the model's)
     prefill_kernel: bool = False  # prompt-chunk attention by the paged CPU kernel (else gather + SDPA)
+    cuda_graphs: bool = False  # decode steps replayed from captured CUDA graphs (kvgate.models.decode_graphs)
+
+
+def resolve_cuda_graphs(name: str, device: torch.device) -> bool:
+    """auto: on for a CUDA device (a decode step is thousands of small kernel launches there), off on a
+    CPU; on: insist (an error off CUDA); off: eager steps."""
+    if name not in ("auto", "on", "off"):
+        raise DeviceError(f"--cuda-graphs {name!r} is not one of auto, on, off")
+    if name == "on" and device.type != "cuda":
+        raise DeviceError(f"--cuda-graphs on needs a CUDA device; this is {device}. Use auto or off.")
+    return name != "off" and device.type == "cuda"
 
 
 def resolve_q8_head(
@@ -246,6 +258,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     fmt, act = resolve_weights(name, device)
     dtype = resolve_dtype(cfg.dtype, device, fmt)
     kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype, device)
+    graphs = resolve_cuda_graphs(cfg.cuda_graphs, device)
     if not 0 <= cfg.speculate <= MAX_SPECULATE:
         raise DeviceError(
             f"--speculate {cfg.speculate} is out of range: draft tokens per step are 0 (off) to {MAX_SPECULATE}"
@@ -295,6 +308,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         q8_head=q8_head,
         kv_dtype_bytes=torch.finfo(kv_dtype).bits // 8,
         amx_prefill=amx,
+        cuda_graphs=graphs,
     )
     if amx:
         plan.notes.append(
@@ -322,5 +336,17 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
             f"KV cache in {str(kv_dtype).removeprefix('torch.')} ({source}), the model in {plan.dtype}"
         )
     return Placement(
-        device, dtype, packed, max_len, plan, fmt, act, q8_head, q8_reason, paged, kv_dtype, prefill_kernel
+        device,
+        dtype,
+        packed,
+        max_len,
+        plan,
+        fmt,
+        act,
+        q8_head,
+        q8_reason,
+        paged,
+        kv_dtype,
+        prefill_kernel,
+        graphs,
     )

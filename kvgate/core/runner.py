@@ -1,6 +1,7 @@
 """The second phase of a step: `ModelRunner.execute(SchedulerOutput) -> ModelOutput`.
 
-Builds the step's tensors (`kvgate.core.step_inputs.build_step`), runs the forward pass, and samples
+Builds the step's tensors (`kvgate.core.step_inputs.build_step`, or a captured CUDA graph's inputs for
+a decode-only step that fits one: `build_graph_step`), runs the forward pass, and samples
 one token for each row the scheduler named, in one batched call. A forward that raises fails the
 step (every row in it, nothing else); a batched sampling call that raises is redone row by row from
 the same generator states, so only the row that really fails is failed and its neighbours keep
@@ -20,8 +21,9 @@ import torch
 from kvgate.core.outputs import ModelOutput, SchedulerOutput
 from kvgate.core.spec_sample import accept_sampled, distributions
 from kvgate.core.speculate import accept
-from kvgate.core.step_inputs import build_step
+from kvgate.core.step_inputs import build_graph_step, build_step
 from kvgate.draw_torch import SAMPLE_ROWS
+from kvgate.models.decode_graphs import DecodeGraphs, GraphStep
 from kvgate.models.llama import StepBatch
 from kvgate.sampling import prompt_logprobs, sample_batch
 
@@ -29,7 +31,7 @@ from kvgate.sampling import prompt_logprobs, sample_batch
 class ModelRunner:
     def __init__(
         self,
-        model_forward: Callable[[StepBatch], torch.Tensor],
+        model_forward: Callable[[StepBatch | GraphStep], torch.Tensor],
         *,
         block_size: int,
         attn_token_cap: int,
@@ -39,21 +41,29 @@ class ModelRunner:
         self.block_size = block_size
         self.attn_token_cap = attn_token_cap
         self.device = device
+        # captured decode graphs (kvgate.models.decode_graphs): a decode-only step that fits one of their
+        # buckets reaches `model_forward` as a `GraphStep`, not a `StepBatch`; None = every step eager
+        self.graphs: DecodeGraphs | None = None
 
-    def forward(self, so: SchedulerOutput, batch: StepBatch) -> torch.Tensor:
+    def forward(self, so: SchedulerOutput, batch: StepBatch | GraphStep) -> torch.Tensor:
         return self.model_forward(batch)
 
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         t0 = time.monotonic()
         try:
-            batch, d_rows, p_rows, v_rows = build_step(
-                so.decodes,
-                so.prefills,
-                self.block_size,
-                self.attn_token_cap,
-                self.device,
-                so.verifies,
-            )
+            batch = None
+            if self.graphs is not None and not so.prefills and (so.decodes or so.verifies):
+                batch, d_rows, v_rows = build_graph_step(so.decodes, so.verifies, self.graphs)
+                p_rows = []
+            if batch is None:
+                batch, d_rows, p_rows, v_rows = build_step(
+                    so.decodes,
+                    so.prefills,
+                    self.block_size,
+                    self.attn_token_cap,
+                    self.device,
+                    so.verifies,
+                )
             logits = self.forward(so, batch).cpu()
         except Exception as exc:  # a failed step fails only the rows in it
             return ModelOutput(step_error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - t0)

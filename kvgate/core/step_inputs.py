@@ -5,6 +5,9 @@ block table (padded with block 0 to the longest row's) and context length, for t
 runs them all in one call (`kvgate.models.paged_attention`); they are also split into groups whose
 padded attention (`rows x longest context`) stays within `attn_token_cap` tokens, for the gather path:
 that cap is what bounds the attention workspace the memory planner reserves. Prefill chunks follow.
+
+A decode-only step on an engine with CUDA graphs is built as a graph's inputs instead
+(`build_graph_step`): the same rows in the same order, padded to a captured bucket.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgate.models.decode_graphs import DecodeGraphs, GraphStep
 from kvgate.models.llama import DecodeGroup, PrefillSpan, StepBatch
 
 
@@ -64,10 +68,7 @@ def build_step(
     the ones before it, and a verified token gets the decode path's computation (see
     `kvgate.core.speculate` for how exact)."""
     n_plain = len(decodes)
-    decodes = list(decodes) + [
-        DecodeInput(v.request_id, t, v.start + i, v.blocks) for v in verifies for i, t in enumerate(v.tokens)
-    ]
-    order = sorted(range(len(decodes)), key=lambda i: -decodes[i].position)
+    decodes, order = decode_rows(decodes, verifies)
     ids: list[int] = [decodes[j].token for j in order]
     pos: list[int] = [decodes[j].position for j in order]
     slots: list[int] = []
@@ -132,8 +133,47 @@ def build_step(
         decode_tables,
         decode_lens,
     )
-    verify_logit_rows, at = [], n_plain
+    return (
+        batch,
+        decode_logit_row[:n_plain],
+        prefill_logit_row,
+        verify_rows(decode_logit_row, n_plain, verifies),
+    )
+
+
+def decode_rows(
+    decodes: list[DecodeInput], verifies: list[VerifyInput]
+) -> tuple[list[DecodeInput], list[int]]:
+    """Every decode row of a step, each verify span's positions as rows of their own after the plain
+    decodes, and the order they run in: longest context first."""
+    rows = list(decodes) + [
+        DecodeInput(v.request_id, t, v.start + i, v.blocks) for v in verifies for i, t in enumerate(v.tokens)
+    ]
+    return rows, sorted(range(len(rows)), key=lambda i: -rows[i].position)
+
+
+def verify_rows(logit_row: list[int], n_plain: int, verifies: list[VerifyInput]) -> list[list[int]]:
+    """Each verify span's logits rows, from the logits row of every decode row (plain decodes first)."""
+    out, at = [], n_plain
     for v in verifies:
-        verify_logit_rows.append(decode_logit_row[at : at + len(v.tokens)])
+        out.append(logit_row[at : at + len(v.tokens)])
         at += len(v.tokens)
-    return batch, decode_logit_row[:n_plain], prefill_logit_row, verify_logit_rows
+    return out
+
+
+def build_graph_step(
+    decodes: list[DecodeInput], verifies: list[VerifyInput], graphs: DecodeGraphs
+) -> tuple[GraphStep | None, list[int], list[list[int]]]:
+    """A decode-only step as the inputs of a captured graph (`kvgate.models.decode_graphs`), in
+    `build_step`'s row order, with the decodes' and verify spans' logits rows; (None, [], []) where no
+    captured bucket holds it (the step then runs eagerly)."""
+    rows, order = decode_rows(decodes, verifies)
+    step = graphs.step(
+        [rows[j].token for j in order], [rows[j].position for j in order], [rows[j].blocks for j in order]
+    )
+    if step is None:
+        return None, [], []
+    logit_row = [0] * len(rows)
+    for r, j in enumerate(order):
+        logit_row[j] = r
+    return step, logit_row[: len(decodes)], verify_rows(logit_row, len(decodes), verifies)

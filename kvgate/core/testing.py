@@ -4,13 +4,19 @@
 runs; the hook may sleep (to keep requests in flight), block (to park the worker inside a step) or
 raise (the step then fails exactly as a failing forward would). `set_step_hook(engine, None)` removes
 it. Serving code never calls this module: the seam is a replaced method, not a check in the hot path.
+
+`static_decode(engine)` sends its decode-only steps through the CUDA graphs' padded static batches,
+run eagerly (no capture), so CPU tests reach that path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvgate.core.kv_cache import KVPool
 from kvgate.core.outputs import SchedulerOutput
+from kvgate.memory.graphs import graph_shapes
+from kvgate.models.decode_graphs import DecodeGraphs
 
 
 def set_step_hook(engine, hook: Callable[[SchedulerOutput], object] | None) -> None:
@@ -25,3 +31,17 @@ def set_step_hook(engine, hook: Callable[[SchedulerOutput], object] | None) -> N
         return plain(so, batch)
 
     runner.forward = forward
+
+
+def static_decode(engine, shapes: list[tuple[int, int]] | None = None) -> DecodeGraphs:
+    """Run the engine's decode-only steps through `DecodeGraphs` without capture: the CUDA graphs' padded
+    buckets, static buffers, pad block and runner path, eagerly, on any device (a CPU test's view of what
+    a GPU replays). Call before any request: the KV pool is rebuilt with the pad block past the plan's.
+    `shapes`: the (rows, blocks) buckets to have (default: the plan's, `graph_shapes`)."""
+    p = engine.plan
+    engine.kv = KVPool(engine.spec, p.kv_blocks + 1, p.block_size, engine.kv_dtype, engine.device)
+    graphs = DecodeGraphs(
+        engine.model, engine.kv, shapes or graph_shapes(p.limits, p.block_size), p.kv_blocks, capture=False
+    )
+    engine.runner.graphs = graphs
+    return graphs

@@ -10,13 +10,12 @@ KV bytes per token = 2 x layers x kv_heads x head_dim x bytes(dtype); SmolLM2-13
 
 from __future__ import annotations
 
-import ctypes
-import gc
-import os
 import re
 from dataclasses import asdict, dataclass
 
 from kvgate.config import ModelSpec
+from kvgate.memory.graphs import graph_bytes, graph_shapes
+from kvgate.memory.overhead import runtime_overhead_bytes
 from kvgate.memory.workspace import (
     StepLimits,
     attn_cap,
@@ -32,7 +31,6 @@ from kvgate.units import SizeError, fmt_bytes, parse_bytes
 # "auto" on CPU: a quarter of MemAvailable at startup (the KV pool is zero-filled, so that is real)
 AUTO_CPU_SHARE = 0.25
 AUTO_CUDA_SHARE = 0.9  # "auto" on CUDA: 90% of the free device memory at startup
-OVERHEAD_SLACK = 192 << 20  # allocator arenas, thread stacks, HTTP buffers beyond the measured baseline
 MIN_KV_POSITIONS = 512  # a model is refused at load unless one request of this many positions fits
 
 
@@ -82,38 +80,6 @@ def resolve_limit(spec: str, device: str) -> tuple[int, str]:
     if limit <= 0:
         raise PlanError(f"--memory-limit {spec!r} must be more than zero: {LIMIT_HELP}.")
     return limit, "explicit"
-
-
-def release_free_heap() -> None:
-    """Collect garbage and hand freed heap back to the OS (glibc `malloc_trim`), so a baseline read
-    right after a load counts what the process holds, not what a finished conversion left behind."""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
-def process_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def runtime_overhead_bytes(device: str, held_tensor_bytes: int = 0) -> int:
-    """What the process holds besides the ledger's tensors: measured baseline RSS plus a fixed slack.
-
-    Measured after the checkpoint is read: the loader copies every tensor out of the file (a memory
-    map would stay resident behind views), so `held_tensor_bytes` -- the loaded checkpoint, which
-    becomes the planned weights -- is subtracted. What remains is the interpreter, torch, the
-    tokenizer and the server's modules. A cold GGUF conversion in the same process leaves ~400 MiB of
-    freed heap behind (measured on SmolLM2-135M), which `release_free_heap` gives back first.
-
-    On CUDA the ledger covers device memory only, and the CUDA context is outside torch's allocator.
-    """
-    if device.startswith("cuda"):
-        return 512 << 20
-    release_free_heap()
-    return max(0, process_rss_bytes() - held_tensor_bytes) + OVERHEAD_SLACK
 
 
 def weight_bytes(
@@ -182,6 +148,10 @@ class MemoryPlan:
     kv_pool_bytes: int
     limits: StepLimits
     notes: list
+    # CUDA decode graphs (kvgate.memory.graphs): their pool, static buffers and pad block; 0 = none
+    graph_bytes: int = 0
+    graph_breakdown: dict | None = None
+    graph_shapes: int = 0
 
     @property
     def kv_positions(self) -> int:
@@ -219,6 +189,15 @@ class MemoryPlan:
             + ")",
             f"    of which grammar {fmt_bytes(self.workspace_breakdown.get('grammar', 0)):>10}  (structured output: "
             f"token trie, compiled-grammar cache and one per row, masks)",
+        ]
+        if self.graph_bytes:
+            g = self.graph_breakdown
+            lines.append(
+                f"  CUDA graphs      {fmt_bytes(self.graph_bytes):>12}  ({self.graph_shapes} decode shapes: pool "
+                f"{fmt_bytes(g['pool'])}, static inputs and logits {fmt_bytes(g['buffers'])}, padding rows' KV "
+                f"block {fmt_bytes(g['pad_block'])})"
+            )
+        lines += [
             f"  KV pool          {fmt_bytes(self.kv_pool_bytes):>12}  = {self.kv_blocks} blocks x "
             f"{self.block_size} tokens x {self.kv_bytes_per_token:,} B/token",
             f"  KV capacity      {self.kv_positions:>12,} tokens",
@@ -251,10 +230,12 @@ def make_plan(
     q8_head: bool = False,
     kv_dtype_bytes: int | None = None,
     amx_prefill: bool = False,
+    cuda_graphs: bool = False,
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
-    kernels run in `quant_act_bytes`-wide activations."""
+    kernels run in `quant_act_bytes`-wide activations. `cuda_graphs`: charge the decode graphs
+    (`kvgate.memory.graphs.graph_bytes`) before the KV pool."""
     limit, source = resolve_limit(limit_spec, device)
     weights = weight_bytes(
         spec,
@@ -306,20 +287,23 @@ def make_plan(
             **wk,
         )
 
-    def room(lim: StepLimits) -> int:
-        return limit - fixed - workspace_bytes(spec, dtype_bytes, lim, bs)
+    def graphs(lim: StepLimits) -> dict[str, int]:
+        if not cuda_graphs:
+            return {"pool": 0, "buffers": 0, "pad_block": 0}
+        return graph_bytes(spec, dtype_bytes, lim, bs, block_bytes)
 
-    smallest = workspace_bytes(
-        spec,
-        dtype_bytes,
-        sized(StepLimits(min(16, prefill_chunk), 1, 0, max_model_len, **wk), min_ctx),
-        bs,
-    )
+    def room(lim: StepLimits) -> int:
+        return limit - fixed - workspace_bytes(spec, dtype_bytes, lim, bs) - sum(graphs(lim).values())
+
+    least = sized(StepLimits(min(16, prefill_chunk), 1, 0, max_model_len, **wk), min_ctx)
+    smallest = workspace_bytes(spec, dtype_bytes, least, bs) + sum(graphs(least).values())
     if fixed + min_kv + smallest > limit:
         need = fixed + min_kv + smallest
         raise PlanError(
             f"the model does not fit in the memory limit: weights {fmt_bytes(weights)} + runtime overhead "
-            f"{fmt_bytes(overhead)} + smallest step workspace {fmt_bytes(smallest)} + KV for one "
+            f"{fmt_bytes(overhead)} + smallest step workspace {fmt_bytes(smallest)}"
+            + (" (with the CUDA decode graphs; --cuda-graphs off drops them)" if cuda_graphs else "")
+            + " + KV for one "
             f"{min_ctx}-token request {fmt_bytes(min_kv)} = {fmt_bytes(need)} > limit {fmt_bytes(limit)} "
             f"({source}). Raise --memory-limit to at least {-(-need // (1 << 20))}MiB, pick a smaller "
             "--dtype, or lower --max-model-len"
@@ -365,7 +349,8 @@ def make_plan(
         limits = sized(limits, max_model_len)
     breakdown = step_workspace(spec, dtype_bytes, limits, bs)
     workspace = workspace_total(breakdown)
-    room_left = limit - fixed - workspace
+    graph_parts = graphs(limits)
+    room_left = limit - fixed - workspace - sum(graph_parts.values())
     if kv_cache_bytes is not None:
         if kv_cache_bytes > room_left:
             raise PlanError(
@@ -395,4 +380,7 @@ def make_plan(
         kv_pool_bytes=int(blocks) * block_bytes,
         limits=limits,
         notes=notes,
+        graph_bytes=sum(graph_parts.values()),
+        graph_breakdown=graph_parts if cuda_graphs else None,
+        graph_shapes=len(graph_shapes(limits, bs)) if cuda_graphs else 0,
     )

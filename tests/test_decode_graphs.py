@@ -1,0 +1,143 @@
+"""CUDA decode graphs without a GPU: the buckets, what the plan charges for them, the padded static
+inputs, and engines whose decode steps go through those static batches run eagerly
+(`kvgate.core.testing.static_decode`), against engines that build every step as before. What only a GPU
+can show (a replay equals the eager forward, the measured pool within its charge) is in tests/test_cuda.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvgate.core.testing import static_decode
+from kvgate.memory.graphs import block_buckets, graph_bytes, graph_shapes, input_values, row_buckets
+from kvgate.request import Finished, GenerationRequest, Token
+from kvgate.sampling import SamplingParams
+from tests.test_plan import SMOLLM2, smollm2_plan
+from tests.test_speculate import PROMPTS as SPEC_PROMPTS  # prompts whose greedy outputs repeat them
+
+PROMPTS = [[3 + (i * 37 + s * 101) % 256 for i in range(n)] for s, n in enumerate((1, 7, 19, 40, 130))]
+
+
+def test_buckets_round_every_step_up_within_the_attention_cap():
+    """Every decode step of up to the plan's rows and context maps to the smallest captured bucket pair
+    at least its size when that pair's padded attention fits the cap, and to none otherwise (it then
+    runs eagerly); no captured pair exceeds the cap."""
+    assert row_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert row_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 72, 100]
+    assert block_buckets(512) == [8, 16, 32, 64, 128, 256, 512] and block_buckets(5) == [5]
+    plan = smollm2_plan(limit="8GiB", cuda_graphs=True, max_seqs=8, max_model_len=2048)
+    L, bs = plan.limits, plan.block_size
+    shapes = graph_shapes(L, bs)
+    assert plan.graph_shapes == len(shapes) and all(r * b * bs <= L.attn_token_cap for r, b in shapes)
+    from kvgate.models.decode_graphs import DecodeGraphs
+
+    g = DecodeGraphs.__new__(DecodeGraphs)  # the host-side lookup only: no model, no buffers
+    g.shapes, g.row_sizes, g.block_sizes = (
+        set(shapes),
+        sorted({r for r, _ in shapes}),
+        sorted({b for _, b in shapes}),
+    )
+    for rows in range(1, L.max_logit_rows + 1):
+        for blocks in range(1, 2048 // bs + 1):
+            want = (min(r for r in g.row_sizes if r >= rows), min(b for b in g.block_sizes if b >= blocks))
+            fits = want[0] * want[1] * bs <= L.attn_token_cap
+            assert g.shape_for(rows, blocks) == (want if fits else None), (rows, blocks)
+
+
+def test_the_plan_charges_the_graphs_before_the_kv_pool():
+    """With graphs the plan's pool shrinks by exactly their bytes (pool estimate, static buffers, the pad
+    block), each named in `describe`; without, nothing is charged."""
+    off = smollm2_plan(limit="8GiB")
+    on = smollm2_plan(limit="8GiB", cuda_graphs=True)
+    parts = on.graph_breakdown
+    block = on.block_size * on.kv_bytes_per_token
+    assert off.graph_bytes == 0 and off.graph_breakdown is None
+    assert on.graph_bytes == sum(parts.values()) and parts["pad_block"] == block
+    assert parts == graph_bytes(SMOLLM2, 2, on.limits, on.block_size, block)
+    shapes = graph_shapes(on.limits, on.block_size)
+    assert (
+        parts["buffers"] == max(input_values(*s) for s in shapes) * 8 + 32 * 8 + 32 * SMOLLM2.vocab_size * 4
+    )
+    assert off.kv_blocks - on.kv_blocks == -(-on.graph_bytes // block) or (
+        off.kv_blocks - on.kv_blocks == on.graph_bytes // block
+    )
+    assert "CUDA graphs" in on.describe() and "CUDA graphs" not in off.describe()
+
+
+def test_a_steps_static_inputs_pad_to_the_bucket_with_the_pad_block(make_engine):
+    """Three rows in the (4, 8) bucket: real rows' slots and tables are theirs, padded with the pad
+    block; the padding row is token 0 at position 0, context 1, writing and reading the pad block only.
+    Seen red with the padding row's slot at block 0 (a block a request holds)."""
+    e = make_engine(max_seqs=4)
+    g = static_decode(e)
+    pad, bs = g.pad_block, g.block_size
+    step = g.step([5, 6, 7], [40, 3, 17], [[9, 10, 11, 12], [4], [2, 8, 30]])
+    assert step.shape == (4, 8) and step.rows == 3 and len(step.values) == input_values(4, 8)
+    v = step.values
+    ids, pos, slots, lens, table = v[0:4], v[4:8], v[8:12], v[12:16], v[16:]
+    assert ids == [5, 6, 7, 0] and pos == [40, 3, 17, 0] and lens == [41, 4, 18, 1]
+    assert slots == [11 * bs + 40 % bs, 4 * bs + 3, 8 * bs + 1, pad * bs]
+    assert table == [9, 10, 11] + [pad] * 5 + [4] + [pad] * 7 + [2, 8] + [pad] * 6 + [pad] * 8
+
+
+def generate(e, prompts, sp, n=24, logprobs=True) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's tokens and their logprobs, all submitted before any is read (so they batch); prompt
+    i asks for n - 4i tokens, so the batch shrinks row by row. A row asking for logprobs never
+    speculates (`kvgate.core.speculate.eligible`)."""
+    sp = replace(sp, logprobs=0 if logprobs else None)
+    handles = [
+        e.submit(GenerationRequest(list(p), sp, n - 4 * i, [], ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    out = []
+    for h in handles:
+        events = list(h)
+        assert isinstance(events[-1], Finished)
+        lps = [ev.logprobs.logprob for ev in events if isinstance(ev, Token) and ev.logprobs]
+        out.append((events[-1].result.token_ids, lps))
+    return out
+
+
+@pytest.mark.parametrize("attention", ["gather", "auto"])
+def test_static_decode_generates_what_the_eager_engine_does(make_engine, attention):
+    """Greedy and seeded sampling through the padded static batches give the eager engine's tokens for
+    five prompts batched (3-5 rows pad to buckets of 4 and 8), with logprobs within float32 noise, and
+    a step no bucket holds (the restricted shapes leave 5+ rows out) runs eagerly in the same engine.
+    Seen red (tokens differ) with the padding rows' K/V written to block 0, where a request's prompt
+    is, and with every real row's context length one position too long."""
+    for sp in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)):
+        plain = generate(make_engine(max_seqs=8, decode_attention=attention), PROMPTS, sp)
+        e = make_engine(max_seqs=8, decode_attention=attention)
+        g = static_decode(e, [(r, b) for r in (1, 2, 4) for b in (8, 16, 32)])
+        got = generate(e, PROMPTS, sp)
+        assert g.replays > 0
+        assert [t for t, _ in got] == [t for t, _ in plain]
+        for (_, a), (_, b) in zip(got, plain, strict=True):
+            assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_speculation_verifies_through_the_static_batches(make_engine):
+    """Verify spans run as decode rows of the graphs' buckets: with 3 drafts per step the greedy tokens
+    equal those of plain decoding, and drafts were accepted."""
+    sp = SamplingParams(temperature=0.0)
+    plain = generate(make_engine(max_seqs=4), SPEC_PROMPTS, sp, n=40, logprobs=False)
+    e = make_engine(max_seqs=4, speculate=3)
+    g = static_decode(e)
+    got = generate(e, SPEC_PROMPTS, sp, n=40, logprobs=False)
+    assert [t for t, _ in got] == [t for t, _ in plain]
+    assert g.replays > 0 and e.core.state.counters.spec_accepted_tokens > 0
+
+
+def test_without_capture_the_buffers_are_not_handed_out(make_engine):
+    """Two steps' logits from the static path are separate tensors: the runner may keep the first while
+    the second runs (on a CPU the output buffer itself would be overwritten)."""
+    e = make_engine(max_seqs=2)
+    g = static_decode(e)
+    a = g.step([5], [3], [[1]])
+    first = g.run(a)
+    kept = first.clone()
+    g.run(g.step([9], [4], [[1]]))
+    assert torch.equal(first, kept)
