@@ -141,3 +141,24 @@ def test_without_capture_the_buffers_are_not_handed_out(make_engine):
     kept = first.clone()
     g.run(g.step([9], [4], [[1]]))
     assert torch.equal(first, kept)
+
+
+def test_the_server_reports_graph_replays_and_the_capture(make_engine):
+    """/metrics counts replayed decode steps and gives the measured pool; /v1/resources says what the
+    capture did. Seen red with the counter fed the replays' seconds instead of their count."""
+    import httpx
+
+    from tests.server_util import running_server
+
+    e = make_engine(max_seqs=4)
+    g = static_decode(e)
+    e.graphs_note = "decode graphs: static, run eagerly (test)"
+    with running_server(e) as (base, _app):
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "ignore_eos": True}
+        assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        resources = httpx.get(base + "/v1/resources", timeout=10).json()
+    replays = [ln for ln in metrics.splitlines() if ln.startswith("kvgate_cuda_graph_replays_total")]
+    assert replays and float(replays[0].split()[-1]) == g.replays >= 5
+    assert "kvgate_cuda_graph_pool_bytes 0.0" in metrics
+    assert resources["scheduler"]["cuda_graphs"] == e.graphs_note

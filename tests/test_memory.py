@@ -97,9 +97,16 @@ def test_by_role_sums():
     led.reserve("weights", 500, "lora")
     gone = led.reserve("kv_cache", 2000, "kv")
     led.reserve("workspace", 300, "ws", lifetime="step")
+    led.reserve("cuda_graphs", 70, "decode graphs")
     gone.release()
-    assert led.by_role() == {"weights": 1500, "kv_cache": 0, "workspace": 300, "overhead": 0}
-    assert sum(led.by_role().values()) == led.reserved == 1800
+    assert led.by_role() == {
+        "weights": 1500,
+        "kv_cache": 0,
+        "workspace": 300,
+        "overhead": 0,
+        "cuda_graphs": 70,
+    }
+    assert sum(led.by_role().values()) == led.reserved == 1870
 
 
 def test_bad_reservations_are_rejected():
@@ -281,7 +288,10 @@ def test_cuda_peak_allocated_within_plan():
     """On CUDA the ledger covers device memory: torch.cuda.max_memory_allocated over a mixed load stays
     within weights + KV pool + workspace (the CUDA context is outside torch's allocator, in the fixed
     overhead), and the limit, with the CUDA decode graphs' charge added: their pool, measured after
-    capture, within its estimate. Broken by: under-counting any of those terms on the device.
+    capture, within its estimate. What the process held before the engine (earlier tests' leftovers)
+    is added to both sides. Broken by: under-counting any of those terms on the device. Session 27's
+    GPU run failed its load peak by 40.7 MiB before the held bytes were counted and the graphs shared
+    one capture stream (each engine's new stream kept a 32 MiB cuBLAS workspace); not rerun since.
     KVGATE_CUDA_MODEL names the model (default: SmolLM2; `bench/cuda_check.sh` passes a stand-in of
     its shapes from `bench/shape_model.py`, since the GGUF cannot travel to the GPU machine)."""
     import os
@@ -294,6 +304,7 @@ def test_cuda_peak_allocated_within_plan():
     from kvgate.sampling import SamplingParams
 
     torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()  # what earlier tests' engines left (their cuBLAS workspaces)
     engine = Engine.from_model(
         os.environ.get("KVGATE_CUDA_MODEL", "default"),
         EngineConfig(
@@ -306,7 +317,7 @@ def test_cuda_peak_allocated_within_plan():
         ),
     )
     p = engine.plan
-    budget = p.weights_bytes + p.kv_pool_bytes + p.workspace_bytes + p.graph_bytes
+    budget = held + p.weights_bytes + p.kv_pool_bytes + p.workspace_bytes + p.graph_bytes
     graphs = engine.runner.graphs  # captured at startup (--cuda-graphs auto), their pool measured
     assert graphs is not None and 0 < graphs.pool_bytes <= p.graph_breakdown["pool"], engine.graphs_note
     load_peak = torch.cuda.max_memory_allocated()
@@ -325,7 +336,7 @@ def test_cuda_peak_allocated_within_plan():
         engine.shutdown()
     assert all(r.finish_reason == "length" for r in results)
     assert load_peak <= budget
-    assert torch.cuda.max_memory_allocated() <= budget <= p.limit_bytes
+    assert torch.cuda.max_memory_allocated() <= budget <= held + p.limit_bytes
     assert graphs.replays > 0
     print(
         f"graphs: {engine.graphs_note}; device memory reserved {torch.cuda.memory_reserved():,} B, budget {budget:,} B"

@@ -1,9 +1,10 @@
 """Decode steps replayed from CUDA graphs captured at startup: one graph per (rows, blocks) bucket.
 
 On CUDA an eager decode step launches thousands of small kernels (~4,100 PyTorch ops for SmolLM2-135M),
-and launching them, not the GPU's work, sets its time: 7.4 ms a 1-row forward on an H200, 2.0 ms as one
-graph replay (session 26). `DecodeGraphs` captures `LlamaModel.forward` once per bucket pair of
-`kvgate.memory.graphs.graph_shapes` and replays the one a step's shape rounds up to.
+and launching them, not the GPU's work, sets its time. `DecodeGraphs` captures `LlamaModel.forward` once
+per bucket pair of `kvgate.memory.graphs.graph_shapes` and replays the one a step's shape rounds up to:
+on an H200 a 1-row engine step went from 27.2 to 2.8 ms, a 16-row one from 24.2 to 4.2 ms (session 27,
+docs/DESIGN_NOTES.md).
 
 Every graph reads the same static input buffer, laid out for its bucket from offset 0 as
 `[ids | positions | slots | context lengths]` (one int64 per row each) then the `[rows, blocks]` block
@@ -39,6 +40,17 @@ if TYPE_CHECKING:
     from kvgate.models.llama import LlamaModel
 
 log = logging.getLogger("kvgate.models")
+
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream every capture on `device` uses, for the process's life. PyTorch keeps a cuBLAS
+    workspace (32 MiB on Hopper) for each stream a matmul ran on until the process ends, so a fresh stream
+    per engine would leave one more behind for each engine a process builds (tests, restarts)."""
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
 
 
 @dataclass(slots=True)
@@ -142,7 +154,7 @@ class DecodeGraphs:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
+        side = capture_stream(self.model.device)
         with torch.inference_mode():
             for shape in self.order:
                 self._fill_padding(shape)

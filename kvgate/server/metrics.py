@@ -124,5 +124,17 @@ class _EngineCollector:
             c.spec_accepted_tokens,
         )
         yield counter("failed_rows", "Rows failed by an error in their step", c.failed)
+        graphs = getattr(getattr(engine, "runner", None), "graphs", None)  # a cluster facade has none
+        if graphs is not None:
+            yield counter(
+                "cuda_graph_replays",
+                "Decode steps replayed from a captured CUDA graph (--cuda-graphs)",
+                graphs.replays,
+            )
+            yield gauge(
+                "cuda_graph_pool_bytes",
+                "The CUDA decode graphs' pool, measured after capture",
+                graphs.pool_bytes,
+            )
         if snap.step_time_ema is not None:
             yield gauge("step_seconds_ema", "Smoothed engine step time", snap.step_time_ema)

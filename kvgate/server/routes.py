@@ -88,6 +88,8 @@ async def resources(request: Request):
             "max_seqs": plan.limits.max_seqs,
             "prefill_chunk": plan.limits.prefill_chunk,
             "max_model_len": eng.max_model_len,
+            # what --cuda-graphs did at startup: shapes captured, their measured pool and its charge
+            "cuda_graphs": getattr(eng, "graphs_note", "off"),
         },
         "live": state.live.summary(),
     }
