@@ -8,7 +8,8 @@
 # 1. the CUDA tests, and the tiny-model modules with their engines on the GPU (KVGATE_TEST_DEVICE);
 #    (kvgate's C++ kernels are built first, on their own: the CUDA engine's host-side draw uses them);
 # 2. a SmolLM2-shaped stand-in (bench/shape_model.py) served on the GPU and driven by `kvgate bench`
-#    at c=1, 16 and 64 (256 tokens in, 128 out), with --cuda-graphs on and off (SERVE_GRAPHS);
+#    at c=1, 16 and 64 (256 tokens in, 128 out), with --cuda-graphs full, on and off (SERVE_GRAPHS; ~65 s
+#    each in session 27);
 # 3. its decode step's wall time at 1, 16 and 64 rows (bench/profile_step.py);
 # 4. its engine step with the decode graphs on and off, split into forward, sampling and the rest, and
 #    the graph step's Python profile (bench/cuda_graph_probe.py).
@@ -78,7 +79,7 @@ echo "pytest rc=$?"; tail -40 "$OUT/pytest.txt"
 fi
 
 if [[ " $PARTS " == *" serve "* ]]; then
-for G in ${SERVE_GRAPHS:-on off}; do
+for G in ${SERVE_GRAPHS:-full on off}; do
 [ "$DEVICE" = cpu ] && G=off  # a CPU refuses --cuda-graphs on
 echo "== served on $DEVICE, --cuda-graphs $G"
 PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")

@@ -78,7 +78,7 @@ class EngineConfig:
     # None = auto: max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_FACTOR x the slowest step measured so far)
     step_timeout: float | None = None
     prefix_cache: str = "on"  # on | off: share the KV of prompt prefixes already computed
-    cuda_graphs: str = "auto"  # auto | on | off: decode steps replayed from captured CUDA graphs (CUDA only)
+    cuda_graphs: str = "auto"  # auto | on | full | off: steps replayed from captured CUDA graphs (CUDA only)
     extra: dict = field(default_factory=dict)
 
 
@@ -198,8 +198,9 @@ ENGINE_FLAGS = [
         "--cuda-graphs",
         str,
         "auto",
-        "auto | on | off: run decode steps as CUDA graphs captured at startup, one per (rows, context) "
-        "bucket; their memory is in the plan (auto: on for a CUDA device, off on a CPU)",
+        "auto | on | full | off: run decode steps as CUDA graphs captured at startup, one per (rows, context) "
+        "bucket; full: also steps with prompt chunks, each layer's glue replayed and attention eager between "
+        "(not yet run on a GPU); their memory is in the plan (auto: on for a CUDA device, off on a CPU)",
     ),
 ]
 

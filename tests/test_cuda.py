@@ -146,32 +146,50 @@ def test_a_decode_graph_replay_equals_the_eager_forward_bit_for_bit(tiny_dir):
         e.shutdown()
 
 
+def greedy_with_graphs(tiny_dir, setting: str, **cfg) -> tuple[list[list[int]], dict]:
+    """Float32 greedy tokens of five prompts batched, the batch shrinking row by row (prompt i asks for
+    30 - 4i tokens), from a CUDA engine with `--cuda-graphs setting`; and what its graphs did (decode
+    replays, piecewise steps, the capture's note), read before it shut down."""
+    prompts = PROMPTS + [list(range(3, 133))]
+    base = dict(
+        device="cuda", dtype="float32", kv_dtype="float16", kv_cache_bytes=16 << 20, memory_limit="2GiB"
+    )
+    e = Engine.from_model(
+        str(tiny_dir), EngineConfig(**base, max_seqs=8, cuda_graphs=setting, **cfg), overhead_bytes=0
+    )
+    try:
+        e.start()
+        sp = SamplingParams(temperature=0.0)
+        reqs = [
+            GenerationRequest(list(p), sp, 30 - 4 * i, [], ignore_eos=True) for i, p in enumerate(prompts)
+        ]
+        tokens = [h.result(60).token_ids for h in [e.submit(r) for r in reqs]]
+        g, pieces = e.runner.graphs, e.pieces
+        ran = {
+            "decode": g.replays if g else 0,
+            "pieces": pieces.replays if pieces else 0,
+            "note": e.graphs_note,
+        }
+        return tokens, ran
+    finally:
+        e.shutdown()
+
+
 def test_a_graph_engine_generates_the_eager_engines_tokens(tiny_dir):
     """Float32 greedy tokens with decode graphs (--cuda-graphs on) equal those of eager steps (off) for
     five prompts batched, the batch shrinking row by row across buckets, and replays ran."""
-    prompts = PROMPTS + [list(range(3, 133))]
-    out = {}
-    for setting in ("off", "on"):
-        cfg = EngineConfig(
-            device="cuda",
-            dtype="float32",
-            kv_dtype="float16",
-            kv_cache_bytes=16 << 20,
-            memory_limit="2GiB",
-            max_seqs=8,
-            cuda_graphs=setting,
-        )
-        e = Engine.from_model(str(tiny_dir), cfg, overhead_bytes=0).start()
-        try:
-            sp = SamplingParams(temperature=0.0)
-            reqs = [
-                GenerationRequest(list(p), sp, 30 - 4 * i, [], ignore_eos=True) for i, p in enumerate(prompts)
-            ]
-            out[setting] = [h.result(60).token_ids for h in [e.submit(r) for r in reqs]]
-            if setting == "on":
-                assert e.runner.graphs is not None and e.runner.graphs.replays > 0, e.graphs_note
-            else:
-                assert e.runner.graphs is None
-        finally:
-            e.shutdown()
-    assert out["on"] == out["off"]
+    eager, off = greedy_with_graphs(tiny_dir, "off")
+    graphed, on = greedy_with_graphs(tiny_dir, "on")
+    assert off["decode"] == 0 and on["decode"] > 0 and on["pieces"] == 0, on["note"]
+    assert graphed == eager
+
+
+def test_step_pieces_on_cuda_generate_the_eager_engines_tokens(tiny_dir):
+    """`--cuda-graphs full`: steps that carry prompt chunks (32-token chunks beside decoding rows) replay
+    each layer's glue and run attention eagerly between; float32 greedy tokens equal those of an eager
+    engine. Written in session 27 after the device time was spent: not yet run on a GPU (the same
+    engines through `static_pieces` pass on a CPU)."""
+    eager, _ = greedy_with_graphs(tiny_dir, "off", prefill_chunk=32)
+    pieced, full = greedy_with_graphs(tiny_dir, "full", prefill_chunk=32)
+    assert full["pieces"] > 0 and full["decode"] > 0, full["note"]
+    assert pieced == eager

@@ -65,6 +65,12 @@ def test_the_plan_charges_the_graphs_before_the_kv_pool():
         off.kv_blocks - on.kv_blocks == on.graph_bytes // block
     )
     assert "CUDA graphs" in on.describe() and "CUDA graphs" not in off.describe()
+    full = smollm2_plan(limit="8GiB", cuda_graphs=True, step_pieces=True)
+    g = full.graph_breakdown
+    T = full.limits.max_step_tokens
+    assert g["pieces_buffers"] == T * 24 + T * (SMOLLM2.hidden_size + 2 * SMOLLM2.q_size) * 2
+    assert full.graph_bytes == sum(g.values()) == on.graph_bytes + g["pieces_pool"] + g["pieces_buffers"]
+    assert full.kv_blocks < on.kv_blocks and "step pieces" in full.describe()
 
 
 def test_a_steps_static_inputs_pad_to_the_bucket_with_the_pad_block(make_engine):
@@ -162,3 +168,47 @@ def test_the_server_reports_graph_replays_and_the_capture(make_engine):
     assert replays and float(replays[0].split()[-1]) == g.replays >= 5
     assert "kvgate_cuda_graph_pool_bytes 0.0" in metrics
     assert resources["scheduler"]["cuda_graphs"] == e.graphs_note
+
+
+# ---- step pieces (--cuda-graphs full): steps with prompt chunks, the glue replayed, attention eager ----
+def test_token_buckets_end_at_the_steps_most_tokens():
+    from kvgate.memory.graphs import token_buckets
+
+    assert token_buckets(288) == [16, 32, 64, 128, 256, 288] and token_buckets(10) == [10]
+
+
+@pytest.mark.parametrize("layer_ops", [False, True])
+def test_step_pieces_generate_what_the_eager_engine_does(make_engine, layer_ops):
+    """Prompts prefilled in 32-token chunks beside decoding rows, through the pieces (the step's tokens
+    padded to a bucket, each layer's glue from the static buffers, its attention eager between), give
+    the plain engine's greedy and seeded tokens, logprobs within float32 noise and the same prompt
+    logprobs; with decode graphs too, decode-only steps replay those. Compared against the PyTorch glue
+    (layer_ops False, the CUDA path's ops) and against the CPU's C++ glue (an RMSNorm an ulp apart).
+    Seen red with the padding tokens' slots left at the step's last real slot (they overwrite its K/V)
+    and with the pieces handing layer l's q to layer l+1's attention."""
+    from kvgate.core.testing import static_pieces
+
+    def engine(pieces: bool):
+        e = make_engine(max_seqs=8, prefill_chunk=32)
+        if not layer_ops:
+            e.model.layer_ops = None
+        if pieces:
+            static_pieces(e)
+            static_decode(e)
+        return e
+
+    for sp in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=5)):
+        plain = generate(engine(False), PROMPTS, sp)
+        e = engine(True)
+        got = generate(e, PROMPTS, sp)
+        assert e.pieces.replays > 0 and e.runner.graphs.replays > 0
+        assert [t for t, _ in got] == [t for t, _ in plain]
+        for (_, a), (_, b) in zip(got, plain, strict=True):
+            assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+    scored = []
+    for pieces in (False, True):
+        e = engine(pieces)
+        req = GenerationRequest(list(PROMPTS[4]), SamplingParams(temperature=0.0), 4, [], prompt_logprobs=1)
+        scored.append([lp.logprob for lp in e.submit(req).result(60).prompt_logprobs])
+    assert len(scored[0]) == len(PROMPTS[4]) - 1
+    assert max(abs(x - y) for x, y in zip(*scored, strict=True)) < 1e-4

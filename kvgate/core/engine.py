@@ -47,6 +47,7 @@ from kvgate.memory.plan import MemoryPlan, PlanError
 from kvgate.models import LoadedModel, decode_prefetch, load_model
 from kvgate.models.decode_graphs import DecodeGraphs, GraphStep
 from kvgate.models.llama import LlamaModel, StepBatch
+from kvgate.models.step_pieces import StepPieces
 from kvgate.request import GenerationRequest, RequestHandle
 from kvgate.sampling import host_draw_kernels
 from kvgate.tokenizer import TextTokenizer
@@ -120,7 +121,7 @@ class Engine:
         self.ledger.reserve("kv_cache", p.kv_pool_bytes, "KV pool")
         self.kv_dtype = place.kv_dtype or self.dtype
         # with graphs, one block past the plan's: where padding rows write (charged with the graphs)
-        pad = 1 if place.cuda_graphs else 0
+        pad = 1 if place.cuda_graphs or place.step_pieces else 0
         self.kv = KVPool(spec, p.kv_blocks + pad, p.block_size, self.kv_dtype, self.device)
         self.tokenizer = TextTokenizer(loaded.tokenizer)
         self.sched_cfg = SchedulerConfig(
@@ -146,8 +147,11 @@ class Engine:
             device=self.device,
         )
         self.graphs_note = "off"
+        self.pieces: StepPieces | None = None  # steps with prompt chunks, piecewise (--cuda-graphs full)
         if place.cuda_graphs:
             self._capture_graphs(cfg.cuda_graphs)
+        if place.step_pieces:
+            self._capture_pieces()
         self.core = EngineCore(self.sched_cfg, self.tokenizer, self.runner, self.inbox)
         self.gate = AdmissionGate(self.sched_cfg, self.inbox, lambda: self.core.snapshot, self._unavailable)
         self.info = EngineInfo(spec.name, loaded.source, str(self.device), p.dtype, time.monotonic() - t0)
@@ -157,7 +161,27 @@ class Engine:
     def _forward(self, batch: StepBatch | GraphStep) -> torch.Tensor:
         if isinstance(batch, GraphStep):
             return self.runner.graphs.run(batch)
+        pieces = self.pieces
+        if pieces is not None and pieces.bucket(batch.input_ids.shape[0]) is not None:
+            return pieces.run(batch)
         return self.model.forward(batch, self.kv)
+
+    def _capture_pieces(self) -> None:
+        """Capture the pieces of steps that carry prompt chunks (`--cuda-graphs full`) and check their
+        measured pool against its charge; an error either way (the setting insists)."""
+        p = self.plan
+        pieces = StepPieces(self.model, self.kv, p.limits.max_step_tokens, p.kv_blocks)
+        line = pieces.capture_all()
+        charged = p.graph_breakdown["pieces_pool"]
+        if pieces.pool_bytes > charged:
+            pieces.release()
+            raise PlanError(
+                f"the step pieces' pool holds {pieces.pool_bytes:,} bytes but the plan charged {charged:,}. "
+                "This is a kvgate bug; please report it. --cuda-graphs on leaves those steps eager."
+            )
+        self.pieces = pieces
+        self.graphs_note += f"; {line} (charged {charged / (1 << 20):.1f} MiB)"
+        log.info(line)
 
     def _capture_graphs(self, setting: str) -> None:
         """Capture the decode graphs the plan charged (`kvgate.memory.graphs`), and check their measured
@@ -320,6 +344,9 @@ class Engine:
         if self.runner.graphs is not None:
             self.runner.graphs.release()
             self.runner.graphs = None
+        if self.pieces is not None:
+            self.pieces.release()
+            self.pieces = None
         self.kv = None
         self.model = None
         for r in self.ledger._live[:]:

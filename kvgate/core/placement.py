@@ -170,16 +170,19 @@ class Placement:
     kv_dtype: torch.dtype | None = None  # the KV pool's dtype (None: the model's)
     prefill_kernel: bool = False  # prompt-chunk attention by the paged CPU kernel (else gather + SDPA)
     cuda_graphs: bool = False  # decode steps replayed from captured CUDA graphs (kvgate.models.decode_graphs)
+    step_pieces: bool = False  # steps with prompt chunks replayed piecewise (kvgate.models.step_pieces)
 
 
-def resolve_cuda_graphs(name: str, device: torch.device) -> bool:
-    """auto: on for a CUDA device (a decode step is thousands of small kernel launches there), off on a
-    CPU; on: insist (an error off CUDA); off: eager steps."""
-    if name not in ("auto", "on", "off"):
-        raise DeviceError(f"--cuda-graphs {name!r} is not one of auto, on, off")
-    if name == "on" and device.type != "cuda":
-        raise DeviceError(f"--cuda-graphs on needs a CUDA device; this is {device}. Use auto or off.")
-    return name != "off" and device.type == "cuda"
+def resolve_cuda_graphs(name: str, device: torch.device) -> tuple[bool, bool]:
+    """(decode graphs?, step pieces?). auto: decode graphs on a CUDA device (a decode step is thousands
+    of small kernel launches there), none on a CPU; on: insist (an error off CUDA); full: also the
+    pieces of steps that carry prompt chunks (not yet run on a GPU); off: eager steps."""
+    if name not in ("auto", "on", "full", "off"):
+        raise DeviceError(f"--cuda-graphs {name!r} is not one of auto, on, full, off")
+    if name in ("on", "full") and device.type != "cuda":
+        raise DeviceError(f"--cuda-graphs {name} needs a CUDA device; this is {device}. Use auto or off.")
+    graphs = name != "off" and device.type == "cuda"
+    return graphs, graphs and name == "full"
 
 
 def resolve_q8_head(
@@ -258,7 +261,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     fmt, act = resolve_weights(name, device)
     dtype = resolve_dtype(cfg.dtype, device, fmt)
     kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype, device)
-    graphs = resolve_cuda_graphs(cfg.cuda_graphs, device)
+    graphs, pieces = resolve_cuda_graphs(cfg.cuda_graphs, device)
     if not 0 <= cfg.speculate <= MAX_SPECULATE:
         raise DeviceError(
             f"--speculate {cfg.speculate} is out of range: draft tokens per step are 0 (off) to {MAX_SPECULATE}"
@@ -309,6 +312,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         kv_dtype_bytes=torch.finfo(kv_dtype).bits // 8,
         amx_prefill=amx,
         cuda_graphs=graphs,
+        step_pieces=pieces,
     )
     if amx:
         plan.notes.append(
@@ -349,4 +353,5 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         kv_dtype,
         prefill_kernel,
         graphs,
+        pieces,
     )

@@ -16,6 +16,8 @@ What the plan charges for them, before anything is captured (`graph_bytes`):
 - `buffers`: the static inputs every replay reads (token ids, positions, slots, context lengths and block
   tables, int64) and the float32 logits it writes;
 - `pad_block`: the extra KV block.
+With `--cuda-graphs full`, steps that carry prompt chunks replay per-layer pieces
+(`kvgate.models.step_pieces`): their own pool (`piece_terms` + `POOL_SLACK`) and static buffers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvgate.config import ModelSpec
 from kvgate.memory.workspace import KERNEL_SLACK, TRANSIENT_TERMS, StepLimits, padded_len, step_workspace
 
 MIN_BLOCKS = 8  # the narrowest captured width: 128 positions at the default block size
+MIN_TOKENS = 16  # the step pieces' smallest token bucket
 # the CUDA caching allocator rounds a private pool's segments: 2 MiB for requests up to 1 MiB, 20 MiB
 # for those up to 10 MiB, whole 2 MiB pages above; a decode step's few tens of distinct tensors fit in
 # this (the engine checks the measured pool against the charge)
@@ -45,13 +48,23 @@ def row_buckets(max_rows: int) -> list[int]:
     return out + [max_rows]
 
 
+def doubling(first: int, last: int) -> list[int]:
+    """first, 2 x first, 4 x first, ... below `last`, then `last`."""
+    out, n = [], first
+    while n < last:
+        out.append(n)
+        n *= 2
+    return out + [last]
+
+
 def block_buckets(max_blocks: int) -> list[int]:
     """Powers of two from MIN_BLOCKS, ending at `max_blocks` (the most blocks a row's context spans)."""
-    out, b = [], MIN_BLOCKS
-    while b < max_blocks:
-        out.append(b)
-        b *= 2
-    return out + [max_blocks]
+    return doubling(MIN_BLOCKS, max_blocks)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The step pieces' token counts: powers of two from MIN_TOKENS, ending at a step's most tokens."""
+    return doubling(MIN_TOKENS, max_tokens)
 
 
 def graph_shapes(limits: StepLimits, block_size: int) -> list[tuple[int, int]]:
@@ -81,16 +94,38 @@ def decode_terms(spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_si
     return terms["layer_activations"] + KERNEL_SLACK + max(terms[k] for k in TRANSIENT_TERMS)
 
 
+def piece_terms(spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_size: int) -> int:
+    """Peak device bytes of one step piece (`kvgate.models.step_pieces`: a layer's glue, no attention)
+    at the step's most tokens: the workspace's per-layer activations and its largest non-attention
+    transient. Attention and the LM head run eagerly, inside the step workspace."""
+    terms = step_workspace(spec, dtype_bytes, limits, block_size)
+    glue = ("embedding", "rms_norm", "residual", "rope", "mlp")
+    return terms["layer_activations"] + KERNEL_SLACK + max(terms[k] for k in glue)
+
+
 def graph_bytes(
-    spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_size: int, kv_block_bytes: int
+    spec: ModelSpec,
+    dtype_bytes: int,
+    limits: StepLimits,
+    block_size: int,
+    kv_block_bytes: int,
+    pieces: bool = False,
 ) -> dict[str, int]:
-    """What the decode graphs hold, by part (see the module's opening): pool, buffers, pad_block."""
+    """What the decode graphs hold, by part (see the module's opening): pool, buffers, pad_block; with
+    `pieces` (`--cuda-graphs full`) also the step pieces' pool and their static buffers (token ids,
+    positions and slots; hidden states, q and the attention output, at the step's most tokens)."""
     shapes = graph_shapes(limits, block_size)
-    if not shapes:
-        return {"pool": 0, "buffers": 0, "pad_block": 0}
-    rows = max(r for r, _ in shapes)
-    return {
-        "pool": decode_terms(spec, dtype_bytes, limits, block_size) + POOL_SLACK + CUBLAS_WORKSPACE,
-        "buffers": max(input_values(r, b) for r, b in shapes) * 8 + rows * 8 + rows * spec.vocab_size * 4,
-        "pad_block": kv_block_bytes,
-    }
+    out = {"pool": 0, "buffers": 0, "pad_block": 0}
+    if shapes:
+        rows = max(r for r, _ in shapes)
+        out = {
+            "pool": decode_terms(spec, dtype_bytes, limits, block_size) + POOL_SLACK + CUBLAS_WORKSPACE,
+            "buffers": max(input_values(r, b) for r, b in shapes) * 8 + rows * 8 + rows * spec.vocab_size * 4,
+            "pad_block": kv_block_bytes,
+        }
+    if pieces:
+        T = limits.max_step_tokens
+        out["pieces_pool"] = piece_terms(spec, dtype_bytes, limits, block_size) + POOL_SLACK
+        out["pieces_buffers"] = T * 3 * 8 + T * (spec.hidden_size + 2 * spec.q_size) * dtype_bytes
+        out["pad_block"] = kv_block_bytes
+    return out

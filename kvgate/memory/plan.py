@@ -197,6 +197,11 @@ class MemoryPlan:
                 f"{fmt_bytes(g['pool'])}, static inputs and logits {fmt_bytes(g['buffers'])}, padding rows' KV "
                 f"block {fmt_bytes(g['pad_block'])})"
             )
+            if "pieces_pool" in g:
+                lines.append(
+                    f"    with step pieces {fmt_bytes(g['pieces_pool'] + g['pieces_buffers']):>9}  (--cuda-graphs full: "
+                    f"pool {fmt_bytes(g['pieces_pool'])}, static buffers {fmt_bytes(g['pieces_buffers'])}, included above)"
+                )
         lines += [
             f"  KV pool          {fmt_bytes(self.kv_pool_bytes):>12}  = {self.kv_blocks} blocks x "
             f"{self.block_size} tokens x {self.kv_bytes_per_token:,} B/token",
@@ -231,11 +236,13 @@ def make_plan(
     kv_dtype_bytes: int | None = None,
     amx_prefill: bool = False,
     cuda_graphs: bool = False,
+    step_pieces: bool = False,
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
     kernels run in `quant_act_bytes`-wide activations. `cuda_graphs`: charge the decode graphs
-    (`kvgate.memory.graphs.graph_bytes`) before the KV pool."""
+    (`kvgate.memory.graphs.graph_bytes`) before the KV pool; `step_pieces`: with the pieces of steps that
+    carry prompt chunks (`--cuda-graphs full`)."""
     limit, source = resolve_limit(limit_spec, device)
     weights = weight_bytes(
         spec,
@@ -290,7 +297,7 @@ def make_plan(
     def graphs(lim: StepLimits) -> dict[str, int]:
         if not cuda_graphs:
             return {"pool": 0, "buffers": 0, "pad_block": 0}
-        return graph_bytes(spec, dtype_bytes, lim, bs, block_bytes)
+        return graph_bytes(spec, dtype_bytes, lim, bs, block_bytes, pieces=step_pieces)
 
     def room(lim: StepLimits) -> int:
         return limit - fixed - workspace_bytes(spec, dtype_bytes, lim, bs) - sum(graphs(lim).values())

@@ -44,6 +44,30 @@ log = logging.getLogger("kvgate.models")
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def measure_capture(device: torch.device, capture) -> tuple[int, float]:
+    """Run `capture(pool, side_stream)` on `device` under inference mode, with one new graph pool and
+    the device's capture stream; return (the bytes the device holds after it beyond before, with the
+    caching allocator's free blocks given back on both sides; seconds)."""
+    with torch.cuda.device(device):  # cuda:N, whichever device is current
+        t0 = time.monotonic()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        with torch.inference_mode():
+            capture(torch.cuda.graph_pool_handle(), capture_stream(device))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved() - before, time.monotonic() - t0
+
+
+def drop_graphs(graphs: dict) -> None:
+    """Drop captured graphs and give their pool back to the device."""
+    graphs.clear()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream every capture on `device` uses, for the process's life. PyTorch keeps a cuBLAS
     workspace (32 MiB on Hopper) for each stream a matmul ran on until the process ends, so a fresh stream
@@ -145,42 +169,31 @@ class DecodeGraphs:
 
     def capture_all(self) -> str:
         """Capture every shape, largest first, into one shared pool; return a line saying what it cost.
-        Measures the pool (`pool_bytes`): what the device holds after capture beyond what it held
-        before, with the caching allocator's free blocks given back on both sides."""
+        Measures the pool (`pool_bytes`, see `measure_capture`)."""
         if not self.capture:
             return f"decode graphs: {len(self.shapes)} static shapes, run eagerly (no capture)"
-        t0 = time.monotonic()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
-        side = capture_stream(self.model.device)
-        with torch.inference_mode():
-            for shape in self.order:
-                self._fill_padding(shape)
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # a first run picks the kernels (cuBLAS's heuristics)
-                    self._forward(shape)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=side):  # one stream: one cuBLAS workspace
-                    self._forward(shape)
-                self.graphs[shape] = graph
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        self.pool_bytes = torch.cuda.memory_reserved() - before
+        self.pool_bytes, seconds = measure_capture(self.model.device, self._capture_each)
         return (
-            f"decode graphs: {len(self.graphs)} shapes captured in {time.monotonic() - t0:.1f}s, their pool "
+            f"decode graphs: {len(self.graphs)} shapes captured in {seconds:.1f}s, their pool "
             f"holds {self.pool_bytes / (1 << 20):.1f} MiB"
         )
 
+    def _capture_each(self, pool, side: torch.cuda.Stream) -> None:
+        for shape in self.order:
+            self._fill_padding(shape)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # a first run picks the kernels (cuBLAS's heuristics)
+                self._forward(shape)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=side):  # one stream: one cuBLAS workspace
+                self._forward(shape)
+            self.graphs[shape] = graph
+
     def release(self) -> None:
         """Drop every graph and give their pool back (the engine then runs eager steps)."""
-        self.graphs.clear()
         self.shapes = set()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        drop_graphs(self.graphs)
 
     def run(self, step: GraphStep) -> torch.Tensor:
         """Replay (or, without capture, run) the step's bucket; its real rows' float32 logits."""

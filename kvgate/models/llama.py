@@ -274,8 +274,6 @@ class LlamaModel:
         else:
             cos = self.cos[batch.positions].unsqueeze(1)
             sin = self.sin[batch.positions].unsqueeze(1)
-        half = D // 2
-        paged = paged_kernel() if self.paged_attention else None
         if self.q8 is not None:
             x = self.q8.embed(batch.input_ids, self.dtype)
         else:
@@ -296,62 +294,22 @@ class LlamaModel:
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(
             () if stacked else self.layers
         ):
-            k_pool = kv.k[li]
-            v_pool = kv.v[li]
             if ops is not None:
+                k_pool, v_pool = kv.k[li], kv.v[li]
                 h = ops.rms_norm(x, ln1, eps) if pending is None else ops.add_rms_norm_(x, pending, ln1, eps)
                 qkv = qkv_proj(h, n_dec)
                 ops.rope_write_kv_(qkv, H, KVH, cos, sin, batch.slots, k_pool, v_pool)
                 q = qkv[:, : H * D].view(T, H, D)
             else:
-                if pending is not None:
-                    x = x + pending
-                h = F.rms_norm(x, (s.hidden_size,), ln1, eps)
-                qkv = qkv_proj(h, n_dec)
-                qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
-                rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-                qk = qk * cos + rot * sin
-                q = qk[:, :H]
-                k_new = qk[:, H:]
-                v_new = qkv[:, (H + KVH) * D :].view(T, KVH, D)
-                k_pool.view(-1, KVH, D).index_copy_(0, batch.slots, k_new.to(k_pool.dtype))
-                v_pool.view(-1, KVH, D).index_copy_(0, batch.slots, v_new.to(v_pool.dtype))
-            if self.paged_attention and n_dec:  # every decode row in one call, reading the pool in place
-                od = paged(q[:n_dec], k_pool, v_pool, batch.decode_tables, batch.decode_lens, D**-0.5)
-                if n_dec == T:
-                    attn = od.view(T, H * D)
-                else:
-                    attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
-                    attn[:n_dec] = od.view(n_dec, H * D)
-            else:
-                attn = torch.empty((T, H * D), dtype=x.dtype, device=x.device)
-                for grp in batch.decode_groups:
-                    qg = q[grp.start : grp.end]
-                    og = gather_attention(qg, k_pool, v_pool, grp.block_tables, grp.mask)
-                    attn[grp.start : grp.end] = og.reshape(grp.end - grp.start, H * D)
-            for pf in batch.prefills:
-                if self.prefill_kernel is not None:  # in place: no gathered context, no mask
-                    run_prefill(
-                        self.prefill_kernel,
-                        attn[pf.start : pf.start + pf.q_len],
-                        q,
-                        k_pool,
-                        v_pool,
-                        pf,
-                        D**-0.5,
-                    )
-                else:
-                    attn[pf.start : pf.start + pf.q_len] = prefill_attention(q, k_pool, v_pool, pf)
-            o = o_proj(attn, n_dec)
+                x, q = self.glue_in(li, x, pending, cos, sin, batch.slots, kv, n_dec)
+            attn = self.attend(li, q, batch, kv, n_dec)
             if ops is not None:
+                o = o_proj(attn, n_dec)
                 h = ops.add_rms_norm_(x, o, ln2, eps)
+                gu = gate_up_proj(h, n_dec)
+                pending = down_proj(ops.silu_mul(gu), n_dec)
             else:
-                x = x + o
-                h = F.rms_norm(x, (s.hidden_size,), ln2, eps)
-            gu = gate_up_proj(h, n_dec)
-            inter = gu.shape[-1] // 2
-            act = ops.silu_mul(gu) if ops is not None else F.silu(gu[:, :inter]) * gu[:, inter:]
-            pending = down_proj(act, n_dec)
+                x, pending = self.glue_out(li, x, attn, n_dec)
         if pending is not None:
             x = x + pending
         rows = x[batch.logits_index]
@@ -361,3 +319,64 @@ class LlamaModel:
             else F.rms_norm(rows, (s.hidden_size,), self.norm, eps)
         )
         return self.lm_head(h).float()
+
+    def glue_in(self, li: int, x, pending, cos, sin, slots, kv: KVPool, n_dec: int):
+        """Layer `li` up to its attention, in PyTorch ops: the last residual branch added, RMSNorm, the
+        fused qkv matmul, RoPE on q and k, the new K/V written at `slots`. Returns (x, q [T, H, D])."""
+        s = self.spec
+        H, KVH, D = s.num_heads, s.num_kv_heads, s.head_dim
+        T, half = x.shape[0], D // 2
+        ln1, qkv_proj = self.layers[li][:2]
+        if pending is not None:
+            x = x + pending
+        h = F.rms_norm(x, (s.hidden_size,), ln1, s.rms_norm_eps)
+        qkv = qkv_proj(h, n_dec)
+        qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+        rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = qk * cos + rot * sin
+        k_pool, v_pool = kv.k[li], kv.v[li]
+        v_new = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+        k_pool.view(-1, KVH, D).index_copy_(0, slots, qk[:, H:].to(k_pool.dtype))
+        v_pool.view(-1, KVH, D).index_copy_(0, slots, v_new.to(v_pool.dtype))
+        return x, qk[:, :H]
+
+    def attend(self, li: int, q, batch: StepBatch, kv: KVPool, n_dec: int, out=None):
+        """Layer `li`'s attention for every token of the step, `[T, H * D]` (into `out` when given): the
+        decode rows by the paged kernel or by gather + SDPA per group, each prompt chunk by the prefill
+        kernel or SDPA."""
+        s = self.spec
+        H, D = s.num_heads, s.head_dim
+        T = batch.input_ids.shape[0]
+        k_pool, v_pool = kv.k[li], kv.v[li]
+        if self.paged_attention and n_dec:  # every decode row in one call, reading the pool in place
+            od = paged_kernel()(q[:n_dec], k_pool, v_pool, batch.decode_tables, batch.decode_lens, D**-0.5)
+            if n_dec == T and out is None:
+                return od.view(T, H * D)
+            attn = out if out is not None else torch.empty((T, H * D), dtype=q.dtype, device=q.device)
+            attn[:n_dec] = od.view(n_dec, H * D)
+        else:
+            attn = out if out is not None else torch.empty((T, H * D), dtype=q.dtype, device=q.device)
+            for grp in batch.decode_groups:
+                qg = q[grp.start : grp.end]
+                og = gather_attention(qg, k_pool, v_pool, grp.block_tables, grp.mask)
+                attn[grp.start : grp.end] = og.reshape(grp.end - grp.start, H * D)
+        for pf in batch.prefills:
+            if self.prefill_kernel is not None:  # in place: no gathered context, no mask
+                run_prefill(
+                    self.prefill_kernel, attn[pf.start : pf.start + pf.q_len], q, k_pool, v_pool, pf, D**-0.5
+                )
+            else:
+                attn[pf.start : pf.start + pf.q_len] = prefill_attention(q, k_pool, v_pool, pf)
+        return attn
+
+    def glue_out(self, li: int, x, attn, n_dec: int):
+        """Layer `li` after its attention, in PyTorch ops: the output projection added to the residual,
+        RMSNorm, the fused gate/up matmul, SiLU(gate) * up, the down projection. Returns (x, the MLP's
+        branch, which the next layer's `glue_in` adds)."""
+        s = self.spec
+        _, _, o_proj, ln2, gate_up_proj, down_proj = self.layers[li]
+        x = x + o_proj(attn, n_dec)
+        h = F.rms_norm(x, (s.hidden_size,), ln2, s.rms_norm_eps)
+        gu = gate_up_proj(h, n_dec)
+        inter = gu.shape[-1] // 2
+        return x, down_proj(F.silu(gu[:, :inter]) * gu[:, inter:], n_dec)
