@@ -107,19 +107,41 @@ def generate(e, prompts, sp, n=24, logprobs=True) -> list[tuple[list[int], list[
     return out
 
 
-@pytest.mark.parametrize("attention", ["gather", "auto"])
-def test_static_decode_generates_what_the_eager_engine_does(make_engine, attention):
+def count_eager_decodes(e) -> list:
+    """A list that grows by one for each decode-only step the engine's model runs eagerly."""
+    seen, forward = [], e.model.forward
+
+    def spy(batch, kv):
+        if not batch.prefills:
+            seen.append(1)
+        return forward(batch, kv)
+
+    e.model.forward = spy
+    return seen
+
+
+def torch_glue(e):
+    """The CUDA path's layer code on a CPU engine: PyTorch ops between the matmuls, no C++ decode stack."""
+    e.model.layer_ops = None
+    e.model.decode_stack = None
+    return e
+
+
+@pytest.mark.parametrize("attention,glue", [("gather", "torch"), ("gather", "cpu"), ("auto", "cpu")])
+def test_static_decode_generates_what_the_eager_engine_does(make_engine, attention, glue):
     """Greedy and seeded sampling through the padded static batches give the eager engine's tokens for
     five prompts batched (3-5 rows pad to buckets of 4 and 8), with logprobs within float32 noise, and
     a step no bucket holds (the restricted shapes leave 5+ rows out) runs eagerly in the same engine.
     Seen red (tokens differ) with the padding rows' K/V written to block 0, where a request's prompt
     is, and with every real row's context length one position too long."""
+    prep = torch_glue if glue == "torch" else (lambda e: e)
     for sp in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)):
-        plain = generate(make_engine(max_seqs=8, decode_attention=attention), PROMPTS, sp)
-        e = make_engine(max_seqs=8, decode_attention=attention)
+        plain = generate(prep(make_engine(max_seqs=8, decode_attention=attention)), PROMPTS, sp)
+        e = prep(make_engine(max_seqs=8, decode_attention=attention))
         g = static_decode(e, [(r, b) for r in (1, 2, 4) for b in (8, 16, 32)])
+        eager_decodes = count_eager_decodes(e)
         got = generate(e, PROMPTS, sp)
-        assert g.replays > 0
+        assert g.replays > 0 and eager_decodes  # 5 rows: no bucket; 4 and fewer: replayed
         assert [t for t, _ in got] == [t for t, _ in plain]
         for (_, a), (_, b) in zip(got, plain, strict=True):
             assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
@@ -212,3 +234,41 @@ def test_step_pieces_generate_what_the_eager_engine_does(make_engine, layer_ops)
         scored.append([lp.logprob for lp in e.submit(req).result(60).prompt_logprobs])
     assert len(scored[0]) == len(PROMPTS[4]) - 1
     assert max(abs(x - y) for x, y in zip(*scored, strict=True)) < 1e-4
+
+
+def test_a_failed_capture_falls_back_under_auto_and_is_an_error_otherwise(make_engine, monkeypatch):
+    """`--cuda-graphs auto`: a capture that raises, or a pool measured over its charge, leaves decode steps
+    eager, says why, and gives the charge back to the ledger but for the pad block; `on` and `full` refuse
+    to start, naming the failure and the way out. Seen red with `full` falling back silently."""
+    from kvgate.memory.plan import PlanError
+    from kvgate.models.decode_graphs import DecodeGraphs
+
+    def raising(self):
+        raise RuntimeError("no capture here")
+
+    def over(self):
+        self.pool_bytes = 101
+        return "captured"
+
+    for capture, why in ((raising, "no capture here"), (over, "the plan charged 100")):
+        monkeypatch.setattr(DecodeGraphs, "capture_all", capture)
+        e = make_engine(max_seqs=4)
+        e.plan.graph_breakdown = {"pool": 100, "buffers": 10, "pad_block": 7}
+        e.graph_reservation = e.ledger.reserve("cuda_graphs", 117, "test: what the plan charged")
+        for setting in ("on", "full"):
+            with pytest.raises(PlanError, match=f"--cuda-graphs {setting}: capturing .*{why}.*auto"):
+                e._capture_graphs(setting)
+        assert e.ledger.by_role()["cuda_graphs"] == 117
+        e._capture_graphs("auto")
+        assert e.runner.graphs is None and why in e.graphs_note and "eagerly" in e.graphs_note
+        assert e.ledger.by_role()["cuda_graphs"] == 7
+
+
+def test_the_setting_is_checked_against_the_device():
+    from kvgate.core.placement import DeviceError, resolve_cuda_graphs
+
+    cpu = torch.device("cpu")
+    assert resolve_cuda_graphs("auto", cpu) == (False, False) == resolve_cuda_graphs("off", cpu)
+    for bad, msg in (("on", "needs a CUDA device"), ("full", "needs a CUDA device"), ("yes", "not one of")):
+        with pytest.raises(DeviceError, match=msg):
+            resolve_cuda_graphs(bad, cpu)

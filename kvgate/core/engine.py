@@ -116,8 +116,9 @@ class Engine:
                 "This is a kvgate bug; please report it with the model file's name."
             )
         self.ledger.reserve("workspace", p.workspace_bytes, "step workspace", lifetime="step")
+        self.graph_reservation = None
         if p.graph_bytes:
-            self.ledger.reserve("cuda_graphs", p.graph_bytes, "CUDA decode graphs")
+            self.graph_reservation = self.ledger.reserve("cuda_graphs", p.graph_bytes, "CUDA decode graphs")
         self.ledger.reserve("kv_cache", p.kv_pool_bytes, "KV pool")
         self.kv_dtype = place.kv_dtype or self.dtype
         # with graphs, one block past the plan's: where padding rows write (charged with the graphs)
@@ -175,6 +176,8 @@ class Engine:
         charged = p.graph_breakdown["pieces_pool"]
         if pieces.pool_bytes > charged:
             pieces.release()
+            if self.runner.graphs is not None:
+                self.runner.graphs.release()
             raise PlanError(
                 f"the step pieces' pool holds {pieces.pool_bytes:,} bytes but the plan charged {charged:,}. "
                 "This is a kvgate bug; please report it. --cuda-graphs on leaves those steps eager."
@@ -186,27 +189,43 @@ class Engine:
     def _capture_graphs(self, setting: str) -> None:
         """Capture the decode graphs the plan charged (`kvgate.memory.graphs`), and check their measured
         pool against the charge. Under `--cuda-graphs auto` a capture that fails, or a pool over its
-        charge, leaves the engine eager and says why; under `on` it is an error."""
+        charge, leaves the engine eager, says why, and gives the charge back to the ledger but for the
+        pad block (the KV pool keeps its planned size); under `on` and `full` it is an error."""
         p = self.plan
-        graphs = DecodeGraphs(self.model, self.kv, graph_shapes(p.limits, p.block_size), p.kv_blocks)
         charged = p.graph_breakdown["pool"]
+        graphs = None
         try:
+            graphs = DecodeGraphs(self.model, self.kv, graph_shapes(p.limits, p.block_size), p.kv_blocks)
             line = graphs.capture_all()
             if graphs.pool_bytes > charged:
                 raise PlanError(
                     f"the CUDA decode graphs' pool holds {graphs.pool_bytes:,} bytes but the plan charged "
-                    f"{charged:,}. This is a kvgate bug; please report it. --cuda-graphs off runs eager steps."
+                    f"{charged:,}. This is a kvgate bug; please report it."
                 )
         except Exception as exc:
-            graphs.release()
-            if setting == "on":
-                raise
-            self.graphs_note = f"off: capture failed ({type(exc).__name__}: {exc}); decode steps run eagerly"
+            if graphs is not None:
+                graphs.release()
+            why = f"{type(exc).__name__}: {exc}"
+            if setting != "auto":
+                raise PlanError(
+                    f"--cuda-graphs {setting}: capturing the decode graphs failed ({why}). "
+                    "--cuda-graphs auto runs eager steps instead, and off never captures."
+                ) from exc
+            self._give_back_graph_memory()
+            self.graphs_note = f"off: capture failed ({why}); decode steps run eagerly"
             log.warning("decode graphs %s", self.graphs_note)
             return
         self.runner.graphs = graphs
         self.graphs_note = f"{line} (charged {charged / (1 << 20):.1f} MiB)"
         log.info(self.graphs_note)
+
+    def _give_back_graph_memory(self) -> None:
+        """After a fallback to eager steps: the ledger keeps only the pad block of the graphs' charge."""
+        r = self.graph_reservation
+        if r is not None and not r.released:
+            r.release()
+            pad = self.plan.graph_breakdown["pad_block"]
+            self.graph_reservation = self.ledger.reserve("cuda_graphs", pad, "the KV pool's pad block")
 
     @classmethod
     def from_model(cls, model: str, cfg: EngineConfig | None = None, **kw) -> Engine:

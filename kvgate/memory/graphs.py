@@ -1,7 +1,7 @@
 """CUDA decode graphs, as the plan sees them: which step shapes are captured, and the bytes they hold.
 
 A captured graph fixes every shape, so a decode-only step is padded to a bucket: its rows to the next of
-`row_buckets` (1, 2, 4, 8, 16, 24, 32, 48, 64, ... growing by half), its longest row's KV blocks to the
+`row_buckets` (1, 2, 4, 8, 16, then by half again in multiples of 8: 24, 32, 48, 72, ...), its longest row's KV blocks to the
 next of `block_buckets` (powers of two from `MIN_BLOCKS`, and the longest a row can reach). A pair is
 captured only where its padded attention, rows x blocks x block_size positions, stays within the
 attention cap the eager step obeys (`StepLimits.attn_token_cap`); a step beyond every captured pair

@@ -362,8 +362,13 @@ def make_plan(
         if kv_cache_bytes > room_left:
             raise PlanError(
                 f"--kv-cache-bytes {fmt_bytes(kv_cache_bytes)} does not fit: the limit {fmt_bytes(limit)} "
-                f"leaves {fmt_bytes(room_left)} after weights, overhead and workspace. Lower it or raise "
-                "--memory-limit."
+                f"leaves {fmt_bytes(room_left)} after weights, overhead and workspace"
+                + (
+                    f" and the CUDA graphs ({fmt_bytes(sum(graph_parts.values()))}; --cuda-graphs off drops them)"
+                    if cuda_graphs
+                    else ""
+                )
+                + ". Lower it or raise --memory-limit."
             )
         room_left = kv_cache_bytes
     blocks = room_left // block_bytes

@@ -44,20 +44,22 @@ log = logging.getLogger("kvgate.models")
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def measure_capture(device: torch.device, capture) -> tuple[int, float]:
+def measure_capture(device: torch.device, capture) -> tuple[int, int, float]:
     """Run `capture(pool, side_stream)` on `device` under inference mode, with one new graph pool and
-    the device's capture stream; return (the bytes the device holds after it beyond before, with the
-    caching allocator's free blocks given back on both sides; seconds)."""
+    the device's capture stream. Returns (the bytes PyTorch's allocator holds after it beyond before,
+    its free blocks given back on both sides: the pool the plan charges; the drop in the driver's free
+    memory, which also counts the instantiated graphs themselves, outside the allocator; seconds)."""
     with torch.cuda.device(device):  # cuda:N, whichever device is current
         t0 = time.monotonic()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved()
+        before, free_before = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]
         with torch.inference_mode():
             capture(torch.cuda.graph_pool_handle(), capture_stream(device))
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        return torch.cuda.memory_reserved() - before, time.monotonic() - t0
+        pool, driver = torch.cuda.memory_reserved() - before, free_before - torch.cuda.mem_get_info()[0]
+        return pool, driver, time.monotonic() - t0
 
 
 def drop_graphs(graphs: dict) -> None:
@@ -112,7 +114,6 @@ class DecodeGraphs:
         self.order = sorted(shapes, key=lambda s: (-s[0] * s[1], -s[0]))  # largest first: the pool's peak
         self.pool_bytes = 0  # measured by capture_all
         self.replays = 0
-        self.seconds = 0.0
 
     # ---- shapes and inputs (host side) --------------------------------------------------------
     def shape_for(self, rows: int, blocks: int) -> tuple[int, int] | None:
@@ -172,10 +173,11 @@ class DecodeGraphs:
         Measures the pool (`pool_bytes`, see `measure_capture`)."""
         if not self.capture:
             return f"decode graphs: {len(self.shapes)} static shapes, run eagerly (no capture)"
-        self.pool_bytes, seconds = measure_capture(self.model.device, self._capture_each)
+        self.pool_bytes, driver, seconds = measure_capture(self.model.device, self._capture_each)
         return (
             f"decode graphs: {len(self.graphs)} shapes captured in {seconds:.1f}s, their pool "
-            f"holds {self.pool_bytes / (1 << 20):.1f} MiB"
+            f"holds {self.pool_bytes / (1 << 20):.1f} MiB (the device's free memory fell "
+            f"{driver / (1 << 20):.1f} MiB, the graphs themselves included)"
         )
 
     def _capture_each(self, pool, side: torch.cuda.Stream) -> None:
@@ -197,7 +199,6 @@ class DecodeGraphs:
 
     def run(self, step: GraphStep) -> torch.Tensor:
         """Replay (or, without capture, run) the step's bucket; its real rows' float32 logits."""
-        t0 = time.perf_counter()
         n = len(step.values)
         self.inputs[:n].copy_(torch.tensor(step.values, dtype=torch.long), non_blocking=False)
         if self.capture:
@@ -206,7 +207,6 @@ class DecodeGraphs:
             with torch.inference_mode():
                 self._forward(step.shape)
         self.replays += 1
-        self.seconds += time.perf_counter() - t0
         # a replay's logits are copied to the host by the runner; without capture (on a CPU) they would
         # be the buffer itself, which the next step overwrites
         return self.out[: step.rows] if self.capture else self.out[: step.rows].clone()

@@ -89,7 +89,7 @@ async def resources(request: Request):
             "prefill_chunk": plan.limits.prefill_chunk,
             "max_model_len": eng.max_model_len,
             # what --cuda-graphs did at startup: shapes captured, their measured pool and its charge
-            "cuda_graphs": getattr(eng, "graphs_note", "off"),
+            "cuda_graphs": getattr(eng, "graphs_note", None),  # None: a cluster front end (its replicas say)
         },
         "live": state.live.summary(),
     }
