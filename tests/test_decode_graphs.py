@@ -40,6 +40,10 @@ def test_buckets_round_every_step_up_within_the_attention_cap():
         sorted({r for r, _ in shapes}),
         sorted({b for _, b in shapes}),
     )
+    # by hand: the cap is min(8 x 2048, max(2048, 8 x 512)) = 4096 positions, 256 block-rows
+    assert L.attn_token_cap == 4096 and g.row_sizes == [1, 2, 4, 8] and g.block_sizes == [8, 16, 32, 64, 128]
+    assert g.shape_for(3, 9) == (4, 16) and g.shape_for(1, 128) == (1, 128) and g.shape_for(4, 64) == (4, 64)
+    assert g.shape_for(8, 40) is None and g.shape_for(5, 33) is None  # (8, 64): 512 block-rows
     for rows in range(1, L.max_logit_rows + 1):
         for blocks in range(1, 2048 // bs + 1):
             want = (min(r for r in g.row_sizes if r >= rows), min(b for b in g.block_sizes if b >= blocks))
