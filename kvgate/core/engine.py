@@ -122,7 +122,7 @@ class Engine:
         self.ledger.reserve("kv_cache", p.kv_pool_bytes, "KV pool")
         self.kv_dtype = place.kv_dtype or self.dtype
         # with graphs, one block past the plan's: where padding rows write (charged with the graphs)
-        pad = 1 if place.cuda_graphs or place.step_pieces else 0
+        pad = 1 if place.cuda_graphs else 0  # step pieces come only with the decode graphs
         self.kv = KVPool(spec, p.kv_blocks + pad, p.block_size, self.kv_dtype, self.device)
         self.tokenizer = TextTokenizer(loaded.tokenizer)
         self.sched_cfg = SchedulerConfig(
@@ -162,9 +162,8 @@ class Engine:
     def _forward(self, batch: StepBatch | GraphStep) -> torch.Tensor:
         if isinstance(batch, GraphStep):
             return self.runner.graphs.run(batch)
-        pieces = self.pieces
-        if pieces is not None and pieces.bucket(batch.input_ids.shape[0]) is not None:
-            return pieces.run(batch)
+        if self.pieces is not None:  # its token buckets end at the plan's most tokens a step
+            return self.pieces.run(batch)
         return self.model.forward(batch, self.kv)
 
     def _capture_pieces(self) -> None:

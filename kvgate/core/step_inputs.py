@@ -68,7 +68,7 @@ def build_step(
     the ones before it, and a verified token gets the decode path's computation (see
     `kvgate.core.speculate` for how exact)."""
     n_plain = len(decodes)
-    decodes, order = decode_rows(decodes, verifies)
+    decodes, order, decode_logit_row = decode_rows(decodes, verifies)
     ids: list[int] = [decodes[j].token for j in order]
     pos: list[int] = [decodes[j].position for j in order]
     slots: list[int] = []
@@ -81,9 +81,6 @@ def build_step(
         slots.append(d.blocks[d.position // block_size] * block_size + d.position % block_size)
     decode_tables = torch.tensor(rows, dtype=torch.long).view(len(order), width).to(device)
     decode_lens = torch.tensor(pos, dtype=torch.long).add_(1).to(device)
-    decode_logit_row = [-1] * len(decodes)
-    for r, j in enumerate(order):
-        decode_logit_row[j] = r
     logits_index: list[int] = list(range(len(order)))
     groups: list[DecodeGroup] = []
     i = 0
@@ -143,13 +140,18 @@ def build_step(
 
 def decode_rows(
     decodes: list[DecodeInput], verifies: list[VerifyInput]
-) -> tuple[list[DecodeInput], list[int]]:
+) -> tuple[list[DecodeInput], list[int], list[int]]:
     """Every decode row of a step, each verify span's positions as rows of their own after the plain
-    decodes, and the order they run in: longest context first."""
+    decodes; the order they run in (longest context first); and where each row's logits land (the
+    inverse of that order)."""
     rows = list(decodes) + [
         DecodeInput(v.request_id, t, v.start + i, v.blocks) for v in verifies for i, t in enumerate(v.tokens)
     ]
-    return rows, sorted(range(len(rows)), key=lambda i: -rows[i].position)
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].position)
+    logit_row = [0] * len(rows)
+    for r, j in enumerate(order):
+        logit_row[j] = r
+    return rows, order, logit_row
 
 
 def verify_rows(logit_row: list[int], n_plain: int, verifies: list[VerifyInput]) -> list[list[int]]:
@@ -167,13 +169,10 @@ def build_graph_step(
     """A decode-only step as the inputs of a captured graph (`kvgate.models.decode_graphs`), in
     `build_step`'s row order, with the decodes' and verify spans' logits rows; (None, [], []) where no
     captured bucket holds it (the step then runs eagerly)."""
-    rows, order = decode_rows(decodes, verifies)
+    rows, order, logit_row = decode_rows(decodes, verifies)
     step = graphs.step(
         [rows[j].token for j in order], [rows[j].position for j in order], [rows[j].blocks for j in order]
     )
     if step is None:
         return None, [], []
-    logit_row = [0] * len(rows)
-    for r, j in enumerate(order):
-        logit_row[j] = r
     return step, logit_row[: len(decodes)], verify_rows(logit_row, len(decodes), verifies)

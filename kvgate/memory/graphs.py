@@ -1,8 +1,8 @@
 """CUDA decode graphs, as the plan sees them: which step shapes are captured, and the bytes they hold.
 
 A captured graph fixes every shape, so a decode-only step is padded to a bucket: its rows to the next of
-`row_buckets` (1, 2, 4, 8, 16, then by half again in multiples of 8: 24, 32, 48, 72, ...), its longest row's KV blocks to the
-next of `block_buckets` (powers of two from `MIN_BLOCKS`, and the longest a row can reach). A pair is
+`row_buckets` (1, 2, 4, 8, 16, then by half again in multiples of 8: 24, 32, 48, 72, ...), its
+longest row's KV blocks to the next of `block_buckets` (powers of two from `MIN_BLOCKS`, and the longest a row can reach). A pair is
 captured only where its padded attention, rows x blocks x block_size positions, stays within the
 attention cap the eager step obeys (`StepLimits.attn_token_cap`); a step beyond every captured pair
 runs eagerly. Padding rows write their K/V to one extra block that no request is ever given.
@@ -11,8 +11,8 @@ What the plan charges for them, before anything is captured (`graph_bytes`):
 - `pool`: the graphs' private memory pool. They share one, captured largest first and replayed one at a
   time, so it holds the intermediates of the largest step: the step workspace's device terms for a
   decode-only step of the most rows (`decode_terms`), plus the CUDA caching allocator's rounding
-  (`POOL_SLACK`) and the cuBLAS workspace of the stream they are captured on (`CUBLAS_WORKSPACE`). The engine measures the pool after capture and runs eagerly, saying why, should it
-  ever hold more than this.
+  (`POOL_SLACK`) and the cuBLAS workspace of the stream they are captured on (`CUBLAS_WORKSPACE`).
+  The engine measures the pool after capture and runs eagerly, saying why, should it ever hold more.
 - `buffers`: the static inputs every replay reads (token ids, positions, slots, context lengths and block
   tables, int64) and the float32 logits it writes;
 - `pad_block`: the extra KV block.
@@ -76,6 +76,11 @@ def graph_shapes(limits: StepLimits, block_size: int) -> list[tuple[int, int]]:
         for b in block_buckets(max_blocks)
         if r * b * block_size <= limits.attn_token_cap
     ]
+    return largest_first(shapes)
+
+
+def largest_first(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(rows, blocks) pairs by padded attention, largest first (more rows first among equals)."""
     return sorted(shapes, key=lambda s: (-s[0] * s[1], -s[0]))
 
 

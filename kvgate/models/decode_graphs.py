@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvgate.memory.graphs import INPUT_FIELDS, input_values
+from kvgate.memory.graphs import INPUT_FIELDS, input_values, largest_first
 from kvgate.models.llama import DecodeGroup, StepBatch
 
 if TYPE_CHECKING:
@@ -44,11 +44,12 @@ log = logging.getLogger("kvgate.models")
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def measure_capture(device: torch.device, capture) -> tuple[int, int, float]:
+def measure_capture(device: torch.device, capture) -> tuple[int, str]:
     """Run `capture(pool, side_stream)` on `device` under inference mode, with one new graph pool and
-    the device's capture stream. Returns (the bytes PyTorch's allocator holds after it beyond before,
-    its free blocks given back on both sides: the pool the plan charges; the drop in the driver's free
-    memory, which also counts the instantiated graphs themselves, outside the allocator; seconds)."""
+    the device's capture stream. Returns the bytes PyTorch's allocator holds after it beyond before,
+    its free blocks given back on both sides (the pool the plan charges), and a phrase saying what the
+    capture cost: its seconds, that pool, and the drop in the driver's free memory, which also counts
+    the instantiated graphs themselves, outside the allocator."""
     with torch.cuda.device(device):  # cuda:N, whichever device is current
         t0 = time.monotonic()
         torch.cuda.synchronize()
@@ -59,7 +60,10 @@ def measure_capture(device: torch.device, capture) -> tuple[int, int, float]:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         pool, driver = torch.cuda.memory_reserved() - before, free_before - torch.cuda.mem_get_info()[0]
-        return pool, driver, time.monotonic() - t0
+        return pool, (
+            f"captured in {time.monotonic() - t0:.1f}s, their pool holds {pool / (1 << 20):.1f} MiB (the "
+            f"device's free memory fell {driver / (1 << 20):.1f} MiB, the graphs themselves included)"
+        )
 
 
 def drop_graphs(graphs: dict) -> None:
@@ -111,7 +115,7 @@ class DecodeGraphs:
         self.index = torch.arange(rows, device=dev)
         self.out = torch.zeros((rows, model.spec.vocab_size), dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.order = sorted(shapes, key=lambda s: (-s[0] * s[1], -s[0]))  # largest first: the pool's peak
+        self.order = largest_first(shapes)  # the pool's peak first: the smaller graphs reuse it
         self.pool_bytes = 0  # measured by capture_all
         self.replays = 0
 
@@ -173,12 +177,8 @@ class DecodeGraphs:
         Measures the pool (`pool_bytes`, see `measure_capture`)."""
         if not self.capture:
             return f"decode graphs: {len(self.shapes)} static shapes, run eagerly (no capture)"
-        self.pool_bytes, driver, seconds = measure_capture(self.model.device, self._capture_each)
-        return (
-            f"decode graphs: {len(self.graphs)} shapes captured in {seconds:.1f}s, their pool "
-            f"holds {self.pool_bytes / (1 << 20):.1f} MiB (the device's free memory fell "
-            f"{driver / (1 << 20):.1f} MiB, the graphs themselves included)"
-        )
+        self.pool_bytes, cost = measure_capture(self.model.device, self._capture_each)
+        return f"decode graphs: {len(self.graphs)} shapes {cost}"
 
     def _capture_each(self, pool, side: torch.cuda.Stream) -> None:
         for shape in self.order:

@@ -82,12 +82,9 @@ class StepPieces:
     def capture_all(self) -> str:
         if not self.capture:
             return f"step pieces: {len(self.buckets)} token buckets, run eagerly (no capture)"
-        self.pool_bytes, driver, seconds = measure_capture(self.model.device, self._capture_each)
-        return (
-            f"step pieces: {len(self.graphs)} graphs ({len(self.buckets)} token buckets x "
-            f"{len(self.model.layers) + 1} pieces) captured in {seconds:.1f}s, their pool holds "
-            f"{self.pool_bytes / (1 << 20):.1f} MiB (the device's free memory fell {driver / (1 << 20):.1f} MiB)"
-        )
+        self.pool_bytes, cost = measure_capture(self.model.device, self._capture_each)
+        pieces = len(self.model.layers) + 1
+        return f"step pieces: {len(self.graphs)} graphs ({len(self.buckets)} token buckets x {pieces} pieces) {cost}"
 
     def _capture_each(self, pool, side: torch.cuda.Stream) -> None:
         L = len(self.model.layers)
