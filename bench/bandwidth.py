@@ -71,6 +71,27 @@ def measure(size_gib: float = 1.0, repeats: int = 7, threads: int | None = None)
     }
 
 
+_NOW: dict = {}
+
+
+def read_now(size_gib: float = 0.5, repeats: int = 3) -> float:
+    """The best GB/s of `repeats` torch.sum reads of one `size_gib` GiB float32 tensor (kept between calls,
+    so a reading costs ~0.1 s and no allocation), on torch's current threads.
+
+    Taken right before and after a batch-1 run, to hold that run against the bandwidth of its own moment:
+    on this project's 2-vCPU VMs the read speed flips within one process between ~30 and ~46-66 GB/s
+    and stays a few seconds to minutes in each state (docs/DESIGN_NOTES.md, session 28), so one reading
+    at a run's start says little about a run minutes later."""
+    import torch
+
+    n = int(size_gib * (1 << 30)) // 4
+    if _NOW.get("n") != n:
+        _NOW["t"], _NOW["n"] = torch.ones(n), n
+    t = _NOW["t"]
+    best = min(_time(t.sum, repeats))
+    return n * 4 / best / 1e9
+
+
 def default_model_weights() -> dict:
     """Weight bytes per decode step of the default model, from kvgate's plan, plus its GGUF file."""
     from kvgate.memory.plan import weight_bytes

@@ -129,3 +129,37 @@ def test_bench_compare_variant_words_that_name_a_variable_go_to_the_environment(
     assert srv.cmd[-2:] == ["--weights", "gguf"] and not any("=" in w for w in srv.cmd)
     assert srv.env["KVGATE_Q4_1_DECODE"] == "float" and srv.env["PATH"] == os.environ["PATH"]
     assert compare.kvgate_server(1234, ["--weights", "gguf"]).env is None
+
+
+def test_a_batch_1_run_is_held_against_the_bandwidth_of_its_own_moment(monkeypatch, tmp_path):
+    """`bench_run` reads the bandwidth right before and after a c=1 run (not at other concurrencies), and
+    the report holds that run's decode speed against the higher of the two readings: the stricter bound,
+    flagged when the two disagree by over 10%. Seen red with the lower reading taken (share 2/3 for 1/3)."""
+    from pathlib import Path
+
+    import pytest
+
+    import kvgate.bench
+    from bench import bandwidth, compare
+
+    readings = iter([30.0, 60.0])
+    monkeypatch.setattr(bandwidth, "read_now", lambda: next(readings))
+    monkeypatch.setattr(compare, "OUT", tmp_path)
+
+    def fake_main(args):
+        summary = {"tpot_ms": {"p50": 5.0}}
+        Path(args[args.index("--json") + 1]).write_text(json.dumps({"runs": [{"summary": summary}]}))
+        return 0
+
+    monkeypatch.setattr(kvgate.bench, "main", fake_main)
+    run = compare.bench_run("c1", "http://127.0.0.1:1", tmp_path / "d.jsonl", 1, 4, 8)
+    assert run["read_gbps"] == {"before": 30.0, "after": 60.0}
+    assert "read_gbps" not in compare.bench_run("c2", "http://127.0.0.1:1", tmp_path / "d.jsonl", 2, 4, 8)
+    results = {
+        "peers": {"kvgate": {"runs": {"1": run}}},
+        "bandwidth": {"weights_bytes": {"kvgate_gguf": 100_000_000}},
+    }
+    got = compare.at_run_bound(results, "kvgate", "kvgate_gguf")
+    assert got["bound_tok_s"] == pytest.approx(600.0) and got["tok_s"] == pytest.approx(200.0)
+    assert got["share"] == pytest.approx(1 / 3) and got["moved"]
+    assert compare.at_run_bound(results, "llama-server", "gguf_file") is None
