@@ -162,4 +162,5 @@ def test_a_batch_1_run_is_held_against_the_bandwidth_of_its_own_moment(monkeypat
     got = compare.at_run_bound(results, "kvgate", "kvgate_gguf")
     assert got["bound_tok_s"] == pytest.approx(600.0) and got["tok_s"] == pytest.approx(200.0)
     assert got["share"] == pytest.approx(1 / 3) and got["moved"]
+    assert got["share_at_lower"] == pytest.approx(2 / 3)
     assert compare.at_run_bound(results, "llama-server", "gguf_file") is None
