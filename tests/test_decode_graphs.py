@@ -268,6 +268,42 @@ def test_a_failed_capture_falls_back_under_auto_and_is_an_error_otherwise(make_e
         assert e.ledger.by_role()["cuda_graphs"] == 7
 
 
+def test_a_failed_pieces_capture_is_an_error_that_releases_the_decode_graphs(make_engine, monkeypatch):
+    """`--cuda-graphs full` insists: a pieces capture that raises, or a pool over its charge, refuses to
+    start with the cause and the way out, and the decode graphs already captured are released. A step
+    over the largest token bucket is an error naming both numbers, not a TypeError. Seen red with the
+    capture's exception passing through unwrapped (the graphs kept), and with the bucket check left out
+    (a TypeError)."""
+    from kvgate.core.testing import static_pieces
+    from kvgate.memory.plan import PlanError
+    from kvgate.models.step_pieces import StepPieces
+
+    def raising(self):
+        raise RuntimeError("capture invalidated")
+
+    def over(self):
+        self.pool_bytes = 101
+        return "captured"
+
+    for capture, why in ((raising, "capture invalidated"), (over, "plan charged 100")):
+        monkeypatch.setattr(StepPieces, "capture_all", capture)
+        e = make_engine(max_seqs=4)
+        e.plan.graph_breakdown = {"pieces_pool": 100}
+        graphs = static_decode(e)
+        with pytest.raises(
+            PlanError, match=f"--cuda-graphs full: capturing the step pieces failed .*{why}.*on"
+        ):
+            e._capture_pieces()
+        assert not graphs.shapes and e.pieces is None
+    monkeypatch.undo()
+    e = make_engine(max_seqs=4, prefill_chunk=32)
+    pieces = static_pieces(e)
+    pieces.buckets = pieces.buckets[:1]  # 16 tokens: the 20-token prompt below is over it
+    req = GenerationRequest(list(PROMPTS[4][:20]), SamplingParams(temperature=0.0), 2, [])
+    res = e.submit(req).result(60)
+    assert res.finish_reason == "error" and "a step of 20 tokens is over the largest bucket, 16" in res.error
+
+
 def test_the_setting_is_checked_against_the_device():
     from kvgate.core.placement import DeviceError, resolve_cuda_graphs
 

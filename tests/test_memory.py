@@ -284,7 +284,8 @@ def test_weights_resident_within_plan(probes):
 @pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs a CUDA device (the CPU probes cover CPU)"
 )
-def test_cuda_peak_allocated_within_plan():
+@pytest.mark.parametrize("cuda_graphs", ["auto", "full"])
+def test_cuda_peak_allocated_within_plan(cuda_graphs):
     """On CUDA the ledger covers device memory: torch.cuda.max_memory_allocated over a mixed load stays
     within weights + KV pool + workspace (the CUDA context is outside torch's allocator, in the fixed
     overhead), and the limit, with the CUDA decode graphs' charge added: their pool, measured after
@@ -292,6 +293,7 @@ def test_cuda_peak_allocated_within_plan():
     is added to both sides. Broken by: under-counting any of those terms on the device. Session 27's
     GPU run failed its load peak by 40.7 MiB before the held bytes were counted and the graphs shared
     one capture stream (each engine's new stream kept a 32 MiB cuBLAS workspace); not rerun since.
+    Also run with `--cuda-graphs full`, whose pieces (steps with prompt chunks) the plan charges too.
     KVGATE_CUDA_MODEL names the model (default: SmolLM2; `bench/cuda_check.sh` passes a stand-in of
     its shapes from `bench/shape_model.py`, since the GGUF cannot travel to the GPU machine)."""
     import os
@@ -314,12 +316,18 @@ def test_cuda_peak_allocated_within_plan():
             max_model_len=1024,
             max_seqs=16,
             prefill_chunk=256,
+            cuda_graphs=cuda_graphs,
         ),
     )
     p = engine.plan
     budget = held + p.weights_bytes + p.kv_pool_bytes + p.workspace_bytes + p.graph_bytes
-    graphs = engine.runner.graphs  # captured at startup (--cuda-graphs auto), their pool measured
+    graphs = engine.runner.graphs  # captured at startup (auto: decode steps; full: and the pieces)
     assert graphs is not None and 0 < graphs.pool_bytes <= p.graph_breakdown["pool"], engine.graphs_note
+    pieces = engine.pieces  # (shutdown drops the engine's reference)
+    if cuda_graphs == "full":  # the steps with prompt chunks run through the captured pieces
+        assert pieces is not None and pieces.pool_bytes <= p.graph_breakdown["pieces_pool"], (
+            engine.graphs_note
+        )
     load_peak = torch.cuda.max_memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     engine.start()
@@ -334,10 +342,17 @@ def test_cuda_peak_allocated_within_plan():
         results = [h.result(timeout=300) for h in handles]
     finally:
         engine.shutdown()
-    assert all(r.finish_reason == "length" for r in results)
-    assert load_peak <= budget
-    assert torch.cuda.max_memory_allocated() <= budget <= held + p.limit_bytes
-    assert graphs.replays > 0
+    serve_peak = torch.cuda.max_memory_allocated()
+    numbers = (
+        f"held before {held:,}, load peak {load_peak:,}, serving peak {serve_peak:,}, budget {budget:,} "
+        f"(weights {p.weights_bytes:,}, KV {p.kv_pool_bytes:,}, workspace {p.workspace_bytes:,}, graphs "
+        f"{p.graph_bytes:,} with a measured pool of {graphs.pool_bytes:,}); {engine.graphs_note}"
+    )
+    assert all(r.finish_reason == "length" for r in results), numbers
+    assert load_peak <= budget, numbers
+    assert serve_peak <= budget <= held + p.limit_bytes, numbers
+    assert graphs.replays > 0, numbers
+    assert cuda_graphs != "full" or pieces.replays > 0, numbers
     print(
         f"graphs: {engine.graphs_note}; device memory reserved {torch.cuda.memory_reserved():,} B, budget {budget:,} B"
     )

@@ -169,18 +169,22 @@ class Engine:
     def _capture_pieces(self) -> None:
         """Capture the pieces of steps that carry prompt chunks (`--cuda-graphs full`) and check their
         measured pool against its charge; an error either way (the setting insists)."""
-        p = self.plan
+        p, charged = self.plan, self.plan.graph_breakdown["pieces_pool"]
         pieces = StepPieces(self.model, self.kv, p.limits.max_step_tokens, p.kv_blocks)
-        line = pieces.capture_all()
-        charged = p.graph_breakdown["pieces_pool"]
-        if pieces.pool_bytes > charged:
+        try:
+            line = pieces.capture_all()
+            if pieces.pool_bytes > charged:
+                raise PlanError(
+                    f"their pool holds {pieces.pool_bytes:,} bytes but the plan charged {charged:,}"
+                )
+        except Exception as exc:  # the decode graphs go too: the engine is not built
             pieces.release()
             if self.runner.graphs is not None:
                 self.runner.graphs.release()
             raise PlanError(
-                f"the step pieces' pool holds {pieces.pool_bytes:,} bytes but the plan charged {charged:,}. "
-                "This is a kvgate bug; please report it. --cuda-graphs on leaves those steps eager."
-            )
+                f"--cuda-graphs full: capturing the step pieces failed ({type(exc).__name__}: {exc}). This is "
+                "a kvgate bug; please report it. --cuda-graphs on leaves steps with prompt chunks eager."
+            ) from exc
         self.pieces = pieces
         self.graphs_note += f"; {line} (charged {charged / (1 << 20):.1f} MiB)"
         log.info(line)

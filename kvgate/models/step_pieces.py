@@ -95,9 +95,11 @@ class StepPieces:
                     self._piece(tb, li)
                 for li in range(L + 1):
                     graph = torch.cuda.CUDAGraph()
-                    graph.capture_begin(pool=pool)
-                    self._piece(tb, li)
-                    graph.capture_end()
+                    graph.capture_begin(pool=pool)  # (torch.cuda.graph would gc.collect at each of these)
+                    try:
+                        self._piece(tb, li)
+                    finally:  # a capture left open on the shared stream would fail every later one
+                        graph.capture_end()
                     self.graphs[(tb, li)] = graph
             torch.cuda.current_stream().wait_stream(side)
 
@@ -110,6 +112,10 @@ class StepPieces:
         m = self.model
         T = batch.input_ids.shape[0]
         tb = self.bucket(T)
+        if tb is None:  # the plan's most tokens a step is the last bucket: a scheduler bug
+            raise RuntimeError(
+                f"step pieces: a step of {T} tokens is over the largest bucket, {self.buckets[-1]}"
+            )
         n_dec = 0 if batch.decode_lens is None else batch.decode_lens.shape[0]
         self.ids[:T].copy_(batch.input_ids)
         self.pos[:T].copy_(batch.positions)
@@ -118,6 +124,7 @@ class StepPieces:
             self.ids[T:tb].zero_()
             self.pos[T:tb].zero_()
             self.slots[T:tb].fill_(self.pad_block * self.kv.block_size)
+            self.attn[T:tb].zero_()  # attention writes real rows only: no stale value reaches the pad block
         L = len(m.layers)
         with torch.inference_mode():
             for li in range(L + 1):
