@@ -9,7 +9,8 @@
 #    (kvgate's C++ kernels are built first, on their own: the CUDA engine's host-side draw uses them);
 # 2. a SmolLM2-shaped stand-in (bench/shape_model.py) served on the GPU and driven by `kvgate bench`
 #    at c=1, 16 and 64 (256 tokens in, 128 out), with --cuda-graphs full, on and off (SERVE_GRAPHS; ~65 s
-#    each in session 27);
+#    each in session 27); SERVE_FLAGS adds server flags (e.g. "--prefill-chunk 1024": c=64's TTFT was 2.6 s
+#    with 256-token chunks, and on a launch-bound GPU a bigger chunk costs a step little);
 # 3. its decode step's wall time at 1, 16 and 64 rows (bench/profile_step.py);
 # 4. its engine step with the decode graphs on and off, split into forward, sampling and the rest, and
 #    the graph step's Python profile (bench/cuda_graph_probe.py).
@@ -84,7 +85,7 @@ for G in ${SERVE_GRAPHS:-full on off}; do
 echo "== served on $DEVICE, --cuda-graphs $G"
 PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 $PY -m kvgate.cli serve --model .gpu/smol --device "$DEVICE" --port "$PORT" --log-level info --cuda-graphs "$G" \
-  --served-model-name smol-shape >"$OUT/serve_$G.log" 2>&1 &
+  --served-model-name smol-shape ${SERVE_FLAGS:-} >"$OUT/serve_$G.log" 2>&1 &
 SERVER=$!
 UP=0
 for _ in $(seq 120); do
