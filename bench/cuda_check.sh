@@ -82,7 +82,7 @@ fi
 if [[ " $PARTS " == *" serve "* ]]; then
 for G in ${SERVE_GRAPHS:-full on off}; do
 [ "$DEVICE" = cpu ] && G=off  # a CPU refuses --cuda-graphs on
-echo "== served on $DEVICE, --cuda-graphs $G"
+echo "== served on $DEVICE, --cuda-graphs $G ${SERVE_FLAGS:-}"
 PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 $PY -m kvgate.cli serve --model .gpu/smol --device "$DEVICE" --port "$PORT" --log-level info --cuda-graphs "$G" \
   --served-model-name smol-shape ${SERVE_FLAGS:-} >"$OUT/serve_$G.log" 2>&1 &

@@ -272,8 +272,8 @@ def test_a_failed_pieces_capture_is_an_error_that_releases_the_decode_graphs(mak
     """`--cuda-graphs full` insists: a pieces capture that raises, or a pool over its charge, refuses to
     start with the cause and the way out, and the decode graphs already captured are released. A step
     over the largest token bucket is an error naming both numbers, not a TypeError. Seen red with the
-    capture's exception passing through unwrapped (the graphs kept), and with the bucket check left out
-    (a TypeError)."""
+    capture's exception passing through unwrapped (the graphs kept), with the pieces' release left out,
+    and with the bucket check left out (a TypeError)."""
     from kvgate.core.testing import static_pieces
     from kvgate.memory.plan import PlanError
     from kvgate.models.step_pieces import StepPieces
@@ -285,16 +285,19 @@ def test_a_failed_pieces_capture_is_an_error_that_releases_the_decode_graphs(mak
         self.pool_bytes = 101
         return "captured"
 
+    released = []
+    monkeypatch.setattr(StepPieces, "release", lambda self: released.append(self))
     for capture, why in ((raising, "capture invalidated"), (over, "plan charged 100")):
         monkeypatch.setattr(StepPieces, "capture_all", capture)
         e = make_engine(max_seqs=4)
         e.plan.graph_breakdown = {"pieces_pool": 100}
         graphs = static_decode(e)
+        released.clear()
         with pytest.raises(
             PlanError, match=f"--cuda-graphs full: capturing the step pieces failed .*{why}.*on"
         ):
             e._capture_pieces()
-        assert not graphs.shapes and e.pieces is None
+        assert not graphs.shapes and e.pieces is None and len(released) == 1
     monkeypatch.undo()
     e = make_engine(max_seqs=4, prefill_chunk=32)
     pieces = static_pieces(e)
@@ -302,6 +305,49 @@ def test_a_failed_pieces_capture_is_an_error_that_releases_the_decode_graphs(mak
     req = GenerationRequest(list(PROMPTS[4][:20]), SamplingParams(temperature=0.0), 2, [])
     res = e.submit(req).result(60)
     assert res.finish_reason == "error" and "a step of 20 tokens is over the largest bucket, 16" in res.error
+
+
+def test_a_piece_that_raises_mid_capture_still_ends_its_capture(make_engine, monkeypatch):
+    """The GPU path on CPU stand-ins (a reviewer's): every capture_begin meets a capture_end even when the
+    piece raises (an open capture on the shared side stream would fail every later capture in the
+    process), and the piece's own error surfaces, not capture_end's. Seen red with the capture_end
+    after the piece unguarded (no end, ["begin", "end", "begin"])."""
+    import contextlib
+
+    from kvgate.core.testing import static_pieces
+    from kvgate.models.step_pieces import StepPieces
+
+    pieces = static_pieces(make_engine(max_seqs=4))
+    pieces.buckets = pieces.buckets[:1]
+    calls = []
+
+    class FakeGraph:
+        def capture_begin(self, pool=None):
+            calls.append("begin")
+
+        def capture_end(self):
+            calls.append("end")
+            if len(calls) > 2:  # an invalidated capture: its end raises too
+                raise RuntimeError("capture_end on an invalidated capture")
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeStream())
+    real = StepPieces._piece
+
+    def piece(self, tb, li):
+        if calls and li == 1:  # inside the second capture
+            raise RuntimeError("the piece failed")
+        return real(self, tb, li)
+
+    monkeypatch.setattr(StepPieces, "_piece", piece)
+    with pytest.raises(RuntimeError, match="the piece failed"):
+        pieces._capture_each(None, FakeStream())
+    assert calls == ["begin", "end", "begin", "end"]
 
 
 def test_the_setting_is_checked_against_the_device():

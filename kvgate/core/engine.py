@@ -170,15 +170,17 @@ class Engine:
         """Capture the pieces of steps that carry prompt chunks (`--cuda-graphs full`) and check their
         measured pool against its charge; an error either way (the setting insists)."""
         p, charged = self.plan, self.plan.graph_breakdown["pieces_pool"]
-        pieces = StepPieces(self.model, self.kv, p.limits.max_step_tokens, p.kv_blocks)
+        pieces = None
         try:
+            pieces = StepPieces(self.model, self.kv, p.limits.max_step_tokens, p.kv_blocks)
             line = pieces.capture_all()
             if pieces.pool_bytes > charged:
                 raise PlanError(
                     f"their pool holds {pieces.pool_bytes:,} bytes but the plan charged {charged:,}"
                 )
         except Exception as exc:  # the decode graphs go too: the engine is not built
-            pieces.release()
+            if pieces is not None:
+                pieces.release()
             if self.runner.graphs is not None:
                 self.runner.graphs.release()
             raise PlanError(

@@ -77,9 +77,9 @@ def drop_graphs(graphs: dict) -> None:
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream every capture on `device` uses, for the process's life. PyTorch keeps a cuBLAS
     workspace (32 MiB on Hopper) for each stream a matmul ran on until the process ends, so a fresh stream
-    per engine would leave one more behind for each engine a process builds (tests, restarts). Captures
-    and replays on it share that workspace, so two engines of one process must not capture while another
-    replays (one engine per process serves; tests build theirs one after another)."""
+    per engine would leave one more behind for each engine a process builds (tests, restarts). Every graph
+    captured on it has that workspace baked in, so no two engines of one process may run graph work at
+    the same time (one engine per process serves; tests build theirs one after another)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index  # "cuda" and "cuda:0": one stream
     if index not in _capture_streams:

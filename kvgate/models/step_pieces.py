@@ -22,6 +22,7 @@ never written, and no logits row reads them.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -98,8 +99,11 @@ class StepPieces:
                     graph.capture_begin(pool=pool)  # (torch.cuda.graph would gc.collect at each of these)
                     try:
                         self._piece(tb, li)
-                    finally:  # a capture left open on the shared stream would fail every later one
-                        graph.capture_end()
+                    except BaseException:  # end the capture (an open one on the shared stream fails every
+                        with contextlib.suppress(Exception):  # later one), and raise the piece's own error
+                            graph.capture_end()
+                        raise
+                    graph.capture_end()
                     self.graphs[(tb, li)] = graph
             torch.cuda.current_stream().wait_stream(side)
 
