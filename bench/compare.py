@@ -213,13 +213,14 @@ def bench_run(
     cwd = os.getcwd()
     os.chdir(ROOT)
     # batch 1 is held against the read bandwidth of its own moment (it moves within seconds here)
-    bw_before = bandwidth.read_now() if conc == 1 else None
+    read_gbps = {"before": round(bandwidth.read_now(), 2)} if conc == 1 else None
     load_before, t0 = os.getloadavg()[0], time.time()
     try:
         rc = bench.main(args)
     finally:
         os.chdir(cwd)
-    bw_after = bandwidth.read_now() if conc == 1 else None
+    if read_gbps is not None:
+        read_gbps["after"] = round(bandwidth.read_now(), 2)
     if rc != 0:
         raise RuntimeError(f"kvgate bench failed ({rc}) for {name}")
     result = json.loads(out.read_text())
@@ -230,8 +231,8 @@ def bench_run(
         "loadavg_1m_before": load_before,
         "loadavg_1m_after": os.getloadavg()[0],
     }
-    if conc == 1:
-        result["read_gbps"] = {"before": round(bw_before, 2), "after": round(bw_after, 2)}
+    if read_gbps is not None:
+        result["read_gbps"] = read_gbps
     return result
 
 
@@ -586,7 +587,6 @@ def overload_with_ttft_budget(ov: dict, datasets: dict, n: int, out_len: int, th
 def reference_only(a: argparse.Namespace) -> int:
     """Each peer with its own default thread count at the two lowest concurrencies of the sweep, on the
     sweep's datasets, plus bandwidth with torch's default threads: what the defaults reach right now."""
-
     results = json.loads((OUT / "results.json").read_text())
     sh = results["shape"]
     concs = sorted(sh["concurrency"])[:2]
@@ -944,20 +944,20 @@ def at_run_bound(results: dict, peer: str, bytes_key: str) -> dict | None:
     rg, wb = run.get("read_gbps"), results["bandwidth"]["weights_bytes"]
     if not (rg and s and s["tpot_ms"]["p50"] and bytes_key in wb):
         return None
-    gbps = max(rg["before"], rg["after"])
-    bound = gbps * 1e9 / wb[bytes_key]
+    lo, hi = sorted((rg["before"], rg["after"]))
+    bound = hi * 1e9 / wb[bytes_key]
     tok_s = 1000 / s["tpot_ms"]["p50"]
     return {
-        "gbps": gbps,
+        "gbps": hi,
         "before": rg["before"],
         "after": rg["after"],
-        "moved": abs(rg["before"] - rg["after"]) > 0.1 * gbps,
+        "moved": hi - lo > 0.1 * hi,
         "bound_tok_s": bound,
         "tok_s": tok_s,
         "share": tok_s / bound,
         # the same run against the lower reading (the looser bound): where the two differ, the truth of
         # the run's moment lies between the shares
-        "share_at_lower": tok_s / (min(rg["before"], rg["after"]) * 1e9 / wb[bytes_key]),
+        "share_at_lower": tok_s / bound * hi / lo,
     }
 
 

@@ -274,10 +274,7 @@ class LlamaModel:
         else:
             cos = self.cos[batch.positions].unsqueeze(1)
             sin = self.sin[batch.positions].unsqueeze(1)
-        if self.q8 is not None:
-            x = self.q8.embed(batch.input_ids, self.dtype)
-        else:
-            x = F.embedding(batch.input_ids, self.embed)
+        x = self.embed_tokens(batch.input_ids)
         pending = None  # the last residual branch, added to x by the next norm
         if stacked:  # the same kernels in the same order in one C++ call (kvgate.models.decode_stack)
             x = self.decode_stack.run(
@@ -312,11 +309,19 @@ class LlamaModel:
                 x, pending = self.glue_out(li, x, attn, n_dec)
         if pending is not None:
             x = x + pending
-        rows = x[batch.logits_index]
+        return self.logits(x[batch.logits_index])
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states `[T, hidden]` of token ids: the Q8_0 table's rows, or the plain embedding."""
+        return self.q8.embed(ids, self.dtype) if self.q8 is not None else F.embedding(ids, self.embed)
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final hidden states: the last RMSNorm (C++ where the layer ops built), the head."""
+        eps, ops = self.spec.rms_norm_eps, self.layer_ops
         h = (
             ops.rms_norm(rows, self.norm, eps)
             if ops is not None
-            else F.rms_norm(rows, (s.hidden_size,), self.norm, eps)
+            else F.rms_norm(rows, rows.shape[-1:], self.norm, eps)
         )
         return self.lm_head(h).float()
 

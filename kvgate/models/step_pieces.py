@@ -7,13 +7,13 @@ layer 0 up to its attention (`LlamaModel.glue_in`); piece l is layer l-1 after i
 (`glue_out`) and layer l up to its own; piece L is the last layer's end. Each piece is captured once
 per bucket; between two replays the layer's attention runs eagerly (`LlamaModel.attend`) on the
 step's own `StepBatch`, reading the static q buffer and writing the static attention buffer. The final
-norm and LM head run eagerly on the rows that want logits. A step of ~4,100 launches becomes L + 1
+norm and LM head run eagerly on the rows that want logits (`LlamaModel.logits`). A step of ~4,100 launches becomes L + 1
 replays and each layer's attention ops.
 
 Static buffers, shared by every bucket: token ids, positions and slots (int64), the hidden states, q
 and the attention output. Tokens past the step's own, up to its bucket, are padding: token 0 at
 position 0, writing its K/V to the pad block (`DecodeGraphs` keeps it too); their attention rows are
-never written, and no logits row reads them.
+zeroed each step (attention writes the real rows only), and no logits row reads them.
 
 `capture=False` runs the pieces eagerly from the same buffers (the CPU tests, through
 `kvgate.core.testing.static_pieces`). Opt-in (`--cuda-graphs full`): not yet run on a GPU.
@@ -26,7 +26,6 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from kvgate.memory.graphs import token_buckets
 from kvgate.models.decode_graphs import drop_graphs, measure_capture
@@ -63,12 +62,7 @@ class StepPieces:
         m = self.model
         L = len(m.layers)
         if li == 0:
-            x = (
-                m.q8.embed(self.ids[:tb], m.dtype)
-                if m.q8 is not None
-                else F.embedding(self.ids[:tb], m.embed)
-            )
-            pending = None
+            x, pending = m.embed_tokens(self.ids[:tb]), None
         else:
             x, pending = m.glue_out(li - 1, self.x[:tb], self.attn[:tb], 0)
         if li == L:
@@ -138,7 +132,5 @@ class StepPieces:
                     self._piece(tb, li)
                 if li < L:
                     m.attend(li, self.q[:T], batch, self.kv, n_dec, out=self.attn[:T])
-            rows = self.x[:T][batch.logits_index]
-            h = F.rms_norm(rows, (m.spec.hidden_size,), m.norm, m.spec.rms_norm_eps)
             self.replays += 1
-            return m.lm_head(h).float()
+            return m.logits(self.x[:T][batch.logits_index])
