@@ -122,7 +122,7 @@ ENGINE_FLAGS = [
     ("--kv-cache-bytes", str, None, "explicit KV pool size (default: what the memory limit leaves)"),
     ("--block-size", int, 16, "KV block size in tokens"),
     ("--max-seqs", int, 32, "running rows, prompts still prefilling included"),
-    ("--max-queue", int, 256, "waiting requests before 503 queue_full"),
+    ("--max-queue", int, 256, "requests that may wait for rows/KV before 503 queue_full (0 = none wait)"),
     ("--max-queue-wait", float, 30.0, "seconds a request waits for KV before 429 (0 = refuse at once)"),
     (
         "--max-ttft",

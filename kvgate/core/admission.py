@@ -9,8 +9,9 @@ Refusals, in the order a request meets them:
   the client can always fix it.
 - `kv_budget_exceeded` (400): it can never fit the whole KV pool (an explicit max_tokens is never
   capped; an unset one is capped to the pool and the cap reported).
-- `engine_unavailable` / `shutting_down` (503), `queue_full` (503), `ttft_budget_exceeded` (429): the
-  gate, at arrival.
+- `engine_unavailable` / `shutting_down` (503), `queue_full` (503), `ttft_budget_exceeded` (429; 400
+  when the prompt's own prefill alone is over the budget): the gate, at arrival. `queue_full` also
+  from the worker, for a newcomer that could not start at once while the queue was full.
 - `kv_memory_unavailable` (429): waited `--max-queue-wait` seconds at the head of the FIFO for rows
   and blocks.
 """
@@ -82,6 +83,12 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None) -> Ref
     want = P + (max_tokens or 1)
     if P == 0:
         msg = "the prompt is empty: send at least one token of prompt."
+    elif P >= cfg.max_model_len:
+        msg = (
+            f"the prompt alone is {P} tokens and the model's context is {cfg.max_model_len} positions, "
+            f"which must also hold at least one generated token. Shorten the prompt by at least "
+            f"{P - cfg.max_model_len + 1} token{'s' if P >= cfg.max_model_len + 1 else ''}."
+        )
     else:
         msg = (
             f"this request needs {want} positions (prompt {P} + max_tokens {max_tokens or 1}) but the "
@@ -106,13 +113,19 @@ def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1) ->
     bpt, bs = cfg.kv_bytes_per_token, cfg.block_size
     what = f"{need} KV blocks" if n == 1 else f"{need} KV blocks for {n} choices sharing the prompt's blocks"
     most = max(0, max_choice_positions(cfg, P, n, cfg.total_blocks) - P)
+    if most >= 1:
+        fix = f"Lower max_tokens to at most {most}" + (", or ask for fewer choices (n)" if n > 1 else "")
+        fix += ", shorten the prompt, or start the server with a larger --memory-limit."
+    else:  # the prompt alone (with one token for each choice) is already too big
+        fix = "Even max_tokens 1 does not fit: shorten the prompt" + (
+            ", ask for fewer choices (n)" if n > 1 else ""
+        )
+        fix += ", or start the server with a larger --memory-limit."
     return Refusal(
         "kv_budget_exceeded",
         f"this request can never fit: prompt {P} + max_tokens {max_tokens} = {want} positions need {what} "
         f"({need * bs * bpt:,} bytes) but the whole KV pool is {cfg.total_blocks} blocks ({limit_pos} "
-        f"positions, {limit_pos * bpt:,} bytes). Lower max_tokens to at most {most}"
-        + (", or ask for fewer choices (n)" if n > 1 else "")
-        + ", shorten the prompt, or start the server with a larger --memory-limit.",
+        f"positions, {limit_pos * bpt:,} bytes). " + fix,
         400,
         estimated_bytes=need * bs * bpt,
         limit_bytes=limit_pos * bpt,
@@ -139,34 +152,67 @@ def shutting_down_refusal(retry_after: int = 5) -> Refusal:
     )
 
 
-def queue_full_refusal(cfg: SchedulerConfig, queued: int, retry_after: int) -> Refusal:
+def queue_full_refusal(cfg: SchedulerConfig, queued: int, retry_after: int, free_rows: int = 0) -> Refusal:
+    """The gate's 503: `queued` choices are already in or on their way to the queue, more than the
+    `free_rows` batch rows the latest snapshot showed free plus `--max-queue` places can take."""
+    rows = f"{free_rows} free batch rows and " if free_rows else ""
     return Refusal(
         "queue_full",
-        f"server is at capacity: {queued} requests are already queued (limit {cfg.max_queue}); retry "
-        "after the Retry-After interval.",
+        f"server is at capacity: {queued} requests are already queued or arriving for {rows}"
+        f"{cfg.max_queue} queue places (--max-queue; a request with n choices counts n). Retry after the "
+        "Retry-After interval.",
+        503,
+        retry_after=retry_after,
+    )
+
+
+def queue_trim_refusal(cfg: SchedulerConfig, w: WaitEntry, waiting: int, retry_after: int) -> Refusal:
+    """The worker's 503 for a newcomer it could not admit at once (rows or KV busy, or requests ahead
+    of it) while `waiting` choices already fill the `--max-queue` places before it."""
+    n = w.choices
+    this = "this request" if n == 1 else f"this request's {n} choices"
+    if cfg.max_queue == 0:
+        room = "this server keeps no waiting line (--max-queue 0)"
+    else:
+        room = (
+            f"the queue has no room: earlier requests take {waiting} of its {cfg.max_queue} places "
+            f"(--max-queue), and {this} would take {n}"
+        )
+    return Refusal(
+        "queue_full",
+        f"server is at capacity: {this} could not start at once (batch rows or KV blocks are busy, or "
+        f"earlier requests wait for them) and {room}. Retry after the Retry-After interval.",
         503,
         retry_after=retry_after,
     )
 
 
 def kv_timeout_refusal(
-    cfg: SchedulerConfig, w: WaitEntry, free_blocks: int, rows: int, retry: int
+    cfg: SchedulerConfig, w: WaitEntry, free_blocks: int, rows: int, retry: int, ahead: int = 0
 ) -> Refusal:
-    """`free_blocks`: what admission could hand out (free plus evictable cached blocks)."""
+    """`free_blocks`: what admission could hand out (free plus evictable cached blocks); `ahead`:
+    requests still waiting in front of `w` (strict FIFO: the head blocks everyone behind it)."""
     P = w.prompt_len
     need = group_blocks(cfg, P, w.max_tokens, w.choices)
-    if need <= free_blocks and rows + w.choices > cfg.max_seqs:
+    fits_alone = need <= free_blocks and rows + w.choices <= cfg.max_seqs
+    fix = "Retry after the Retry-After interval."
+    if ahead and fits_alone:
+        earlier = "1 earlier request" if ahead == 1 else f"{ahead} earlier requests"
+        why = (
+            f"it would fit now ({need} of {free_blocks} free KV blocks) but waited behind {earlier}, "
+            "served first come first served, and the first of them still does not fit"
+        )
+    elif need <= free_blocks and rows + w.choices > cfg.max_seqs:
         why = f"all {cfg.max_seqs} batch rows (--max-seqs) stayed busy"
     else:
-        why = (
-            f"it needs {need} blocks of KV (prompt {P} + max_tokens {w.max_tokens}) and {free_blocks} of "
-            f"{cfg.total_blocks} are free"
-        )
+        blocks = f"{need} block{'s' if need != 1 else ''}"
+        why = f"it needs {blocks} of KV (prompt {P} + max_tokens {w.max_tokens}) and {free_blocks} of "
+        why += f"{cfg.total_blocks} are free"
+        fix = "Retry after the Retry-After interval, or lower max_tokens."
     bpt = cfg.kv_bytes_per_token
     return Refusal(
         "kv_memory_unavailable",
-        f"no room for this request right now: {why} after waiting {cfg.max_queue_wait:g}s. Retry after the "
-        "Retry-After interval, or lower max_tokens.",
+        f"no room for this request right now: {why} after waiting {cfg.max_queue_wait:g}s. {fix}",
         429,
         retry_after=retry,
         estimated_bytes=need * cfg.block_size * bpt,
@@ -205,7 +251,7 @@ def predicted_ttft(
     n: int = 1,
 ) -> tuple[float, float, int] | None:
     """(seconds until admission, seconds of prefill, prompt tokens to prefill) for a request arriving
-    now, or None before any prefill was timed. `pending`: requests the gate accepted that the snapshot
+    now, or None before any step was timed. `pending`: requests the gate accepted that the snapshot
     does not show yet (they are ahead of this one).
 
     Admission: the running rows are assumed to run to their max_tokens; walking them by remaining
@@ -214,9 +260,11 @@ def predicted_ttft(
     ends). Prefill: every prompt token still to prefill ahead of it plus its own, at the measured
     seconds per prefill token -- exact with one prompt prefilling, an upper bound when chunks are
     shared round-robin. `cached`: the newcomer's prompt tokens the prefix cache holds (not
-    prefilled, not allocated); `n`: its choices."""
+    prefilled, not allocated); `n`: its choices. Before any prompt chunk large enough to time was
+    prefilled, the prefill counts as 0 s: the forecast is then a lower bound (the admission wait alone),
+    never switched off while steps are timed."""
     per_token, step = snap.prefill_token_time_ema, snap.step_time_ema
-    if per_token is None or step is None:
+    if step is None:
         return None
     waiters = list(snap.waiters) + list(pending)
     ahead = sum(r.prompt_left for r in snap.rows) + sum(w.prompt_len for w in waiters) + P - cached
@@ -231,21 +279,38 @@ def predicted_ttft(
             if slots <= 0 and blocks <= 0:
                 admit = (steps + 1) * step
                 break
-    return admit, ahead * per_token, ahead
+    return admit, ahead * (per_token or 0.0), ahead
+
+
+def ttft_never_refusal(cfg: SchedulerConfig, own_tokens: int, per_token: float | None) -> Refusal | None:
+    """The 400 for a prompt whose own prefill, on an idle server, is forecast over `--max-ttft`: no
+    retry of the same request can pass, so no Retry-After."""
+    if cfg.max_ttft is None or per_token is None or own_tokens * per_token <= cfg.max_ttft:
+        return None
+    most = int(cfg.max_ttft / per_token)
+    return Refusal(
+        "ttft_budget_exceeded",
+        f"this request's {own_tokens} prompt tokens to prefill would take about {own_tokens * per_token:.1f}s "
+        f"at the fastest rate this server has measured ({1 / per_token:.0f} tokens/s), even on an idle server, more than this server's "
+        f"--max-ttft {cfg.max_ttft:g}s. Shorten the prompt to about {most} tokens (not counting a prefix "
+        "the server has cached), or send it to a server with a larger --max-ttft.",
+        400,
+    )
 
 
 def ttft_refusal(
-    cfg: SchedulerConfig, estimate: tuple[float, float, int], per_token: float
+    cfg: SchedulerConfig, estimate: tuple[float, float, int], per_token: float | None
 ) -> Refusal | None:
     """The 429 for a forecast over `--max-ttft`, or None when it is within the budget."""
     admit, prefill, ahead = estimate
     if cfg.max_ttft is None or admit + prefill <= cfg.max_ttft:
         return None
     wait = "no room is in sight" if admit == float("inf") else f"{admit:.1f}s until rows and KV free up"
+    rate = "not timed yet, counted as 0s" if per_token is None else f"at {1 / per_token:.0f} tokens/s"
     return Refusal(
         "ttft_budget_exceeded",
         f"this request would wait about {admit + prefill:.1f}s for its first token ({wait}, then {ahead} "
-        f"prompt tokens to prefill at {1 / per_token:.0f} tokens/s), more than this server's --max-ttft "
+        f"prompt tokens to prefill, {rate}), more than this server's --max-ttft "
         f"{cfg.max_ttft:g}s. Retry after the Retry-After interval.",
         429,
         retry_after=int(min(60, max(1, round(min(admit + prefill, 3600) - cfg.max_ttft)))),

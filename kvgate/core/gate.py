@@ -1,11 +1,17 @@
 """The admission gate: what a request meets on the caller's thread, before the worker ever sees it.
 
 In order: the never-fits 400s (pure arithmetic, `admission.plan_entry`), then under the inbox's lock:
-closed (shutting down, dead or stalled engine: 503), queue full (503, exact: the inbox's own count),
-and the TTFT budget (429, forecast from the latest snapshot plus the submissions it does not show
-yet). A request that passes is queued in the inbox as a `Submit` command. The gate counts what it
-refuses in its own `Counters`, under the same lock; the engine adds them to every snapshot it hands
-out. It never reads or writes the worker's state.
+- closed (shutting down, dead or stalled engine): 503;
+- a prompt whose own prefill is over the TTFT budget: 400;
+- queue full: 503, when more choices are not yet admitted (the inbox's own count) than `--max-queue`
+  plus the batch rows the latest snapshot shows free. The worker then refuses, newest first, whatever
+  is still waiting past `--max-queue` once it has admitted what fits (`Scheduler._trim`), so the
+  bound on waiting requests is exact;
+- the TTFT budget: 429, forecast from the latest snapshot plus the submissions it does not show yet.
+
+A request that passes is queued in the inbox as a `Submit` command. The gate counts what it refuses in
+its own `Counters`, under the same lock; the engine adds them to every snapshot it hands out. It never
+reads or writes the worker's state.
 """
 
 from __future__ import annotations
@@ -61,18 +67,26 @@ class AdmissionGate:
             if why is not None:
                 c.rejected_unavailable += n
                 raise admission.unavailable_refusal(why, 5)
-            if inbox.queued + n > cfg.max_queue:
+            cached = cached_prefix(entry.hashes, snap.cached_hashes, entry.prompt_len, cfg.block_size)
+            # a prompt whose own prefill is over the TTFT budget can never pass: a 400 before any 503,
+            # which would only send it back to fail again (rate: the fastest prompt-only step seen)
+            never = admission.ttft_never_refusal(cfg, entry.prompt_len - cached, snap.prefill_token_time_best)
+            if never is not None:
+                c.rejected_ttft_budget += n
+                raise never
+            free_rows = max(0, cfg.max_seqs - snap.running)
+            if inbox.queued + n > cfg.max_queue + free_rows:
                 c.queue_rejected += n
                 retry = admission.retry_after(snap, inbox.queued)
-                raise admission.queue_full_refusal(cfg, inbox.queued, retry)
+                raise admission.queue_full_refusal(cfg, inbox.queued, retry, free_rows)
             if cfg.max_ttft is not None:
                 ahead = inbox.pending(snap.absorbed)
-                cached = cached_prefix(entry.hashes, snap.cached_hashes, entry.prompt_len, cfg.block_size)
                 est = admission.predicted_ttft(
                     cfg, snap, ahead, entry.prompt_len, entry.max_tokens, cached, n
                 )
-                per_token = snap.prefill_token_time_ema
-                refusal = None if est is None else admission.ttft_refusal(cfg, est, per_token)
+                refusal = (
+                    None if est is None else admission.ttft_refusal(cfg, est, snap.prefill_token_time_ema)
+                )
                 if refusal is not None:
                     c.rejected_ttft_budget += n
                     raise refusal

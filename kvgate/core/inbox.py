@@ -4,8 +4,9 @@ Callers never touch the worker's queue, rows or blocks. They put commands here (
 `Drain`, `CancelAll`, `Stop`) and the worker takes them all at the top of each tick. The inbox owns
 exactly three things of its own, all under its one lock (which the admission gate also holds while
 it decides):
-- `queued`: requests accepted and not yet out of the queue (the worker calls `left_queue` when a
-  waiter is admitted, refused or cancelled), so `--max-queue` is exact under racing submitters;
+- `queued`: choices accepted and not yet out of the queue (the worker calls `left_queue` when a
+  waiter is admitted, refused or cancelled): the gate's count for `--max-queue` under racing
+  submitters (the worker trims what is left waiting past it, `Scheduler._trim`);
 - `closed_reason`: set when the engine stops admitting (shutdown, death);
 - the submissions the latest snapshot does not show yet (`pending`), which the TTFT forecast counts
   as ahead of a newcomer.

@@ -3,8 +3,8 @@
 Runs only on the engine's worker thread, over `EngineState`. Each tick, in this order:
 `apply(commands)` (submits join the FIFO, cancels end their request wherever it is, a drain refuses
 the whole queue) -> `schedule(now)`: admit from the FIFO head while rows and KV blocks allow ->
-refuse waiters past their deadline -> pick the step: every decoding row plus prompt chunks
-(round-robin, at most `prefill_chunk` prompt tokens).
+refuse waiters past their deadline -> refuse the newest waiters past `--max-queue` -> pick the step:
+every decoding row plus prompt chunks (round-robin, at most `prefill_chunk` prompt tokens).
 
 Why these choices:
 - Rows are a dict keyed by request id, never a positional list: a row leaving the batch cannot hand
@@ -107,6 +107,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._admit(out)
         self._expire(now)
+        self._trim()
         self._pick_step(out)
         return out
 
@@ -210,15 +211,32 @@ class Scheduler:
 
     def _expire(self, now: float) -> None:
         s = self.state
-        late = [w for w in s.waiting if w.deadline <= now]
+        # with one --max-queue-wait for all, whoever waited ahead of a late waiter is late too: count
+        # them before any leaves, so a waiter that fits but stood behind them is told so
+        late = [(ahead, w) for ahead, w in enumerate(s.waiting) if w.deadline <= now]
         if not late:
             return
         retry = admission.retry_after(s.snapshot())
-        for w in late:
+        for ahead, w in late:
             s.waiting.remove(w)
             s.counters.rejected_kv_timeout += w.choices
-            refusal = admission.kv_timeout_refusal(self.cfg, w, s.kv.available_blocks, len(s.running), retry)
+            free, rows = s.kv.available_blocks, len(s.running)
+            refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, retry, ahead)
             s.leave_queue(w, Refused(refusal))
+
+    def _trim(self) -> None:
+        """`--max-queue` bounds the choices that wait: the gate let through as many as the free rows
+        could take at once, so those that could not start now leave, newest first, with a 503."""
+        s = self.state
+        waiting = sum(w.choices for w in s.waiting)
+        if waiting <= self.cfg.max_queue:
+            return
+        retry = admission.retry_after(s.snapshot(), self.cfg.max_queue)
+        while waiting > self.cfg.max_queue:
+            w = s.waiting.pop()
+            waiting -= w.choices
+            s.counters.queue_rejected += w.choices
+            s.leave_queue(w, Refused(admission.queue_trim_refusal(self.cfg, w, waiting, retry)))
 
     def _pick_step(self, out: SchedulerOutput) -> None:
         s, kv = self.state, self.state.kv

@@ -90,6 +90,7 @@ class EngineSnapshot:
     step_time_ema: float | None
     prefill_token_time_ema: float | None  # seconds per prompt token in steps that prefill
     slowest_step: float  # seconds; 0 before the first step
+    prefill_token_time_best: float | None = None  # the fastest prefill step's seconds per prompt token
     recent_steps: tuple[float, ...] = field(default=())
     cached_hashes: frozenset = frozenset()  # prompt-block hashes the prefix cache holds
 

@@ -36,10 +36,15 @@ RECENT_STEPS = 32
 class StepTimes:
     ema: float | None = None  # smoothed seconds per step
     prefill_token_ema: float | None = None  # seconds per prompt token in steps that prefill
+    # the fastest step that prefilled a whole chunk and nothing else: on an idle server a prompt of any
+    # length takes at least its length times this (a shorter chunk pays the step's fixed cost over
+    # fewer tokens), so the TTFT budget's 400 stands on a lower bound
+    prefill_token_best: float | None = None
     slowest: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
-    def observe(self, seconds: float, prefilled: int, prefill_chunk: int) -> None:
+    def observe(self, seconds: float, prefilled: int, prefill_chunk: int, alone: bool = False) -> None:
+        """`alone`: the step ran prompt chunks and no decode rows (what an idle server's prefill is)."""
         self.ema = seconds if self.ema is None else 0.8 * self.ema + 0.2 * seconds
         self.slowest = max(self.slowest, seconds)
         self.recent.append(seconds)
@@ -47,6 +52,10 @@ class StepTimes:
             t = seconds / prefilled
             ema = self.prefill_token_ema
             self.prefill_token_ema = t if ema is None else 0.8 * ema + 0.2 * t
+        if alone and prefilled >= prefill_chunk:  # a whole chunk: its fixed cost spread as thin as can be
+            t = seconds / prefilled
+            best = self.prefill_token_best
+            self.prefill_token_best = t if best is None else min(best, t)
 
 
 class EngineState:
@@ -189,6 +198,7 @@ class EngineState:
             cached_hashes=self._cached_hashes(),
             step_time_ema=t.ema,
             prefill_token_time_ema=t.prefill_token_ema,
+            prefill_token_time_best=t.prefill_token_best,
             slowest_step=t.slowest,
             recent_steps=tuple(t.recent),
         )

@@ -39,7 +39,7 @@ class Updater:
                 s.finish(row, "error", error=mo.step_error)
             return
         prefilled = sum(len(p.tokens) for p in so.prefills)
-        s.times.observe(mo.seconds, prefilled, self.prefill_chunk)
+        s.times.observe(mo.seconds, prefilled, self.prefill_chunk, alone=not (so.decodes or so.verifies))
         c.steps += 1
         if so.decodes or so.verifies:
             c.decode_steps += 1

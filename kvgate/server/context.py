@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.server.errors import APIError
+from kvgate.core.admission import shutting_down_refusal
+from kvgate.server.errors import APIError, from_refusal
 
 
 @dataclass
@@ -32,9 +33,7 @@ def ready_engine(state):
     eng = state.engine
     err = None
     if state.status == "shutting_down":
-        err = APIError(
-            503, "the server is shutting down; retry against another replica", "shutting_down", retry_after=5
-        )
+        err = from_refusal(shutting_down_refusal())  # the same body as a queued request's at shutdown
     elif eng is None:
         err = APIError(503, "the model is still loading; retry shortly", "not_ready", retry_after=5)
     elif not eng.alive:

@@ -1,0 +1,163 @@
+"""`--max-queue` bounds the requests that wait, not those that start at once; the TTFT budget works before
+any long prompt was timed and answers 400 when the prompt alone is over it; refusal texts name what
+really blocked a request.
+
+Found by a black-box QA run (session 29): `--max-queue 0` refused every request on an idle server, a
+burst larger than `--max-queue` was refused while batch rows and KV were free, `n` above `--max-queue`
+could never pass, and `--max-ttft` did nothing until a prompt chunk of 32+ tokens had been timed.
+Each test below was seen red with the fix it names taken out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from kvgate.core import admission
+from kvgate.core.testing import set_step_hook
+from kvgate.request import Admitted, Refusal, Refused
+from tests.server_util import wait_until
+from tests.test_admission import BPT, hog, req
+
+
+def first_event(h, timeout: float = 10):
+    return h.events.get(timeout)
+
+
+def test_max_queue_zero_admits_what_fits_and_refuses_what_would_wait(make_engine):
+    """`--max-queue 0` means no waiting line: an idle server serves, and a request that cannot start at
+    once gets 503 queue_full from the worker (pre-header: its first event). Red with the gate's free-row
+    room taken out (every request refused) and with the worker's trim taken out (the second request
+    waited)."""
+    e = make_engine(kv_cache_bytes=32 * 4 * BPT, block_size=4, max_queue=0, max_seqs=4)
+    assert e.generate(req(4, 4), timeout=20).finish_reason == "length"
+    h0 = hog(e, 4, 124)  # the whole pool; 3 rows stay free
+    ev = first_event(e.submit(req(4, 8, salt=1)))
+    assert isinstance(ev, Refused), ev
+    r = ev.refusal
+    assert (r.code, r.status) == ("queue_full", 503) and 1 <= r.retry_after <= 60
+    assert "could not start at once" in r.message and "no waiting line (--max-queue 0)" in r.message
+    assert e.snapshot().counters.queue_rejected == 1 and e.inbox.queued == 0
+    h0.cancel()
+
+
+def test_a_burst_over_max_queue_is_taken_by_free_rows(make_engine):
+    """An idle server with 8 rows and a queue of 2 takes a burst of 6 (every one starts at once). Red with
+    the gate back at `queued + n > max_queue` (the third was refused with 503)."""
+    e = make_engine(block_size=4, max_queue=2, max_seqs=8)
+    set_step_hook(e, lambda so: time.sleep(0.01))  # the burst lands before they finish
+    handles = [e.submit(req(6, 6, salt=i)) for i in range(6)]
+    for h in handles:
+        assert h.result(20).finish_reason == "length"
+    assert e.snapshot().counters.queue_rejected == 0
+
+
+def test_n_choices_above_max_queue_start_on_an_idle_server(make_engine):
+    """n=5 with `--max-queue 4` and 8 rows: all five start together. Red with the gate back at
+    `queued + n > max_queue` (a 503 no retry could clear)."""
+    e = make_engine(block_size=4, max_queue=4, max_seqs=8)
+    hs = e.submit_choices(req(6, 4, seed=3), 5)
+    assert all(h.result(20).finish_reason == "length" for h in hs)
+
+
+def test_ttft_budget_forecasts_the_wait_before_any_prompt_was_timed(make_engine):
+    """Only short prompts so far (no prefill per-token time): the admission wait alone is still forecast,
+    so a request behind a long row is refused at arrival. Red with the forecast returning None without
+    the prefill time (the request was queued)."""
+    e = make_engine(kv_cache_bytes=32 * 4 * BPT, block_size=4, max_seqs=1, max_ttft=0.5, max_queue_wait=30)
+    e.generate(req(4, 4), timeout=20)
+    h0 = hog(e, 4, 120)  # one row busy for ~120 slow steps
+    assert wait_until(lambda: e.snapshot().step_time_ema > 0.015)  # the EMA has seen the slow steps
+    assert e.snapshot().prefill_token_time_ema is None and e.snapshot().step_time_ema is not None
+    with pytest.raises(Refusal) as ei:
+        e.submit(req(4, 4, salt=1))
+    r = ei.value
+    assert (r.status, r.code) == (429, "ttft_budget_exceeded")
+    assert "not timed yet, counted as 0s" in r.message and r.retry_after >= 1
+    h0.cancel()
+
+
+def test_a_prompt_whose_own_prefill_is_over_the_ttft_budget_gets_a_400(make_engine):
+    """On an idle server, a prompt that alone would take longer than --max-ttft to prefill (at the fastest
+    rate measured) can never pass: 400, no Retry-After, the prompt length to aim for. A short prompt still
+    passes. Red with the never-fits check taken out (429 with Retry-After 1)."""
+    e = make_engine(block_size=4, max_ttft=0.3, prefill_chunk=64)
+    set_step_hook(e, lambda so: time.sleep(0.2))  # ~3 ms a prompt token in a 64 chunk
+    e.generate(req(64, 1), timeout=20)
+    best = e.snapshot().prefill_token_time_best
+    assert best is not None and best * 64 >= 0.2
+    long = int(0.3 / best) + 32
+    with pytest.raises(Refusal) as ei:
+        e.submit(req(long, 1, salt=1))
+    r = ei.value
+    assert (r.status, r.code, r.retry_after) == (400, "ttft_budget_exceeded", None)
+    assert f"this request's {long} prompt tokens" in r.message and "Shorten the prompt to about" in r.message
+    assert e.generate(req(32, 1, salt=2), timeout=20).finish_reason == "length"
+    set_step_hook(e, None)
+
+
+def test_refusal_texts_name_what_blocked(make_engine):
+    """A waiter that would fit alone but stood behind the FIFO head says so; busy rows are not told to
+    lower max_tokens (it would not help); a prompt that alone fills
+    the context says to shorten it, never "max_tokens at most 0"; so does a prompt too big for the pool.
+    Red with each branch taken out (the old texts came back)."""
+    e = make_engine(kv_cache_bytes=32 * 4 * BPT, block_size=4, max_model_len=64)
+    cfg = e.sched_cfg
+    h = e.submit(req(4, 4))
+    assert isinstance(first_event(h), Admitted)
+    entry = admission.plan_entry(cfg, h)
+    behind = admission.kv_timeout_refusal(cfg, entry, 20, 0, 5, ahead=2)
+    assert "waited behind 2 earlier requests" in behind.message and "it needs" not in behind.message
+    one = admission.kv_timeout_refusal(cfg, entry, 20, 0, 5, ahead=1)
+    assert "waited behind 1 earlier request," in one.message
+    alone = admission.kv_timeout_refusal(cfg, entry, 0, 0, 5)
+    assert "it needs 2 blocks of KV" in alone.message and "lower max_tokens" in alone.message
+    rows = admission.kv_timeout_refusal(cfg, entry, 20, cfg.max_seqs, 5)
+    assert "batch rows (--max-seqs) stayed busy" in rows.message and "max_tokens" not in rows.message
+    ctx = admission.context_refusal(cfg, 64, None)
+    assert "Shorten the prompt by at least 1 token." in ctx.message and "at most 0" not in ctx.message
+    big = dataclasses.replace(cfg, max_model_len=10_000)
+    pool = admission.budget_refusal(big, 32 * 4 + 4, 1)
+    assert "Even max_tokens 1 does not fit" in pool.message and "at most 0" not in pool.message
+    assert wait_until(lambda: e.snapshot().running == 0)
+
+
+def test_a_waiter_that_fits_but_stood_behind_the_head_is_told_so():
+    """The scheduler's own refusal, not just the text function: a 1-block request behind a 5-block head
+    (2 of 8 blocks free) waits out --max-queue-wait and is told it waited behind 1 earlier request, not
+    that it needs 1 block of 2 free. Red when the positions were counted after the earlier late waiter had
+    left (always 0 ahead: the old, contradictory text)."""
+    from tests.test_scheduler import Harness, drain
+
+    hx = Harness(blocks=8, block_size=4, max_queue_wait=0.05)
+    a = hx.submit(4, 20)  # 6 blocks, running
+    hx.tick()
+    head = hx.submit(4, 16, salt=1)  # 5 blocks: does not fit
+    small = hx.submit(2, 2, salt=2)  # 1 block: fits, behind the head
+    hx.tick()
+    time.sleep(0.1)
+    hx.tick()
+    (ev,) = drain(small)
+    assert isinstance(ev, Refused) and ev.refusal.code == "kv_memory_unavailable"
+    assert "waited behind 1 earlier request," in ev.refusal.message, ev.refusal.message
+    (hev,) = drain(head)
+    assert "it needs 5 blocks of KV" in hev.refusal.message
+    a.cancel()
+    hx.run()
+
+
+def test_the_ttft_400_stands_on_whole_prompt_only_chunks():
+    """The rate behind the 400 comes only from steps that prefilled a whole chunk and nothing else: a
+    short chunk spreads the step's fixed cost over few tokens and a decode row adds its own time, and
+    either would overstate an idle prefill (a 128-token prompt was refused as taking 0.4 s when one
+    0.2 s step does it). Red with the `alone` or the whole-chunk condition taken out."""
+    from kvgate.core.state import StepTimes
+
+    t = StepTimes()
+    t.observe(0.2, 64, 512, alone=True)  # a short chunk
+    t.observe(0.2, 512, 512, alone=False)  # a whole chunk beside decode rows
+    assert t.prefill_token_best is None and t.prefill_token_ema is not None
+    t.observe(0.2, 512, 512, alone=True)
+    assert t.prefill_token_best == 0.2 / 512
