@@ -2,7 +2,9 @@
 
 `IncrementalDetokenizer` emits text only once it is final: it decodes a short window of recent tokens
 and releases the new part only when it does not end in U+FFFD, so a multibyte character split across
-tokens is never emitted half-way. Whatever is still pending at the end is flushed.
+tokens is never emitted half-way. Whatever is still pending at the end is flushed, except an
+incomplete character that generation stopped in the middle of (vLLM drops it too): its bytes decode
+only to U+FFFD. A U+FFFD the model wrote whole (its three bytes) is text like any other and is kept.
 
 `token_bytes(id)` is a token's exact bytes (what OpenAI's logprobs report), which a text decode of
 one token cannot give when the token is part of a multibyte character: byte-level vocabularies map
@@ -11,6 +13,7 @@ their symbols back through GPT-2's byte alphabet, SentencePiece ones read `<0xNN
 
 from __future__ import annotations
 
+import codecs
 import json
 from datetime import datetime
 
@@ -44,6 +47,11 @@ class TextTokenizer:
         # a template that reads `tools` renders tool definitions itself (kvgate.server.tools)
         self.supports_tools = "tools" in (info.chat_template or "")
         self._bytes: list[bytes] | None = None
+        spec = json.loads(info.tokenizer_json)
+        added = spec.get("added_tokens", [])
+        self._added = {a["id"]: a["content"] for a in added}
+        self._skipped = frozenset(a["id"] for a in added if a.get("special"))  # what decode() leaves out
+        self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
 
     def token_text(self, token_id: int) -> str | None:
         return self.tok.id_to_token(token_id)
@@ -80,8 +88,30 @@ class TextTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes of one token (the table is built on first use: call it off the event loop)."""
         if self._bytes is None:
-            self._bytes = _byte_table(self)
+            self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
+    def broken_tail(self, ids: list[int]) -> int:
+        """How many characters at the end of `decode(ids)` stand for an incomplete UTF-8 character
+        (its first bytes, which a later token would have completed): 0 when the text ends whole.
+        A byte-level vocabulary decodes them lossily to one U+FFFD, a byte-fallback one to one each."""
+        data = b"".join(self._piece_bytes(i) for i in ids if i not in self._skipped)
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        dec.decode(data, final=False)
+        pending = len(dec.getstate()[0])
+        return min(pending, 1) if self._byte_level else pending
+
+    def _piece_bytes(self, i: int) -> bytes:
+        piece = self.tok.id_to_token(i)
+        if piece is None:
+            return b""
+        if i in self._added:
+            return self._added[i].encode()
+        if self._byte_level and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def chat_ids(self, messages: list[dict], tools=None) -> list[int]:
         # The template writes BOS itself when the model wants one; never add a second.
@@ -107,26 +137,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     return chars
 
 
-def _byte_table(tokenizer: TextTokenizer) -> list[bytes]:
-    tok = tokenizer.tok
-    spec = json.loads(tokenizer.info.tokenizer_json)
-    special = {a["id"]: a["content"] for a in spec.get("added_tokens", [])}
-    byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
-    decoder = _gpt2_byte_decoder()
-    table = []
-    for i in range(tokenizer.vocab_size):
-        piece = tok.id_to_token(i)
-        if piece is None:
-            table.append(b"")
-        elif i in special:
-            table.append(special[i].encode())
-        elif byte_level and all(c in decoder for c in piece):
-            table.append(bytes(decoder[c] for c in piece))
-        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            table.append(bytes([int(piece[3:5], 16)]))
-        else:
-            table.append(piece.replace("\u2581", " ").encode())
-    return table
+_BYTE_OF = _gpt2_byte_decoder()
 
 
 class IncrementalDetokenizer:
@@ -146,7 +157,12 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
+        """The held-back text, less an incomplete character at its very end (see the module doc)."""
+        window = self.ids[self.prefix :]
         before = self.tok.decode(self.ids[self.prefix : self.read])
-        after = self.tok.decode(self.ids[self.prefix :])
+        after = self.tok.decode(window)
         self.prefix = self.read = len(self.ids)
+        broken_tail = getattr(self.tok, "broken_tail", None)  # a decode-only tokenizer keeps it
+        if broken_tail is not None and after.endswith("\ufffd"):
+            after = after[: len(after) - broken_tail(window)]
         return after[len(before) :] if len(after) > len(before) else ""

@@ -89,14 +89,46 @@ def test_special_tokens_release_no_text_and_do_not_block_what_follows(tiny_tok):
     assert "".join(pieces) == "ok é"
 
 
-def test_an_incomplete_character_at_the_end_is_flushed_not_dropped(tiny_tok):
-    """Generation can stop after the first byte of a character: those bytes still reach the caller
-    (as U+FFFD) so the pieces add up to the full decode. Seen to fail when flush returns ""."""
-    ids = tiny_tok.encode("a你")[:-1]  # "a" plus the first two of the three bytes of 你
+def test_an_incomplete_character_at_the_end_is_dropped_not_flushed_as_a_replacement(tiny_tok):
+    """Generation can stop after the first bytes of a character (max_tokens): those bytes are no text,
+    and flush drops them (vLLM's behaviour) instead of sending U+FFFD. Seen red when flush returned
+    the window's decode whole (its last piece was '\ufffd')."""
+    for text in ("a你", "ok 🎉", "x\ufffd🎉"):  # the last: a whole U+FFFD before the cut one stays
+        ids = tiny_tok.encode(text)
+        full = tiny_tok.decode(ids)
+        for cut in range(1, len(tiny_tok.encode(text[-1]))):
+            pieces = stream(tiny_tok, ids[:-cut])
+            assert "".join(pieces) == full[:-1], (text, cut, pieces)
+
+
+def test_a_whole_replacement_character_the_model_wrote_is_kept(tiny_tok):
+    """U+FFFD is a character like any other (bytes EF BF BD): flushed at the end, it stays. Seen red
+    when flush dropped any trailing U+FFFD (broken_tail returning 1 whatever the bytes)."""
+    ids = tiny_tok.encode("a\ufffd")
+    assert len(ids) == 4  # "a" and the three bytes: held back by push, released by flush
     pieces = stream(tiny_tok, ids)
-    assert pieces[:-1] == ["a", "", ""]
-    assert pieces[-1].startswith("\ufffd")
-    assert "".join(pieces) == tiny_tok.decode(ids)
+    assert pieces == ["a", "", "", "", "\ufffd"]
+    assert tiny_tok.broken_tail(ids) == 0 and tiny_tok.broken_tail(ids[:-1]) == 1
+
+
+def test_special_tokens_after_a_cut_character_do_not_hide_it(tiny_tok):
+    """decode() leaves special tokens out, so the bytes checked leave them out too: a character cut
+    then an end-of-turn token still drops the broken tail. Seen red when special tokens' text counted
+    (the tail then ended in '<|im_end|>', complete)."""
+    ids = tiny_tok.encode("é")[:1] + tiny_tok.encode("<|im_end|>")
+    assert stream(tiny_tok, ids) == ["", "", ""]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=1, max_size=20), st.data())
+def test_output_cut_anywhere_never_ends_in_a_broken_character(tiny_tok, text, data):
+    """Whatever token generation stops at, the pieces are a prefix of the text (a cut character is
+    left out, not replaced). Seen red with flush's drop removed."""
+    ids = tiny_tok.encode(text)
+    ids = ids[: data.draw(st.integers(min_value=0, max_value=len(ids)))]
+    joined = "".join(stream(tiny_tok, ids))
+    assert text.startswith(joined), (text, joined)
+    assert len(tiny_tok.encode(joined)) >= len(ids) - 3  # at most one character's bytes left out
 
 
 @pytest.mark.slow

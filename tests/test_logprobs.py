@@ -46,6 +46,97 @@ def test_logprobs_come_from_the_processed_logits_before_temperature():
     assert processed[7] > logits[0][7]  # the bias is in what was compared
 
 
+# ---- the completions shape, directly ---------------------------------------------------------------
+def _tok(add_bos: bool = False):
+    """The tiny model's byte-level tokenizer (every non-ASCII byte its own token), without weights."""
+    from kvgate.models.hf_loader import TokenizerInfo
+    from kvgate.tokenizer import TextTokenizer
+    from tests.tiny_model import build_tokenizer
+
+    return TextTokenizer(TokenizerInfo(build_tokenizer().to_str(), None, 0, 2, [2], add_bos))
+
+
+def _lps(ids, top=()):
+    from kvgate.sampling_params import TokenLogprobs
+
+    return [TokenLogprobs(i, -1.0, list(top)) for i in ids]
+
+
+def _char_starts(pieces: list[bytes], start: int = 0) -> list[int]:
+    """The oracle: where each token's text starts in its text, counted from the UTF-8 bytes before it
+    (a partial character at the end not yet counted, so a byte inside a character gets its start)."""
+    return [start + len(b"".join(pieces[:i]).decode("utf-8", "ignore")) for i in range(len(pieces))]
+
+
+def test_completion_text_offsets_count_characters_of_the_text_not_token_names():
+    """The QA repro, echoed: each offset is the character index where the token's text starts in the
+    echoed text, a byte inside a character gets that character's start; the output goes on from the
+    prompt's length, never past `limit` (the choice's text). Seen red with the offsets advanced by
+    len(token name), as the old code did: 3, 13, 17 where 3, 3, 4 belong (`bytes:\\xc3` is 9 long)."""
+    from kvgate.server import logprobs as L
+
+    tok = _tok()
+    prompt, output = "café naïve 日本語 ok", "→ 日本!"
+    ids, out_ids = tok.encode(prompt), tok.encode(output)
+    lp = L.echoed_logprobs(tok, ids, _lps(ids[1:]), prompt, _lps(out_ids), len(prompt + output))
+    want = _char_starts([tok.token_bytes(i) for i in ids + out_ids])
+    assert lp["text_offset"] == want and len(lp["tokens"]) == len(ids + out_ids)
+    assert lp["text_offset"][3:6] == [3, 3, 4] and want[-1] == len(prompt + output) - 1
+    alone = L.completion_logprobs(tok, _lps(out_ids), 0, ids, len(output))  # no echo
+    assert alone["text_offset"] == _char_starts([tok.token_bytes(i) for i in out_ids])
+    cut = L.completion_logprobs(tok, _lps(out_ids), 0, ids, 3)  # text cut short (a stop string)
+    assert max(cut["text_offset"]) == 3 and cut["text_offset"] == sorted(cut["text_offset"])
+
+
+def test_text_offsets_place_invalid_bytes_and_skipped_special_tokens_in_the_text():
+    """Output bytes that are not UTF-8 show as U+FFFD in the text (the engine's decoding): the token
+    after a lone continuation byte starts after that U+FFFD, though the decoder released both at once
+    (seen red with every token of a release given its start: 'x' at 0), also when the output ends
+    inside a character, whose bytes the final flush drops (seen red comparing the bytes' text with a
+    U+FFFD for them: [0, 0]); a special token the output leaves out adds nothing (seen red with its
+    bytes counted: 'b' at 13)."""
+    from kvgate.server import logprobs as L
+
+    tok = _tok()
+    byte = {b: i for i in range(tok.vocab_size) if len(b := tok.token_bytes(i)) == 1}
+    ids = [byte[b"\x97"], byte[b"x"], byte[b"\xe6"], byte[b"\x97"], byte[b"\xa5"], byte[b"y"]]
+    assert tok.decode(ids) == "\ufffdx日y"
+    assert L.text_offsets(tok, ids) == [0, 1, 2, 2, 2, 3]
+    assert L.text_offsets(tok, [byte[b"\x97"], byte[b"\xe5"]]) == [0, 1]  # ends inside a character
+    special = tok.tok.token_to_id("<|im_start|>")
+    assert tok.decode([byte[b"a"], special, byte[b"b"]]) == "ab"
+    assert L.text_offsets(tok, [byte[b"a"], special, byte[b"b"]]) == [0, 1, 1]
+
+
+def test_an_echoed_text_prompt_is_indexed_without_the_bos_the_server_added():
+    """A model that adds BOS: the text prompt is echoed as sent (no BOS text), so BOS is at 0 and the
+    prompt's tokens where they are in it. Seen red without the lead taken off (every offset 3: the
+    BOS text's 13 characters pushed them to the end)."""
+    from kvgate.server import logprobs as L
+
+    tok = _tok(add_bos=True)
+    ids = tok.encode("hé!")
+    assert ids[0] == 0 and len(ids) == 5
+    assert L.echoed_logprobs(tok, ids, _lps(ids[1:]), "hé!")["text_offset"] == [0, 0, 1, 1, 2]
+
+
+def test_completion_top_logprobs_always_hold_the_chosen_token():
+    """OpenAI: up to logprobs + 1 entries, the sampled token always included (vLLM likewise): the top k
+    in order, then the chosen token when it is not among them; `logprobs: 0` gives it alone. Seen red
+    with the top k alone ([{}] for logprobs 0)."""
+    from kvgate.sampling_params import TokenLogprobs
+    from kvgate.server import logprobs as L
+
+    tok = _tok()
+    a, b, c = (tok.encode(x)[0] for x in "abc")
+    assert L.completion_top(tok, TokenLogprobs(a, -0.5, [])) == {"a": -0.5}
+    assert L.completion_top(tok, TokenLogprobs(a, -0.5, [(a, -0.5), (b, -1.0)])) == {"a": -0.5, "b": -1.0}
+    top = L.completion_top(tok, TokenLogprobs(c, float("-inf"), [(a, -0.5), (b, -1.0)]))
+    assert list(top.items()) == [("a", -0.5), ("b", -1.0), ("c", -9999.0)]
+    lp = L.completion_logprobs(tok, [TokenLogprobs(c, -2.0, [])], 7)  # a stream's chunk
+    assert lp["top_logprobs"] == [{"c": -2.0}] and lp["text_offset"] == [7]
+
+
 # ---- over HTTP, tiny model -----------------------------------------------------------------------
 def test_chat_logprobs_have_openais_shape_with_bytes(tiny_base):
     """One entry per generated token, `top_logprobs` of the asked length, bytes that join to the
@@ -124,6 +215,85 @@ def test_completions_logprobs_integer_and_echo(tiny_base):
         "logprobs"
     ]
     assert both["tokens"][-5:] == lp["tokens"] and both["token_logprobs"][0] is None  # the prompt first
+
+
+def _name_bytes(name: str) -> bytes:
+    """A completions token name's bytes (`bytes:\\xNN...` for bytes that are not whole characters)."""
+    return bytes.fromhex(name[6:].replace("\\x", "")) if name.startswith("bytes:") else name.encode()
+
+
+def _decoded_starts(names: list[str], start: int = 0) -> tuple[list[int], str]:
+    """The oracle over HTTP: each token's start in the text its bytes decode to (UTF-8, U+FFFD for
+    invalid bytes, a character counted once whole), and that text."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    starts, text = [], ""
+    for name in names:
+        starts.append(start + len(text))
+        text += dec.decode(_name_bytes(name))
+    return starts, text + dec.decode(b"", final=True)
+
+
+PROMPTS = ["caf\u00e9 na\u00efve \u65e5\u672c\u8a9e ok", "\u00df \u2192 x"]
+
+
+@pytest.mark.parametrize("echo", [True, False])
+def test_completions_text_offsets_index_each_choices_own_text(tiny_base, echo):
+    """Two prompts with split characters, n=2, with and without echo: each choice's offsets are where
+    its tokens' text starts in its own `text` (the echoed prompt, then its output), each top_logprobs
+    holds its sampled (or prompt) token. Seen red on the tree before this fix (the offsets advanced by
+    `bytes:\\xNN` names: 13 where 3 belongs) and with every choice reading choice 0's prompt ids."""
+    body = {"prompt": PROMPTS, "n": 2, "echo": echo, "logprobs": 1, "max_tokens": 6, "seed": 7}
+    r = httpx.post(tiny_base + COMP, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 4
+    for i, c in enumerate(choices):
+        prompt = PROMPTS[i // 2] if echo else ""
+        lp = c["logprobs"]
+        starts, text = _decoded_starts(lp["tokens"])
+        assert text == c["text"] and text.startswith(prompt)  # the oracle applies: bytes give the text
+        assert lp["text_offset"] == starts, (i, lp["tokens"])
+        assert all(o <= len(text) for o in starts)
+        tops = lp["top_logprobs"][1:] if echo else lp["top_logprobs"]
+        chosen = zip(lp["tokens"][-len(tops) :], lp["token_logprobs"][-len(tops) :], tops, strict=True)
+        assert all(top[t] == v and len(top) <= 2 for t, v, top in chosen)
+
+
+def test_streamed_text_offsets_are_the_text_sent_before_each_token(tiny_base):
+    """A stream of two choices: each logprobs chunk's offset is the length of its choice's text sent
+    in the chunks before it (vLLM's running count), and its top_logprobs holds its sampled token. That
+    is the whole response's offset for a token after a chunk with text; a token after one whose text
+    is held back (part of a character) is at or before it (the stream cannot yet place it past a
+    U+FFFD or a space held with a partial character). Seen red with a chunk's offset left at 0 (the
+    running count not passed on)."""
+    body = {"prompt": PROMPTS[0], "n": 2, "logprobs": 0, "max_tokens": 8, "seed": 3}
+    whole = httpx.post(tiny_base + COMP, json=body, timeout=60).json()["choices"]
+    sent: dict[int, str] = {0: "", 1: ""}
+    chunks: dict[int, list[tuple[int, str]]] = {0: [], 1: []}
+    with httpx.stream("POST", tiny_base + COMP, json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for ch in json.loads(line[6:])["choices"]:
+                i, lp = ch["index"], ch.get("logprobs")
+                if lp:
+                    assert lp["text_offset"] == [len(sent[i])]
+                    assert lp["top_logprobs"] == [{lp["tokens"][0]: lp["token_logprobs"][0]}]
+                    chunks[i].append((lp["text_offset"][0], ch["text"]))
+                sent[i] += ch["text"]
+    held = 0
+    for i, c in enumerate(whole):
+        want = c["logprobs"]["text_offset"]
+        assert sent[i] == c["text"] and len(chunks[i]) == len(want) == 8
+        for j, (offset, _text) in enumerate(chunks[i]):
+            if j == 0 or chunks[i][j - 1][1]:
+                assert offset == want[j], (i, j)
+            else:
+                held += 1
+                assert offset <= want[j], (i, j)
+    assert held  # a character split across tokens was streamed
 
 
 def test_logprob_ranges_are_400s_naming_the_field(tiny_base):

@@ -112,7 +112,9 @@ def test_prompt_logprobs_range_is_checked():
 def test_echo_with_logprobs_scores_the_prompt_then_the_output(tiny_base):
     """lm-evaluation-harness's loglikelihood body (token ids, echo, logprobs=1, max_tokens=1,
     temperature 0): the prompt's tokens come first, the first with null logprob and top, each later
-    with its score; then the generated token. Before session 17 this body was a 400."""
+    with its score and its top 1 plus itself (OpenAI's logprobs + 1, as vLLM's prompt logprobs give it:
+    seen red with the top 1 alone, the prompt token left out); then the generated token. Before
+    session 17 this body was a 400."""
     ids = PROMPT
     body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0, "seed": 1234}
     r = httpx.post(tiny_base + COMP, json=body, timeout=60)
@@ -122,14 +124,17 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_output(tiny_base):
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
-    assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
+    pairs = zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True)
+    assert all(top[t] == v for t, v, top in pairs) and any(len(t) == 2 for t in lp["top_logprobs"][1:])
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
 
 
 def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(tiny_base):
     """The openai SDK, unmodified: `completions.create(echo=True, logprobs=..., max_tokens=0)` gives
     the prompt as text, its scores, no output token, and usage with 0 completion tokens; the scores
-    are the ones the same request with max_tokens=1 gets. Streamed, it is a 400 naming the field."""
+    are the ones the same request with max_tokens=1 gets; each top holds the prompt token (seen red with
+    the top 2 alone: 'l' is not among them). Streamed, it is a 400 naming the field."""
     from openai import OpenAI
 
     client = OpenAI(base_url=tiny_base + "/v1", api_key="x")
@@ -139,7 +144,8 @@ def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(tiny_base):
     c = got.choices[0]
     assert c.text == "hello there friend" and c.finish_reason == "length"
     assert got.usage.completion_tokens == 0 and got.usage.prompt_tokens == len(c.logprobs.tokens)
-    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.top_logprobs[1]) == 2
+    assert c.logprobs.token_logprobs[0] is None and 2 <= len(c.logprobs.top_logprobs[1]) <= 3
+    assert c.logprobs.top_logprobs[1][c.logprobs.tokens[1]] == c.logprobs.token_logprobs[1]  # the prompt's
     one = client.completions.create(
         model="tiny", prompt="hello there friend", echo=True, logprobs=2, max_tokens=1, temperature=0
     )
@@ -181,21 +187,20 @@ def test_a_scoring_failure_fails_the_request_instead_of_leaving_gaps(make_engine
     assert ok.finish_reason == "length"  # the engine goes on
 
 
-def test_output_offsets_go_on_from_the_prompts_tokens(tiny_base):
-    """The output's text_offset continues from the scored prompt tokens' text (a running offset),
-    so the list never steps back where the tokens' text is not the prompt as sent (a BOS token, byte
-    pieces shown as `bytes:\\xNN`). Seen red with the output's offsets starting at len(echoed text)."""
-    body = {
-        "prompt": "caf\u00e9 \u2713 na\u00efve",  # characters split across byte-level tokens
-        "echo": True,
-        "logprobs": 0,
-        "max_tokens": 3,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    lp = httpx.post(tiny_base + COMP, json=body, timeout=60).json()["choices"][0]["logprobs"]
-    offs, toks = lp["text_offset"], lp["tokens"]
-    assert all(offs[i + 1] == offs[i] + len(toks[i]) for i in range(len(toks) - 1))
+def test_offsets_index_the_echoed_text_then_the_output(tiny_base):
+    """text_offset indexes the choice's text: the prompt tokens where their text starts in the prompt
+    as sent (a byte inside a split character at that character's start), then the output's from the
+    prompt's length on, never decreasing nor past the text's end. Seen red on the tree before this fix,
+    whose offsets ran over the tokens' names (`bytes:\\xNN` is 9 long: 13 where 3 belongs)."""
+    prompt = "caf\u00e9 \u2713 na\u00efve"  # characters split across byte-level tokens
+    body = {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 3, "temperature": 0}
+    c = httpx.post(tiny_base + COMP, json={**body, "ignore_eos": True}, timeout=60).json()["choices"][0]
+    offs, toks = c["logprobs"]["text_offset"], c["logprobs"]["tokens"]
+    n = len(toks) - 3  # the prompt's tokens
+    raw = [bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else t.encode() for t in toks]
+    assert offs[:n] == [len(b"".join(raw[:i]).decode("utf-8", "ignore")) for i in range(n)]
+    assert offs[3:6] == [3, 3, 4] and offs[n] == len(prompt)
+    assert offs == sorted(offs) and offs[-1] <= len(c["text"]) and c["text"].startswith(prompt)
 
 
 def test_a_context_long_prompt_with_max_tokens_0_is_a_400_with_the_numbers(tiny_base):

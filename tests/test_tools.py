@@ -86,6 +86,88 @@ def test_the_parser_gives_the_same_calls_whatever_the_pieces():
     assert T.parse_output("Hello <b>there</b>") == ("Hello <b>there</b>", [])
 
 
+def cut_expectation(cut: int) -> list[tuple[str, str]]:
+    """The calls an OUTPUT cut after `cut` characters must give: each call whose name is whole, with
+    its argument text up to the cut (never past the end of the arguments)."""
+    want, at = [], 0
+    for name, args in (
+        ("get_weather", '{"city": "Paris", "unit": "celsius", "days": 2}'),
+        ("get_time", "{}"),
+    ):
+        named = OUTPUT.index(json.dumps(name), at) + len(json.dumps(name))
+        start = OUTPUT.index(T.ARGS_AT, named) + len(T.ARGS_AT)
+        if cut >= named:
+            want.append((name, args[: max(0, min(cut - start, len(args)))]))
+        at = start
+    return want
+
+
+def test_an_output_cut_anywhere_gives_the_calls_so_far_and_never_markup():
+    """max_tokens can end the output at any character. Whole or streamed (in any two pieces), the
+    result is the same: each call whose name is whole, its arguments exactly the argument text so far
+    (none of the wrapper's `}`, newline, `</tool_call>`), no content but an empty one, no markup.
+    Seen red when end() released the held-back `}\n</tool` as arguments and the half head as
+    content, and with the whole-response side keeping the raw text unless every call was done."""
+    for cut in range(len(OUTPUT) + 1):
+        content, calls = T.parse_output(OUTPUT[:cut])
+        want = cut_expectation(cut)
+        assert [(c.name, c.arguments) for c in calls] == want, cut
+        assert content == ("" if not want else None), (cut, content)
+        for split in range(cut + 1):
+            p = T.ToolCallParser()
+            events = p.push(OUTPUT[:split]) + p.push(OUTPUT[split:cut]) + p.end()
+            assert not [e for e in events if e[0] == "content"], (cut, split, events)
+            named = [e[1].name for e in events if e[0] == "call"]
+            args = ["".join(e[2] for e in events if e[0] == "args" and e[1] == i) for i in range(len(named))]
+            assert list(zip(named, args, strict=True)) == want, (cut, split)
+    choice = {"message": {"role": "assistant", "content": OUTPUT[:-20]}, "finish_reason": "length"}
+    T.read_calls(choice)
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert got == cut_expectation(len(OUTPUT) - 20)
+
+
+def test_arguments_that_hold_braces_and_the_end_marker_in_strings_are_read_exactly():
+    """The arguments' JSON is followed: a `}` or `]` inside a string, an escaped quote before one,
+    nested objects closing together (`}}` like the wrapper's end) all stay arguments, whole and cut
+    anywhere. Seen red with the scanner's string state ignored (the `}` in "x}" ended the arguments)
+    and with its escapes ignored (`\\"}` ended the string, then the arguments)."""
+    args = '{"a": "x}\\n</tool_call>\\"}", "b": [1, {"c": {}}], "d": {"e": "]"}}'
+    assert json.loads(args)["a"] == 'x}\n</tool_call>"}'
+    text = T._block("f", args) + T.SEP + T._block("g", "{}")
+    content, calls = T.parse_output(text)
+    assert content is None and [(c.name, c.arguments, c.done) for c in calls] == [
+        ("f", args, True),
+        ("g", "{}", True),
+    ]
+    for cut in range(len(text)):
+        for c in T.parse_output(text[:cut])[1]:
+            assert args.startswith(c.arguments) or "{}".startswith(c.arguments), (cut, c)
+
+
+def test_a_finished_choice_reads_its_calls_and_answers():
+    """The whole response's side (`read_calls`, before logprobs): calls finish with `tool_calls`, a
+    cut before the name leaves an empty content, text stays text. Seen red with read_calls not
+    called in serving (the e2e test below) and with its finish_reason rewrite removed."""
+    done = {"message": {"role": "assistant", "content": OUTPUT}, "finish_reason": "stop"}
+    T.read_calls(done)
+    assert done["finish_reason"] == "tool_calls" and len(done["message"]["tool_calls"]) == 2
+    early = {
+        "message": {"role": "assistant", "content": '<tool_call>\n{"name": "get_w'},
+        "finish_reason": "length",
+    }
+    T.read_calls(early)
+    assert early == {"message": {"role": "assistant", "content": ""}, "finish_reason": "length"}
+    # a stop string that ends the output inside the arguments: the call so far, and `stop` (not
+    # `tool_calls`, which would promise whole arguments). Red with `all(c.done ...)` taken out.
+    cut = {"message": {"role": "assistant", "content": OUTPUT[: OUTPUT.index("}")]}, "finish_reason": "stop"}
+    T.read_calls(cut)
+    assert cut["finish_reason"] == "stop" and len(cut["message"]["tool_calls"]) == 1
+    text = {"message": {"role": "assistant", "content": "Sunny."}, "finish_reason": "stop"}
+    T.read_calls(text)
+    assert text == {"message": {"role": "assistant", "content": "Sunny."}, "finish_reason": "stop"}
+
+
 def test_tool_turns_render_with_the_generic_preamble_for_a_template_without_tools():
     """A template that does not read `tools` gets the documented preamble in the system message,
     assistant calls as <tool_call> blocks and tool answers as <tool_response> user turns.
@@ -191,6 +273,30 @@ def test_streamed_tool_calls_assemble_to_the_whole_answer(base):
     want = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
     assert got == want
     check_calls([calls[i] for i in sorted(calls)])
+
+
+def test_a_call_cut_by_max_tokens_streams_and_answers_the_same_arguments_without_markup(base):
+    """max_tokens ending the output before the call's name, inside its arguments, and inside the
+    wrapper's end: streamed and whole agree, finish_reason length, the arguments are the whole
+    call's cut short (all of them once the cut is past them), never markup. Seen red before the fix
+    (content '<tool_call>\\n{"name": ...' whole, arguments ending '}\\n</tool' streamed), and with
+    serving's read_calls removed (the raw text as content)."""
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300, "seed": 3}
+    body["parallel_tool_calls"] = False
+    whole = httpx.post(base + CHAT, json=body, timeout=60).json()
+    n, full = whole["usage"]["completion_tokens"], whole["choices"][0]["message"]["tool_calls"][0]["function"]
+    for cut, named in ((8, False), (n // 2, True), (n - 2, True)):
+        c = httpx.post(base + CHAT, json={**body, "max_tokens": cut}, timeout=60).json()["choices"][0]
+        calls, content, finish = stream_calls(base, {**body, "max_tokens": cut})
+        assert c["finish_reason"] == finish == "length" and not content, (cut, c)
+        got = [
+            (x["function"]["name"], x["function"]["arguments"]) for x in c["message"].get("tool_calls", [])
+        ]
+        assert got == [(x["function"]["name"], x["function"]["arguments"]) for x in calls.values()], cut
+        assert bool(got) == named and not c["message"]["content"], (cut, c)
+        if named:
+            assert got[0][0] == full["name"] and full["arguments"].startswith(got[0][1]), (cut, got)
+    assert got[0][1] == full["arguments"]  # n - 2: the cut came inside the wrapper's end
 
 
 def test_auto_lets_the_model_answer_in_text_and_none_renders_no_tools(base):

@@ -7,16 +7,31 @@ character split across tokens is still reported exactly; its `token` string is t
 `bytes:\\xNN...` when the bytes are not whole characters (OpenAI's convention). A logprob of -inf (a
 token the grammar forbids) is reported as -9999.0, as OpenAI does: JSON has no infinity.
 
+Completions' `top_logprobs` hold the top k and the chosen token (up to k + 1 entries, as OpenAI
+documents and vLLM gives; `logprobs: 0` gives the chosen token alone); an echoed prompt's first token
+has none (null). Chat's `top_logprobs` are exactly the top k. `text_offset[i]` indexes the choice's
+`text` (with echo: the prompt, then the output): the length of the text the tokens before token i
+decode to, never the length of their `token` strings. A token that carries part of a character
+gets the offset where that character starts (its text comes with the token that completes it), as
+a stream's running count of the text sent so far gives it (vLLM's streamed offsets); bytes that
+are not UTF-8 count as the U+FFFD the text shows, a special token the output leaves out as nothing.
+The offsets never decrease and never pass the end of `text`. A stream sends each token's offset
+before the tokens after it show what held-back bytes become, so there a token whose text was held
+back with text before it (a space with a partial character, an invalid byte's U+FFFD) gets the start
+of that held text; the whole response puts it after, where its own text starts.
+
 What the numbers are (kvgate.sampling): the log-softmax of the logits the sampler drew from, after
 logit bias, penalties and the grammar mask, before temperature and top-k/top-p/min-p.
 """
 
 from __future__ import annotations
 
+import codecs
+import itertools
 import math
 
 from kvgate.sampling import TokenLogprobs
-from kvgate.server import tools as T
+from kvgate.tokenizer import IncrementalDetokenizer
 
 FLOOR = -9999.0
 
@@ -49,48 +64,111 @@ def chat_logprobs(tok, lps: list[TokenLogprobs]) -> dict:
     return {"content": [chat_entry(tok, lp) for lp in lps], "refusal": None}
 
 
-def completion_logprobs(tok, lps: list[TokenLogprobs], offset: int = 0) -> dict:
-    """`offset`: characters of text before the first of these tokens (for `text_offset`)."""
-    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for lp in lps:
-        text = token_text(tok.token_bytes(lp.token_id))
-        out["tokens"].append(text)
-        out["token_logprobs"].append(_lp(lp.logprob))
-        out["top_logprobs"].append({token_text(tok.token_bytes(i)): _lp(v) for i, v in lp.top})
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
+def completion_top(tok, lp: TokenLogprobs) -> dict[str, float]:
+    """The top k by logprob, then the chosen token when it is not among them."""
+    top = {token_text(tok.token_bytes(i)): _lp(v) for i, v in lp.top}
+    if all(i != lp.token_id for i, _ in lp.top):
+        top.setdefault(token_text(tok.token_bytes(lp.token_id)), _lp(lp.logprob))
+    return top
 
 
-def echoed_logprobs(tok, prompt_ids: list[int], scored: list[TokenLogprobs]) -> dict:
+def completion_logprobs(
+    tok, lps: list[TokenLogprobs], offset: int = 0, context: list[int] = (), limit: int | None = None
+) -> dict:
+    """`offset`: characters of text before the first of these tokens; the later ones' offsets follow
+    the text the tokens decode to after `context`, the ids before them (`text_offsets`). A stream's
+    chunk holds one token: its offset is the running length of the text sent before it."""
+    ids = [lp.token_id for lp in lps]
+    return {**_entries(tok, lps), "text_offset": text_offsets(tok, ids, offset, context, limit)}
+
+
+def _entries(tok, lps: list[TokenLogprobs]) -> dict:
+    return {
+        "tokens": [token_text(tok.token_bytes(lp.token_id)) for lp in lps],
+        "token_logprobs": [_lp(lp.logprob) for lp in lps],
+        "top_logprobs": [completion_top(tok, lp) for lp in lps],
+    }
+
+
+def text_offsets(tok, ids, start=0, context=(), limit=None, keep_special=False) -> list[int]:
+    """Where each token's text starts: `start` plus the text released before it by the engine's own
+    decoding of output (`IncrementalDetokenizer` after `context`), at most `limit`. A decoder holds
+    back a partial character and releases it with the token that completes it; the tokens held
+    back together are placed inside that released text by decoding their bytes as UTF-8 (a whole
+    character once complete, a U+FFFD per invalid sequence), when those bytes give exactly that
+    text, else all at its start. `keep_special`: special tokens decode to their text (an echoed
+    prompt given as ids is decoded so)."""
+    if len(ids) == 1:  # a streamed token: it starts where the text sent so far ends
+        return [start if limit is None else min(start, limit)]
+    detok = IncrementalDetokenizer(_KeepSpecial(tok) if keep_special else tok, list(context))
+    out: list[int] = []
+    at, held = start, []
+    for k, token in enumerate(ids):
+        held.append(token)
+        text = detok.push(token) + (detok.flush() if k + 1 == len(ids) else "")
+        if text or k + 1 == len(ids):
+            out += _place(tok, held, at, text)
+            at, held = at + len(text), []
+    return out if limit is None else [min(o, limit) for o in out]
+
+
+def _place(tok, held: list[int], at: int, text: str) -> list[int]:
+    """Offsets of the tokens released together as `text`, which starts at `at` (the last ones' text
+    may end in an incomplete character, which a flush drops or shows as U+FFFD)."""
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    pieces = [dec.decode(tok.token_bytes(t)) for t in held]
+    if text not in ("".join(pieces), "".join(pieces) + dec.decode(b"", final=True)):
+        return [at] * len(held)
+    return [at + n for n in itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)]
+
+
+class _KeepSpecial:
+    def __init__(self, tok):
+        self.tok = tok
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def prompt_offsets(tok, prompt_ids: list[int], prompt_text: str) -> list[int]:
+    """Each prompt token's offset in `prompt_text` (the echo: the prompt as sent, or its ids decoded
+    with special tokens). Where the ids decode to more than that text before it (a BOS token the
+    server added to a text prompt), that lead is taken off."""
+    offsets = text_offsets(tok, prompt_ids, keep_special=True)
+    whole = tok.decode(prompt_ids, skip_special_tokens=False)
+    lead = len(whole) - len(prompt_text) if whole.endswith(prompt_text) else 0
+    return [min(max(o - lead, 0), len(prompt_text)) for o in offsets]
+
+
+def echoed_logprobs(
+    tok,
+    prompt_ids: list[int],
+    scored: list[TokenLogprobs],
+    prompt_text: str,
+    output: list[TokenLogprobs] = (),
+    limit: int | None = None,
+) -> dict:
     """An echoed, scored prompt and its output in the completions shape: the prompt's first token has
     no log-probability (null, as OpenAI's echo gives it); `scored` holds the scores of the prompt's
-    later tokens, then the output's. `text_offset` runs over the tokens' text from 0, so it never
-    steps back where that text is not the prompt as sent (a BOS token, byte pieces)."""
+    later tokens. Offsets index `prompt_text` followed by the output's text (at most `limit`)."""
     first = token_text(tok.token_bytes(prompt_ids[0]))
-    out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
-    for key, values in completion_logprobs(tok, scored, len(first)).items():
-        out[key] += values
+    out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None]}
+    for lps in (scored, output):
+        for key, values in _entries(tok, lps).items():
+            out[key] += values
+    after = text_offsets(tok, [lp.token_id for lp in output], len(prompt_text), prompt_ids, limit)
+    out["text_offset"] = prompt_offsets(tok, prompt_ids, prompt_text) + after
     return out
 
 
 def decorate_body(
     body: dict, prepared, tok, token_logprobs: list[list[TokenLogprobs]], scores: list | None = None
 ) -> None:
-    """Add tool calls, logprobs and echo to each choice of a finished (non-streaming) body; `scores`:
-    each prompt's scored tokens (echo with logprobs), whose entries come before the output's."""
+    """Add logprobs and echo to each choice of a finished (non-streaming) body (its tool calls were read
+    before: `tools.read_calls`); `scores`: each prompt's scored tokens (echo with logprobs), whose
+    entries come before the output's."""
     f = prepared.features
     for i, choice in enumerate(body["choices"]):
-        if f.tools is not None:
-            content, calls = T.parse_output(choice["message"]["content"])
-            if calls and all(c.done for c in calls):
-                choice["message"] = {
-                    "role": "assistant",
-                    "content": content,
-                    "tool_calls": T.call_dicts(calls),
-                }
-                if choice["finish_reason"] == "stop":
-                    choice["finish_reason"] = "tool_calls"
         prefix = echo_text(prepared, tok, i) if f.echo else ""
         if prefix:
             choice["text"] = prefix + choice["text"]
@@ -100,9 +178,11 @@ def decorate_body(
                 choice["logprobs"] = chat_logprobs(tok, lps)
             elif scores is not None:
                 k = i // prepared.n
-                choice["logprobs"] = echoed_logprobs(tok, prepared.generations[k].prompt_ids, scores[k] + lps)
+                ids, end = prepared.generations[k].prompt_ids, len(choice["text"])
+                choice["logprobs"] = echoed_logprobs(tok, ids, scores[k], prefix, lps, end)
             else:
-                choice["logprobs"] = completion_logprobs(tok, lps, len(prefix))
+                ids = prepared.generations[i // prepared.n].prompt_ids
+                choice["logprobs"] = completion_logprobs(tok, lps, 0, ids, len(choice["text"]))
 
 
 def echo_text(prepared, tok, choice: int) -> str:

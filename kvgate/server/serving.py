@@ -31,6 +31,7 @@ from kvgate.server.prepare import prepare_generation, submit_all
 from kvgate.server.responses import ChunkMaker, completion_body, usage
 from kvgate.server.sse import ENGINE_ERROR, sse_stream
 from kvgate.server.stream_shape import StreamShaper
+from kvgate.server.tools import read_calls
 
 log = logging.getLogger("kvgate.server")
 
@@ -112,6 +113,9 @@ async def generate(request: Request, cls) -> Response:
         results, token_logprobs = best_of(results, token_logprobs, prepared.candidates, prepared.n)
     body = completion_body(kind, rid, created, settings.model_name, results, prepared.n)
     body["usage"] = usage(every, prepared.candidates)  # every candidate generated counts
+    if prepared.features.tools is not None:
+        for choice in body["choices"]:
+            read_calls(choice)
     await asyncio.to_thread(decorate_body, body, prepared, eng.tokenizer, token_logprobs, scores)
     return JSONResponse(body, headers=headers)
 

@@ -6,7 +6,8 @@ chunk per token that released text, the held-back tail, a finish chunk. With fea
 - logprobs: a chunk for every token (text or not), carrying that token's logprobs;
 - tools: each choice's text goes through a `ToolCallParser`; content is sent as content, a call as
   `delta.tool_calls` (first its index, id, type and name with empty arguments, then argument pieces),
-  and a choice that called tools finishes with `tool_calls`;
+  and a choice that called tools finishes with `tool_calls`; cut short by max_tokens, with `length`
+  after the argument text so far: the same calls and arguments as the whole response's;
 - echo (completions): the prompt's text is the first chunk of each choice;
 - `stream_options.continuous_usage_stats`: every chunk carries the usage so far (vLLM's extension).
 """
@@ -68,7 +69,7 @@ class StreamShaper:
         if self.f is not None and self.f.tools is not None:
             parser = self._parser(i)
             out += self._tool_events(i, parser.end())
-            if parser.calls and reason == "stop":
+            if parser.calls and reason == "stop" and all(c.done for c in parser.calls):
                 chunk = self.chunks.finish(i, reason)
                 chunk["choices"][0]["finish_reason"] = "tool_calls"
                 return out + [self._usage(chunk)]

@@ -20,7 +20,11 @@ with "<", which is what tells it from a call. `none` renders no tools and uses n
 
 `ToolCallParser` reads the output incrementally (the same code for streams and whole responses): it
 releases content, each call's start (id, name) and its arguments as they are generated, holding back
-only what could still be the start of a block or the end of one.
+only what could still be the start of a block. It follows the arguments' JSON, so it knows each
+character for an argument's or the wrapper's the moment it comes: the wrapper's markup never reaches
+the client. An output cut short (max_tokens) inside a call ends with that call and the argument text
+generated so far (finish_reason `length`, as OpenAI gives it), or, when the cut came before the
+call's name was whole, with no call and no content.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from kvgate.server import protocol as P
 from kvgate.server.errors import invalid
 
 OPEN = "<tool_call>\n"
-CLOSE = "}\n</tool_call>"
+END = "</tool_call>"
+CLOSE = "}\n" + END
 SEP = "\n"
 ARGS_AT = ', "arguments": '
 
@@ -169,16 +174,60 @@ class ParsedCall:
 
 
 @dataclass
+class _ArgsScan:
+    """Where a call's arguments (one JSON value) end: at the `}` (or whitespace) that comes at depth 0
+    outside a string. No `}` of the arguments is ever taken for the wrapper's, nor the other way."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    started: bool = False
+    ended: bool = False
+
+    def length(self, text: str) -> int:
+        """How much of `text` is still arguments; `ended` once their end is in it."""
+        for n, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    self.ended = self.depth == 0
+            elif self.depth == 0 and (ch in "}]" or ch.isspace() and self.started):
+                self.ended = True  # the wrapper's `}`, or a space after a top-level number or literal
+                return n
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.ended = self.depth == 0
+            elif ch == '"':
+                self.in_string = True
+            elif not ch.isspace():
+                self.started = True
+            if self.ended:
+                return n + 1
+        return len(text)
+
+
+@dataclass
 class ToolCallParser:
     """Incremental reader of generated text: `push(text)` -> events, `end()` -> the last events.
 
     Events: ("content", text), ("call", ParsedCall) when a call's name is known, ("args", index, text).
+    Arguments are released as they come, exactly their JSON text: the wrapper's end (`}`, a newline,
+    `</tool_call>`) never is. Output cut short (max_tokens) in a call gives that call with the
+    arguments so far, `done` False, once its name is whole, and nothing before: no markup ever
+    comes out as content.
     """
 
     buf: str = ""
-    state: str = "start"  # start | content | head | args | between
+    state: str = "start"  # start | content | head | args | close | between
     calls: list[ParsedCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
+    scan: _ArgsScan = field(default_factory=_ArgsScan)
 
     def push(self, text: str) -> list[tuple]:
         self.buf += text
@@ -191,15 +240,15 @@ class ToolCallParser:
         return events
 
     def end(self) -> list[tuple]:
-        """Whatever is held back: an unfinished call's last arguments, or plain text."""
+        """The output ended: a call whose name is whole but whose arguments never began comes out
+        with empty arguments; any other held-back text is the start or end of a call's markup
+        (an answer never starts with "<": see `grammar`) and is dropped."""
         events: list[tuple] = []
-        if self.buf:
-            if self.state == "args":
-                self._emit_args(events, self.buf)
-            elif self.state in ("start", "content", "head") and not self.calls:
-                self.content.append(self.buf)
-                events.append(("content", self.buf))
-            self.buf = ""
+        if self.state == "head":
+            name = self._name(self.buf)
+            if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
+                self._open_call(events, name[0])
+        self.buf = ""
         return events
 
     def _start(self, events) -> None:
@@ -215,34 +264,47 @@ class ToolCallParser:
         self.buf = ""
 
     def _head(self, events) -> None:
+        name = self._name(self.buf)
+        if name is not None and self.buf.startswith(ARGS_AT, name[1]):
+            self._open_call(events, name[0])
+            self.buf = self.buf[name[1] + len(ARGS_AT) :]
+            self.state = "args"
+
+    @staticmethod
+    def _name(text: str) -> tuple[str, int] | None:
+        """The call's name and where it ends, once it is whole."""
         prefix = '{"name": '
-        if not self.buf.startswith(prefix) or ARGS_AT not in self.buf:
-            return
+        if not text.startswith(prefix):
+            return None
         try:
-            name, end = json.JSONDecoder().raw_decode(self.buf, len(prefix))
+            return json.JSONDecoder().raw_decode(text, len(prefix))
         except json.JSONDecodeError:
-            return
-        if not self.buf.startswith(ARGS_AT, end):
-            return
+            return None
+
+    def _open_call(self, events, name: str) -> None:
         call = ParsedCall(len(self.calls), "call_" + uuid.uuid4().hex[:24], name)
         self.calls.append(call)
+        self.scan = _ArgsScan()
         events.append(("call", call))
-        self.buf = self.buf[end + len(ARGS_AT) :]
-        self.state = "args"
 
     def _args(self, events) -> None:
-        at = self.buf.find(CLOSE)
-        if at >= 0:
-            self._emit_args(events, self.buf[:at])
+        n = self.scan.length(self.buf)
+        if n:
+            self.calls[-1].arguments += self.buf[:n]
+            events.append(("args", self.calls[-1].index, self.buf[:n]))
+            self.buf = self.buf[n:]
+        if self.scan.ended:
+            self.state = "close"
+
+    def _close(self, events) -> None:
+        rest = self.buf.lstrip()
+        tail = rest[1:].lstrip() if rest.startswith("}") else None
+        if tail is not None and tail.startswith(END):
             self.calls[-1].done = True
-            self.buf = self.buf[at + len(CLOSE) :]
+            self.buf = tail[len(END) :]
             self.state = "between"
-            return
-        keep = next(
-            (n for n in range(min(len(CLOSE) - 1, len(self.buf)), 0, -1) if self.buf.endswith(CLOSE[:n])), 0
-        )
-        self._emit_args(events, self.buf[: len(self.buf) - keep])
-        self.buf = self.buf[len(self.buf) - keep :]
+        elif rest and (tail is None or not END.startswith(tail)):
+            self.state = "content"  # not the wrapper's end: kept as content (the grammar never does this)
 
     def _between(self, events) -> None:
         nxt = SEP + OPEN
@@ -252,11 +314,6 @@ class ToolCallParser:
         elif not nxt.startswith(self.buf):  # not a call: kept as content (the grammar never does this)
             self.state = "content"
 
-    def _emit_args(self, events, text: str) -> None:
-        if text:
-            self.calls[-1].arguments += text
-            events.append(("args", self.calls[-1].index, text))
-
 
 def parse_output(text: str) -> tuple[str | None, list[ParsedCall]]:
     """A whole output: (content or None, the calls)."""
@@ -265,6 +322,18 @@ def parse_output(text: str) -> tuple[str | None, list[ParsedCall]]:
     p.end()
     content = "".join(p.content)
     return (content if content or not p.calls else None), p.calls
+
+
+def read_calls(choice: dict) -> None:
+    """Turn a finished chat choice's text into its message: content, or tool calls (the choice then
+    finishes with `tool_calls` when every call is whole; cut short, it keeps `length` or `stop` with the
+    calls so far, as a stream gives)."""
+    content, calls = parse_output(choice["message"]["content"])
+    choice["message"] = {"role": "assistant", "content": content}
+    if calls:
+        choice["message"]["tool_calls"] = call_dicts(calls)
+        if choice["finish_reason"] == "stop" and all(c.done for c in calls):  # not cut by a stop string
+            choice["finish_reason"] = "tool_calls"
 
 
 def call_dicts(calls: list[ParsedCall]) -> list[dict]:
