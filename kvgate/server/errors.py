@@ -49,11 +49,17 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=h)
 
 
+# the request field a refusal is about, where one field is (the engine's Refusal names none)
+_PARAMS = {"too_many_choices": "n"}
+
+
 def from_refusal(r: Refusal) -> APIError:
     extra = r.details()
     if r.retry_after is not None:
         extra["retry_after_seconds"] = r.retry_after
-    return APIError(r.status, r.message, r.code, retry_after=r.retry_after, **extra)
+    return APIError(
+        r.status, r.message, r.code, param=_PARAMS.get(r.code), retry_after=r.retry_after, **extra
+    )
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

@@ -20,7 +20,7 @@ import copy
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from kvgate.server.openapi_fields import tighten_features
+from kvgate.server.openapi_fields import tighten_features, tighten_message
 
 _BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
@@ -308,6 +308,7 @@ def _tighten_messages(schemas: dict) -> None:
     from kvgate.server.protocol import ROLES
 
     schemas["ChatMessage"]["properties"]["role"] = {"enum": sorted(ROLES)}
+    tighten_message(schemas["ChatMessage"])
     part = schemas["ContentPart"]
     part["properties"]["type"] = {"const": "text"}
     part["properties"]["text"] = _STR

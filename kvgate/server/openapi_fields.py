@@ -1,20 +1,30 @@
-"""The OpenAPI document's rules for issue 13's fields: logprobs, logit_bias, tools and response_format.
+"""The OpenAPI document's rules for issue 13's fields (logprobs, logit_bias, tools, response_format),
+for OpenAI's fields accepted only as null (`functions`, `audio`, a replayed message's `function_call`,
+...; `modalities` also as ["text"]), and for `stream_options`, which needs `stream: true`.
 
-Split from `openapi.py` (which calls `tighten_features` for each completion body): the ranges prepare
-enforces, and what one field requires of another, written as JSON Schema `if`/`then` so that a body
-the document allows is one the server accepts, as tests/test_fuzz.py checks.
+Split from `openapi.py` (which calls `tighten_features` for each completion body and
+`tighten_message` for the message schema): the ranges prepare enforces, and what one field requires of
+another, written as JSON Schema `if`/`then` so that a body the document allows is one the server
+accepts, as tests/test_fuzz.py checks.
 """
 
 from __future__ import annotations
 
 from kvgate.sampling import LOGIT_BIAS_LIMIT, MAX_TOP_LOGPROBS
 from kvgate.server.features import MAX_COMPLETION_LOGPROBS
+from kvgate.server.protocol import NULL_ONLY
 
 _NULL = {"type": "null"}
 
 
 def tighten_features(js: dict, vocab: int | None, chat: bool) -> None:
     props = js["properties"]
+    for name in NULL_ONLY:  # kvgate.server.protocol refuses anything but null, by name
+        if name in props:
+            props[name] = _NULL
+    if "modalities" in props:
+        text = {"type": "array", "minItems": 1, "items": {"const": "text"}}
+        props["modalities"] = {"anyOf": [text, _NULL]}
     if chat:
         props["logprobs"] = {"type": ["boolean", "null"]}
         props["top_logprobs"] = {
@@ -56,7 +66,16 @@ def tighten_features(js: dict, vocab: int | None, chat: bool) -> None:
         "properties": {"json_schema": {"type": "object", "required": ["schema"]}},
     }
     rules.append(_needs(fmt, {"response_format": with_schema}))
+    # stream_options (not null) needs stream true (protocol.check_common)
+    rules.append(_needs({"stream_options": {"type": "object"}}, {"stream": {"const": True}}))
     js["allOf"] = rules
+
+
+def tighten_message(msg: dict) -> None:
+    """A replayed response's own fields: null, and `annotations` also empty (protocol.chat_messages)."""
+    props = msg["properties"]
+    props["audio"] = props["function_call"] = _NULL
+    props["annotations"] = {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}
 
 
 def _needs(when: dict, then: dict, required: bool = True) -> dict:

@@ -8,27 +8,62 @@ is a routing hint (kvgate's prefix cache needs no key), `store`, `metadata`, `se
 are not part of what the model is shown. Unknown fields and fields that would change the output if
 dropped are refused: a client must learn that kvgate did not honour them instead of silently getting a
 different answer. Types are strict for the same reason: "5" is not an integer, "yes" is not a boolean.
+
+Null means "not given", as in OpenAI's schema (clients that serialize unset fields send null): a null
+for a field with a non-null default is that default (`"stream": null` is false), and OpenAI's fields
+kvgate does not do (`functions`, `audio`, `prediction`, a replayed message's `function_call`, ...) are
+accepted when null (`modalities` also as its default `["text"]`, `annotations` also empty) and refused
+by name, saying what to send instead, otherwise. `stream_options` needs `stream: true`, as OpenAI's.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvgate.server.errors import APIError, invalid, unsupported
+from kvgate.server.schema_errors import describe
 
 MAX_STOP = 8
 MAX_STOP_LEN = 256
 
 
-class StreamOptions(BaseModel):
+def _null_in_schema(schema: dict, cls) -> None:
+    """The JSON schema says what `_Body` accepts: null for every field with a non-null default."""
+    for name, f in cls.model_fields.items():
+        prop = schema.get("properties", {}).get(f.alias or name)
+        if prop is not None and not f.is_required() and f.default is not None:
+            keep = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+            schema["properties"][f.alias or name] = {"anyOf": [prop, {"type": "null"}], **keep}
+
+
+class _Body(BaseModel):
+    """Every request model: a null for a field whose default is not null means "not given"."""
+
+    model_config = ConfigDict(json_schema_extra=_null_in_schema)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+
+        def unset(k, v) -> bool:
+            f = fields.get(k)
+            return v is None and f is not None and not f.is_required() and f.default is not None
+
+        return {k: v for k, v in data.items() if not unset(k, v)}
+
+
+class StreamOptions(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(_Body):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     name: str | None = None
     description: str | None = None
@@ -36,13 +71,13 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
     description: str | None = None
@@ -50,37 +85,37 @@ class FunctionDef(BaseModel):
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     function: NamedFunction
 
 
-class CalledFunction(BaseModel):
+class CalledFunction(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
     arguments: str
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class _Common(BaseModel):
+class _Common(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(default=None, description="default: up to the remaining context")
@@ -114,13 +149,13 @@ class _Common(BaseModel):
     service_tier: str | None = None
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
@@ -130,6 +165,11 @@ class ChatMessage(BaseModel):
     # accepted and ignored on a replayed assistant turn: not part of what the model is shown
     refusal: str | None = None
     reasoning_content: str | None = None
+    # a replayed response's own fields (`ChatCompletionMessage.model_dump()`): null, or annotations [],
+    # is accepted; anything else is refused by `chat_messages`
+    annotations: list | None = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class ChatCompletionRequest(_Common):
@@ -138,6 +178,13 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None  # ["text"] (the default) or null; anything else is refused
+    # OpenAI's, not done here: null is accepted, anything else refused by name (`NULL_ONLY`)
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(_Common):
@@ -146,7 +193,7 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
@@ -154,13 +201,22 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]
 
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+# OpenAI chat fields kvgate does not do: each changes the answer, so only null (not given) is accepted
+NULL_ONLY = {
+    "functions": "the deprecated form of tools: send tools",
+    "function_call": "the deprecated form of tool_choice: send tool_choice (with tools)",
+    "audio": "audio output is not implemented; this model answers in text",
+    "prediction": "predicted outputs are not implemented",
+    "web_search_options": "web search is not implemented",
+}
 
 
 def parse(model_cls, data: Any):
@@ -173,16 +229,20 @@ def parse(model_cls, data: Any):
 
 
 def schema_error(exc: ValidationError) -> APIError:
-    errs = exc.errors(include_url=False, include_input=False)
-    first = errs[0]
-    # Drop pydantic's union-member tags ("str", "list[int]", ...) so the path names only fields.
-    loc = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p)) or "body"
-    more = f" (and {len(errs) - 1} more problem(s))" if len(errs) > 1 else ""
-    return invalid(f"invalid field '{loc}': {first['msg']}{more}", param=loc, code="invalid_schema")
+    """One 400 naming the field that failed and why (kvgate.server.schema_errors: a union-typed field
+    is reported by the member the client meant, with the shapes it takes)."""
+    msg, loc, more = describe(exc.errors(include_url=False), _model_names())  # inputs read, never echoed
+    tail = f" (and {more} more problem(s))" if more else ""
+    return invalid(msg + tail, param=loc, code="invalid_schema")
 
 
-def _is_type_tag(part) -> bool:
-    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part)
+def _model_names() -> frozenset[str]:
+    """The request models' class names: pydantic tags a union member that is a model with its name."""
+    return frozenset(c.__name__ for c in _subclasses(_Body))
+
+
+def _subclasses(cls) -> list[type]:
+    return [s for c in cls.__subclasses__() for s in (c, *_subclasses(c))]
 
 
 def check_completion(req: CompletionRequest) -> None:
@@ -195,6 +255,19 @@ def check_common(req: _Common) -> None:
     if extra:
         name = sorted(extra)[0]
         raise unsupported(name, "unknown field; remove it (kvgate refuses fields it would otherwise ignore)")
+    for name, what in NULL_ONLY.items():
+        if getattr(req, name, None) is not None:
+            raise unsupported(name, what + " (null, or leaving it out, is accepted)")
+    mods = getattr(req, "modalities", None)
+    if mods is not None and set(mods) != {"text"}:
+        other = [m for m in mods if m != "text"]
+        why = f"{other[0]!r} output is not implemented" if other else "[] asks for no output at all"
+        raise unsupported("modalities", f'{why}; send ["text"] (the default) or leave it out')
+    if req.stream_options is not None and not req.stream:
+        raise invalid(
+            "stream_options is only allowed when stream is true: send stream=true, or drop stream_options",
+            param="stream_options",
+        )
     if req.n is not None and req.n < 1:
         raise invalid(f"n={req.n} must be at least 1", param="n")
     if req.best_of is not None:
@@ -228,6 +301,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         extra = sorted(m.model_extra or {})
         if extra:
             raise unsupported(f"messages.{i}.{extra[0]}", "unknown message field")
+        _check_replayed(m, i)
         if m.role not in ROLES:
             raise invalid(
                 f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(ROLES))}",
@@ -253,6 +327,27 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def _check_replayed(m: ChatMessage, i: int) -> None:
+    """A replayed response's own fields: null (annotations also empty) is accepted, as not given."""
+    if m.function_call is not None:
+        raise unsupported(
+            f"messages.{i}.function_call",
+            "the deprecated form of tool_calls: send the call as tool_calls "
+            '[{"id": "...", "type": "function", "function": {"name": "...", "arguments": "..."}}]',
+        )
+    if m.audio is not None:
+        raise unsupported(
+            f"messages.{i}.audio",
+            "an earlier audio answer cannot be replayed (kvgate has no audio): send its transcript as "
+            "content, and audio null or left out",
+        )
+    if m.annotations:
+        raise unsupported(
+            f"messages.{i}.annotations",
+            "kvgate takes no message annotations: send [] or null, or leave it out",
+        )
 
 
 def max_tokens_of(req: _Common) -> tuple[int | None, str]:
