@@ -314,6 +314,7 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         cuda_graphs=graphs,
         step_pieces=pieces,
     )
+    plan.prefix_cache = cfg.prefix_cache != "off"  # the printed plan says where cached blocks live
     if amx:
         plan.notes.append(
             "prompt rows of the Q4_1 layers on AMX bf16 tiles (float32's numbers: each activation as three "

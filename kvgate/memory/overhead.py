@@ -37,6 +37,9 @@ def runtime_overhead_bytes(device: str, held_tensor_bytes: int = 0) -> int:
     tokenizer and the server's modules. A cold GGUF conversion in the same process leaves ~400 MiB of
     freed heap behind (measured on SmolLM2-135M), which `release_free_heap` gives back first.
 
+    `kvgate plan` measures it in a process brought to the state `kvgate serve` measures it in
+    (`kvgate.cli.as_served`), so the two give the same overhead and pool.
+
     On CUDA the ledger covers device memory only, and the CUDA context is outside torch's allocator.
     """
     if device.startswith("cuda"):

@@ -152,6 +152,7 @@ class MemoryPlan:
     graph_bytes: int = 0
     graph_breakdown: dict | None = None
     graph_shapes: int = 0
+    prefix_cache: bool = True  # --prefix-cache (set by kvgate.core.placement); only the text says it
 
     @property
     def kv_positions(self) -> int:
@@ -171,47 +172,9 @@ class MemoryPlan:
         return d
 
     def describe(self, context: int | None = None) -> str:
-        ctx = context or self.limits.max_model_len
-        L = self.limits
-        lines = [
-            f"memory plan ({self.device}, {self.dtype})",
-            f"  limit            {fmt_bytes(self.limit_bytes):>12}  ({self.limit_source})",
-            f"  weights          {fmt_bytes(self.weights_bytes):>12}"
-            + (
-                f"  (matrices {self.limits.weight_format}, weight-only)"
-                if self.limits.weight_format != "full"
-                else ""
-            ),
-            f"  runtime overhead {fmt_bytes(self.overhead_bytes):>12}  (measured baseline + slack)",
-            f"  step workspace   {fmt_bytes(self.workspace_bytes):>12}  (prefill chunk {L.prefill_chunk}, "
-            f"max rows {L.max_seqs}, attention cap {L.attn_token_cap} tokens, context {L.context}"
-            + (f", {L.speculate} draft tokens per row" if L.speculate else "")
-            + ")",
-            f"    of which grammar {fmt_bytes(self.workspace_breakdown.get('grammar', 0)):>10}  (structured output: "
-            f"token trie, compiled-grammar cache and one per row, masks)",
-        ]
-        if self.graph_bytes:
-            g = self.graph_breakdown
-            lines.append(
-                f"  CUDA graphs      {fmt_bytes(self.graph_bytes):>12}  ({self.graph_shapes} decode shapes: pool "
-                f"{fmt_bytes(g['pool'])}, static inputs and logits {fmt_bytes(g['buffers'])}, padding rows' KV "
-                f"block {fmt_bytes(g['pad_block'])})"
-            )
-            if "pieces_pool" in g:
-                lines.append(
-                    f"    with step pieces {fmt_bytes(g['pieces_pool'] + g['pieces_buffers']):>9}  (--cuda-graphs full: "
-                    f"pool {fmt_bytes(g['pieces_pool'])}, static buffers {fmt_bytes(g['pieces_buffers'])}, included above)"
-                )
-        lines += [
-            f"  KV pool          {fmt_bytes(self.kv_pool_bytes):>12}  = {self.kv_blocks} blocks x "
-            f"{self.block_size} tokens x {self.kv_bytes_per_token:,} B/token",
-            f"  KV capacity      {self.kv_positions:>12,} tokens",
-            f"  KV blocks        {self.kv_blocks:>12,} free at start (0 cached, 0 referenced); the prefix cache keeps "
-            "its blocks inside this pool, at no extra memory: they are evicted, oldest first, when admission needs room",
-            f"  max concurrent requests at {ctx} tokens each: {self.max_concurrent(ctx)}",
-        ]
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        from kvgate.memory.describe import describe_plan
+
+        return describe_plan(self, context)
 
 
 def make_plan(
@@ -340,17 +303,17 @@ def make_plan(
         kv_cache_bytes is None
         and room(sized(limits, max_model_len)) < padded_len(max_model_len, bs) * per_token
     ):
-        lo, hi = -(-min_ctx // bs), -(-max_model_len // bs)  # in blocks; room(lo) holds >= lo blocks
+        # The longest row, in blocks, whose attention still leaves a pool that holds it (room(lo) does);
+        # the pool is then cut to it below, so the context and the pool are the same number of positions.
+        lo, hi = -(-min_ctx // bs), -(-max_model_len // bs) - 1
         while lo < hi:
-            mid = (lo + hi) // 2
-            if room(sized(limits, mid * bs)) // block_bytes <= mid:
-                hi = mid
-            else:
-                lo = mid + 1
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if room(sized(limits, mid * bs)) // block_bytes >= mid else (lo, mid - 1)
         limits = sized(limits, lo * bs)
         notes.append(
             f"the KV pool holds fewer than {max_model_len} positions, so attention is planned for rows of "
-            f"at most {limits.context} positions (the most the pool can hold)"
+            f"at most {limits.context} positions, the pool's size (a longer row's attention would shrink the "
+            "pool below it)"
         )
     else:
         limits = sized(limits, max_model_len)
@@ -372,6 +335,8 @@ def make_plan(
             )
         room_left = kv_cache_bytes
     blocks = room_left // block_bytes
+    if limits.attn_context is not None:  # attention sized for shorter rows than the room would hold
+        blocks = min(blocks, limits.attn_context // bs)
     if blocks < 1:
         raise PlanError(
             f"no room for a single KV block ({fmt_bytes(block_bytes)}): --kv-cache-bytes / the room left "

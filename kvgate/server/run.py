@@ -111,6 +111,8 @@ def serve(args) -> int:
             app.state.load_error = str(exc)
             log.error("model failed to load: %s", exc)
 
+    # `kvgate plan` (kvgate.cli.as_served) repeats this start-up (app, loading thread, uvicorn's loop) to
+    # measure the runtime overhead this process will have: change the two together
     threading.Thread(target=load, name="kvgate-load", daemon=True).start()
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30

@@ -1,0 +1,58 @@
+"""The printed memory plan (`kvgate plan`, and `kvgate serve` at startup): `MemoryPlan.describe`'s text.
+
+The arithmetic lives in `kvgate.memory.plan`; this only lays it out.
+"""
+
+from __future__ import annotations
+
+from kvgate.units import fmt_bytes
+
+
+def describe_plan(plan, context: int | None = None) -> str:
+    """`plan` (a `kvgate.memory.plan.MemoryPlan`) as text; "max concurrent" at `context` tokens each."""
+    ctx = context or plan.limits.max_model_len
+    L = plan.limits
+    lines = [
+        f"memory plan ({plan.device}, {plan.dtype})",
+        f"  limit            {fmt_bytes(plan.limit_bytes):>12}  ({plan.limit_source})",
+        f"  weights          {fmt_bytes(plan.weights_bytes):>12}"
+        + (
+            f"  (matrices {plan.limits.weight_format}, weight-only)"
+            if plan.limits.weight_format != "full"
+            else ""
+        ),
+        f"  runtime overhead {fmt_bytes(plan.overhead_bytes):>12}  (measured baseline + slack)",
+        f"  step workspace   {fmt_bytes(plan.workspace_bytes):>12}  (prefill chunk {L.prefill_chunk}, "
+        f"max rows {L.max_seqs}, attention cap {L.attn_token_cap} tokens, context {L.context}"
+        + (f", {L.speculate} draft tokens per row" if L.speculate else "")
+        + ")",
+        f"    of which grammar {fmt_bytes(plan.workspace_breakdown.get('grammar', 0)):>10}  (structured output: "
+        f"token trie, compiled-grammar cache and one per row, masks)",
+    ]
+    if plan.graph_bytes:
+        g = plan.graph_breakdown
+        lines.append(
+            f"  CUDA graphs      {fmt_bytes(plan.graph_bytes):>12}  ({plan.graph_shapes} decode shapes: pool "
+            f"{fmt_bytes(g['pool'])}, static inputs and logits {fmt_bytes(g['buffers'])}, padding rows' KV "
+            f"block {fmt_bytes(g['pad_block'])})"
+        )
+        if "pieces_pool" in g:
+            lines.append(
+                f"    with step pieces {fmt_bytes(g['pieces_pool'] + g['pieces_buffers']):>9}  (--cuda-graphs full: "
+                f"pool {fmt_bytes(g['pieces_pool'])}, static buffers {fmt_bytes(g['pieces_buffers'])}, included above)"
+            )
+    lines += [
+        f"  KV pool          {fmt_bytes(plan.kv_pool_bytes):>12}  = {plan.kv_blocks} blocks x "
+        f"{plan.block_size} tokens x {plan.kv_bytes_per_token:,} B/token",
+        f"  KV capacity      {plan.kv_positions:>12,} tokens",
+        f"  KV blocks        {plan.kv_blocks:>12,} free at start (0 cached, 0 referenced); "
+        + (
+            "the prefix cache keeps its blocks inside this pool, at no extra memory: they are evicted, "
+            "oldest first, when admission needs room"
+            if plan.prefix_cache
+            else "prefix cache off (--prefix-cache off): no block outlives the requests that hold it"
+        ),
+        f"  max concurrent requests at {ctx} tokens each: {plan.max_concurrent(ctx)}",
+    ]
+    lines += [f"  note: {n}" for n in plan.notes]
+    return "\n".join(lines)
