@@ -29,7 +29,7 @@ from kvgate.server.errors import APIError, from_refusal
 from kvgate.server.logprobs import decorate_body
 from kvgate.server.prepare import prepare_generation, submit_all
 from kvgate.server.responses import ChunkMaker, completion_body, usage
-from kvgate.server.sse import ENGINE_ERROR, sse_stream
+from kvgate.server.sse import ENGINE_ERROR, observe_after_cancel, sse_stream
 from kvgate.server.stream_shape import StreamShaper
 from kvgate.server.tools import read_calls
 
@@ -87,6 +87,7 @@ async def generate(request: Request, cls) -> Response:
         token_logprobs: list[list] = [[] for _ in handles]
         results = await until_disconnect(request, finish_all(handles, token_logprobs), handles)
     except ClientGone:
+        observe_after_cancel(handles, on_result)
         return Response(status_code=499)
     for res in results:
         on_result(res)

@@ -3,7 +3,8 @@
 Order: a role chunk per choice (chat), then text chunks as tokens release text, a finish chunk per
 choice, an optional usage chunk, then `data: [DONE]` (what each chunk holds: `stream_shape.py`). A choice that fails inside the engine ends the
 stream with one error event (the stable 500 body) and `[DONE]`, and cancels the other choices. When the
-stream ends early for any reason (the client left), every handle still running is cancelled.
+stream ends early for any reason (the client left), every handle still running is cancelled, and its
+final result is still counted when it comes (`observe_after_cancel`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,39 @@ async def sse_stream(chunks: ChunkMaker, handles, include_usage: bool, on_result
         if len(finished) < len(handles):  # the client left (or the stream broke): stop the work
             for h in handles:
                 h.cancel()
+            observe_after_cancel([h for i, h in enumerate(handles) if i not in finished], on_result)
+
+
+_observers: set[asyncio.Task] = set()  # kept referenced until done
+CANCEL_OBSERVE_S = 60.0  # a cancelled choice ends at the worker's next tick; this bounds a lost event
+
+
+def observe_after_cancel(handles, on_result) -> None:
+    """The client left: its cancelled choices still end with a result whose tokens were generated. Count
+    them (`on_result`: metrics and the console) when they arrive, off the request's path, so the
+    console's tokens/s agrees with `kvgate_generation_tokens_total`."""
+    if not handles:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop (a generator closed outside one): nothing to wait on
+        return
+
+    async def collect(h):
+        async for ev in h.aevents():
+            if isinstance(ev, Finished):
+                on_result(ev.result)
+
+    async def observe():
+        for h in handles:
+            try:
+                await asyncio.wait_for(collect(h), CANCEL_OBSERVE_S)
+            except Exception:  # a lost or late final event: that one is not counted
+                log.debug("a cancelled choice's result was not observed", exc_info=True)
+
+    task = loop.create_task(observe())
+    _observers.add(task)
+    task.add_done_callback(_observers.discard)
 
 
 async def merged_events(handles):
