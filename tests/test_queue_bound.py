@@ -161,3 +161,19 @@ def test_the_ttft_400_stands_on_whole_prompt_only_chunks():
     assert t.prefill_token_best is None and t.prefill_token_ema is not None
     t.observe(0.2, 512, 512, alone=True)
     assert t.prefill_token_best == 0.2 / 512
+
+
+def test_an_idle_server_never_answers_the_ttft_429(make_engine):
+    """Nothing is running or waiting: a 429 ("wait for the load to drop") could never clear, since a
+    retry waits for nothing. The forecast's rate (an EMA pulled up by one slow chunk) said 0.4 s for a
+    64-token prompt against a 0.3 s budget; the lower bound behind the 400 did not, so it is served.
+    Found by session 29's live recheck (a 1,201-token prompt got 429 three times on an idle server,
+    then ran in 1.94 s of a 2 s budget). Red with the idle exception taken out of the gate."""
+    e = make_engine(block_size=4, max_ttft=0.3, prefill_chunk=64)
+    e.generate(req(64, 1), timeout=20)  # a whole chunk alone, fast: the lower bound's rate
+    set_step_hook(e, lambda so: time.sleep(1.5))
+    e.generate(req(40, 1, salt=1), timeout=20)  # one slow 40-token chunk pulls the EMA up
+    set_step_hook(e, None)
+    snap = e.snapshot()
+    assert snap.idle and 64 * snap.prefill_token_time_ema > 0.3 > 64 * snap.prefill_token_time_best
+    assert e.generate(req(64, 1, salt=2), timeout=20).finish_reason == "length"

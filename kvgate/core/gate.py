@@ -79,8 +79,10 @@ class AdmissionGate:
                 c.queue_rejected += n
                 retry = admission.retry_after(snap, inbox.queued)
                 raise admission.queue_full_refusal(cfg, inbox.queued, retry, free_rows)
-            if cfg.max_ttft is not None:
-                ahead = inbox.pending(snap.absorbed)
+            ahead = inbox.pending(snap.absorbed) if cfg.max_ttft is not None else []
+            # the 429 says "wait for the load to drop": with none (no row, no waiter) nothing a retry
+            # waits for would change, so an idle server leaves the prompt to the 400 above
+            if cfg.max_ttft is not None and not (snap.idle and not ahead):
                 est = admission.predicted_ttft(
                     cfg, snap, ahead, entry.prompt_len, entry.max_tokens, cached, n
                 )
