@@ -290,9 +290,9 @@ def ttft_never_refusal(cfg: SchedulerConfig, own_tokens: int, per_token: float |
     most = int(cfg.max_ttft / per_token)
     return Refusal(
         "ttft_budget_exceeded",
-        f"this request's {own_tokens} prompt tokens to prefill would take about {own_tokens * per_token:.1f}s "
-        f"at the fastest rate this server has measured ({1 / per_token:.0f} tokens/s), even on an idle server, more than this server's "
-        f"--max-ttft {cfg.max_ttft:g}s. Shorten the prompt to about {most} tokens (not counting a prefix "
+        f"this request's {own_tokens} prompt tokens to prefill would take about "
+        f"{own_tokens * per_token:.1f}s at the fastest rate this server has measured ({1 / per_token:.0f} "
+        f"tokens/s), even on an idle server, more than this server's --max-ttft {cfg.max_ttft:g}s. Shorten the prompt to about {most} tokens (not counting a prefix "
         "the server has cached), or send it to a server with a larger --max-ttft.",
         400,
     )

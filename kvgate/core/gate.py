@@ -67,22 +67,26 @@ class AdmissionGate:
             if why is not None:
                 c.rejected_unavailable += n
                 raise admission.unavailable_refusal(why, 5)
-            cached = cached_prefix(entry.hashes, snap.cached_hashes, entry.prompt_len, cfg.block_size)
-            # a prompt whose own prefill is over the TTFT budget can never pass: a 400 before any 503,
-            # which would only send it back to fail again (rate: the fastest prompt-only step seen)
-            never = admission.ttft_never_refusal(cfg, entry.prompt_len - cached, snap.prefill_token_time_best)
-            if never is not None:
-                c.rejected_ttft_budget += n
-                raise never
+            ttft = cfg.max_ttft is not None
+            if ttft:  # the prefix cache's hits are only an estimate for the forecast: skipped without one
+                cached = cached_prefix(entry.hashes, snap.cached_hashes, entry.prompt_len, cfg.block_size)
+                # a prompt whose own prefill is over the budget can never pass: a 400 before any 503,
+                # which would only send it back to fail again (rate: the fastest prompt-only step)
+                never = admission.ttft_never_refusal(
+                    cfg, entry.prompt_len - cached, snap.prefill_token_time_best
+                )
+                if never is not None:
+                    c.rejected_ttft_budget += n
+                    raise never
             free_rows = max(0, cfg.max_seqs - snap.running)
             if inbox.queued + n > cfg.max_queue + free_rows:
                 c.queue_rejected += n
                 retry = admission.retry_after(snap, inbox.queued)
                 raise admission.queue_full_refusal(cfg, inbox.queued, retry, free_rows)
-            ahead = inbox.pending(snap.absorbed) if cfg.max_ttft is not None else []
+            ahead = inbox.pending(snap.absorbed) if ttft else []
             # the 429 says "wait for the load to drop": with none (no row, no waiter) nothing a retry
             # waits for would change, so an idle server leaves the prompt to the 400 above
-            if cfg.max_ttft is not None and not (snap.idle and not ahead):
+            if ttft and not (snap.idle and not ahead):
                 est = admission.predicted_ttft(
                     cfg, snap, ahead, entry.prompt_len, entry.max_tokens, cached, n
                 )

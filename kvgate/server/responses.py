@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvgate.request import Result
 
-_FINISH = {"stop": "stop", "length": "length", "cancelled": "length"}
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "length", "tool_calls": "tool_calls"}
 
 
 def finish_reason(reason: str) -> str:

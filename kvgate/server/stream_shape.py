@@ -69,10 +69,7 @@ class StreamShaper:
         if self.f is not None and self.f.tools is not None:
             parser = self._parser(i)
             out += self._tool_events(i, parser.end())
-            if parser.calls and reason == "stop" and all(c.done for c in parser.calls):
-                chunk = self.chunks.finish(i, reason)
-                chunk["choices"][0]["finish_reason"] = "tool_calls"
-                return out + [self._usage(chunk)]
+            reason = T.finish_reason(reason, parser.calls)
         return out + [self._usage(self.chunks.finish(i, reason))]
 
     # ---- helpers --------------------------------------------------------------------------------

@@ -332,8 +332,13 @@ def read_calls(choice: dict) -> None:
     choice["message"] = {"role": "assistant", "content": content}
     if calls:
         choice["message"]["tool_calls"] = call_dicts(calls)
-        if choice["finish_reason"] == "stop" and all(c.done for c in calls):  # not cut by a stop string
-            choice["finish_reason"] = "tool_calls"
+    choice["finish_reason"] = finish_reason(choice["finish_reason"], calls)
+
+
+def finish_reason(reason: str, calls: list[ParsedCall]) -> str:
+    """A choice that stopped after whole calls finishes with `tool_calls`; one cut short (max_tokens,
+    or a stop string inside a call) keeps its own reason. The stream and the whole answer share it."""
+    return "tool_calls" if calls and reason == "stop" and all(c.done for c in calls) else reason
 
 
 def call_dicts(calls: list[ParsedCall]) -> list[dict]:
