@@ -105,6 +105,7 @@ class Refusal(Exception):
         limit_bytes: int | None = None,
         positions: int | None = None,
         positions_limit: int | None = None,
+        param: str | None = None,
     ):
         super().__init__(message)
         self.code = code
@@ -115,6 +116,9 @@ class Refusal(Exception):
         self.limit_bytes = limit_bytes
         self.positions = positions
         self.positions_limit = positions_limit
+        # the request field the fix is in, by its engine name: "prompt", "max_tokens" or "n"; the
+        # server names it as the client sent it ("messages" for chat, "max_completion_tokens", ...)
+        self.param = param
 
     def details(self) -> dict:
         keys = ("estimated_bytes", "limit_bytes", "positions", "positions_limit")

@@ -243,6 +243,16 @@ CATALOGUE: list[Bad] = [
         "unsupported_parameter",
         "messages.0.content",
     ),
+    # a text part missing its text: said so, not "only 'text'" (session 29's QA, N1); red with the
+    # text check folded back into the type check
+    Bad(
+        "text-part-without-text",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "invalid_value",
+        "messages.0.content.0.text",
+    ),
     Bad("empty-prompt-string", COMP, {"prompt": "", "max_tokens": 2}, 400, "invalid_value", "prompt"),
     Bad("empty-prompt-list", COMP, {"prompt": [], "max_tokens": 2}, 400, "invalid_value", "prompt"),
     Bad(

@@ -110,6 +110,28 @@ def test_get_model_by_id(base):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_include_obfuscation_pads_every_chunk_to_a_block(base):
+    """OpenAI's `stream_options.include_obfuscation` (newer SDKs send it): every delta chunk carries an
+    `obfuscation` string that pads its JSON line to a multiple of OBFUSCATION_BLOCK bytes, so chunk
+    sizes no longer reveal token lengths; without it (the default), no chunk has one. The session 29
+    QA pass found the field refused as unknown. Red with the padding's size rule changed to a fixed
+    length (sizes differ), and with the field left out of StreamOptions (a 400)."""
+    from kvgate.server.stream_shape import OBFUSCATION_BLOCK
+
+    def lines(opts: dict | None) -> list[str]:
+        body = {"messages": MSG, "max_tokens": 6, "ignore_eos": True, "stream": True}
+        if opts is not None:
+            body["stream_options"] = opts
+        with httpx.stream("POST", base + CHAT, json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            return [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+
+    padded = [c for c in lines({"include_obfuscation": True}) if '"choices": []' not in c]
+    assert len(padded) >= 3
+    assert all(len(c.encode()) % OBFUSCATION_BLOCK == 0 and json.loads(c)["obfuscation"] for c in padded)
+    assert not any("obfuscation" in json.loads(c) for c in lines(None) + lines({"include_usage": True}))
+
+
 def test_continuous_usage_stats_put_usage_in_every_chunk(base):
     """vLLM's extension: every chunk carries the usage so far; the last usage chunk the total.
     Seen red with StreamShaper's continuous flag forced off (usage only on the final chunk)."""

@@ -158,8 +158,8 @@ def test_console_in_headless_chromium(make_engine, tmp_path):
                 "#refusal-numbers dd", "ds => ds.map(d => [d.dataset.field, d.dataset.value])"
             )
         )
-        numbers = ("estimated_bytes", "limit_bytes", "positions", "positions_limit")
-        assert shown == {k: str(err[k]) for k in numbers}
+        numbers = ("estimated_bytes", "limit_bytes", "positions", "positions_limit", "param")
+        assert shown == {k: str(err[k]) for k in numbers} and err["param"] == "max_tokens"
         assert err["limit_bytes"] == BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN
         page.wait_for_selector("#refusals tr[data-reason=kv_budget_exceeded] td[data-count='1']")
         page.wait_for_function("() => document.querySelector('#spark-tok path').getAttribute('d').length > 0")

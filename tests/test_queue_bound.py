@@ -116,11 +116,21 @@ def test_refusal_texts_name_what_blocked(make_engine):
     assert "it needs 2 blocks of KV" in alone.message and "lower max_tokens" in alone.message
     rows = admission.kv_timeout_refusal(cfg, entry, 20, cfg.max_seqs, 5)
     assert "batch rows (--max-seqs) stayed busy" in rows.message and "max_tokens" not in rows.message
+    # rows, not memory: its own code, so the rejection counts tell the two apart
+    assert (rows.code, alone.code, behind.code) == (
+        "batch_rows_unavailable",
+        "kv_memory_unavailable",
+        "kv_memory_unavailable",
+    )
     ctx = admission.context_refusal(cfg, 64, None)
     assert "Shorten the prompt by at least 1 token." in ctx.message and "at most 0" not in ctx.message
+    assert ctx.param == "prompt" and admission.context_refusal(cfg, 60, 8).param == "max_tokens"
     big = dataclasses.replace(cfg, max_model_len=10_000)
     pool = admission.budget_refusal(big, 32 * 4 + 4, 1)
     assert "Even max_tokens 1 does not fit" in pool.message and "at most 0" not in pool.message
+    assert pool.param == "prompt" and admission.budget_refusal(big, 8, 1000).param == "max_tokens"
+    unset = admission.budget_refusal(big, 32 * 4 + 4, 1, given=False)
+    assert "+ at least 1 generated token =" in unset.message and "max_tokens 1 =" not in unset.message
     assert wait_until(lambda: e.snapshot().running == 0)
 
 
@@ -177,3 +187,52 @@ def test_an_idle_server_never_answers_the_ttft_429(make_engine):
     snap = e.snapshot()
     assert snap.idle and 64 * snap.prefill_token_time_ema > 0.3 > 64 * snap.prefill_token_time_best
     assert e.generate(req(64, 1, salt=2), timeout=20).finish_reason == "length"
+
+
+def test_a_400_points_at_the_field_the_client_sent(make_engine):
+    """`param` names the field to change, as the client spelled it: the prompt is `messages` in chat
+    and `prompt` in completions; an output limit sent as `max_completion_tokens` is named so; `best_of`
+    when it, not `n`, asked for too many rows. The session 29 QA pass found these 400s without any
+    `param`. Red with `field_names` not passed to `from_refusal` (the engine's names came back), and
+    with the refusal builders' `param` taken out (none at all)."""
+    import httpx
+
+    from tests.server_util import running_server
+
+    e = make_engine(max_model_len=64, max_seqs=4)
+    long = "hello " * 200
+
+    def param(path: str, body: dict) -> tuple[int, str, str | None]:
+        r = httpx.post(base + path, json=body, timeout=30)
+        err = r.json()["error"]
+        return r.status_code, err["code"], err.get("param")
+
+    chat = "/v1/chat/completions"
+    with running_server(e) as (base, _):
+        short = [{"role": "user", "content": "hi"}]
+        assert param(chat, {"messages": [{"role": "user", "content": long}]}) == (
+            400,
+            "context_length_exceeded",
+            "messages",
+        )
+        assert param("/v1/completions", {"prompt": long}) == (400, "context_length_exceeded", "prompt")
+        assert param(chat, {"messages": short, "max_tokens": 200}) == (
+            400,
+            "context_length_exceeded",
+            "max_tokens",
+        )
+        assert param(chat, {"messages": short, "max_completion_tokens": 200}) == (
+            400,
+            "context_length_exceeded",
+            "max_completion_tokens",
+        )
+        assert param("/v1/completions", {"prompt": "hi", "n": 1, "best_of": 6, "max_tokens": 2}) == (
+            400,
+            "too_many_choices",
+            "best_of",
+        )
+        assert param("/v1/completions", {"prompt": "hi", "n": 6, "max_tokens": 2}) == (
+            400,
+            "too_many_choices",
+            "n",
+        )

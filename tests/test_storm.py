@@ -41,7 +41,7 @@ MAX_QUEUE = 12
 MAX_QUEUE_WAIT = 1.0
 REFUSAL_CODES = {
     400: {"kv_budget_exceeded", "context_length_exceeded"},
-    429: {"kv_memory_unavailable"},
+    429: {"kv_memory_unavailable", "batch_rows_unavailable"},
     503: {"queue_full"},
 }
 
@@ -240,7 +240,7 @@ def test_overload_storm_ends_every_request_well_and_leaks_nothing(make_engine):
         assert c.admitted == by_status[200]
         assert c.rejected_kv_budget == by_code["kv_budget_exceeded"]
         assert c.rejected_context_length == by_code["context_length_exceeded"]
-        assert c.rejected_kv_timeout == by_code["kv_memory_unavailable"]
+        assert c.rejected_kv_timeout == by_code["kv_memory_unavailable"] + by_code["batch_rows_unavailable"]
         assert c.queue_rejected == by_code["queue_full"]
         with httpx.Client(base_url=base, timeout=20) as cl:
             rej = metric_values(cl.get("/metrics").text, "kvgate_rejections_total")

@@ -283,6 +283,7 @@ class Dispatcher:
                 f"{best.message}",
                 best.status,
                 retry_after=retry,
+                param=best.param,
                 **best.details(),
             )
         d = call.demand

@@ -55,6 +55,7 @@ def refusal_dict(r: Refusal) -> dict:
         "message": r.message,
         "status": r.status,
         "retry_after": r.retry_after,
+        "param": r.param,
         **r.details(),
     }
 

@@ -12,8 +12,10 @@ Refusals, in the order a request meets them:
 - `engine_unavailable` / `shutting_down` (503), `queue_full` (503), `ttft_budget_exceeded` (429; 400
   when the prompt's own prefill alone is over the budget): the gate, at arrival. `queue_full` also
   from the worker, for a newcomer that could not start at once while the queue was full.
-- `kv_memory_unavailable` (429): waited `--max-queue-wait` seconds at the head of the FIFO for rows
-  and blocks.
+- `kv_memory_unavailable` (429): waited `--max-queue-wait` seconds in the FIFO and KV blocks did not
+  free up for it (or for the requests before it); `batch_rows_unavailable` (429) when the blocks were
+  free but all `--max-seqs` rows stayed busy, so an operator reading the rejection counts can tell
+  memory from rows.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[Requ
     if group_blocks(cfg, P, ceiling, n) > cfg.total_blocks:
         best = max_choice_positions(cfg, P, n, cfg.total_blocks) - P
         if explicit or best < 1:
-            raise budget_refusal(cfg, P, ceiling if explicit else 1, n)
+            raise budget_refusal(cfg, P, ceiling if explicit else 1, n, given=explicit)
         cap = BudgetCap(ceiling, best, "kv_budget")
         ceiling = best
     hashes = (
@@ -76,6 +78,7 @@ def too_many_choices(n: int, max_seqs: int) -> Refusal:
         f"n={n} choices run as {n} batch rows at once, and this server runs at most {max_seqs} "
         f"(--max-seqs). Ask for at most n={max_seqs}, or send several requests.",
         400,
+        param="n",
     )
 
 
@@ -103,10 +106,12 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None) -> Ref
         limit_bytes=cfg.max_model_len * cfg.kv_bytes_per_token,
         positions=want,
         positions_limit=cfg.max_model_len,
+        param="prompt" if P == 0 or P >= cfg.max_model_len else "max_tokens",
     )
 
 
-def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1) -> Refusal:
+def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, given: bool = True) -> Refusal:
+    """`given`: the client sent `max_tokens`; when it did not, the request is judged with one token."""
     want = P + max_tokens
     limit_pos = cfg.kv_positions
     need = group_blocks(cfg, P, max_tokens, n)
@@ -121,9 +126,10 @@ def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1) ->
             ", ask for fewer choices (n)" if n > 1 else ""
         )
         fix += ", or start the server with a larger --memory-limit."
+    asked = f"max_tokens {max_tokens}" if given else "at least 1 generated token"
     return Refusal(
         "kv_budget_exceeded",
-        f"this request can never fit: prompt {P} + max_tokens {max_tokens} = {want} positions need {what} "
+        f"this request can never fit: prompt {P} + {asked} = {want} positions need {what} "
         f"({need * bs * bpt:,} bytes) but the whole KV pool is {cfg.total_blocks} blocks ({limit_pos} "
         f"positions, {limit_pos * bpt:,} bytes). " + fix,
         400,
@@ -131,6 +137,7 @@ def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1) ->
         limit_bytes=limit_pos * bpt,
         positions=want,
         positions_limit=limit_pos,
+        param="max_tokens" if most >= 1 else "prompt",
     )
 
 
@@ -196,6 +203,7 @@ def kv_timeout_refusal(
     need = group_blocks(cfg, P, w.max_tokens, w.choices)
     fits_alone = need <= free_blocks and rows + w.choices <= cfg.max_seqs
     fix = "Retry after the Retry-After interval."
+    code = "kv_memory_unavailable"
     if ahead and fits_alone:
         earlier = "1 earlier request" if ahead == 1 else f"{ahead} earlier requests"
         why = (
@@ -204,6 +212,7 @@ def kv_timeout_refusal(
         )
     elif need <= free_blocks and rows + w.choices > cfg.max_seqs:
         why = f"all {cfg.max_seqs} batch rows (--max-seqs) stayed busy"
+        code = "batch_rows_unavailable"  # KV was free: not a request the server had no memory for
     else:
         blocks = f"{need} block{'s' if need != 1 else ''}"
         why = f"it needs {blocks} of KV (prompt {P} + max_tokens {w.max_tokens}) and {free_blocks} of "
@@ -211,7 +220,7 @@ def kv_timeout_refusal(
         fix = "Retry after the Retry-After interval, or lower max_tokens."
     bpt = cfg.kv_bytes_per_token
     return Refusal(
-        "kv_memory_unavailable",
+        code,
         f"no room for this request right now: {why} after waiting {cfg.max_queue_wait:g}s. {fix}",
         429,
         retry_after=retry,
@@ -295,6 +304,7 @@ def ttft_never_refusal(cfg: SchedulerConfig, own_tokens: int, per_token: float |
         f"tokens/s), even on an idle server, more than this server's --max-ttft {cfg.max_ttft:g}s. Shorten the prompt to about {most} tokens (not counting a prefix "
         "the server has cached), or send it to a server with a larger --max-ttft.",
         400,
+        param="prompt",
     )
 
 

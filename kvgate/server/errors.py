@@ -49,17 +49,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=h)
 
 
-# the request field a refusal is about, where one field is (the engine's Refusal names none)
-_PARAMS = {"too_many_choices": "n"}
-
-
-def from_refusal(r: Refusal) -> APIError:
+def from_refusal(r: Refusal, field_names: dict[str, str] | None = None) -> APIError:
+    """`field_names` maps the engine's name for the field a refusal is about ("prompt", "max_tokens",
+    "n") to the one the client sent ("messages", "max_completion_tokens", "best_of", ...)."""
     extra = r.details()
     if r.retry_after is not None:
         extra["retry_after_seconds"] = r.retry_after
-    return APIError(
-        r.status, r.message, r.code, param=_PARAMS.get(r.code), retry_after=r.retry_after, **extra
-    )
+    param = (field_names or {}).get(r.param, r.param) if r.param else None
+    return APIError(r.status, r.message, r.code, param=param, retry_after=r.retry_after, **extra)
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

@@ -43,6 +43,16 @@ class Prepared:
         return max(self.n, getattr(self.request, "best_of", None) or 1)
 
     @property
+    def field_names(self) -> dict[str, str]:
+        """The request's own names for the fields a refusal can point at (`errors.from_refusal`)."""
+        best_of = getattr(self.request, "best_of", None) or 1
+        return {
+            "prompt": "messages" if self.kind == "chat" else "prompt",
+            "max_tokens": P.max_tokens_of(self.request)[1],
+            "n": "best_of" if best_of > self.n else "n",
+        }
+
+    @property
     def stream(self) -> bool:
         return self.request.stream
 

@@ -61,6 +61,7 @@ class StreamOptions(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
+    include_obfuscation: bool = False  # OpenAI's: pad every chunk (kvgate.server.stream_shape)
 
 
 class JSONSchemaFormat(_Body):
@@ -309,10 +310,16 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             )
         if isinstance(m.content, list):
             texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
+            for j, part in enumerate(m.content):
+                if part.type != "text":
                     raise unsupported(
                         f"messages.{i}.content", f"content part type {part.type!r}: only 'text'"
+                    )
+                if part.text is None:
+                    raise invalid(
+                        f"messages[{i}].content[{j}] is a text part without its 'text' field: send "
+                        '{"type": "text", "text": "..."}',
+                        param=f"messages.{i}.content.{j}.text",
                     )
                 texts.append(part.text)
             content = "".join(texts)

@@ -22,6 +22,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvgate.core.admission import shutting_down_refusal
 from kvgate.request import Admitted, Finished, Refusal, Token
 from kvgate.server.bodies import read_body
 from kvgate.server.context import ready_engine, refused
@@ -50,19 +51,14 @@ async def generate(request: Request, cls) -> Response:
         handles = await submitted(eng, prepared.generations, prepared.candidates)
     except Refusal as r:
         refused(state, r.code, r.retry_after)
-        return from_refusal(r).response()
+        return from_refusal(r, prepared.field_names).response()
     try:
         admitted = await until_disconnect(request, admit_all(handles), handles)
     except Refusal as r:
         if r.status == 499:  # cancelled while queued, and not by this client (that is ClientGone)
-            r = Refusal(
-                "shutting_down",
-                "the server is shutting down and did not admit this request; retry against another replica",
-                503,
-                retry_after=5,
-            )
+            r = shutting_down_refusal()
         refused(state, r.code, r.retry_after)
-        return from_refusal(r).response()
+        return from_refusal(r, prepared.field_names).response()
     except ClientGone:
         return Response(status_code=499)
     headers = {}

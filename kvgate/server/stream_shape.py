@@ -9,15 +9,25 @@ chunk per token that released text, the held-back tail, a finish chunk. With fea
   and a choice that called tools finishes with `tool_calls`; cut short by max_tokens, with `length`
   after the argument text so far: the same calls and arguments as the whole response's;
 - echo (completions): the prompt's text is the first chunk of each choice;
-- `stream_options.continuous_usage_stats`: every chunk carries the usage so far (vLLM's extension).
+- `stream_options.continuous_usage_stats`: every chunk carries the usage so far (vLLM's extension);
+- `stream_options.include_obfuscation` (OpenAI's, off unless asked for, as in vLLM's streams): every
+  chunk carries an `obfuscation` string of random characters that pads its JSON to a multiple of
+  `OBFUSCATION_BLOCK` bytes, so a TLS observer who sees only record sizes cannot read token lengths.
 """
 
 from __future__ import annotations
+
+import json
+import secrets
+import string
 
 from kvgate.request import Result, Token
 from kvgate.server import logprobs as L
 from kvgate.server import tools as T
 from kvgate.server.responses import ChunkMaker, finish_reason
+
+OBFUSCATION_BLOCK = 64  # bytes: a chunk's JSON is padded to a multiple of this
+_PAD_CHARS = string.ascii_letters + string.digits
 
 
 class StreamShaper:
@@ -29,6 +39,7 @@ class StreamShaper:
         self.handles = list(handles)
         opts = prepared.request.stream_options if prepared is not None else None
         self.continuous = bool(opts and opts.continuous_usage_stats)
+        self.obfuscate = bool(opts and opts.include_obfuscation)
         self.generated = 0
         self.parsers: dict[int, T.ToolCallParser] = {}
         self.offsets: dict[int, int] = {}  # characters sent so far per choice (completion text_offset)
@@ -43,7 +54,7 @@ class StreamShaper:
                 text = L.echo_text(self.p, self.tok, i)
                 self.offsets[i] = len(text)
                 out.append(self.chunks.choice(i, text))
-        return [self._usage(c) for c in out]
+        return [self._dress(c) for c in out]
 
     def token(self, i: int, ev: Token) -> list[dict]:
         self.generated += 1
@@ -56,12 +67,12 @@ class StreamShaper:
         if lp is not None:
             chunk["choices"][0]["logprobs"] = self._logprobs(i, lp)
         self.offsets[i] = self.offsets.get(i, 0) + len(ev.text)
-        return [self._usage(chunk)]
+        return [self._dress(chunk)]
 
     def tail(self, i: int, text: str) -> list[dict]:
         if self.f is not None and self.f.tools is not None:
             return self._tool_events(i, self._parser(i).push(text))
-        return [self._usage(self.chunks.choice(i, text))] if text else []
+        return [self._dress(self.chunks.choice(i, text))] if text else []
 
     def finish(self, i: int, result: Result) -> list[dict]:
         out = []
@@ -70,7 +81,7 @@ class StreamShaper:
             parser = self._parser(i)
             out += self._tool_events(i, parser.end())
             reason = T.finish_reason(reason, parser.calls)
-        return out + [self._usage(self.chunks.finish(i, reason))]
+        return out + [self._dress(self.chunks.finish(i, reason))]
 
     # ---- helpers --------------------------------------------------------------------------------
     def _parser(self, i: int) -> T.ToolCallParser:
@@ -95,14 +106,15 @@ class StreamShaper:
             chunk = self.chunks.choice(i, None)
             chunk["choices"][0]["delta"]["tool_calls"] = [call]
             out.append(chunk)
-        return [self._usage(c) for c in out]
+        return [self._dress(c) for c in out]
 
     def _logprobs(self, i: int, lp) -> dict:
         if self.chunks.kind == "chat":
             return L.chat_logprobs(self.tok, [lp])
         return L.completion_logprobs(self.tok, [lp], self.offsets.get(i, 0))
 
-    def _usage(self, chunk: dict) -> dict:
+    def _dress(self, chunk: dict) -> dict:
+        """The per-chunk extras the client asked for: running usage, then the obfuscation padding."""
         if self.continuous:
             n = max(1, self.chunks.n if hasattr(self.chunks, "n") else 1)
             prompt = sum(getattr(h.admission, "prompt_tokens", 0) for h in self.handles[::n])
@@ -111,7 +123,17 @@ class StreamShaper:
                 "completion_tokens": self.generated,
                 "total_tokens": prompt + self.generated,
             }
+        if self.obfuscate:
+            chunk["obfuscation"] = obfuscation(chunk)
         return chunk
+
+
+def obfuscation(chunk: dict) -> str:
+    """Random characters that bring `chunk`'s JSON (as `kvgate.server.sse.event` writes it, with this
+    field added) to the next multiple of OBFUSCATION_BLOCK bytes: at least one character."""
+    size = len(json.dumps(chunk, ensure_ascii=False).encode()) + len(', "obfuscation": ""')
+    k = (-size) % OBFUSCATION_BLOCK or OBFUSCATION_BLOCK
+    return "".join(secrets.choice(_PAD_CHARS) for _ in range(k))
 
 
 __all__ = ["StreamShaper", "finish_reason"]
