@@ -155,7 +155,11 @@ def test_random_shared_prefix_traffic_keeps_every_block_accounted_for(ops, max_s
         evs = drain(h)
         assert evs and isinstance(evs[-1], Finished | Refused), evs
         if isinstance(evs[-1], Refused):  # after queueing: waited too long, or no start with the queue full
-            assert evs[-1].refusal.code in ("kv_memory_unavailable", "batch_rows_unavailable", "queue_full"), evs[-1].refusal.message
+            assert evs[-1].refusal.code in (
+                "kv_memory_unavailable",
+                "batch_rows_unavailable",
+                "queue_full",
+            ), evs[-1].refusal.message
         if isinstance(evs[-1], Finished) and evs[-1].result.finish_reason == "length":
             res = evs[-1].result
             assert res.token_ids == expected(len(h.request.prompt_ids), len(res.token_ids))

@@ -417,7 +417,11 @@ def test_random_operations_keep_the_invariants(ops, wait, max_seqs, chunk):
         elif isinstance(evs[0], Finished):
             assert len(evs) == 1 and evs[0].result.finish_reason == "cancelled" and h.cancelled
         else:  # waited too long, or could not start at once with the queue full
-            assert len(evs) == 1 and evs[0].refusal.code in ("kv_memory_unavailable", "batch_rows_unavailable", "queue_full")
+            assert len(evs) == 1 and evs[0].refusal.code in (
+                "kv_memory_unavailable",
+                "batch_rows_unavailable",
+                "queue_full",
+            )
             trimmed += evs[0].refusal.code == "queue_full"
     c = hx.counters
     assert c.admitted == admitted == c.finished
