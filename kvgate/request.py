@@ -21,7 +21,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvgate.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
@@ -63,12 +63,17 @@ class GenerationRequest:
     # token after the first under the model's raw logits, with this many top alternatives; None: off.
     # Such a request takes no prefix-cache hits (every prompt position is computed).
     prompt_logprobs: int | None = None
+    # the tokens of OpenAI's `prediction`, the text the client expects back: with --speculate, the
+    # row's first draft source (kvgate.core.predicted); it changes how fast, never what, is generated
+    prediction_ids: list[int] | None = None
 
     def validate(self, vocab_size: int) -> GenerationRequest:
         """Raise `RequestError` / `SamplingError` (both ValueErrors naming the field) or return self."""
         self.sampling.validate()
         check_token_ids(self.prompt_ids, vocab_size, "prompt")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        if self.prediction_ids is not None:
+            check_token_ids(self.prediction_ids, vocab_size, "prediction")
         check_max_tokens(self.max_tokens)
         k = self.prompt_logprobs
         if k is not None and (
@@ -78,6 +83,14 @@ class GenerationRequest:
                 f"prompt_logprobs={k!r} must be an integer between 0 and {MAX_TOP_LOGPROBS} (or unset)",
                 "prompt_logprobs",
             )
+        return self
+
+    def as_kept(self, speculate: int) -> GenerationRequest:
+        """What the engine holds while the request lives: without `--speculate` its prediction is never
+        read, so only the fact that one was sent is kept (usage reports 0 accepted), not its tokens;
+        the plan charges a prediction's memory only where rows speculate."""
+        if self.prediction_ids and not speculate:
+            return replace(self, prediction_ids=[])
         return self
 
 
@@ -165,6 +178,8 @@ class Result:
     # with `prompt_logprobs`: prompt tokens 1..P-1 scored in order (a choice of n > 1 other than the
     # first shares its leader's prompt positions, so only the first choice's list is whole)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # with a `prediction`: (accepted, rejected) prediction drafts (kvgate.core.predicted); else None
+    prediction_tokens: tuple[int, int] | None = None
 
 
 @dataclass

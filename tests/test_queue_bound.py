@@ -236,3 +236,33 @@ def test_a_400_points_at_the_field_the_client_sent(make_engine):
             "too_many_choices",
             "n",
         )
+
+
+def test_retry_after_stands_on_the_median_step_not_one_slow_step():
+    """The soonest row has 200 steps left at ~40 ms a step: about 8 s, whatever one slow step (a
+    prefill chunk, a preempted thread) did to the smoothed step time. Session 30's QA saw Retry-After
+    60 for a row free 14 s later (the openai SDK slept the full 60 s). Red with the EMA back as the
+    step time (26 s)."""
+    from kvgate.core.snapshot import Counters, EngineSnapshot, RowView
+
+    recent = (0.04,) * 20 + (0.9,) + (0.04,) * 3  # the slow step four steps ago
+    ema = 0.04
+    for s in recent:
+        ema = 0.8 * ema + 0.2 * s
+    snap = EngineSnapshot(
+        1,
+        0.0,
+        Counters(),
+        (RowView(1, 200, 4, 10, 0, 50, 250),),
+        (),
+        0,
+        64,
+        32,
+        0,
+        ema,
+        None,
+        0.9,
+        recent_steps=recent,
+    )
+    assert 200 * ema > 20  # what the EMA would have said
+    assert admission.retry_after(snap) == 8

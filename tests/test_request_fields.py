@@ -120,7 +120,6 @@ def test_openai_fields_at_null_or_default_are_accepted():
         ("functions", [{"name": "f"}], "send tools"),
         ("function_call", "auto", "send tool_choice"),
         ("audio", {"voice": "alloy", "format": "wav"}, "audio output"),
-        ("prediction", {"type": "content", "content": "x"}, "predicted outputs"),
         ("web_search_options", {}, "web search"),
         ("modalities", ["text", "audio"], "'audio'"),
         ("modalities", [], '["text"]'),

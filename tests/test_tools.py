@@ -339,6 +339,17 @@ def test_a_replayed_tool_conversation_is_accepted(base):
     ]
     r = httpx.post(base + CHAT, json={"messages": msgs, "tools": TOOLS, "max_tokens": 5}, timeout=60)
     assert r.status_code == 200, r.text
+    # /v1/tokenize counts the prompt the chat request ran, tool turns and tools included (a client
+    # trims its history by it); session 30's QA found 57 counted where the chat ran 99 (245 with
+    # tools): the tokenizer path skipped the tool rendering, and refused `tools`. Red with the old
+    # path (P.chat_messages straight to the template).
+    for extra in ({}, {"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "required"}):
+        chat = httpx.post(base + CHAT, json={"messages": msgs, "max_tokens": 1, **extra}, timeout=60)
+        count = httpx.post(base + "/v1/tokenize", json={"messages": msgs, **extra}, timeout=60)
+        assert count.status_code == 200, count.text
+        assert count.json()["count"] == chat.json()["usage"]["prompt_tokens"], extra
+    r = httpx.post(base + "/v1/tokenize", json={"prompt": "hi", "tools": TOOLS}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
 def test_bad_tool_requests_are_400s_naming_the_field(base):

@@ -241,10 +241,14 @@ def engine_error_refusal() -> Refusal:
 
 def retry_after(snap: EngineSnapshot, queued: int = 0) -> int:
     """Seconds until room is likely: the soonest-finishing row's remaining steps x the step time,
-    stretched by the queue ahead; clamped to [1, 60]."""
+    stretched by the queue ahead; clamped to [1, 60]. The step time is the median of the recent
+    steps: the estimate multiplies it by hundreds of steps, and the EMA (five steps' memory) let one
+    slow step (a prefill chunk, a preempted thread) turn 8 s into 60 s, which the openai SDK then
+    sleeps in full (session 30's QA)."""
     if not snap.rows:
         return 1
-    step = snap.step_time_ema or DEFAULT_STEP_SECONDS
+    recent = sorted(snap.recent_steps)
+    step = recent[len(recent) // 2] if recent else snap.step_time_ema or DEFAULT_STEP_SECONDS
     soonest = min(r.steps_left for r in snap.rows)
     est = soonest * step * (1 + queued / max(1, len(snap.rows)))
     return int(min(60, max(1, round(est))))

@@ -275,7 +275,7 @@ class Engine:
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Refusals that need no waiting (never fits, closed, queue full, TTFT budget) raise `Refusal`
         here; invalid fields raise `RequestError` / `SamplingError`."""
-        request.validate(self.tokenizer.vocab_size)
+        request = request.validate(self.tokenizer.vocab_size).as_kept(self.sched_cfg.speculate)
         handle = RequestHandle(request, self._send_cancel)
         self.gate.submit(handle)
         return handle
@@ -288,7 +288,7 @@ class Engine:
             return [self.submit(request)]
         if n > self.sched_cfg.max_seqs:  # before n handles are built: n (or best_of) may be any integer
             raise admission.too_many_choices(n, self.sched_cfg.max_seqs)
-        request.validate(self.tokenizer.vocab_size)
+        request = request.validate(self.tokenizer.vocab_size).as_kept(self.sched_cfg.speculate)
         handles = [RequestHandle(request, self._send_cancel)]
         for i in range(1, n):
             seed = request.sampling.seed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvgate.core.predicted import PredictionDrafts
 from kvgate.core.speculate import DraftGate, NgramIndex
 from kvgate.request import BudgetCap, RequestHandle
 from kvgate.sampling import Sampler
@@ -62,6 +63,7 @@ class Row:
     followers: list[int] = field(default_factory=list)
     ngrams: NgramIndex | None = None  # speculative decoding's draft source, when the row may speculate
     gate: DraftGate | None = None  # whether it drafts now, from its own acceptance (with ngrams)
+    prediction: PredictionDrafts | None = None  # drafts from the client's `prediction` (with ngrams)
     # a scored prompt's log-probabilities so far (`GenerationRequest.prompt_logprobs`), else None
     prompt_logprobs: list | None = None
 

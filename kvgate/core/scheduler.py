@@ -27,6 +27,7 @@ from kvgate.core import admission
 from kvgate.core.inbox import Cancel, CancelAll, Command, Drain, Submit
 from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.outputs import SchedulerOutput
+from kvgate.core.predicted import PredictionDrafts
 from kvgate.core.rows import Row, WaitEntry
 from kvgate.core.speculate import DraftGate, NgramIndex, eligible
 from kvgate.core.state import EngineState
@@ -188,6 +189,7 @@ class Scheduler:
             sampler=sampler,
             ngrams=NgramIndex() if speculates else None,
             gate=DraftGate() if speculates else None,
+            prediction=self._prediction(req) if speculates and req.prediction_ids else None,
             stop=StopMatcher(stop_ids, req.stop),
             detok=IncrementalDetokenizer(self.tok, req.prompt_ids),
             budget_cap=cap,
@@ -195,6 +197,13 @@ class Scheduler:
             tokens=list(req.prompt_ids),
             prompt_logprobs=None if req.prompt_logprobs is None else [],
         )
+
+    def _prediction(self, req) -> PredictionDrafts:
+        """The row's prediction drafts; a prediction longer than the room for output cannot all be
+        used, and is cut to it."""
+        room = self.cfg.max_model_len - len(req.prompt_ids)
+        ids = req.prediction_ids
+        return PredictionDrafts(ids if len(ids) <= room else ids[:room])
 
     def _start_row(self, row: Row) -> None:
         s = self.state
@@ -293,7 +302,13 @@ class Scheduler:
             return []
         made = len(row.tokens) - len(row.prompt)
         room = min(row.max_tokens - made, self.cfg.max_model_len - len(row.tokens)) - 1
-        return row.ngrams.propose(row.tokens, min(self.cfg.speculate, room))
+        k = min(self.cfg.speculate, room)
+        if row.prediction is not None:  # the client's prediction first, the row's history after it
+            drafts = row.prediction.propose(row.tokens[len(row.prompt) :], k)
+            row.prediction.pending = len(drafts)
+            if drafts:
+                return drafts
+        return row.ngrams.propose(row.tokens, k)
 
     def _leader_behind(self, row: Row) -> bool:
         leader = self.state.running.get(row.leader)

@@ -150,6 +150,11 @@ class EngineState:
             stop_reason=stop_reason,
             cached_tokens=row.cached_tokens,
             prompt_logprobs=row.prompt_logprobs,
+            prediction_tokens=None
+            if row.handle.request.prediction_ids is None
+            else (0, 0)
+            if row.prediction is None
+            else (row.prediction.accepted, row.prediction.rejected),
         )
         self.emit(row.handle, Finished(result, tail))
 

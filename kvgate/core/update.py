@@ -64,6 +64,8 @@ class Updater:
             if rid in mo.verified:
                 c.decode_tokens += 1
                 c.spec_draft_tokens += mo.drafted.get(rid, 0)
+                if row.prediction is not None:  # before the tokens: the row may finish among them
+                    row.prediction.observe(len(tokens) - 1)
             try:
                 for i, token in enumerate(tokens):  # until the row ends (a stop token or string, its length)
                     self._append(row, token, now, logprobs)

@@ -95,6 +95,10 @@ ROW_BYTES_PER_POSITION = 256
 # position of its history; measured 297-315 B per position with tracemalloc (512 to 8192 distinct
 # tokens), rounded up
 NGRAM_BYTES_PER_POSITION = 384
+# a speculating row's `prediction` (kvgate.core.predicted): its token list, at most one token per
+# position of the context, an 8 B slot and a 28-32 B int; rounded up. Without --speculate the engine
+# drops a prediction's tokens at submit, so nothing is held.
+PREDICTION_BYTES_PER_POSITION = 64
 
 
 def padded_len(max_model_len: int, block_size: int) -> int:
@@ -157,7 +161,7 @@ def step_workspace(
         "kernel_scratch": _gemm_scratch(gemms, T, b, limits) + KERNEL_SLACK,
         # what every running row holds between steps: its objects and token lists at full context
         "row_state": S * (Lp * ROW_BYTES_PER_POSITION + ROW_FIXED_BYTES)
-        + (S * Lp * NGRAM_BYTES_PER_POSITION if limits.speculate else 0),
+        + (S * Lp * (NGRAM_BYTES_PER_POSITION + PREDICTION_BYTES_PER_POSITION) if limits.speculate else 0),
         # a row with repetition/presence/frequency penalties: a bool seen-mask and float32 counts over
         # the vocabulary (zero pages until written: a row reaches this after touching most of the vocab)
         "penalty_state": S * V * 5,

@@ -21,6 +21,7 @@ from kvgate.server.bodies import parse_json
 from kvgate.server.context import ServerSettings, check_model
 from kvgate.server.errors import invalid
 from kvgate.server.features import Features, features_of, render_chat
+from kvgate.server.tools import plan_tools
 from kvgate.tokenizer import ChatTemplateError
 
 
@@ -98,6 +99,7 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
     prompt_only = feats.echo and max_tokens == 0
     if prompt_only:
         max_tokens = 1
+    predicted = prediction_ids(engine, req)
     gens = [
         GenerationRequest(
             ids,
@@ -107,6 +109,7 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
             list(req.stop_token_ids or []),
             req.ignore_eos,
             prompt_logprobs=feats.logprobs if feats.scores_prompt else None,
+            prediction_ids=predicted,
         )
         for ids in prompts
     ]
@@ -127,6 +130,22 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
             param="prompt",
         )
     return Prepared(P.request_kind(req), req, gens, feats, prompt_only)
+
+
+def prediction_ids(engine, req) -> list[int] | None:
+    """The tokens of a chat request's `prediction` (kvgate.core.predicted), or None without one."""
+    pred = getattr(req, "prediction", None)
+    if pred is None:
+        return None
+    ids = engine.tokenizer.encode(pred.text(), add_bos=False)
+    L = engine.max_model_len
+    if len(ids) > L:
+        raise invalid(
+            f"prediction is {len(ids)} tokens, more than the model's whole context of {L} positions, "
+            f"which also holds the prompt: send at most the text you expect back (under {L} tokens)",
+            param="prediction",
+        )
+    return ids
 
 
 def submit_all(engine, generations: list[GenerationRequest], n: int = 1) -> list:
@@ -177,8 +196,13 @@ def prepare_tokenize(raw: bytes, engine, settings: ServerSettings) -> dict:
     check_model(settings, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise invalid("send exactly one of 'prompt' or 'messages'", param="prompt")
+    if req.messages is None and (req.tools or req.tool_choice is not None):
+        raise invalid(
+            "'tools' and 'tool_choice' go with 'messages' (a chat's prompt), not 'prompt'", param="tools"
+        )
     if req.messages is not None:
-        ids = chat_ids(engine, P.chat_messages(P.ChatCompletionRequest(messages=req.messages)))
+        chat = P.ChatCompletionRequest(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice)
+        ids = chat_ids(engine, *render_chat(engine, chat, plan_tools(chat)))  # exactly the chat's prompt
     else:
         ids = engine.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}

@@ -11,7 +11,7 @@ different answer. Types are strict for the same reason: "5" is not an integer, "
 
 Null means "not given", as in OpenAI's schema (clients that serialize unset fields send null): a null
 for a field with a non-null default is that default (`"stream": null` is false), and OpenAI's fields
-kvgate does not do (`functions`, `audio`, `prediction`, a replayed message's `function_call`, ...) are
+kvgate does not do (`functions`, `audio`, a replayed message's `function_call`, ...) are
 accepted when null (`modalities` also as its default `["text"]`, `annotations` also empty) and refused
 by name, saying what to send instead, otherwise. `stream_options` needs `stream: true`, as OpenAI's.
 """
@@ -173,6 +173,23 @@ class ChatMessage(_Body):
     function_call: Any = None
 
 
+class Prediction(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise invalid(
+                    f'prediction.content[{j}] must be a text part: {{"type": "text", "text": "..."}}',
+                    param=f"prediction.content.{j}",
+                )
+        return "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -184,8 +201,9 @@ class ChatCompletionRequest(_Common):
     audio: Any = None
     functions: Any = None
     function_call: Any = None
-    prediction: Any = None
     web_search_options: Any = None
+    # OpenAI's predicted outputs: the text the client expects back, a draft source for --speculate
+    prediction: Prediction | None = None
 
 
 class CompletionRequest(_Common):
@@ -200,6 +218,9 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    # with `messages`, as a chat request renders them: the tools' prompt block counts too
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -215,7 +236,6 @@ NULL_ONLY = {
     "functions": "the deprecated form of tools: send tools",
     "function_call": "the deprecated form of tool_choice: send tool_choice (with tools)",
     "audio": "audio output is not implemented; this model answers in text",
-    "prediction": "predicted outputs are not implemented",
     "web_search_options": "web search is not implemented",
 }
 

@@ -24,11 +24,19 @@ def usage(results: list[Result], n: int = 1) -> dict:
     prompt = sum(r.prompt_tokens for r in prompts)
     completion = sum(r.completion_tokens for r in results)
     cap = next((r.budget_cap for r in results if r.budget_cap is not None), None)
+    predicted = [r.prediction_tokens for r in results if r.prediction_tokens is not None]
+    details = {}
+    if predicted:  # the request sent a `prediction` (kvgate.core.predicted)
+        details["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(a for a, _ in predicted),
+            "rejected_prediction_tokens": sum(r for _, r in predicted),
+        }
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in prompts)},
+        **details,
         "budget_cap": None
         if cap is None
         else {
