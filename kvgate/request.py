@@ -66,6 +66,7 @@ class GenerationRequest:
     # the tokens of OpenAI's `prediction`, the text the client expects back: with --speculate, the
     # row's first draft source (kvgate.core.predicted); it changes how fast, never what, is generated
     prediction_ids: list[int] | None = None
+    skip_special_tokens: bool = True  # false: special tokens the model writes stay in the text
 
     def validate(self, vocab_size: int) -> GenerationRequest:
         """Raise `RequestError` / `SamplingError` (both ValueErrors naming the field) or return self."""

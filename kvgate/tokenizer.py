@@ -69,11 +69,15 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=None, variables=None
+    ) -> str:
+        """`variables`: more template variables (a request's `chat_template_kwargs`)."""
+
         def name(i):
             return None if i is None else self.tok.id_to_token(i)
 
-        extra = {"tools": tools} if tools else {}
+        extra = {**(variables or {}), **({"tools": tools} if tools else {})}
         try:
             return self._template.render(
                 messages=messages,
@@ -113,9 +117,27 @@ class TextTokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
 
-    def chat_ids(self, messages: list[dict], tools=None) -> list[int]:
+    def chat_ids(
+        self,
+        messages: list[dict],
+        tools=None,
+        add_generation_prompt=True,
+        continue_final=False,
+        variables=None,
+    ) -> list[int]:
+        """`continue_final`: the final message is left open (its text cut right after its content), so
+        the answer continues it (kvgate.server.chat_template)."""
+        text = self.render_chat(messages, add_generation_prompt, tools, variables)
+        if continue_final:
+            content = messages[-1]["content"]
+            at = text.rfind(content) if content else -1
+            if at < 0:
+                raise ChatTemplateError(
+                    "continue_final_message: the chat template did not write the final message's content "
+                    "as sent, so there is no place to continue it from; send continue_final_message: false"
+                )
+            text = text[: at + len(content)]
         # The template writes BOS itself when the model wants one; never add a second.
-        text = self.render_chat(messages, tools=tools)
         bos = self.token_text(self.info.bos_token_id) if self.info.bos_token_id is not None else None
         return self.encode(text, add_bos=False if bos and text.startswith(bos) else None)
 
@@ -141,16 +163,22 @@ _BYTE_OF = _gpt2_byte_decoder()
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int], context: int = 6):
+    def __init__(
+        self, tokenizer: TextTokenizer, prompt_ids: list[int], context: int = 6, skip_special: bool = True
+    ):
         self.tok = tokenizer
         self.ids = list(prompt_ids[-context:])
         self.prefix = 0
         self.read = len(self.ids)
+        self.skip_special = skip_special  # false: special tokens are written out (vLLM's skip_special_tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids) if self.skip_special else self.tok.decode(ids, skip_special_tokens=False)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        after = self.tok.decode(self.ids[self.prefix :])
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return after[len(before) :]
@@ -159,8 +187,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The held-back text, less an incomplete character at its very end (see the module doc)."""
         window = self.ids[self.prefix :]
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        after = self.tok.decode(window)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(window)
         self.prefix = self.read = len(self.ids)
         broken_tail = getattr(self.tok, "broken_tail", None)  # a decode-only tokenizer keeps it
         if broken_tail is not None and after.endswith("\ufffd"):

@@ -191,7 +191,7 @@ class Scheduler:
             gate=DraftGate() if speculates else None,
             prediction=self._prediction(req) if speculates and req.prediction_ids else None,
             stop=StopMatcher(stop_ids, req.stop),
-            detok=IncrementalDetokenizer(self.tok, req.prompt_ids),
+            detok=IncrementalDetokenizer(self.tok, req.prompt_ids, skip_special=req.skip_special_tokens),
             budget_cap=cap,
             admitted_at=time.monotonic(),
             tokens=list(req.prompt_ids),

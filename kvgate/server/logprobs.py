@@ -100,7 +100,7 @@ def text_offsets(tok, ids, start=0, context=(), limit=None, keep_special=False) 
     prompt given as ids is decoded so)."""
     if len(ids) == 1:  # a streamed token: it starts where the text sent so far ends
         return [start if limit is None else min(start, limit)]
-    detok = IncrementalDetokenizer(_KeepSpecial(tok) if keep_special else tok, list(context))
+    detok = IncrementalDetokenizer(tok, list(context), skip_special=not keep_special)
     out: list[int] = []
     at, held = start, []
     for k, token in enumerate(ids):
@@ -120,14 +120,6 @@ def _place(tok, held: list[int], at: int, text: str) -> list[int]:
     if text not in ("".join(pieces), "".join(pieces) + dec.decode(b"", final=True)):
         return [at] * len(held)
     return [at + n for n in itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)]
-
-
-class _KeepSpecial:
-    def __init__(self, tok):
-        self.tok = tok
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
 
 
 def prompt_offsets(tok, prompt_ids: list[int], prompt_text: str) -> list[int]:

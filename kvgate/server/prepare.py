@@ -18,6 +18,7 @@ from kvgate.request import GenerationRequest, RequestError, check_max_tokens, ch
 from kvgate.sampling import SamplingError, SamplingParams
 from kvgate.server import protocol as P
 from kvgate.server.bodies import parse_json
+from kvgate.server.chat_template import template_options
 from kvgate.server.context import ServerSettings, check_model
 from kvgate.server.errors import invalid
 from kvgate.server.features import Features, features_of, render_chat
@@ -110,6 +111,7 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
             req.ignore_eos,
             prompt_logprobs=feats.logprobs if feats.scores_prompt else None,
             prediction_ids=predicted,
+            skip_special_tokens=req.skip_special_tokens,
         )
         for ids in prompts
     ]
@@ -160,7 +162,7 @@ def submit_all(engine, generations: list[GenerationRequest], n: int = 1) -> list
 def prompt_ids(engine, req, feats: Features | None = None) -> list[list[int]]:
     tok = engine.tokenizer
     if isinstance(req, P.ChatCompletionRequest):
-        return [chat_ids(engine, *render_chat(engine, req, feats.tools if feats else None))]
+        return [chat_ids(engine, *render_chat(engine, req, feats.tools if feats else None), req)]
     p = req.prompt
     if isinstance(p, str):
         out = [tok.encode(p)]
@@ -177,9 +179,11 @@ def prompt_ids(engine, req, feats: Features | None = None) -> list[list[int]]:
     return out
 
 
-def chat_ids(engine, messages: list[dict], tools=None) -> list[int]:
+def chat_ids(engine, messages: list[dict], tools, req) -> list[int]:
+    """The prompt of `req`'s rendered `messages` (and `tools`), by its template fields."""
+    o = template_options(req, req.messages)
     try:
-        return engine.tokenizer.chat_ids(messages, tools=tools)
+        return engine.tokenizer.chat_ids(messages, tools, o.add_generation_prompt, o.continue_final, o.kwargs)
     except ChatTemplateError as exc:
         raise invalid(str(exc), param="messages") from None
 
@@ -202,7 +206,7 @@ def prepare_tokenize(raw: bytes, engine, settings: ServerSettings) -> dict:
         )
     if req.messages is not None:
         chat = P.ChatCompletionRequest(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice)
-        ids = chat_ids(engine, *render_chat(engine, chat, plan_tools(chat)))  # exactly the chat's prompt
+        ids = chat_ids(engine, *render_chat(engine, chat, plan_tools(chat)), req)  # exactly the chat's prompt
     else:
         ids = engine.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvgate.server.chat_template import TemplateFields
 from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.server.schema_errors import describe
 
@@ -133,6 +134,7 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # vLLM's: false keeps special tokens in the text
     user: str | None = None
     n: int | None = None
     logprobs: bool | int | None = None  # chat: a boolean; completions: how many top logprobs
@@ -190,7 +192,7 @@ class Prediction(_Body):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, TemplateFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
@@ -212,7 +214,7 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Body, TemplateFields):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
