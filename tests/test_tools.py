@@ -275,6 +275,25 @@ def test_streamed_tool_calls_assemble_to_the_whole_answer(base):
     check_calls([calls[i] for i in sorted(calls)])
 
 
+def test_the_sdks_stream_helper_assembles_the_same_message_as_the_whole_answer(base):
+    """The openai SDK's `chat.completions.stream` accumulates the deltas into the final message: a
+    tool-call answer has `content` None, as the whole answer's, not "" (session 30's QA: the role
+    chunk carried `content: ""`, so the assembled message differed). Red with the role chunk's
+    empty content back."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    ask = dict(model=client.models.list().data[0].id, messages=MSG, tools=TOOLS, tool_choice="required")
+    ask.update(max_tokens=400, seed=11, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**ask).choices[0].message
+    with client.chat.completions.stream(**ask) as s:
+        final = s.get_final_completion().choices[0].message
+    assert whole.content is None and final.content is None
+    assert [c.function.arguments for c in final.tool_calls] == [
+        c.function.arguments for c in whole.tool_calls
+    ]
+
+
 def test_a_call_cut_by_max_tokens_streams_and_answers_the_same_arguments_without_markup(base):
     """max_tokens ending the output before the call's name, inside its arguments, and inside the
     wrapper's end: streamed and whole agree, finish_reason length, the arguments are the whole

@@ -48,8 +48,9 @@ class StreamShaper:
     def start(self, n: int) -> list[dict]:
         out = []
         for i in range(n):
-            if self.chunks.kind == "chat":
-                out.append(self.chunks.choice(i, "", role=True))
+            if self.chunks.kind == "chat":  # with tools no empty content: a call's message has none
+                tools = self.f is not None and self.f.tools is not None
+                out.append(self.chunks.choice(i, None if tools else "", role=True))
             elif self.f is not None and self.f.echo:
                 text = L.echo_text(self.p, self.tok, i)
                 self.offsets[i] = len(text)
