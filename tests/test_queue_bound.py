@@ -238,22 +238,24 @@ def test_a_400_points_at_the_field_the_client_sent(make_engine):
         )
 
 
-def test_retry_after_stands_on_the_median_step_not_one_slow_step():
-    """The soonest row has 200 steps left at ~40 ms a step: about 8 s, whatever one slow step (a
-    prefill chunk, a preempted thread) did to the smoothed step time. Session 30's QA saw Retry-After
-    60 for a row free 14 s later (the openai SDK slept the full 60 s). Red with the EMA back as the
-    step time (26 s)."""
+def test_retry_after_stands_on_the_median_decode_step():
+    """The soonest row has 200 steps left at ~40 ms a decode step: about 8 s, whatever one slow step
+    (a preempted thread) did to the smoothed step time, and however many prompt chunks a burst just
+    ran (0.5 s each), and with no stretch for the requests queued. Session 30's QA saw Retry-After
+    36-60 for a server clear 2.6 s later (the openai SDK sleeps it in full). Red with the EMA back as
+    the step time (26 s), and with the median over all steps (the chunks: 100 s, capped to 60)."""
     from kvgate.core.snapshot import Counters, EngineSnapshot, RowView
 
-    recent = (0.04,) * 20 + (0.9,) + (0.04,) * 3  # the slow step four steps ago
+    decode = (0.04,) * 20 + (0.9,) + (0.04,) * 3  # the slow step four steps ago
     ema = 0.04
-    for s in recent:
+    for s in decode:
         ema = 0.8 * ema + 0.2 * s
+    rows = (RowView(1, 200, 4, 10, 0, 50, 250), RowView(2, 250, 4, 10, 0, 0, 250))
     snap = EngineSnapshot(
         1,
         0.0,
         Counters(),
-        (RowView(1, 200, 4, 10, 0, 50, 250),),
+        rows,
         (),
         0,
         64,
@@ -262,7 +264,31 @@ def test_retry_after_stands_on_the_median_step_not_one_slow_step():
         ema,
         None,
         0.9,
-        recent_steps=recent,
+        recent_steps=(0.5,) * 30 + decode[-2:],
+        recent_decode_steps=decode,
     )
     assert 200 * ema > 20  # what the EMA would have said
     assert admission.retry_after(snap) == 8
+
+
+def test_the_trim_tells_each_refused_request_the_places_the_kept_ones_take(make_engine):
+    """Three newcomers could not start while 2 choices (--max-queue 2) already waited: each 503 says
+    the earlier requests take 2 of the 2 places, not a running count (session 30's QA saw "take 5 of
+    its 4 places"). Red with the count taken inside the popping loop."""
+    e = make_engine(kv_cache_bytes=32 * 4 * BPT, block_size=4, max_queue=2, max_seqs=8)
+    h0 = hog(e, 4, 124)  # the whole pool; 7 rows stay free, so the gate lets 2 + 7 through
+    handles = [e.submit(req(4, 8, salt=i)) for i in range(1, 6)]
+    refusals = [first_event(h).refusal for h in handles[2:]]  # the newest leave; the first 2 wait
+    assert all(r.code == "queue_full" for r in refusals) and e.snapshot().waiting == 2
+    assert all("take 2 of its 2 places" in r.message for r in refusals), [r.message for r in refusals]
+    h0.cancel()
+
+
+def test_n_choices_count_their_prompt_once_in_the_prompt_tokens_counter(make_engine):
+    """`kvgate_prompt_tokens_total` counts a prompt once however many choices share it, as the usage
+    does (session 30's QA: n=3 raised it by 93 for a 31-token prompt). Red with the leader check taken
+    out (3 x 6)."""
+    e = make_engine(block_size=4)
+    hs = e.submit_choices(req(6, 3, seed=1), 3)
+    assert all(h.result(20).finish_reason == "length" for h in hs)
+    assert e.snapshot().counters.prompt_tokens == 6

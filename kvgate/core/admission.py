@@ -239,19 +239,19 @@ def engine_error_refusal() -> Refusal:
     )
 
 
-def retry_after(snap: EngineSnapshot, queued: int = 0) -> int:
-    """Seconds until room is likely: the soonest-finishing row's remaining steps x the step time,
-    stretched by the queue ahead; clamped to [1, 60]. The step time is the median of the recent
-    steps: the estimate multiplies it by hundreds of steps, and the EMA (five steps' memory) let one
-    slow step (a prefill chunk, a preempted thread) turn 8 s into 60 s, which the openai SDK then
-    sleeps in full (session 30's QA)."""
+def retry_after(snap: EngineSnapshot) -> int:
+    """Seconds until room is likely: the soonest-finishing row's remaining steps x the step time;
+    clamped to [1, 60]. That is when a row, and so a queue place, frees up (the queue's head takes the
+    row): a retry needs a place, not the head of the line. The step time is the median of the recent
+    decode steps (all steps before one ran): the estimate multiplies it by hundreds of steps, and
+    the EMA (five steps' memory), or a median over a burst's prompt chunks, turned 2.6 s into 36-60 s,
+    which the openai SDK sleeps in full (session 30's QA; a queue factor stretched it further)."""
     if not snap.rows:
         return 1
-    recent = sorted(snap.recent_steps)
+    recent = sorted(snap.recent_decode_steps or snap.recent_steps)
     step = recent[len(recent) // 2] if recent else snap.step_time_ema or DEFAULT_STEP_SECONDS
     soonest = min(r.steps_left for r in snap.rows)
-    est = soonest * step * (1 + queued / max(1, len(snap.rows)))
-    return int(min(60, max(1, round(est))))
+    return int(min(60, max(1, round(soonest * step))))
 
 
 def predicted_ttft(

@@ -211,7 +211,8 @@ class Scheduler:
         s.prefill_rr.append(row.id)
         c = s.counters
         c.admitted += 1
-        c.prompt_tokens += len(row.prompt)
+        if row.leader is None:  # n choices share one prompt: counted once, as the usage counts it
+            c.prompt_tokens += len(row.prompt)
         if row.budget_cap is not None:
             c.budget_caps += 1
         c.kv_blocks_held = s.kv.referenced_blocks
@@ -240,10 +241,12 @@ class Scheduler:
         waiting = sum(w.choices for w in s.waiting)
         if waiting <= self.cfg.max_queue:
             return
-        retry = admission.retry_after(s.snapshot(), self.cfg.max_queue)
+        retry = admission.retry_after(s.snapshot())
+        refused = []
         while waiting > self.cfg.max_queue:
-            w = s.waiting.pop()
-            waiting -= w.choices
+            refused.append(s.waiting.pop())
+            waiting -= refused[-1].choices
+        for w in refused:  # each told the places the requests kept before it take, not a running count
             s.counters.queue_rejected += w.choices
             s.leave_queue(w, Refused(admission.queue_trim_refusal(self.cfg, w, waiting, retry)))
 

@@ -92,6 +92,7 @@ class EngineSnapshot:
     slowest_step: float  # seconds; 0 before the first step
     prefill_token_time_best: float | None = None  # the fastest prefill step's seconds per prompt token
     recent_steps: tuple[float, ...] = field(default=())
+    recent_decode_steps: tuple[float, ...] = field(default=())  # of those, the steps without a prompt chunk
     cached_hashes: frozenset = frozenset()  # prompt-block hashes the prefix cache holds
 
     @property

@@ -42,12 +42,15 @@ class StepTimes:
     prefill_token_best: float | None = None
     slowest: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    recent_decode: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # no prompt chunk
 
     def observe(self, seconds: float, prefilled: int, prefill_chunk: int, alone: bool = False) -> None:
         """`alone`: the step ran prompt chunks and no decode rows (what an idle server's prefill is)."""
         self.ema = seconds if self.ema is None else 0.8 * self.ema + 0.2 * seconds
         self.slowest = max(self.slowest, seconds)
         self.recent.append(seconds)
+        if not prefilled:
+            self.recent_decode.append(seconds)
         if prefilled >= min(32, prefill_chunk):  # tiny tail chunks would overstate the per-token time
             t = seconds / prefilled
             ema = self.prefill_token_ema
@@ -206,4 +209,5 @@ class EngineState:
             prefill_token_time_best=t.prefill_token_best,
             slowest_step=t.slowest,
             recent_steps=tuple(t.recent),
+            recent_decode_steps=tuple(t.recent_decode),
         )

@@ -283,20 +283,30 @@ def make_plan(
                 else "."
             )
         )
-    # Shrink the step until its workspace leaves room for at least one min_ctx-token request.
+    # Shrink the step until its workspace leaves room for at least one min_ctx-token request: each time
+    # halve whichever of the prefill chunk and the rows frees more (the larger consumer). Halving the
+    # chunk first, always, took it to 16 tokens (slow prefill) where the rows' logits were the bulk:
+    # with --speculate K each row brings 1 + K logits rows (session 30's QA: 850MiB, chunk 256 -> 16).
     limits = requested
     while room(sized(limits, min_ctx)) < min_kv:
+        options = []
         if limits.prefill_chunk > 16:
-            limits = StepLimits(limits.prefill_chunk // 2, limits.max_seqs, 0, max_model_len, **wk)
-        elif limits.max_seqs > 1:
-            limits = StepLimits(limits.prefill_chunk, limits.max_seqs // 2, 0, max_model_len, **wk)
-        else:  # unreachable after the check above; never loop forever
+            options.append(StepLimits(limits.prefill_chunk // 2, limits.max_seqs, 0, max_model_len, **wk))
+        if limits.max_seqs > 1:
+            options.append(StepLimits(limits.prefill_chunk, limits.max_seqs // 2, 0, max_model_len, **wk))
+        if not options:  # unreachable after the check above; never loop forever
             raise PlanError(f"the smallest step does not fit in the limit {fmt_bytes(limit)} ({source})")
-    if (limits.prefill_chunk, limits.max_seqs) != (requested.prefill_chunk, requested.max_seqs):
-        notes.append(
-            f"step limits shrunk to fit the limit: prefill chunk {requested.prefill_chunk} -> "
-            f"{limits.prefill_chunk}, max rows {requested.max_seqs} -> {limits.max_seqs}"
+        limits = max(options, key=lambda o: room(sized(o, min_ctx)))  # ties: the chunk (listed first)
+    shrunk = [
+        f"{what} {a} -> {b}"
+        for what, a, b in (
+            ("prefill chunk", requested.prefill_chunk, limits.prefill_chunk),
+            ("max rows", requested.max_seqs, limits.max_seqs),
         )
+        if a != b
+    ]
+    if shrunk:
+        notes.append("step limits shrunk to fit the limit: " + ", ".join(shrunk))
     # Size attention for full context when the pool can hold a full-context row; otherwise for the
     # smallest context that is at least what the pool (planned around it) can hold.
     if (
