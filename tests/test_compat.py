@@ -186,3 +186,29 @@ def test_the_readme_field_table_lists_every_request_field():
     fields |= {f"messages.{k}" for k in P.ChatMessage.model_fields}
     missing = sorted(f for f in fields if f not in rows)
     assert not missing, f"README field table lacks {missing}"
+
+
+def test_every_response_carries_a_request_id(base):
+    """`X-Request-Id`: the client's own comes back unchanged (whole answers, streams and errors alike),
+    one that is not a usable id (a space, past 128 characters) is replaced by a fresh one, and none
+    gets a fresh one. `/v1/models` says when the server started, not 0. Session 30's QA found neither.
+    Red with `with_request_id` not wrapping `send` (no header), and with the `ok` check taken out
+    (the bad id echoed)."""
+    import re
+    import time
+
+    body = {"messages": MSG, "max_tokens": 2}
+    r = httpx.post(base + CHAT, json=body, headers={"X-Request-Id": "trace-42"}, timeout=60)
+    assert r.headers["x-request-id"] == "trace-42"
+    with httpx.stream(
+        "POST", base + CHAT, json={**body, "stream": True}, headers={"x-request-id": "s-1"}
+    ) as s:
+        assert s.headers["x-request-id"] == "s-1"
+    bad = httpx.post(base + CHAT, json={"messages": []}, headers={"X-Request-Id": "two words"}, timeout=60)
+    assert bad.status_code == 400 and re.fullmatch("[0-9a-f]{32}", bad.headers["x-request-id"])
+    long = httpx.post(base + CHAT, json=body, headers={"X-Request-Id": "x" * 129}, timeout=60)
+    assert re.fullmatch("[0-9a-f]{32}", long.headers["x-request-id"])
+    fresh = [httpx.get(base + "/v1/models").headers["x-request-id"] for _ in range(2)]
+    assert fresh[0] != fresh[1] and all(re.fullmatch("[0-9a-f]{32}", f) for f in fresh)
+    created = httpx.get(base + "/v1/models").json()["data"][0]["created"]
+    assert time.time() - 24 * 3600 < created <= time.time()

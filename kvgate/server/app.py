@@ -9,6 +9,7 @@ readiness rules. Errors of every kind leave as the one stable body of `errors.py
 from __future__ import annotations
 
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -35,6 +36,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics = Metrics(lambda: app.state.engine)
     app.state.live = LiveStats()
+    app.state.started_at = int(time.time())  # the model card's `created`
     install_openapi(app)
     install_console(app)
     install_routes(app)

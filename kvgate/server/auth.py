@@ -1,14 +1,17 @@
-"""API-key check and request counting, as a pure ASGI middleware.
+"""API-key check, request ids and request counting, as a pure ASGI middleware.
 
 Pure ASGI, not Starlette's BaseHTTPMiddleware, which would interfere with streaming and disconnects.
 `/v1/*` needs `Authorization: Bearer <key>` when a key is set (a constant-time compare); `/`, `/health`
 and `/metrics` stay open. Every response is counted in `kvgate_requests_total{endpoint,status}`, with a
-client that left before any status counted as 499.
+client that left before any status counted as 499. Every response carries `X-Request-Id`: the
+client's own (up to 128 printable ASCII characters; a proxy's or tracer's id comes back unchanged),
+else a fresh one, so a client can quote it against the server's log and a proxy can correlate.
 """
 
 from __future__ import annotations
 
 import hmac
+import uuid
 
 from kvgate.server.errors import APIError
 
@@ -34,9 +37,11 @@ class AuthAndCount:
             return await self.app(scope, receive, send)
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "other"
+        headers = dict(scope["headers"])
+        send = with_request_id(send, headers.get(b"x-request-id", b""))
         key = self.settings.api_key
         if key and path.startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            given = headers.get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, key.encode()):
                 self.metrics.requests.labels(endpoint, "401").inc()
@@ -55,3 +60,16 @@ class AuthAndCount:
             await self.app(scope, receive, send_and_note)
         finally:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+def with_request_id(send, given: bytes):
+    """`send` with `X-Request-Id` added to the response's headers: `given` when it is a usable id."""
+    ok = 0 < len(given) <= 128 and all(33 <= c <= 126 for c in given)
+    rid = given if ok else uuid.uuid4().hex.encode()
+
+    async def send_with_id(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+        await send(message)
+
+    return send_with_id

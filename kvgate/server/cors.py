@@ -13,7 +13,7 @@ import os
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-EXPOSED = ["Retry-After", "X-KVGate-Budget-Cap"]
+EXPOSED = ["Retry-After", "X-KVGate-Budget-Cap", "X-Request-Id"]
 
 
 def add_cors_flag(parser) -> None:

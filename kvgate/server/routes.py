@@ -40,7 +40,8 @@ async def prometheus_metrics(request: Request):
 
 
 def _model_card(state) -> dict:
-    card = {"id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "kvgate"}
+    created = getattr(state, "started_at", 0)  # when this server started serving the model
+    card = {"id": state.settings.model_name, "object": "model", "created": created, "owned_by": "kvgate"}
     if state.engine is not None:
         card["max_model_len"] = state.engine.max_model_len
     return card
