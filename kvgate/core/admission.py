@@ -305,8 +305,9 @@ def ttft_never_refusal(cfg: SchedulerConfig, own_tokens: int, per_token: float |
         "ttft_budget_exceeded",
         f"this request's {own_tokens} prompt tokens to prefill would take about "
         f"{own_tokens * per_token:.1f}s at the fastest rate this server has measured ({1 / per_token:.0f} "
-        f"tokens/s), even on an idle server, more than this server's --max-ttft {cfg.max_ttft:g}s. Shorten the prompt to about {most} tokens (not counting a prefix "
-        "the server has cached), or send it to a server with a larger --max-ttft.",
+        f"tokens/s), even on an idle server, more than this server's --max-ttft {cfg.max_ttft:g}s. "
+        f"Shorten the prompt to about {most} tokens (not counting a prefix the server has cached), or "
+        "send it to a server with a larger --max-ttft.",
         400,
         param="prompt",
     )

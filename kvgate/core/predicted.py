@@ -45,7 +45,8 @@ class PredictionDrafts:
 
     def propose(self, output: list[int], k: int) -> list[int]:
         """Up to `k` drafts for the row whose generated tokens are `output`; [] when the prediction
-        offers none."""
+        offers none. Its drafts are `pending` until the verify's `observe`."""
+        self.pending = 0
         if k <= 0:
             return []
         toks = self.tokens
@@ -56,7 +57,9 @@ class PredictionDrafts:
             self.at = len(output)
             found = self._resync(output)
             self.cursor = len(toks) if found is None else found
-        return toks[self.cursor : self.cursor + k]
+        drafts = toks[self.cursor : self.cursor + k]
+        self.pending = len(drafts)
+        return drafts
 
     def _resync(self, output: list[int]) -> int | None:
         """The position after the longest output suffix (NGRAM_MAX tokens down to 1) found in the

@@ -72,6 +72,15 @@ class Row:
         return self.handle.id
 
     @property
+    def prediction_tokens(self) -> tuple[int, int] | None:
+        """(accepted, rejected) prediction drafts; (0, 0) for a prediction this row never read (it does
+        not speculate); None without a prediction."""
+        if self.handle.request.prediction_ids is None:
+            return None
+        p = self.prediction
+        return (0, 0) if p is None else (p.accepted, p.rejected)
+
+    @property
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt)
 

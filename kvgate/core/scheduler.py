@@ -308,7 +308,6 @@ class Scheduler:
         k = min(self.cfg.speculate, room)
         if row.prediction is not None:  # the client's prediction first, the row's history after it
             drafts = row.prediction.propose(row.tokens[len(row.prompt) :], k)
-            row.prediction.pending = len(drafts)
             if drafts:
                 return drafts
         return row.ngrams.propose(row.tokens, k)

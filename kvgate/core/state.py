@@ -153,11 +153,7 @@ class EngineState:
             stop_reason=stop_reason,
             cached_tokens=row.cached_tokens,
             prompt_logprobs=row.prompt_logprobs,
-            prediction_tokens=None
-            if row.handle.request.prediction_ids is None
-            else (0, 0)
-            if row.prediction is None
-            else (row.prediction.accepted, row.prediction.rejected),
+            prediction_tokens=row.prediction_tokens,
         )
         self.emit(row.handle, Finished(result, tail))
 

@@ -40,8 +40,12 @@ async def prometheus_metrics(request: Request):
 
 
 def _model_card(state) -> dict:
-    created = getattr(state, "started_at", 0)  # when this server started serving the model
-    card = {"id": state.settings.model_name, "object": "model", "created": created, "owned_by": "kvgate"}
+    card = {
+        "id": state.settings.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "kvgate",
+    }
     if state.engine is not None:
         card["max_model_len"] = state.engine.max_model_len
     return card
