@@ -128,7 +128,7 @@ def test_when_both_replicas_are_full_the_client_gets_one_429_with_the_smaller_re
 @pytest.mark.timeout(150)
 def test_a_killed_replica_ends_its_streams_with_the_stable_error_and_traffic_moves_then_returns(cluster):
     """Seen red with `RemoteCall._pump` letting the replica's failure escape: no choice got its
-    `Finished`, so the stream never ended."""
+    `Finished`, so the stream never ended; and with the lost stream not counted in the metrics."""
     from tests.cluster_util import health, kill_replica, replica_views, settle
 
     settle(cluster)
@@ -140,6 +140,10 @@ def test_a_killed_replica_ends_its_streams_with_the_stable_error_and_traffic_mov
     assert wait_until(victim.done, 15), "the killed replica's stream did not end"
     events = [json.loads(x[6:]) for x in victim.lines if x.startswith("data: {")]
     assert victim.lines[-1] == "data: [DONE]" and events[-1]["error"]["code"] == "engine_error"
+    # counted 200 (its header went out), so the metrics say it another way (red with neither counted)
+    text = httpx.get(cluster + "/metrics", timeout=10).text
+    assert 'kvgate_cluster_route_attempts_total{outcome="lost_mid_stream"} 1.0' in text
+    assert 'kvgate_request_finished_total{finish_reason="error"} 1.0' in text
     after = [
         httpx.post(cluster + "/v1/completions", json=body(4, stream=False), timeout=30) for _ in range(3)
     ]

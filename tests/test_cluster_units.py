@@ -93,7 +93,7 @@ def test_aggregate_adds_replicas_up_under_the_engine_snapshot_fields():
         3,
         8,
     )
-    assert total.step_time_ema == pytest.approx(0.02) and total.prefill_token_time_ema is None
+    assert total.step_time_ema == pytest.approx(0.02) and total.prefill_line is None
 
 
 def test_time_to_fit_walks_the_running_rows_by_steps_left():
@@ -132,7 +132,23 @@ def test_with_no_room_anywhere_no_replica_is_asked_and_the_429_names_the_numbers
     with pytest.raises(Refusal) as e:
         run(d.dispatch(FakeCall(blocks=6)))
     assert (e.value.status, e.value.retry_after) == (429, 4)
-    assert "needs 6 KV blocks" in e.value.message and "2/28, 3/28" in e.value.message
+    assert "needs 6 KV blocks" in e.value.message and e.value.code == "kv_memory_unavailable"
+    assert "2/28 blocks free, 0/8 rows busy, 3/28 blocks free" in e.value.message
+    assert "lower max_tokens" in e.value.message
+
+
+def test_with_kv_free_but_every_row_busy_the_cluster_429_says_rows_not_memory():
+    """Both replicas have the KV but all 8 rows run: `batch_rows_unavailable`, the rows in the message,
+    and no advice to lower max_tokens (it cannot help), as a single engine's kv_timeout answers. The
+    session 30 QA pass got `kv_memory_unavailable` with KV free. Red with the code fixed to
+    kv_memory_unavailable."""
+    views = [view("a", free=20, running=8, retry_after=5), view("b", free=20, running=8, retry_after=2)]
+    d = dispatcher(views, lambda t, w: pytest.fail("no replica should be asked"))
+    with pytest.raises(Refusal) as e:
+        run(d.dispatch(FakeCall(blocks=6)))
+    assert (e.value.status, e.value.code, e.value.retry_after) == (429, "batch_rows_unavailable", 2)
+    assert "20/28 blocks free, 8/8 rows busy" in e.value.message
+    assert "lower max_tokens" not in e.value.message
 
 
 def test_a_request_that_fits_nowhere_waits_at_the_ingress_and_starts_where_room_appears_first():

@@ -142,6 +142,12 @@ def test_console_in_headless_chromium(make_engine, tmp_path):
         prompt_tokens = int(page.inner_text("#usage").split("prompt ")[1].split(" ")[0])
         assert cap == str(BLOCKS * BLOCK_SIZE - prompt_tokens), page.inner_text("#budget-cap")
         assert "X-KVGate-Budget-Cap: requested=" in page.inner_text("#budget-cap")
+        # finished: its prompt blocks stay in the prefix cache, evictable, not held by anyone (red when
+        # the console counted every block not free as held, session 30's QA)
+        page.wait_for_function(
+            "() => /^0 \\/ .*; [1-9][0-9]* cached, evictable\\)$/.test("
+            "document.querySelector('#kv-held').textContent)"
+        )
 
         # Over budget: the 400 and its numbers, as the server sent them.
         page.click("#clear")

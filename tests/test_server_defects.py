@@ -299,3 +299,32 @@ def test_a_stalled_engine_turns_health_503_and_refuses_fast(make_engine, stream)
         set_step_hook(e, None)
         assert wait_until(lambda: httpx.get(base + "/health").status_code == 200, 5)
         assert httpx.post(base + COMP, json={"prompt": "z", "max_tokens": 2}).status_code == 200
+
+
+def test_a_stream_that_fails_after_its_200_is_counted_by_how_it_ended(make_engine):
+    """A streamed request whose step fails after its first token: kvgate_requests counts it 200 (the
+    header was sent), so only kvgate_request_finished_total{finish_reason="error"} shows the failure;
+    a request that runs out its max_tokens counts as length. The session 30 QA pass saw a cluster
+    replica killed mid-stream nowhere in the metrics. Red with observe_result not counting."""
+    e = make_engine()
+    fired = threading.Event()
+
+    def fail_second_decode(so):
+        if so.decodes and not fired.is_set():
+            fired.set()
+            raise RuntimeError("step failed on purpose")
+
+    with running_server(e) as (base, _):
+        assert (
+            httpx.post(base + COMP, json={"prompt": "ok", "max_tokens": 3, "ignore_eos": True}).status_code
+            == 200
+        )
+        set_step_hook(e, fail_second_decode)
+        body = {"prompt": "fail me", "max_tokens": 20, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + COMP, json=body) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        set_step_hook(e, None)
+        assert r.status_code == 200 and '"error"' in "".join(lines) and fired.is_set()
+        text = httpx.get(base + "/metrics").text
+    assert metric(text, 'kvgate_request_finished_total{finish_reason="error"}') == 1.0
+    assert metric(text, 'kvgate_request_finished_total{finish_reason="length"}') == 1.0

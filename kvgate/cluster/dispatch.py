@@ -50,6 +50,7 @@ class RouteCounts:
     queued: int = 0  # submissions that waited in the ingress's FIFO (nobody had room)
     refused_everywhere: int = 0  # submissions answered with the cluster's single 429
     queue_full: int = 0  # submissions refused because the ingress's FIFO was full (503)
+    lost_mid_stream: int = 0  # admitted attempts whose replica died or failed before they finished
 
 
 class Dispatcher:
@@ -287,15 +288,27 @@ class Dispatcher:
                 **best.details(),
             )
         d = call.demand
-        free = ", ".join(f"{max(0, v.blocks_available)}/{v.blocks_total}" for v in views)
+        # what each replica lacks: KV, or batch rows (--max-seqs) with KV to spare. Rows only: lowering
+        # max_tokens cannot help, and the code says so (as an engine's own kv_timeout does)
+        kv_short = [v for v in views if v.blocks_available < d.blocks]
+        rows_only = bool(views) and len(kv_short) < len(views)
+        per = ", ".join(
+            f"{max(0, v.blocks_available)}/{v.blocks_total} blocks free, {v.running}/{v.max_seqs} rows busy"
+            for v in views
+        )
         busy = sum(1 for v in views if v.waiting > 0)
         when = f"within {waited:g}s (--max-queue-wait)" if waited else "now"
+        if rows_only:
+            lack = f"every replica that has its {d.blocks} KV blocks free has no {d.rows} batch rows free"
+            fix = "Retry after the Retry-After interval."
+        else:
+            lack = f"it needs {d.blocks} KV blocks and {d.rows} batch rows on one replica"
+            fix = "Retry after the Retry-After interval, or lower max_tokens."
         return Refusal(
-            "kv_memory_unavailable",
-            f"no kvgate replica had room for this request {when}: it needs {d.blocks} KV blocks and {d.rows} "
-            f"batch rows on one replica; free blocks per replica: {free}"
+            "batch_rows_unavailable" if rows_only else "kv_memory_unavailable",
+            f"no kvgate replica had room for this request {when}: {lack}; per replica: {per}"
             + (f"; {busy} replicas have requests already waiting" if busy else "")
-            + ". Retry after the Retry-After interval, or lower max_tokens.",
+            + f". {fix}",
             429,
             retry_after=soonest,
         )

@@ -128,6 +128,7 @@ class RemoteCall:
             if self.cancelled:  # our own cancel ended the stream: nothing failed
                 return
             log.error("replica %s failed mid-request: %s: %s", self.replica, type(exc).__name__, exc)
+            self.dispatcher.counts.lost_mid_stream += 1
             self.dispatcher.replica_failed(self.replica)
             for h in self.handles:
                 if h.index not in self._finished:

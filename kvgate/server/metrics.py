@@ -37,9 +37,18 @@ class Metrics:
             "kvgate_e2e_request_latency_seconds", "Submit to finish", buckets=_LAT, registry=r
         )
         self.queue = Histogram("kvgate_queue_time_seconds", "Submit to admission", buckets=_LAT, registry=r)
+        # how admitted requests ended: a stream that fails after its 200 header (a step error, a cluster
+        # replica lost mid-stream) is counted 200 in kvgate_requests, and here as `error`
+        self.finished = Counter(
+            "kvgate_request_finished",
+            "Admitted requests (each choice) by how they ended: stop, length, cancelled, error",
+            ["finish_reason"],
+            registry=r,
+        )
         r.register(_EngineCollector(get_engine))
 
     def observe_result(self, result) -> None:
+        self.finished.labels(result.finish_reason).inc()
         if result.admitted_at is not None:
             self.queue.observe(result.admitted_at - result.submitted_at)
         if result.first_token_at is not None:

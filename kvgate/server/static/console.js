@@ -99,7 +99,11 @@ function render(r) {
   const kv = r.kv;
   $("running").textContent = `${s.running} / ${s.max_seqs}`;
   $("waiting").textContent = String(s.waiting);
-  $("kv-held").textContent = `${exact(kv.blocks_total - kv.blocks_free)} / ${exact(kv.blocks_total)} (peak ${exact(kv.blocks_peak)})`;
+  // held: referenced by a running request; the prefix cache's blocks are evictable, so they are not held
+  const cached = kv.blocks_cached ?? 0;
+  const held = kv.blocks_referenced ?? kv.blocks_total - kv.blocks_free - cached;
+  $("kv-held").textContent = `${exact(held)} / ${exact(kv.blocks_total)} (peak ${exact(kv.blocks_peak)}; ` +
+    `${exact(cached)} cached, evictable)`;
   if (r.live) {
     renderRefusals(r.live.refusals);
     renderTrends(r.live.series);
