@@ -102,6 +102,7 @@ class SchedulerConfig:
     max_ttft: float | None = None
     prefix_cache: bool = True
     speculate: int = 0  # draft tokens a greedy row may verify per step (kvgate.core.speculate)
+    decode_position_seconds: float = 0.0  # a decode step's growth per row context position (measured)
     cache_root: bytes = b""  # the model's identity: the root of every prompt-block hash
 
     @property

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvgate.core.admission import predicted_ttft
+from kvgate.core.forecast import decode_seconds, predicted_ttft, typical_step
 from kvgate.core.testing import set_step_hook
 from kvgate.request import Admitted, BudgetCap, GenerationRequest, Refusal, Refused, Token
 from kvgate.sampling import SamplingParams
@@ -378,12 +378,12 @@ def test_ttft_budget_refuses_at_arrival_with_the_prediction_and_retry_after(make
     busy rows (the prediction is then only the prefill, well under budget)."""
     e = make_engine(block_size=4, max_seqs=1, max_ttft=0.5)
     e.generate(req(40, 2), timeout=20)  # times a prefill (>= 32 tokens): the prediction needs one
-    assert e.snapshot().prefill_token_time_ema is not None
+    assert e.snapshot().prefill_line is not None
     h = hog(e, 8, 400, step_sleep=0.01)  # the only row, ~4 s of decoding left
-    # the prediction reads the step-time EMA: wait until it has seen the slowed steps. Right after the
-    # hook it still held the fast steps before it, and once those were ~1.2 ms (session 23) 399 of them
-    # came to under the 0.5 s budget: this test failed in a full run for that reason alone
-    assert wait_until(lambda: e.snapshot().step_time_ema >= 0.005)
+    # the prediction reads the typical decode step: wait until it has seen the slowed steps. Right
+    # after the hook it still held the fast steps before it, and once those were ~1.2 ms (session 23)
+    # 399 of them came to under the 0.5 s budget: this test failed in a full run for that reason alone
+    assert wait_until(lambda: typical_step(e.snapshot()) >= 0.005)
     t0 = time.monotonic()
     with pytest.raises(Refusal) as ei:
         e.submit(req(8, 4, salt=1))
@@ -414,9 +414,10 @@ def test_predicted_ttft_walks_running_rows_by_remaining_steps(make_engine):
     snap = e.snapshot()
     soonest = min(r.steps_left for r in snap.rows)
     admit, prefill, ahead = predicted_ttft(e.sched_cfg, snap, [], 10, 4)
-    step = snap.step_time_ema
+    step = typical_step(snap)
     assert soonest < max(r.steps_left for r in snap.rows)
-    assert admit == (soonest + 1) * step  # one snapshot: the forecast is exact arithmetic over it
+    # one snapshot: the forecast is exact arithmetic over it (the steps grow with the rows' contexts)
+    assert admit == decode_seconds(snap, step, soonest + 1) >= (soonest + 1) * step
     # both rows are decoding (`computed` then counts generated tokens too): nothing of theirs is left
     # to prefill. Seen red when a decoding row's prompt - computed went negative into the sum.
     assert ahead == 10 and prefill > 0

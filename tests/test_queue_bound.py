@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from kvgate.core import admission
+from kvgate.core import admission, forecast
+from kvgate.core.prefill_rate import prefill_seconds
 from kvgate.core.testing import set_step_hook
 from kvgate.request import Admitted, Refusal, Refused
 from tests.server_util import wait_until
@@ -69,8 +70,8 @@ def test_ttft_budget_forecasts_the_wait_before_any_prompt_was_timed(make_engine)
     e = make_engine(kv_cache_bytes=32 * 4 * BPT, block_size=4, max_seqs=1, max_ttft=0.5, max_queue_wait=30)
     e.generate(req(4, 4), timeout=20)
     h0 = hog(e, 4, 120)  # one row busy for ~120 slow steps
-    assert wait_until(lambda: e.snapshot().step_time_ema > 0.015)  # the EMA has seen the slow steps
-    assert e.snapshot().prefill_token_time_ema is None and e.snapshot().step_time_ema is not None
+    assert wait_until(lambda: forecast.typical_step(e.snapshot()) > 0.015)  # it has seen the slow steps
+    assert e.snapshot().prefill_line is None and e.snapshot().step_time_ema is not None
     with pytest.raises(Refusal) as ei:
         e.submit(req(4, 4, salt=1))
     r = ei.value
@@ -168,7 +169,7 @@ def test_the_ttft_400_stands_on_whole_prompt_only_chunks():
     t = StepTimes()
     t.observe(0.2, 64, 512, alone=True)  # a short chunk
     t.observe(0.2, 512, 512, alone=False)  # a whole chunk beside decode rows
-    assert t.prefill_token_best is None and t.prefill_token_ema is not None
+    assert t.prefill_token_best is None and t.prefill.line() is not None
     t.observe(0.2, 512, 512, alone=True)
     assert t.prefill_token_best == 0.2 / 512
 
@@ -185,7 +186,7 @@ def test_an_idle_server_never_answers_the_ttft_429(make_engine):
     e.generate(req(40, 1, salt=1), timeout=20)  # one slow 40-token chunk pulls the EMA up
     set_step_hook(e, None)
     snap = e.snapshot()
-    assert snap.idle and 64 * snap.prefill_token_time_ema > 0.3 > 64 * snap.prefill_token_time_best
+    assert snap.idle and prefill_seconds(snap.prefill_line, 0, 64) > 0.3 > 64 * snap.prefill_token_time_best
     assert e.generate(req(64, 1, salt=2), timeout=20).finish_reason == "length"
 
 
@@ -268,7 +269,7 @@ def test_retry_after_stands_on_the_median_decode_step():
         recent_decode_steps=decode,
     )
     assert 200 * ema > 20  # what the EMA would have said
-    assert admission.retry_after(snap) == 8
+    assert forecast.retry_after(snap) == 8
 
 
 def test_the_trim_tells_each_refused_request_the_places_the_kept_ones_take(make_engine):

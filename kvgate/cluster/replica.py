@@ -86,6 +86,10 @@ class KvgateReplica:
             from kvgate.core.testing import set_step_hook
 
             set_step_hook(self.engine, lambda _so: time.sleep(step_delay))
+        if self.engine.sched_cfg.max_ttft is not None:  # as `kvgate serve`: rates before the first request
+            from kvgate.core.calibrate import calibrate_prefill
+
+            log.info("kvgate replica %s: %s", self.tag, calibrate_prefill(self.engine))
         log.info("kvgate replica %s ready: %s", self.tag, self.engine.plan.describe(None).splitlines()[0])
 
     def _view(self):

@@ -24,7 +24,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from kvgate.core.admission import retry_after
+from kvgate.core.forecast import retry_after
 from kvgate.core.snapshot import Counters, EngineSnapshot
 
 
@@ -131,6 +131,9 @@ def aggregate(snaps: list[EngineSnapshot]) -> EngineSnapshot | None:
             # the peak is per engine: the sum of peaks is an upper bound, the max a lower one
             total.kv_blocks_peak = max(c.kv_blocks_peak for c in values)
             out[f.name] = total
+        elif f.name == "prefill_line":  # a mean line over the replicas that have timed a prefill
+            lines = [v for v in values if v is not None]
+            out[f.name] = tuple(sum(c) / len(lines) for c in zip(*lines)) if lines else None
         elif isinstance(first, tuple):
             out[f.name] = tuple(x for v in values for x in v)
         elif isinstance(first, frozenset):

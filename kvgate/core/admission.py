@@ -1,8 +1,8 @@
-"""Admission arithmetic: what a request reserves, every typed refusal, Retry-After, the TTFT forecast.
+"""Admission arithmetic: what a request reserves, and every typed refusal.
 
-Everything here is a pure function of the `SchedulerConfig`, a request, and (for the estimates) an
-`EngineSnapshot`: the admission gate calls it on the caller's thread and the scheduler on the worker,
-and neither reads the other's live state.
+Everything here is a pure function of the `SchedulerConfig` and a request (Retry-After and the TTFT
+forecast, from a snapshot, are `kvgate.core.forecast`): the admission gate calls it on the caller's
+thread and the scheduler on the worker, and neither reads the other's live state.
 
 Refusals, in the order a request meets them:
 - `context_length_exceeded` (400): prompt + max_tokens past the model's context. Checked first, since
@@ -20,13 +20,13 @@ Refusals, in the order a request meets them:
 
 from __future__ import annotations
 
+import math
+
 from kvgate.config import SchedulerConfig
 from kvgate.core.kv_cache import cacheable_blocks, choice_blocks, prompt_block_hashes
+from kvgate.core.prefill_rate import tokens_within
 from kvgate.core.rows import WaitEntry
-from kvgate.core.snapshot import EngineSnapshot, WaiterView
 from kvgate.request import BudgetCap, Refusal, RequestHandle
-
-DEFAULT_STEP_SECONDS = 0.05  # Retry-After's step time before any step was measured
 
 
 def group_blocks(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, hits: int = 0) -> int:
@@ -239,71 +239,21 @@ def engine_error_refusal() -> Refusal:
     )
 
 
-def retry_after(snap: EngineSnapshot) -> int:
-    """Seconds until room is likely: the soonest-finishing row's remaining steps x the step time;
-    clamped to [1, 60]. That is when a row, and so a queue place, frees up (the queue's head takes the
-    row): a retry needs a place, not the head of the line. The step time is the median of the recent
-    decode steps (all steps before one ran): the estimate multiplies it by hundreds of steps, and
-    the EMA (five steps' memory), or a median over a burst's prompt chunks, turned 2.6 s into 36-60 s,
-    which the openai SDK sleeps in full (session 30's QA; a queue factor stretched it further)."""
-    if not snap.rows:
-        return 1
-    recent = sorted(snap.recent_decode_steps or snap.recent_steps)
-    step = recent[len(recent) // 2] if recent else snap.step_time_ema or DEFAULT_STEP_SECONDS
-    soonest = min(r.steps_left for r in snap.rows)
-    return int(min(60, max(1, round(soonest * step))))
-
-
-def predicted_ttft(
-    cfg: SchedulerConfig,
-    snap: EngineSnapshot,
-    pending: list[WaiterView],
-    P: int,
-    max_tokens: int,
-    cached: int = 0,
-    n: int = 1,
-) -> tuple[float, float, int] | None:
-    """(seconds until admission, seconds of prefill, prompt tokens to prefill) for a request arriving
-    now, or None before any step was timed. `pending`: requests the gate accepted that the snapshot
-    does not show yet (they are ahead of this one).
-
-    Admission: the running rows are assumed to run to their max_tokens; walking them by remaining
-    steps, the request is admitted once enough rows and blocks are free for every waiter ahead of it
-    and itself, at the tick after that step (with rows running, never before the step in flight
-    ends). Prefill: every prompt token still to prefill ahead of it plus its own, at the measured
-    seconds per prefill token -- exact with one prompt prefilling, an upper bound when chunks are
-    shared round-robin. `cached`: the newcomer's prompt tokens the prefix cache holds (not
-    prefilled, not allocated); `n`: its choices. Before any prompt chunk large enough to time was
-    prefilled, the prefill counts as 0 s: the forecast is then a lower bound (the admission wait alone),
-    never switched off while steps are timed."""
-    per_token, step = snap.prefill_token_time_ema, snap.step_time_ema
-    if step is None:
-        return None
-    waiters = list(snap.waiters) + list(pending)
-    ahead = sum(r.prompt_left for r in snap.rows) + sum(w.prompt_len for w in waiters) + P - cached
-    slots = len(waiters) + n - (cfg.max_seqs - len(snap.rows))
-    need = group_blocks(cfg, P, max_tokens, n, cached // cfg.block_size)
-    blocks = need - snap.kv_blocks_available + sum(w.blocks for w in waiters)
-    admit = step if snap.rows else 0.0  # admitted at the worker's next tick: after the step in flight
-    if slots > 0 or blocks > 0:
-        admit = float("inf")
-        for steps, nblocks in sorted((r.steps_left, r.blocks) for r in snap.rows):
-            slots, blocks = slots - 1, blocks - nblocks
-            if slots <= 0 and blocks <= 0:
-                admit = (steps + 1) * step
-                break
-    return admit, ahead * (per_token or 0.0), ahead
-
-
-def ttft_never_refusal(cfg: SchedulerConfig, own_tokens: int, per_token: float | None) -> Refusal | None:
-    """The 400 for a prompt whose own prefill, on an idle server, is forecast over `--max-ttft`: no
-    retry of the same request can pass, so no Retry-After."""
+def ttft_never_refusal(
+    cfg: SchedulerConfig, own_tokens: int, per_token: float | None, line: tuple[float, float] | None = None
+) -> Refusal | None:
+    """The 400 for a prompt whose own prefill, on an idle server, is forecast over `--max-ttft` at the
+    fastest rate measured (`per_token`, a lower bound): no retry of the same request can pass, so no
+    Retry-After. The prompt length it advises comes from the fitted line where there is one (a prompt
+    cut to the lower bound's length still ran about 25% over the budget, session 30's QA)."""
     if cfg.max_ttft is None or per_token is None or own_tokens * per_token <= cfg.max_ttft:
         return None
     most = int(cfg.max_ttft / per_token)
+    if line is not None:
+        most = min(most, tokens_within(line, cfg.max_ttft))
     return Refusal(
         "ttft_budget_exceeded",
-        f"this request's {own_tokens} prompt tokens to prefill would take about "
+        f"this request's {own_tokens} prompt tokens to prefill would take at least "
         f"{own_tokens * per_token:.1f}s at the fastest rate this server has measured ({1 / per_token:.0f} "
         f"tokens/s), even on an idle server, more than this server's --max-ttft {cfg.max_ttft:g}s. "
         f"Shorten the prompt to about {most} tokens (not counting a prefix the server has cached), or "
@@ -313,20 +263,20 @@ def ttft_never_refusal(cfg: SchedulerConfig, own_tokens: int, per_token: float |
     )
 
 
-def ttft_refusal(
-    cfg: SchedulerConfig, estimate: tuple[float, float, int], per_token: float | None
-) -> Refusal | None:
-    """The 429 for a forecast over `--max-ttft`, or None when it is within the budget."""
+def ttft_refusal(cfg: SchedulerConfig, estimate: tuple[float, float, int], timed: bool) -> Refusal | None:
+    """The 429 for a forecast over `--max-ttft`, or None when it is within the budget. `timed`: a
+    prefill was timed (else the prefill counted 0 s). Retry-After is the excess rounded up: rounded to
+    the nearest, a forecast 0.4 s over the budget said "retry in 0 s" (clamped to 1, too soon)."""
     admit, prefill, ahead = estimate
     if cfg.max_ttft is None or admit + prefill <= cfg.max_ttft:
         return None
-    wait = "no room is in sight" if admit == float("inf") else f"{admit:.1f}s until rows and KV free up"
-    rate = "not timed yet, counted as 0s" if per_token is None else f"at {1 / per_token:.0f} tokens/s"
+    wait = "no room is in sight" if admit == float("inf") else f"{admit:.2f}s until rows and KV free up"
+    rate = f"about {prefill:.2f}s at the measured prefill rate" if timed else "not timed yet, counted as 0s"
     return Refusal(
         "ttft_budget_exceeded",
-        f"this request would wait about {admit + prefill:.1f}s for its first token ({wait}, then {ahead} "
+        f"this request would wait about {admit + prefill:.2f}s for its first token ({wait}, then {ahead} "
         f"prompt tokens to prefill, {rate}), more than this server's --max-ttft "
         f"{cfg.max_ttft:g}s. Retry after the Retry-After interval.",
         429,
-        retry_after=int(min(60, max(1, round(min(admit + prefill, 3600) - cfg.max_ttft)))),
+        retry_after=int(min(60, max(1, math.ceil(min(admit + prefill, 3600) - cfg.max_ttft)))),
     )

@@ -138,6 +138,7 @@ class Engine:
             max_ttft=cfg.max_ttft,
             prefix_cache=prefix_cache_flag(cfg.prefix_cache),
             speculate=p.limits.speculate,
+            decode_position_seconds=place.decode_position_seconds,
             cache_root=f"{spec.architecture}|{spec.name}|{p.dtype}|{self.kv_dtype}|{loaded.source}".encode(),
         )
         self.inbox = Inbox()

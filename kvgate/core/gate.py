@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvgate.config import SchedulerConfig
-from kvgate.core import admission
+from kvgate.core import admission, forecast
 from kvgate.core.inbox import Inbox
 from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.snapshot import Counters, EngineSnapshot
@@ -73,7 +73,7 @@ class AdmissionGate:
                 # a prompt whose own prefill is over the budget can never pass: a 400 before any 503,
                 # which would only send it back to fail again (rate: the fastest prompt-only step)
                 never = admission.ttft_never_refusal(
-                    cfg, entry.prompt_len - cached, snap.prefill_token_time_best
+                    cfg, entry.prompt_len - cached, snap.prefill_token_time_best, snap.prefill_line
                 )
                 if never is not None:
                     c.rejected_ttft_budget += n
@@ -81,18 +81,15 @@ class AdmissionGate:
             free_rows = max(0, cfg.max_seqs - snap.running)
             if inbox.queued + n > cfg.max_queue + free_rows:
                 c.queue_rejected += n
-                retry = admission.retry_after(snap)
+                retry = forecast.retry_after(snap)
                 raise admission.queue_full_refusal(cfg, inbox.queued, retry, free_rows)
             ahead = inbox.pending(snap.absorbed) if ttft else []
             # the 429 says "wait for the load to drop": with none (no row, no waiter) nothing a retry
             # waits for would change, so an idle server leaves the prompt to the 400 above
             if ttft and not (snap.idle and not ahead):
-                est = admission.predicted_ttft(
-                    cfg, snap, ahead, entry.prompt_len, entry.max_tokens, cached, n
-                )
-                refusal = (
-                    None if est is None else admission.ttft_refusal(cfg, est, snap.prefill_token_time_ema)
-                )
+                est = forecast.predicted_ttft(cfg, snap, ahead, entry.prompt_len, entry.max_tokens, cached, n)
+                timed = snap.prefill_line is not None
+                refusal = None if est is None else admission.ttft_refusal(cfg, est, timed)
                 if refusal is not None:
                     c.rejected_ttft_budget += n
                     raise refusal

@@ -21,6 +21,7 @@ from kvgate.models import LoadedModel, native
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
 from kvgate.models.paged_attention import kernel as paged_attention_kernel
+from kvgate.models.paged_attention import position_seconds
 from kvgate.models.paged_attention import resolve as resolve_decode_attention
 from kvgate.models.prefill_attention import resolve as resolve_prefill_attention
 from kvgate.models.q4_1 import q4_1_blocks
@@ -171,6 +172,9 @@ class Placement:
     prefill_kernel: bool = False  # prompt-chunk attention by the paged CPU kernel (else gather + SDPA)
     cuda_graphs: bool = False  # decode steps replayed from captured CUDA graphs (kvgate.models.decode_graphs)
     step_pieces: bool = False  # steps with prompt chunks replayed piecewise (kvgate.models.step_pieces)
+    # seconds a decode step grows per context position of one of its rows, all layers (the attention
+    # probe's; 0 where none ran): the forecasts' steps grow as the running rows' contexts do
+    decode_position_seconds: float = 0.0
 
 
 def resolve_cuda_graphs(name: str, device: torch.device) -> tuple[bool, bool]:
@@ -355,4 +359,5 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
         prefill_kernel,
         graphs,
         pieces,
+        spec.num_layers * position_seconds(*geometry, kv_dtype, paged),
     )

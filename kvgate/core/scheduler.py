@@ -23,7 +23,7 @@ import logging
 import time
 
 from kvgate.config import SchedulerConfig
-from kvgate.core import admission
+from kvgate.core import admission, forecast
 from kvgate.core.inbox import Cancel, CancelAll, Command, Drain, Submit
 from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.outputs import SchedulerOutput
@@ -226,7 +226,7 @@ class Scheduler:
         late = [(ahead, w) for ahead, w in enumerate(s.waiting) if w.deadline <= now]
         if not late:
             return
-        retry = admission.retry_after(s.snapshot())
+        retry = forecast.retry_after(s.snapshot())
         for ahead, w in late:
             s.waiting.remove(w)
             s.counters.rejected_kv_timeout += w.choices
@@ -241,7 +241,7 @@ class Scheduler:
         waiting = sum(w.choices for w in s.waiting)
         if waiting <= self.cfg.max_queue:
             return
-        retry = admission.retry_after(s.snapshot())
+        retry = forecast.retry_after(s.snapshot())
         refused = []
         while waiting > self.cfg.max_queue:
             refused.append(s.waiting.pop())

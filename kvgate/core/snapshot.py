@@ -88,11 +88,15 @@ class EngineSnapshot:
     kv_blocks_free: int
     kv_blocks_cached: int  # evictable: in the prefix cache, referenced by no request
     step_time_ema: float | None
-    prefill_token_time_ema: float | None  # seconds per prompt token in steps that prefill
+    # (base, slope): seconds per prompt token = base + slope x its position, fitted over recent prefill
+    # steps (kvgate.core.prefill_rate); None before any prompt chunk was timed
+    prefill_line: tuple[float, float] | None
     slowest_step: float  # seconds; 0 before the first step
     prefill_token_time_best: float | None = None  # the fastest prefill step's seconds per prompt token
     recent_steps: tuple[float, ...] = field(default=())
     recent_decode_steps: tuple[float, ...] = field(default=())  # of those, the steps without a prompt chunk
+    recent_decode_periods: tuple[float, ...] = field(default=())  # start to start, decode-only ticks
+    decode_position_seconds: float = 0.0  # a decode step's growth per row context position (measured)
     cached_hashes: frozenset = frozenset()  # prompt-block hashes the prefix cache holds
 
     @property

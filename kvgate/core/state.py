@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvgate.core.inbox import Inbox
 from kvgate.core.kv_cache import KVCacheManager, choice_blocks
+from kvgate.core.prefill_rate import PrefillFit
 from kvgate.core.rows import Row, WaitEntry
 from kvgate.core.snapshot import Counters, EngineSnapshot, RowView, WaiterView
 from kvgate.request import Finished, RequestHandle, Result
@@ -35,7 +36,7 @@ RECENT_STEPS = 32
 @dataclass
 class StepTimes:
     ema: float | None = None  # smoothed seconds per step
-    prefill_token_ema: float | None = None  # seconds per prompt token in steps that prefill
+    prefill: PrefillFit = field(default_factory=PrefillFit)  # seconds per prompt token, by position
     # the fastest step that prefilled a whole chunk and nothing else: on an idle server a prompt of any
     # length takes at least its length times this (a shorter chunk pays the step's fixed cost over
     # fewer tokens), so the TTFT budget's 400 stands on a lower bound
@@ -43,18 +44,27 @@ class StepTimes:
     slowest: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     recent_decode: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # no prompt chunk
+    # start-to-start seconds of decode-only ticks: the forward plus the worker's own scheduling, update
+    # and publishing, and whatever the event loop takes from it (session 31: the forward alone was
+    # 15-20% short, and a forecast of 1.5 s became a 1.94 s wait)
+    position_seconds: float = 0.0  # a decode step's growth per row context position (the probe's)
+    recent_decode_periods: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
-    def observe(self, seconds: float, prefilled: int, prefill_chunk: int, alone: bool = False) -> None:
-        """`alone`: the step ran prompt chunks and no decode rows (what an idle server's prefill is)."""
+    def observe_period(self, seconds: float) -> None:
+        self.recent_decode_periods.append(seconds)
+
+    def observe(
+        self, seconds: float, prefilled: int, prefill_chunk: int, alone: bool = False, position: float = 0.0
+    ) -> None:
+        """`alone`: the step ran prompt chunks and no decode rows (what an idle server's prefill is);
+        `position`: the prefilled tokens' mean position in their prompts."""
         self.ema = seconds if self.ema is None else 0.8 * self.ema + 0.2 * seconds
         self.slowest = max(self.slowest, seconds)
         self.recent.append(seconds)
         if not prefilled:
             self.recent_decode.append(seconds)
         if prefilled >= min(32, prefill_chunk):  # tiny tail chunks would overstate the per-token time
-            t = seconds / prefilled
-            ema = self.prefill_token_ema
-            self.prefill_token_ema = t if ema is None else 0.8 * ema + 0.2 * t
+            self.prefill.add(position, seconds / prefilled)
         if alone and prefilled >= prefill_chunk:  # a whole chunk: its fixed cost spread as thin as can be
             t = seconds / prefilled
             best = self.prefill_token_best
@@ -201,9 +211,11 @@ class EngineState:
             kv_blocks_cached=kv.cached_blocks,
             cached_hashes=self._cached_hashes(),
             step_time_ema=t.ema,
-            prefill_token_time_ema=t.prefill_token_ema,
+            prefill_line=t.prefill.line(),
             prefill_token_time_best=t.prefill_token_best,
             slowest_step=t.slowest,
             recent_steps=tuple(t.recent),
             recent_decode_steps=tuple(t.recent_decode),
+            recent_decode_periods=tuple(t.recent_decode_periods),
+            decode_position_seconds=t.position_seconds,
         )

@@ -40,10 +40,14 @@ class EngineCore:
         self.runner = runner
         kv = KVCacheManager(cfg.total_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
         self.state = EngineState(kv, inbox, cfg.prefill_chunk)
+        self.state.times.position_seconds = cfg.decode_position_seconds
         self.scheduler = Scheduler(self.state, cfg, tokenizer)
         self.updater = Updater(self.state, cfg.max_model_len, cfg.prefill_chunk)
         self.snapshot: EngineSnapshot = self.state.snapshot()
         self.step_started: float | None = None  # when the forward in flight began (the watchdog reads it)
+        # when the last decode-only step began, while rows kept running after it (no idle wait since):
+        # the next step's start then closes one whole tick period, scheduling and publishing included
+        self._decode_began: float | None = None
 
     def wait_time(self) -> float:
         """How long the worker may block on its inbox: not at all with rows running, else until the
@@ -59,7 +63,9 @@ class EngineCore:
         self.publish()
         if out.empty:
             return
-        self.step_started = time.monotonic()
+        self.step_started = began = time.monotonic()
+        if self._decode_began is not None:
+            self.state.times.observe_period(began - self._decode_began)
         try:
             result = self.runner.execute(out)
         finally:
@@ -74,6 +80,8 @@ class EngineCore:
                 if row is not None:
                     s.counters.failed += 1
                     s.finish(row, "error", error=f"{type(exc).__name__}: {exc}", flush=False)
+        decode_only = not out.prefills and result.step_error is None
+        self._decode_began = began if decode_only and self.state.running else None
         self.publish()
 
     def fail_all(self, reason: str) -> None:

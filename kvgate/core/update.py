@@ -39,7 +39,10 @@ class Updater:
                 s.finish(row, "error", error=mo.step_error)
             return
         prefilled = sum(len(p.tokens) for p in so.prefills)
-        s.times.observe(mo.seconds, prefilled, self.prefill_chunk, alone=not (so.decodes or so.verifies))
+        # the prefilled tokens' mean position: a chunk deep in a long prompt costs more per token
+        position = sum(len(p.tokens) * (p.start + len(p.tokens) / 2) for p in so.prefills) / max(1, prefilled)
+        alone = not (so.decodes or so.verifies)
+        s.times.observe(mo.seconds, prefilled, self.prefill_chunk, alone=alone, position=position)
         c.steps += 1
         if so.decodes or so.verifies:
             c.decode_steps += 1

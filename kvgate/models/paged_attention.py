@@ -145,3 +145,17 @@ def resolve(
             )
         return True, "paged kernel (--decode-attention paged)"
     return choose(device, dtype, heads, kv_heads, head_dim, block_size, kv_dtype)
+
+
+def position_seconds(
+    device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, kv_dtype, paged: bool
+) -> float:
+    """Seconds one decode row's attention adds to a layer's step per context position, from the probe's
+    one-row race (cached: no new timing) on the path that serves; the TTFT forecast and Retry-After
+    use it for the steps growing as the rows' contexts grow. One row's cost per position is the largest
+    (more rows share the threads better): a forecast that errs, errs late. 0 where nothing was probed
+    (CUDA, or no kernel to race)."""
+    if torch.device(device).type != "cpu" or kernel() is None:
+        return 0.0
+    t = probe(heads, kv_heads, head_dim, block_size, dtype, kv_dtype or dtype)
+    return t[1][0 if paged else 1] / PROBE_CONTEXT

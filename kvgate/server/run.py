@@ -70,6 +70,7 @@ class GracefulServer(uvicorn.Server):
 
 def serve(args) -> int:
     from kvgate.config import engine_config
+    from kvgate.core.calibrate import calibrate_prefill
     from kvgate.core.engine import Engine
 
     logging.basicConfig(
@@ -97,7 +98,10 @@ def serve(args) -> int:
             print(engine.plan.describe(1024), file=sys.stderr, flush=True)
             if engine.prefetch_note:
                 print(f"  {engine.prefetch_note}", file=sys.stderr, flush=True)
-            app.state.engine = engine.start()
+            engine.start()
+            if cfg.max_ttft is not None:  # the TTFT budget's rates, before the first request
+                print(f"  {calibrate_prefill(engine)}", file=sys.stderr, flush=True)
+            app.state.engine = engine
             app.state.status = "ready"
             host = f"[{args.host}]" if ":" in args.host else args.host
             print(

@@ -1,0 +1,115 @@
+"""How long until a request could start, from one published snapshot: Retry-After and the TTFT forecast.
+
+Both walk the running rows by their remaining steps. What one step takes:
+- `typical_step`: the median of the recent decode-only tick periods (start to start: the forward, the
+  worker's scheduling and publishing, and what the event loop takes from it). Not the step-time EMA:
+  five steps' memory with prompt chunks in it turned 2.6 s into 36-60 s of Retry-After and a 1.2 s
+  wait for a row into a 7.9-13 s forecast (session 30's QA). Not the forward alone: 15-20% short.
+- `decode_seconds`: that step grows as the rows' contexts do (each decode row's attention reads one
+  more position a step) and shrinks as rows end, by the attention probe's seconds per position
+  (`EngineSnapshot.decode_position_seconds`). With a fixed step, a live SmolLM2 server forecast
+  2.49 s where 3.29 s passed, with two rows 500-1,100 positions deep (session 31).
+
+Prefill is priced by position (`kvgate.core.prefill_rate`). Every forecast is as good as the rows'
+max_tokens: a row that stops on EOS frees its place early, so the forecast errs late, never early.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvgate.config import SchedulerConfig
+from kvgate.core.admission import group_blocks
+from kvgate.core.prefill_rate import prefill_seconds
+from kvgate.core.snapshot import EngineSnapshot, WaiterView
+
+DEFAULT_STEP_SECONDS = 0.05  # Retry-After's step time before any step was measured
+
+
+def typical_step(snap: EngineSnapshot) -> float | None:
+    """Seconds per decode tick now: the median of the recent decode-only tick periods, else of the
+    forwards without a prompt chunk, else of all recent forwards, else the EMA; None before any step."""
+    recent = sorted(snap.recent_decode_periods or snap.recent_decode_steps or snap.recent_steps)
+    return recent[len(recent) // 2] if recent else snap.step_time_ema
+
+
+def decode_seconds(snap: EngineSnapshot, step: float, steps: int) -> float:
+    """Seconds for the next `steps` ticks of the running rows, each row running its `steps_left`: the
+    typical `step` now, plus the probe's seconds per position for every position the rows still
+    running have grown by, less those of the rows that have ended (a stretch of ticks averaging at
+    least half the step)."""
+    c = snap.decode_position_seconds
+    if steps <= 0:
+        return 0.0
+    if c <= 0 or not snap.rows:
+        return steps * step
+    rows = sorted((r.steps_left, r.prompt_len + r.generated) for r in snap.rows)
+    now = sum(ctx for _, ctx in rows)  # the positions today's step reads
+    total, k, running, contexts = 0.0, 0, len(rows), now
+    for left, ctx in rows + [(math.inf, 0)]:
+        end = min(left, steps)
+        if end > k:  # ticks k..end-1 with `running` rows, each at its context + tick
+            n = end - k
+            grown = running * (k + end - 1) * n / 2 + n * contexts
+            total += n * max(step + c * (grown / n - now), step / 2)
+            k = end
+        if k >= steps:
+            break
+        running, contexts = running - 1, contexts - ctx
+    return total
+
+
+def retry_after(snap: EngineSnapshot) -> int:
+    """Seconds until room is likely: until the soonest-finishing row ends; clamped to [1, 60]. That is
+    when a row, and so a queue place, frees up (the queue's head takes the row): a retry needs a
+    place, not the head of the line (a queue factor stretched it, and the openai SDK sleeps a
+    Retry-After in full)."""
+    if not snap.rows:
+        return 1
+    step = typical_step(snap) or DEFAULT_STEP_SECONDS
+    soonest = min(r.steps_left for r in snap.rows)
+    return int(min(60, max(1, round(decode_seconds(snap, step, soonest)))))
+
+
+def predicted_ttft(
+    cfg: SchedulerConfig,
+    snap: EngineSnapshot,
+    pending: list[WaiterView],
+    P: int,
+    max_tokens: int,
+    cached: int = 0,
+    n: int = 1,
+) -> tuple[float, float, int] | None:
+    """(seconds until admission, seconds of prefill, prompt tokens to prefill) for a request arriving
+    now, or None before any step was timed. `pending`: requests the gate accepted that the snapshot
+    does not show yet (they are ahead of this one).
+
+    Admission: the running rows are assumed to run to their max_tokens; walking them by remaining
+    steps, the request is admitted once enough rows and blocks are free for every waiter ahead of it
+    and itself, at the tick after that step (with rows running, never before the step in flight
+    ends). Prefill: every prompt token still to prefill ahead of it plus its own, each at the fitted
+    cost of its position -- exact with one prompt prefilling, an upper bound when chunks are shared
+    round-robin. `cached`: the newcomer's prompt tokens the prefix cache holds (not prefilled, not
+    allocated); `n`: its choices. Before any prompt chunk large enough to time was prefilled, the
+    prefill counts as 0 s: the forecast is then a lower bound (the admission wait alone), never
+    switched off while steps are timed."""
+    line, step = snap.prefill_line, typical_step(snap)
+    if step is None:
+        return None
+    waiters = list(snap.waiters) + list(pending)
+    spans = [(r.prompt_len - r.prompt_left, r.prompt_len) for r in snap.rows if r.prompt_left > 0]
+    spans += [(0, w.prompt_len) for w in waiters] + [(cached, P)]
+    ahead = sum(end - start for start, end in spans)
+    prefill = sum(prefill_seconds(line, start, end) for start, end in spans)
+    slots = len(waiters) + n - (cfg.max_seqs - len(snap.rows))
+    need = group_blocks(cfg, P, max_tokens, n, cached // cfg.block_size)
+    blocks = need - snap.kv_blocks_available + sum(w.blocks for w in waiters)
+    admit = step if snap.rows else 0.0  # admitted at the worker's next tick: after the step in flight
+    if slots > 0 or blocks > 0:
+        admit = float("inf")
+        for steps, nblocks in sorted((r.steps_left, r.blocks) for r in snap.rows):
+            slots, blocks = slots - 1, blocks - nblocks
+            if slots <= 0 and blocks <= 0:
+                admit = decode_seconds(snap, step, steps + 1)
+                break
+    return admit, prefill, ahead
