@@ -56,6 +56,21 @@ def test_the_openai_client_works_unchanged_against_the_ingress(cluster):
     }
 
 
+@pytest.mark.timeout(60)
+def test_the_ingress_resources_add_up_the_replicas_and_say_the_plan_is_each_ones(cluster):
+    """Two replicas of 8 rows: the cluster has 16 rows and twice one plan's KV blocks; the plan is
+    labelled as each replica's. Red with `cluster_resources` passing the single server's scheduler
+    through (max_seqs 8: a console read "running 0 / 8" of a 16-row cluster)."""
+    from tests.cluster_util import settle
+
+    settle(cluster)
+    r = httpx.get(cluster + "/v1/resources", timeout=10).json()
+    per = r["plan"]["kv_blocks"]
+    assert (r["scheduler"]["max_seqs"], r["scheduler"]["max_seqs_per_replica"]) == (16, 8)
+    assert r["kv"]["blocks_total"] == 2 * per and "each replica (2 ready)" in r["plan"]["scope"]
+    assert sum(v["kv_blocks_total"] for v in r["replicas"]) == r["kv"]["blocks_total"]
+
+
 @pytest.mark.timeout(120)
 def test_a_request_that_fits_no_replica_gets_the_400_with_the_numbers(cluster):
     """Seen red with `ClusterEngine.submit_many` skipping `plan_entry`: the client got a 429 (no

@@ -66,7 +66,16 @@ async def cluster_health(request: Request):
 
 
 async def cluster_resources(request: Request):
+    """The single server's body with the cluster's totals (KV, rows, ledger: every ready replica
+    added up) and each replica's own figures under `replicas`. `plan` is the plan every replica runs,
+    said so in `plan.scope`; the scheduler's `max_seqs` is the cluster's rows (a console showed
+    "running 0 / 4" for 8 rows on two replicas, session 30's QA), with one replica's beside it."""
     body = await routes.resources(request)
+    ready = request.app.state.engine.dispatcher.ready_views()
+    sched = body["scheduler"]
+    sched["max_seqs_per_replica"] = sched["max_seqs"]
+    sched["max_seqs"] = sum(v.max_seqs for v in ready)
+    body["plan"]["scope"] = f"each replica ({len(ready)} ready) runs this plan; kv and ledger are their sums"
     body["replicas"] = [
         {
             "replica": v.replica,
