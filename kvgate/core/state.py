@@ -44,10 +44,10 @@ class StepTimes:
     slowest: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     recent_decode: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # no prompt chunk
+    position_seconds: float = 0.0  # a decode step's growth per row context position (the probe's)
     # start-to-start seconds of decode-only ticks: the forward plus the worker's own scheduling, update
     # and publishing, and whatever the event loop takes from it (session 31: the forward alone was
     # 15-20% short, and a forecast of 1.5 s became a 1.94 s wait)
-    position_seconds: float = 0.0  # a decode step's growth per row context position (the probe's)
     recent_decode_periods: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
     def observe_period(self, seconds: float) -> None:
