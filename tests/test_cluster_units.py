@@ -105,6 +105,14 @@ def test_time_to_fit_walks_the_running_rows_by_steps_left():
     assert routing.time_to_fit(v, Demand(29, 1), Holds()) == float("inf")
 
 
+def test_time_to_fit_walks_the_typical_decode_tick_not_the_prefill_pulled_ema():
+    """A replica whose EMA a burst of prompt chunks pulled to 0.5 s, decoding at 20 ms a tick: a
+    request fits when its row with 10 steps left ends, in 11 x 20 ms, not 5.5 s (which would make the
+    ingress wait on the wrong replica). Red with `time_to_fit` back on `step_time`."""
+    v = view("a", free=2, ending=((30, 6), (10, 4)), step_time=0.5, decode_step=0.02)
+    assert routing.time_to_fit(v, Demand(6, 1), Holds()) == pytest.approx(11 * 0.02)
+
+
 # ---- two-phase dispatch, with a scripted Serve handle -------------------------------------------------
 def test_a_race_refusal_is_retried_on_the_next_replica_and_never_reaches_the_client():
     """Seen red with `dispatch` raising the first refusal instead of trying the next replica."""

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvgate.cluster.views import ReplicaView
+from kvgate.core.forecast import decode_seconds
 
 
 @dataclass(frozen=True)
@@ -188,19 +189,21 @@ def rank_soon(
 def time_to_fit(view: ReplicaView, demand: Demand, holds: Holds, shared: int = 0) -> float:
     """Seconds until `demand` fits this replica if nothing else is started there: its running rows
     are walked by steps left (each frees its blocks and row when it ends), as the engine's own TTFT
-    forecast does. 0 when it fits now; infinite when even an empty replica would not hold it."""
+    forecast does, at its typical decode tick growing with the rows' contexts (not the step-time EMA,
+    which prompt chunks pull up). 0 when it fits now; infinite when even an empty replica would not
+    hold it."""
     if not view.healthy or view.blocks_total < demand.blocks or view.max_seqs < demand.rows:
         return float("inf")
     need = demand.blocks - shared
     blocks, rows = room(view, holds)
     if blocks >= need and rows >= demand.rows:
         return 0.0
-    step = view.step_time or 0.05
+    step = view.decode_step or view.step_time or 0.05
     ending = sorted((r.steps_left, r.blocks) for r in (view.snapshot.rows if view.snapshot else ()))
     for steps, freed in ending:
         blocks, rows = blocks + freed, rows + 1
         if blocks >= need and rows >= demand.rows:
-            return (steps + 1) * step
+            return decode_seconds(view.snapshot, step, steps + 1)
     return float("inf")
 
 

@@ -24,7 +24,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from kvgate.core.forecast import retry_after
+from kvgate.core.forecast import retry_after, typical_step
 from kvgate.core.snapshot import Counters, EngineSnapshot
 
 
@@ -43,12 +43,15 @@ class ReplicaView:
     max_seqs: int
     max_queue: int
     max_queue_wait: float
-    step_time: float | None
+    step_time: float | None  # the step-time EMA: how long the step in flight may take (admit bound)
     retry_after: int  # seconds until this replica likely has room (the engine's own estimate)
     ledger_limit: int
     ledger: list  # the engine ledger's reservations: [{"role", "lifetime", "bytes", "holder"}]
     pid: int
     snapshot: EngineSnapshot | None = None
+    decode_step: float | None = (
+        None  # the typical decode tick (kvgate.core.forecast): for walks of many steps
+    )
     acked: tuple = ()  # the ingress's attempt tokens this replica admitted lately (releases holds early)
 
 
@@ -95,6 +98,7 @@ def view_of(engine, replica: str, acked: tuple = ()) -> ReplicaView:
         max_queue=cfg.max_queue,
         max_queue_wait=cfg.max_queue_wait,
         step_time=snap.step_time_ema,
+        decode_step=typical_step(snap),
         retry_after=retry_after(snap),
         ledger_limit=engine.ledger.limit,
         ledger=engine.ledger.snapshot(),
