@@ -89,12 +89,14 @@ def test_every_v1_route_needs_the_key_and_health_metrics_stay_open(keyed):
         "/v1/tokenize",
         "/v1/detokenize",
         "/v1/resources",
+        "/v1/responses",
     }
     bodies = {
         CHAT: {"messages": MSG, "max_tokens": 2},
         "/v1/completions": {"prompt": "hi", "max_tokens": 2},
         "/v1/tokenize": {"prompt": "hi"},
         "/v1/detokenize": {"tokens": [5, 6]},
+        "/v1/responses": {"input": "hi", "max_output_tokens": 2},
     }
     wrong = [
         None,

@@ -21,12 +21,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from kvgate.server.openapi_fields import tighten_features, tighten_message
+from kvgate.server.openapi_responses import SCHEMAS, responses_route_docs, tighten_responses_request
 
 _BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
     "/v1/tokenize": "TokenizeRequest",
     "/v1/detokenize": "DetokenizeRequest",
+    "/v1/responses": "ResponsesRequest",
 }
 
 _NULL = {"type": "null"}
@@ -254,6 +256,8 @@ def _route_responses(path: str) -> dict:
     if path in ("/v1/tokenize", "/v1/detokenize"):
         name = "TokenizeResponse" if path == "/v1/tokenize" else "DetokenizeResponse"
         return {"200": _ok(name), **{str(s): _error(s) for s in (400, 401, 404, 413, 503)}}
+    if path == "/v1/responses":
+        return responses_route_docs(_error)
     if path in ("/v1/chat/completions", "/v1/completions"):
         name = "ChatCompletion" if path == "/v1/chat/completions" else "Completion"
         ok = _ok(name, "The completion (JSON), or with stream=true a server-sent event stream")
@@ -316,7 +320,7 @@ def _tighten_messages(schemas: dict) -> None:
 
 
 def install_openapi(app: FastAPI) -> None:
-    from kvgate.server import protocol
+    from kvgate.server import protocol, responses_protocol
 
     def openapi():
         if app.openapi_schema:
@@ -326,7 +330,7 @@ def install_openapi(app: FastAPI) -> None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for path, name in _BODIES.items():
-            model = getattr(protocol, name)
+            model = getattr(protocol, name, None) or getattr(responses_protocol, name)
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(js.pop("$defs", {}))
             schemas[name] = js
@@ -356,6 +360,8 @@ def install_openapi(app: FastAPI) -> None:
         token = {"type": "integer", "minimum": 0, **({"maximum": vocab - 1} if vocab else {})}
         schemas["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token}
         schemas.update(copy.deepcopy(_RESPONSES))
+        schemas.update(copy.deepcopy(SCHEMAS))
+        tighten_responses_request(schemas["ResponsesRequest"])
         for path, ops in doc["paths"].items():
             for op in ops.values():
                 op["responses"] = _route_responses(path) or op.get("responses", {})

@@ -16,6 +16,7 @@ from kvgate.server import protocol as P
 from kvgate.server.bodies import read_body
 from kvgate.server.context import check_model, ready_engine
 from kvgate.server.prepare import prepare_detokenize, prepare_tokenize
+from kvgate.server.responses_route import responses
 from kvgate.server.serving import generate
 
 
@@ -132,6 +133,7 @@ ROUTES = [
     ("POST", "/v1/detokenize", detokenize),
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
+    ("POST", "/v1/responses", responses),
 ]
 
 

@@ -41,11 +41,13 @@ class ClientGone(Exception):
     pass
 
 
-async def generate(request: Request, cls) -> Response:
+async def generate(request: Request, cls, raw: bytes | None = None) -> Response:
+    """`raw`: the body, when the caller has read (and rewritten) it: `/v1/responses`."""
     state = request.app.state
     settings = state.settings
     eng = ready_engine(state)
-    raw = await read_body(request, settings.max_body_bytes)
+    if raw is None:
+        raw = await read_body(request, settings.max_body_bytes)
     prepared = await asyncio.to_thread(prepare_generation, raw, cls, eng, settings)
     try:
         handles = await submitted(eng, prepared.generations, prepared.candidates)

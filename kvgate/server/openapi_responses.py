@@ -1,0 +1,96 @@
+"""The OpenAPI document's part for `POST /v1/responses` (`kvgate.server.responses_route`): its request
+ranges, its `response` object, and its event stream, whose entries are named events
+(`event: response.created`, ...), unlike the chat stream's unnamed `data:` lines.
+
+Split from `openapi.py`, which calls `tighten_responses_request` and merges `SCHEMAS`.
+"""
+
+from __future__ import annotations
+
+from kvgate.sampling import MAX_TOP_LOGPROBS
+
+_NULL = {"type": "null"}
+_INT = {"type": "integer"}
+_STR = {"type": "string"}
+
+# as the chat path enforces them (the request becomes a chat request: kvgate.server.responses_input)
+_RANGES = {
+    "max_output_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0, "maximum": 2},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
+    "seed": {"minimum": -(2**63), "maximum": 2**64 - 1},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+}
+
+
+def tighten_responses_request(js: dict) -> None:
+    for name, rng in _RANGES.items():
+        prop = js["properties"][name]
+        for branch in prop.get("anyOf", [prop]):
+            if branch.get("type") != "null":
+                branch.update(rng)
+
+
+_ITEM = {
+    "type": "object",
+    "required": ["type", "id", "status"],
+    "properties": {
+        "type": {"enum": ["message", "function_call"]},
+        "id": _STR,
+        "status": {"enum": ["completed", "incomplete"]},
+    },
+}
+
+SCHEMAS = {
+    "Response": {
+        "type": "object",
+        "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+        "properties": {
+            "id": {"type": "string", "pattern": "^resp_"},
+            "object": {"const": "response"},
+            "created_at": _INT,
+            "status": {"enum": ["completed", "incomplete"]},
+            "incomplete_details": {
+                "anyOf": [_NULL, {"type": "object", "properties": {"reason": {"const": "max_output_tokens"}}}]
+            },
+            "model": _STR,
+            "output": {"type": "array", "items": _ITEM},
+            "usage": {
+                "type": "object",
+                "required": ["input_tokens", "output_tokens", "total_tokens"],
+                "properties": {"input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT},
+            },
+            "store": {"const": False},
+        },
+    },
+    "ResponseStreamEvent": {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string", "pattern": "^(response\\.[a-z_.]+|error)$"},
+            "data": {"type": "string", "minLength": 1, "description": "the event as JSON, with its type"},
+        },
+    },
+}
+
+
+def responses_route_docs(error) -> dict:
+    """The statuses `POST /v1/responses` answers (`error(status)`: the shared error response)."""
+    ok = {
+        "description": "The response (JSON), or with stream=true its events (server-sent, named)",
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/Response"}},
+            "text/event-stream": {"schema": {"$ref": "#/components/schemas/ResponseStreamEvent"}},
+        },
+        "headers": {
+            "X-KVGate-Budget-Cap": {
+                "required": False,
+                "schema": _STR,
+                "description": "present when max_output_tokens was capped by the budget",
+            }
+        },
+    }
+    return {"200": ok, **{str(s): error(s) for s in (400, 401, 404, 413, 429, 500, 503)}}

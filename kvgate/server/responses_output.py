@@ -1,0 +1,264 @@
+"""The Responses API's answers, made from the chat completion that served the request.
+
+`response_body` turns a whole chat completion into a `response` object: the assistant's text as one
+`message` output item (omitted when the answer is only tool calls), each tool call as a
+`function_call` item, usage as `input_tokens` / `output_tokens`, and a `length` finish as status
+`incomplete` with `incomplete_details.reason = "max_output_tokens"`.
+
+`ResponseEvents` turns the chat stream's chunks into the typed events a Responses stream carries,
+each with its `sequence_number`: `response.created`, `response.in_progress`, per item
+`response.output_item.added` ... `.done` (text through `response.content_part.*` and
+`response.output_text.delta` / `.done`; calls through `response.function_call_arguments.delta` /
+`.done`), and last `response.completed` or `response.incomplete` with the whole response. A failure
+mid-stream is an `error` event and `response.failed`. kvgate's own `usage.budget_cap` rides along.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+
+def _id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def skeleton(body: dict, rid: str, created: int, model: str) -> dict:
+    """A response object's fields as the request set them, status in_progress, no output yet."""
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": False,  # kvgate keeps no responses
+        "temperature": body.get("temperature"),
+        "text": {"format": fmt or {"type": "text"}},
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p"),
+        "truncation": body.get("truncation") or "disabled",
+        "usage": None,
+        "metadata": body.get("metadata") or {},
+        "user": body.get("user"),
+    }
+
+
+def usage(chat_usage: dict | None) -> dict | None:
+    if chat_usage is None:
+        return None
+    out = {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+    if chat_usage.get("budget_cap") is not None:
+        out["budget_cap"] = chat_usage["budget_cap"]
+    return out
+
+
+def message_item(
+    text: str, logprobs: list | None, status: str = "completed", item_id: str | None = None
+) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    return {
+        "type": "message",
+        "id": item_id or _id("msg_"),
+        "status": status,
+        "role": "assistant",
+        "content": [part],
+    }
+
+
+def call_item(
+    call_id: str, name: str, arguments: str, status: str = "completed", item_id: str | None = None
+) -> dict:
+    return {
+        "type": "function_call",
+        "id": item_id or _id("fc_"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def finish(response: dict, finish_reason: str | None) -> dict:
+    if finish_reason == "length":  # the last item was cut short: it says so too
+        response["status"] = "incomplete"
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+        if response["output"]:
+            response["output"][-1]["status"] = "incomplete"
+    else:
+        response["status"] = "completed"
+    return response
+
+
+def response_body(chat: dict, skel: dict) -> dict:
+    choice = chat["choices"][0]
+    msg = choice["message"]
+    output = []
+    if msg.get("content"):
+        output.append(message_item(msg["content"], (choice.get("logprobs") or {}).get("content")))
+    for call in msg.get("tool_calls") or []:
+        output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    return finish({**skel, "output": output, "usage": usage(chat.get("usage"))}, choice["finish_reason"])
+
+
+class ResponseEvents:
+    """The chat stream's chunks in, the Responses stream's SSE events out."""
+
+    def __init__(self, skel: dict):
+        self.response = skel
+        self.seq = 0
+        self.output: list[dict] = []
+        self.text: dict | None = None  # the message item being written, and its logprobs
+        self.logprobs: list = []
+        self.calls: dict[int, dict] = {}  # chat tool call index -> its open function_call item
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.error: dict | None = None
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        return [
+            self.event("response.created", response=self.response),
+            self.event("response.in_progress", response=self.response),
+        ]
+
+    def chunk(self, c: dict) -> list[str]:
+        if "error" in c:
+            self.error = c["error"]
+            err = c["error"]
+            return [
+                self.event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
+            ]
+        out: list[str] = []
+        if c.get("usage"):
+            self.usage = c["usage"]
+        for choice in c.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                lps = (choice.get("logprobs") or {}).get("content") or []
+                out += self._text(delta["content"], lps)
+            for call in delta.get("tool_calls") or []:
+                out += self._call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return out
+
+    def end(self) -> list[str]:
+        out = self._close_text()
+        for index in sorted(self.calls):
+            out += self._close_call(index)
+        self.response = {**self.response, "output": self.output, "usage": usage(self.usage)}
+        if self.error is not None:
+            self.response.update(
+                status="failed", error={"code": self.error.get("code"), "message": self.error.get("message")}
+            )
+            return out + [self.event("response.failed", response=self.response)]
+        finish(self.response, self.finish_reason)
+        kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
+        return out + [self.event(kind, response=self.response)]
+
+    # ---- items -------------------------------------------------------------------------------------
+    def _where(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}
+
+    def _text(self, piece: str, logprobs: list) -> list[str]:
+        out = []
+        if self.text is None:
+            self.text = message_item("", None, status="in_progress")
+            self.text["content"] = []
+            self.output.append(self.text)
+            out.append(
+                self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.text)
+            )
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out.append(
+                self.event(
+                    "response.content_part.added", content_index=0, part=part, **self._where(self.text)
+                )
+            )
+            self.text["_parts"] = []
+        self.text["_parts"].append(piece)
+        self.logprobs += logprobs
+        out.append(
+            self.event(
+                "response.output_text.delta",
+                content_index=0,
+                delta=piece,
+                logprobs=logprobs,
+                **self._where(self.text),
+            )
+        )
+        return out
+
+    def _close_text(self) -> list[str]:
+        item = self.text
+        if item is None:
+            return []
+        self.text = None
+        text = "".join(item.pop("_parts"))
+        done = message_item(text, self.logprobs, item_id=item["id"])
+        where = self._where(item)
+        self.output[where["output_index"]] = done
+        part = done["content"][0]
+        return [
+            self.event(
+                "response.output_text.done", content_index=0, text=text, logprobs=self.logprobs, **where
+            ),
+            self.event("response.content_part.done", content_index=0, part=part, **where),
+            self.event("response.output_item.done", output_index=where["output_index"], item=done),
+        ]
+
+    def _call(self, delta: dict) -> list[str]:
+        index = delta.get("index", 0)
+        fn = delta.get("function") or {}
+        out = []
+        if index not in self.calls:
+            out += self._close_text()
+            for open_index in sorted(self.calls):  # calls come one after another: the last is done
+                out += self._close_call(open_index)
+            item = call_item(delta.get("id") or _id("call_"), fn.get("name") or "", "", status="in_progress")
+            self.calls[index] = item
+            self.output.append(item)
+            out.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=item))
+        item = self.calls[index]
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            out.append(
+                self.event(
+                    "response.function_call_arguments.delta", delta=fn["arguments"], **self._where(item)
+                )
+            )
+        return out
+
+    def _close_call(self, index: int) -> list[str]:
+        item = self.calls.pop(index)
+        where = self._where(item)
+        item["status"] = "completed"
+        return [
+            self.event(
+                "response.function_call_arguments.done",
+                name=item["name"],
+                arguments=item["arguments"],
+                **where,
+            ),
+            self.event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]

@@ -1,0 +1,141 @@
+"""The Responses API request body (`POST /v1/responses`), as strict pydantic models.
+
+Strict, with unknown fields refused, like the chat models (`kvgate.server.protocol`): a body the
+OpenAPI document calls invalid gets a 400 naming the field, and the document (`openapi.py`) is
+generated from these models. Input items carry the fields clients replay from earlier responses
+(`id`, `status`, an output text part's `annotations` and `logprobs`), since agent frameworks send the
+output items back as the next turn's input.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from kvgate.server.protocol import JSONSchemaFormat, _Body
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class InputText(_Body):
+    model_config = _STRICT
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Body):
+    model_config = _STRICT
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+TextPart = InputText | OutputText
+
+
+class MessageItem(_Body):
+    model_config = _STRICT
+    type: Literal["message"] | None = None
+    role: str  # checked by name (responses_input.ROLES): a union's schema error names only `input`
+    content: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_Body):
+    model_config = _STRICT
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Body):
+    model_config = _STRICT
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(_Body):
+    model_config = _STRICT
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Body):
+    model_config = _STRICT
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(JSONSchemaFormat):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class TextOptions(_Body):
+    model_config = _STRICT
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted: a 135M model has one verbosity
+
+
+class ResponsesStreamOptions(_Body):
+    model_config = _STRICT
+    include_obfuscation: bool = False
+
+
+class Reasoning(_Body):
+    """Accepted only empty: the model has no reasoning settings."""
+
+    model_config = _STRICT
+    effort: None = None
+    summary: None = None
+
+
+class ResponsesRequest(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, description="default: up to the remaining context")
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's sampling extras, as on the chat endpoint
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    top_logprobs: int | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    reasoning: Reasoning | None = None
+    # accepted and given back: they change nothing that is generated
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None  # accepted; kvgate keeps no responses (the response says store: false)
+    # refused unless null or false (`responses_input.NOT_DONE` says why)
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    prompt: Any = None
+    max_tool_calls: int | None = None

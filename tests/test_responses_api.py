@@ -1,0 +1,287 @@
+"""`POST /v1/responses`, OpenAI's Responses API, through the official openai client: text whole and
+streamed, input items replayed as an agent framework sends them, function calls (the SDK's own stream
+helper assembling them), structured output, and the 400s for what kvgate does not do. The tiny model
+(random weights, a 4096-position context for the tools preamble) for the shapes; the real SmolLM2 for
+the openai-agents SDK and LangChain's Responses mode (slow). Each test's docstring says how it was
+seen red.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server_util import running_server
+from tests.tiny_model import make_tiny_hf_dir
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather",
+    "parameters": CITY,
+    "strict": True,
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+
+    d = make_tiny_hf_dir(tmp_path_factory.mktemp("tiny4k-responses"), geometry={"max_pos": 4096})
+    cfg = EngineConfig(kv_cache_bytes=32 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
+    e = Engine.from_model(str(d), cfg, overhead_bytes=0).start()
+    with running_server(e) as (b, _app):
+        yield b
+    e.shutdown()
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_text_whole_and_streamed_agree_and_say_where_the_limit_cut_them(base):
+    """Greedy, 6 output tokens: the whole response and the stream give the same text; both end
+    `incomplete` for max_output_tokens (the cut item says so too); the stream's events come in the
+    documented order with sequence numbers 0, 1, 2, ... and its deltas add up to the text. Seen red
+    with `finish` ignoring a length finish (status completed) and with the text item closed after
+    the final event."""
+    args = dict(model="tiny", input="hello there", max_output_tokens=6, temperature=0)
+    whole = client(base).responses.create(**args)
+    assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert whole.output[0].status == "incomplete" and whole.usage.output_tokens == 6
+    assert whole.id.startswith("resp_") and whole.store is False
+    events = list(client(base).responses.create(**args, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == events[-4].text == final.output_text == whole.output_text
+    assert final.usage.output_tokens == 6 and final.status == "incomplete"
+
+
+def test_input_items_and_instructions_render_as_the_chat_messages_they_stand_for(base):
+    """An agent's replayed turn (instructions; a user message of input_text parts; the assistant's
+    text and its function call, with the ids and statuses the earlier response gave them; the call's
+    output) prompts exactly as the chat messages it stands for: the same input_tokens. Seen red with
+    the function call kept as a second assistant message instead of joining the text before it."""
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {
+            "type": "message",
+            "id": "msg_1",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": []}],
+        },
+        {"type": "function_call", "id": "fc_1", "status": "completed", "call_id": "call_9",
+         "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_9", "output": "Sunny."},
+    ]  # fmt: skip
+    got = client(base).responses.create(
+        model="tiny", instructions="Be brief.", input=items, tools=[TOOL], max_output_tokens=1
+    )
+    call = {
+        "id": "call_9",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "Sunny."},
+    ]
+    tool = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+    chat = client(base).chat.completions.create(model="tiny", messages=messages, tools=[tool], max_tokens=1)
+    assert got.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_required_function_call_through_the_sdks_stream_helper(base):
+    """tool_choice required, one call: the SDK's `responses.stream` helper (which checks the event
+    flow and assembles the items) ends `completed` with one function_call whose arguments validate,
+    the same as the whole response's; the events are the call's added, argument deltas, done. Seen red
+    with the call item's `output_item.done` left out (the helper alone did not notice: its final
+    response is the one `response.completed` carries)."""
+    args = dict(
+        model="tiny",
+        input="What is the weather in Paris?",
+        tools=[TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=300,
+        temperature=0,
+    )
+    whole = client(base).responses.create(**args)
+    with client(base).responses.stream(**args) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    (call,) = final.output
+    assert final.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), CITY)
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert [(o.type, o.name, o.arguments) for o in whole.output] == [(call.type, call.name, call.arguments)]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+
+
+def test_a_json_schema_text_format_constrains_the_output(base):
+    """text.format json_schema becomes the chat path's response_format: the random model's output
+    parses and validates. Seen red with text.format dropped (free random text)."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    out = client(base).responses.create(
+        model="tiny",
+        input="Is it ok?",
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
+        max_output_tokens=200,
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(out.output_text), schema)
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0",
+        ),
+        ({"input": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]}, "input.1.role"),
+        ({"max_output_tokens": 10**9}, "max_output_tokens"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+            "text.format",
+        ),
+        ({"frequency_penalty": 1}, "frequency_penalty"),
+    ],
+)
+def test_what_kvgate_does_not_do_is_a_400_naming_the_responses_field(base, extra, param):
+    """Seen red with `responses_param` not applied (max_completion_tokens, response_format)."""
+    r = httpx.post(base + "/v1/responses", json={"model": "tiny", "input": "hi", **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+# ---- real clients on the real model --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_base():
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+
+    engine = Engine.from_model("default", EngineConfig(memory_limit="2GiB", max_model_len=2048)).start()
+    with running_server(engine, model_name="SmolLM2-135M-Instruct") as (b, _app):
+        yield b
+    engine.shutdown()
+
+
+@pytest.mark.slow
+def test_the_openai_agents_sdk_runs_a_tool_agent_and_streams(real_base):
+    """The openai-agents SDK, unmodified, on its Responses model: an agent that must call a tool gets
+    the tool's answer; a plain agent answers, also streamed. Before /v1/responses every call was a 404."""
+    pytest.importorskip("agents")
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # its traces would go to OpenAI
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"It is sunny in {city}."
+
+    def agent(**settings) -> Agent:
+        m = OpenAIResponsesModel(
+            model="SmolLM2-135M-Instruct",
+            openai_client=openai.AsyncOpenAI(base_url=real_base + "/v1", api_key="x"),
+        )
+        return Agent(
+            name="weather",
+            instructions="You answer weather questions using the tool.",
+            tools=[get_weather],
+            model=m,
+            model_settings=ModelSettings(temperature=0, max_tokens=80, **settings),
+            tool_use_behavior="stop_on_first_tool",
+        )
+
+    got = Runner.run_sync(agent(tool_choice="required"), "What is the weather in Paris?")
+    assert got.final_output == "It is sunny in Paris."
+
+    async def streamed():
+        run = Runner.run_streamed(agent(tool_choice="none"), "Say hello.")
+        events = [e async for e in run.stream_events()]
+        return events, run.final_output
+
+    events, text = asyncio.run(streamed())
+    assert events and isinstance(text, str) and text.strip()
+
+
+@pytest.mark.slow
+def test_langchain_in_responses_mode_calls_a_tool_and_gives_structured_output(real_base):
+    """LangChain's ChatOpenAI(use_responses_api=True): a required tool call, then structured output
+    (its json_schema text format). Before /v1/responses both were 404s."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"It is sunny in {city}."
+
+    llm = ChatOpenAI(
+        base_url=real_base + "/v1",
+        api_key="unused",
+        model="SmolLM2-135M-Instruct",
+        temperature=0,
+        max_tokens=80,
+        use_responses_api=True,
+    )
+    ai = llm.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
+    assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
+
+    class Answer(BaseModel):
+        city: str
+        sunny: bool
+
+    assert isinstance(
+        llm.with_structured_output(Answer).invoke("Is it sunny in Paris? Answer as JSON."), Answer
+    )
