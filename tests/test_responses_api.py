@@ -285,3 +285,24 @@ def test_langchain_in_responses_mode_calls_a_tool_and_gives_structured_output(re
     assert isinstance(
         llm.with_structured_output(Answer).invoke("Is it sunny in Paris? Answer as JSON."), Answer
     )
+
+
+def test_output_text_logprobs_come_whole_and_with_each_delta(base):
+    """include message.output_text.logprobs with top_logprobs 2: one entry per output token, each with
+    two alternatives, whole and streamed alike. Seen red with include not turned into the chat
+    request's logprobs (empty lists), and with the logprobs of a chunk without text dropped (a token
+    whose partial character is held back: 3 entries streamed against 4, shifted)."""
+    args = dict(
+        model="tiny",
+        input="hi",
+        max_output_tokens=4,
+        temperature=0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    whole = client(base).responses.create(**args)
+    lps = whole.output[0].content[0].logprobs
+    assert len(lps) == 4 and all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+    events = list(client(base).responses.create(**args, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in lps]

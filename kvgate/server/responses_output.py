@@ -125,6 +125,7 @@ class ResponseEvents:
         self.output: list[dict] = []
         self.text: dict | None = None  # the message item being written, and its logprobs
         self.logprobs: list = []
+        self.pending: list = []  # logprobs of tokens whose text has not come yet
         self.calls: dict[int, dict] = {}  # chat tool call index -> its open function_call item
         self.finish_reason: str | None = None
         self.usage: dict | None = None
@@ -153,9 +154,12 @@ class ResponseEvents:
             self.usage = c["usage"]
         for choice in c.get("choices") or []:
             delta = choice.get("delta") or {}
+            # a token whose text is held back (a partial character) brings its logprobs on a chunk
+            # with no text: they ride on the next text delta
+            self.pending += (choice.get("logprobs") or {}).get("content") or []
             if delta.get("content"):
-                lps = (choice.get("logprobs") or {}).get("content") or []
-                out += self._text(delta["content"], lps)
+                out += self._text(delta["content"], self.pending)
+                self.pending = []
             for call in delta.get("tool_calls") or []:
                 out += self._call(call)
             if choice.get("finish_reason"):
@@ -214,6 +218,8 @@ class ResponseEvents:
         if item is None:
             return []
         self.text = None
+        self.logprobs += self.pending
+        self.pending = []
         text = "".join(item.pop("_parts"))
         done = message_item(text, self.logprobs, item_id=item["id"])
         where = self._where(item)
