@@ -306,3 +306,28 @@ def test_output_text_logprobs_come_whole_and_with_each_delta(base):
     events = list(client(base).responses.create(**args, stream=True))
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in lps]
+
+
+def test_a_step_that_fails_mid_stream_ends_in_an_error_event_and_response_failed(make_engine):
+    """The chat stream's error event becomes the Responses `error` event, then `response.failed` with
+    the error's code: the client learns the answer is broken, not cut. Seen red with the chat error
+    chunk read as an ordinary chunk (the stream ended `response.incomplete`)."""
+    import threading
+
+    from kvgate.core.testing import set_step_hook
+
+    e = make_engine()
+    fired = threading.Event()
+
+    def fail_a_decode(so):
+        if so.decodes and not fired.is_set():
+            fired.set()
+            raise RuntimeError("step failed on purpose")
+
+    with running_server(e) as (b, _):
+        set_step_hook(e, fail_a_decode)
+        events = list(client(b).responses.create(model="tiny", input="hi", max_output_tokens=20, stream=True))
+        set_step_hook(e, None)
+    assert fired.is_set() and [ev.type for ev in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].code == "engine_error" and events[-1].response.error.code == "engine_error"
+    assert events[-1].response.status == "failed"

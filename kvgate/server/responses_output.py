@@ -167,15 +167,20 @@ class ResponseEvents:
         return out
 
     def end(self) -> list[str]:
+        if self.error is not None:  # no item is done: what was written stays, marked incomplete
+            if self.text is not None:
+                text = "".join(self.text["_parts"])
+                at = self.output.index(self.text)
+                self.output[at] = message_item(text, self.logprobs, "incomplete", self.text["id"])
+            for item in self.calls.values():
+                item["status"] = "incomplete"
+            err = {"code": self.error.get("code"), "message": self.error.get("message")}
+            self.response = {**self.response, "output": self.output, "status": "failed", "error": err}
+            return [self.event("response.failed", response=self.response)]
         out = self._close_text()
         for index in sorted(self.calls):
             out += self._close_call(index)
         self.response = {**self.response, "output": self.output, "usage": usage(self.usage)}
-        if self.error is not None:
-            self.response.update(
-                status="failed", error={"code": self.error.get("code"), "message": self.error.get("message")}
-            )
-            return out + [self.event("response.failed", response=self.response)]
         finish(self.response, self.finish_reason)
         kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
         return out + [self.event(kind, response=self.response)]
