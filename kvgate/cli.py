@@ -9,6 +9,7 @@ import sys
 import time
 
 from kvgate.config import add_engine_flags, engine_config
+from kvgate.flag_types import PORT, at_least
 from kvgate.server.cors import add_cors_flag
 
 
@@ -42,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="print the memory plan for a model and a limit")
     add_engine_flags(pl)
-    pl.add_argument("--context", type=int, default=None, help="tokens per request for 'max concurrent'")
+    pl.add_argument(
+        "--context", type=at_least(int, 1), default=None, help="tokens per request for 'max concurrent'"
+    )
     pl.add_argument("--json", action="store_true")
     pl.add_argument(
         "--for",
@@ -56,14 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_flags(s)
     s.add_argument("--host", default=os.environ.get("KVGATE_HOST", "127.0.0.1"))
-    s.add_argument("--port", type=int, default=int(os.environ.get("KVGATE_PORT", "8000")))
+    s.add_argument("--port", type=PORT, default=os.environ.get("KVGATE_PORT", "8000"))
     s.add_argument("--api-key", default=os.environ.get("KVGATE_API_KEY"))
     s.add_argument(
         "--allow-unauthenticated", action="store_true", help="allow a non-loopback bind without a key"
     )
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    s.add_argument("--shutdown-grace", type=float, default=30.0)
+    s.add_argument("--max-body-bytes", type=at_least(int, 1), default=4 << 20)
+    s.add_argument("--shutdown-grace", type=at_least(float, 0), default=30.0)
     add_cors_flag(s)
     s.add_argument("--log-level", default="info")
 

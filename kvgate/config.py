@@ -13,6 +13,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from kvgate.flag_types import at_least, more_than
 from kvgate.units import parse_bytes
 
 
@@ -121,20 +122,35 @@ ENGINE_FLAGS = [
     ),
     ("--memory-limit", str, "auto", "bytes (4GiB), fraction of device memory (0.5), or auto"),
     ("--kv-cache-bytes", str, None, "explicit KV pool size (default: what the memory limit leaves)"),
-    ("--block-size", int, 16, "KV block size in tokens"),
-    ("--max-seqs", int, 32, "running rows, prompts still prefilling included"),
-    ("--max-queue", int, 256, "requests that may wait for rows/KV before 503 queue_full (0 = none wait)"),
-    ("--max-queue-wait", float, 30.0, "seconds a request waits for KV before 429 (0 = refuse at once)"),
+    ("--block-size", at_least(int, 1), 16, "KV block size in tokens"),
+    ("--max-seqs", at_least(int, 1), 32, "running rows, prompts still prefilling included"),
+    (
+        "--max-queue",
+        at_least(int, 0),
+        256,
+        "requests that may wait for rows/KV before 503 queue_full (0 = none wait)",
+    ),
+    (
+        "--max-queue-wait",
+        at_least(float, 0),
+        30.0,
+        "seconds a request waits for KV before 429 (0 = refuse at once)",
+    ),
     (
         "--max-ttft",
-        float,
+        more_than(float, 0),
         None,
         "refuse (429) at arrival if the predicted time to first token exceeds this (s)",
     ),
-    ("--prefill-chunk", int, 256, "prompt tokens per step"),
-    ("--min-cap-tokens", int, 256, "admit an unset-max_tokens request early if this many tokens fit"),
-    ("--max-model-len", int, None, "context length (default: the model's)"),
-    ("--threads", int, None, "torch intra-op threads (default: torch's choice)"),
+    ("--prefill-chunk", at_least(int, 1), 256, "prompt tokens per step"),
+    (
+        "--min-cap-tokens",
+        at_least(int, 0),
+        256,
+        "admit an unset-max_tokens request early if this many tokens fit",
+    ),
+    ("--max-model-len", at_least(int, 2), None, "context length (default: the model's)"),
+    ("--threads", at_least(int, 1), None, "torch intra-op threads (default: torch's choice)"),
     ("--pack-weights", str, "auto", "auto | on | off: prepack weights for oneDNN (auto: CPU float32)"),
     (
         "--q8-head",
@@ -145,7 +161,7 @@ ENGINE_FLAGS = [
     ),
     (
         "--speculate",
-        int,
+        at_least(int, 0, 8),
         0,
         "prompt-lookup speculative decoding: up to K draft tokens per greedy row and step, verified in one "
         "pass; output unchanged (0 = off, at most 8)",
@@ -184,7 +200,7 @@ ENGINE_FLAGS = [
     ),
     (
         "--step-timeout",
-        float,
+        more_than(float, 0),
         None,
         f"seconds one engine step may run before /health turns 503 (default: max({STEP_TIMEOUT_FLOOR:g}, "
         f"{STEP_TIMEOUT_FACTOR:g} x the slowest step measured))",
@@ -210,6 +226,21 @@ def env_name(flag: str) -> str:
     return "KVGATE_" + flag.lstrip("-").upper().replace("-", "_")
 
 
+# the settings with a fixed set of values, refused by argparse before anything loads (each resolver in
+# kvgate.core.placement / kvgate.models owns its list; tests/test_flags.py holds these to them)
+CHOICES = {
+    "--dtype": ("auto", "bfloat16", "float16", "float32"),
+    "--kv-dtype": ("auto", "bfloat16", "float16", "float32"),
+    "--pack-weights": ("auto", "on", "off"),
+    "--q8-head": ("auto", "on", "off"),
+    "--weights": ("auto", "full", "int8", "int4", "gguf", "gguf-q8act"),
+    "--decode-attention": ("auto", "paged", "gather"),
+    "--prefill-attention": ("auto", "kernel", "sdpa"),
+    "--prefix-cache": ("on", "off"),
+    "--cuda-graphs": ("auto", "on", "full", "off"),
+}
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("KVGATE_MODEL", "default"), help="default | PATH")
     for flag, typ, default, help_ in ENGINE_FLAGS:
@@ -217,7 +248,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             flag,
             type=typ,
-            default=typ(env) if env is not None else default,
+            # argparse converts a string default with `type`: a bad KVGATE_* value is refused as the
+            # flag's would be
+            default=env if env is not None else default,
+            choices=CHOICES.get(flag),
             help=f"{help_} [{env_name(flag)}]",
         )
 

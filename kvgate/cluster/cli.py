@@ -22,25 +22,39 @@ import time
 
 from kvgate.cluster.app import APP_NAME, ROUTERS, ClusterOptions
 from kvgate.config import add_engine_flags, engine_config
+from kvgate.flag_types import PORT, at_least, more_than
 
 
 def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     c = subparsers.add_parser("cluster", help="serve the OpenAI API from N replicas on Ray Serve")
     add_engine_flags(c)
-    c.add_argument("--replicas", type=int, default=int(os.environ.get("KVGATE_REPLICAS", "2")))
+    c.add_argument("--replicas", type=at_least(int, 1), default=os.environ.get("KVGATE_REPLICAS", "2"))
     c.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="an existing Ray cluster")
-    c.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
-    c.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves")
-    c.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs each replica reserves")
+    c.add_argument(
+        "--num-cpus",
+        type=at_least(int, 1),
+        default=None,
+        help="CPUs of the local Ray instance (default: all)",
+    )
+    c.add_argument(
+        "--replica-cpus", type=at_least(float, 0), default=1.0, help="Ray CPUs each replica reserves"
+    )
+    c.add_argument(
+        "--replica-gpus", type=at_least(float, 0), default=0.0, help="Ray GPUs each replica reserves"
+    )
     c.add_argument("--router", choices=ROUTERS, default="kvgate", help="pow2 = Serve's default router")
-    c.add_argument("--stats-period", type=float, default=0.5, help="seconds between replica stats polls")
-    c.add_argument("--health-period", type=float, default=2.0, help="seconds between replica health checks")
+    c.add_argument(
+        "--stats-period", type=more_than(float, 0), default=0.5, help="seconds between replica stats polls"
+    )
+    c.add_argument(
+        "--health-period", type=more_than(float, 0), default=2.0, help="seconds between replica health checks"
+    )
     c.add_argument("--host", default=os.environ.get("KVGATE_HOST", "127.0.0.1"))
-    c.add_argument("--port", type=int, default=int(os.environ.get("KVGATE_PORT", "8000")))
+    c.add_argument("--port", type=PORT, default=os.environ.get("KVGATE_PORT", "8000"))
     c.add_argument("--api-key", default=os.environ.get("KVGATE_API_KEY"))
     c.add_argument("--allow-unauthenticated", action="store_true")
     c.add_argument("--served-model-name", default=None)
-    c.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    c.add_argument("--max-body-bytes", type=at_least(int, 1), default=4 << 20)
     return c
 
 

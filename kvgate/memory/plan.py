@@ -79,6 +79,13 @@ def resolve_limit(spec: str, device: str) -> tuple[int, str]:
         raise PlanError(f"--memory-limit {spec!r} is not understood: {LIMIT_HELP}.") from None
     if limit <= 0:
         raise PlanError(f"--memory-limit {spec!r} must be more than zero: {LIMIT_HELP}.")
+    total, _ = device_memory(device)
+    if limit > total:  # a plan for memory the machine does not have promises what it cannot keep
+        what = "this GPU's memory" if device.startswith("cuda") else "this machine's RAM"
+        raise PlanError(
+            f"--memory-limit {spec} is more than {what} ({fmt_bytes(total)}): the plan would admit requests "
+            f"for memory that is not there. Give at most {fmt_bytes(total)}, a fraction (0.5), or auto."
+        )
     return limit, "explicit"
 
 

@@ -34,6 +34,10 @@ def ready_engine(state):
     err = None
     if state.status == "shutting_down":
         err = from_refusal(shutting_down_refusal())  # the same body as a queued request's at shutdown
+    elif eng is None and state.load_error is not None:  # the process is on its way out
+        err = APIError(
+            503, f"the model failed to load: {state.load_error}", "engine_unavailable", retry_after=60
+        )
     elif eng is None:
         err = APIError(503, "the model is still loading; retry shortly", "not_ready", retry_after=5)
     elif not eng.alive:

@@ -91,6 +91,8 @@ def serve(args) -> int:
         cors_origins=cors_origins(args),
     )
     app = create_app(settings)
+    servers: list = []  # the uvicorn server, once made (a failed load stops it)
+    stop_when_up = threading.Event()
 
     def load():
         try:
@@ -111,9 +113,15 @@ def serve(args) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        except Exception as exc:  # the server stays up to say why on /health
+        except Exception as exc:  # said on /health and in the log, then the process exits 1
             app.state.load_error = str(exc)
             log.error("model failed to load: %s", exc)
+            print(f"kvgate: error: the model failed to load: {exc}", file=sys.stderr, flush=True)
+            # as vLLM and llama-server do: a server that can never serve must not look alive to a
+            # supervisor (session 31's QA found ten bad settings each leaving a process up for good)
+            stop_when_up.set()
+            if servers:
+                servers[0].should_exit = True
 
     # `kvgate plan` (kvgate.cli.as_served) repeats this start-up (app, loading thread, uvicorn's loop) to
     # measure the runtime overhead this process will have: change the two together
@@ -122,6 +130,9 @@ def serve(args) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30
     )
     server = GracefulServer(config, app, args.shutdown_grace)
+    servers.append(server)
+    if stop_when_up.is_set():  # the load failed before the server existed
+        server.should_exit = True
     print(
         f"kvgate: serving on http://{args.host}:{args.port}/v1 (health: /health)", file=sys.stderr, flush=True
     )

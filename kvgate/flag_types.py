@@ -1,0 +1,46 @@
+"""Argument types that refuse a value outside its range at the command line, naming the flag.
+
+argparse prints `argument --max-seqs: must be at least 1 (got 0)` and exits 2 before anything loads.
+Before these, `--max-queue -1` killed the engine worker at startup while the process stayed up,
+`--prefill-chunk 0` killed it at the first request, and `--port 99999` listened on 34463 (session 31's
+QA). The string settings with a fixed set of values take argparse's `choices` in `kvgate.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def at_least(kind: type, low, high=None):
+    """A converter to `kind` refusing values under `low` (or over `high`)."""
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        if value < low or (high is not None and value > high):
+            span = f"at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be {span} (got {text})")
+        return value
+
+    convert.__name__ = kind.__name__  # argparse names the type in some messages
+    return convert
+
+
+def more_than(kind: type, low):
+    """A converter to `kind` refusing values at or under `low`."""
+
+    def convert(text: str):
+        value = at_least(kind, float("-inf"))(text)
+        if value <= low:
+            raise argparse.ArgumentTypeError(f"must be more than {low} (got {text})")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+PORT = at_least(int, 1, 65535)
