@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -206,7 +207,9 @@ def test_non_loopback_bind_is_allowed_with_a_key_or_the_explicit_flag(monkeypatc
     monkeypatch.setattr(run_mod.GracefulServer, "run", fake_run)
     # Only run.py's view of `threading` is stubbed (no model load thread); the real module is untouched.
     monkeypatch.setattr(
-        run_mod, "threading", SimpleNamespace(Thread=lambda *a, **k: SimpleNamespace(start=lambda: None))
+        run_mod,
+        "threading",
+        SimpleNamespace(Thread=lambda *a, **k: SimpleNamespace(start=lambda: None), Event=threading.Event),
     )
     args = _serve_args(host="0.0.0.0", model=str(tiny_dir), **extra)
     from kvgate.config import ENGINE_FLAGS
