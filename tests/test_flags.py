@@ -70,6 +70,8 @@ def test_a_memory_limit_above_the_machines_memory_is_refused():
     with pytest.raises(PlanError, match="more than this machine's RAM"):
         resolve_limit("9999TiB", "cpu")
     assert resolve_limit("1GiB", "cpu") == (1 << 30, "explicit")
+    with pytest.raises(PlanError, match="must be more than zero"):  # was "not understood" (QA pass 4)
+        resolve_limit("-1", "cpu")
 
 
 def test_a_server_whose_model_cannot_load_exits_1_and_says_why(tmp_path):

@@ -73,6 +73,8 @@ def resolve_limit(spec: str, device: str) -> tuple[int, str]:
             )
         total, _ = device_memory(device)
         return int(total * share), f"{share:.0%} of {fmt_bytes(total)} device memory"
+    if text.startswith("-"):
+        raise PlanError(f"--memory-limit {spec} must be more than zero: {LIMIT_HELP}.")
     try:
         limit = parse_bytes(text)
     except SizeError:
