@@ -14,7 +14,9 @@ from kvgate.server.cors import add_cors_flag
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=None, help="default: up to the remaining context")
+    p.add_argument(
+        "--max-tokens", type=at_least(int, 1), default=None, help="default: up to the remaining context"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the CLI's default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

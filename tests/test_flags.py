@@ -29,6 +29,7 @@ BAD = [
     ("serve", "--prefix-cache", "maybe", "invalid choice"),
     ("plan", "--context", "-5", "must be at least 1"),
     ("generate", "--max-seqs", "x", "is not an integer"),
+    ("generate", "--max-tokens", "-1", "must be at least 1"),
     ("cluster", "--replicas", "0", "must be at least 1"),
 ]
 
