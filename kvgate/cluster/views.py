@@ -49,9 +49,8 @@ class ReplicaView:
     ledger: list  # the engine ledger's reservations: [{"role", "lifetime", "bytes", "holder"}]
     pid: int
     snapshot: EngineSnapshot | None = None
-    decode_step: float | None = (
-        None  # the typical decode tick (kvgate.core.forecast): for walks of many steps
-    )
+    # the typical decode tick (kvgate.core.forecast): for walks of many steps
+    decode_step: float | None = None
     acked: tuple = ()  # the ingress's attempt tokens this replica admitted lately (releases holds early)
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import time
 
+from kvgate.core.state import MIN_TIMED_PREFILL
 from kvgate.request import GenerationRequest
 from kvgate.sampling_params import SamplingParams
-
-MIN_TIMED_TOKENS = 32  # shorter chunks are not timed (kvgate.core.state.StepTimes)
 
 
 def calibrate_prefill(engine, timeout: float = 120.0) -> str:
@@ -24,8 +23,8 @@ def calibrate_prefill(engine, timeout: float = 120.0) -> str:
     cfg = engine.sched_cfg
     room = min(cfg.max_model_len, cfg.total_blocks * cfg.block_size) - 1
     n = min(2 * cfg.prefill_chunk, room)
-    if n < MIN_TIMED_TOKENS:
-        return f"TTFT calibration skipped: room for {n} prompt tokens, fewer than {MIN_TIMED_TOKENS}"
+    if n < MIN_TIMED_PREFILL:
+        return f"TTFT calibration skipped: room for {n} prompt tokens, fewer than {MIN_TIMED_PREFILL}"
     vocab = engine.tokenizer.vocab_size
     # spread over the vocabulary, never one repeated token (a real prompt's embedding reads vary)
     ids = [(7 + 7919 * i) % vocab for i in range(n)]

@@ -31,6 +31,7 @@ _COUNTER_FIELDS = operator.attrgetter(*Counters.__slots__)  # a snapshot's copy 
 log = logging.getLogger("kvgate.engine")
 
 RECENT_STEPS = 32
+MIN_TIMED_PREFILL = 32  # prompt tokens a step must prefill to be timed: tiny tail chunks overstate the rate
 
 
 @dataclass
@@ -63,7 +64,7 @@ class StepTimes:
         self.recent.append(seconds)
         if not prefilled:
             self.recent_decode.append(seconds)
-        if prefilled >= min(32, prefill_chunk):  # tiny tail chunks would overstate the per-token time
+        if prefilled >= min(MIN_TIMED_PREFILL, prefill_chunk):
             self.prefill.add(position, seconds / prefilled)
         if alone and prefilled >= prefill_chunk:  # a whole chunk: its fixed cost spread as thin as can be
             t = seconds / prefilled

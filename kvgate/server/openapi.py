@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from kvgate.server.openapi_fields import tighten_features, tighten_message
-from kvgate.server.openapi_responses import SCHEMAS, responses_route_docs, tighten_responses_request
+from kvgate.server.openapi_responses import RESPONSES_RANGES, SCHEMAS, responses_route_docs
 
 _BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
@@ -278,14 +278,19 @@ def _non_null(prop: dict) -> list[dict]:
     return [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
 
 
-def _tighten_common(js: dict, vocab: int | None, chat: bool) -> None:
-    from kvgate.server.protocol import MAX_STOP, MAX_STOP_LEN
-
+def _apply_ranges(js: dict, ranges: dict) -> None:
     props = js["properties"]
-    for name, rng in _RANGES.items():
+    for name, rng in ranges.items():
         if name in props:
             for b in _non_null(props[name]):
                 b.update(rng)
+
+
+def _tighten_common(js: dict, vocab: int | None, chat: bool) -> None:
+    from kvgate.server.protocol import MAX_STOP, MAX_STOP_LEN
+
+    _apply_ranges(js, _RANGES)
+    props = js["properties"]
     stop_str = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
     props["stop"] = {"anyOf": [stop_str, {"type": "array", "maxItems": MAX_STOP, "items": stop_str}, _NULL]}
     token = {"type": "integer", "minimum": 0, **({"maximum": vocab - 1} if vocab else {})}
@@ -361,7 +366,7 @@ def install_openapi(app: FastAPI) -> None:
         schemas["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token}
         schemas.update(copy.deepcopy(_RESPONSES))
         schemas.update(copy.deepcopy(SCHEMAS))
-        tighten_responses_request(schemas["ResponsesRequest"])
+        _apply_ranges(schemas["ResponsesRequest"], {**_RANGES, **RESPONSES_RANGES})
         for path, ops in doc["paths"].items():
             for op in ops.values():
                 op["responses"] = _route_responses(path) or op.get("responses", {})

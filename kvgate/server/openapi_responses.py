@@ -2,7 +2,7 @@
 ranges, its `response` object, and its event stream, whose entries are named events
 (`event: response.created`, ...), unlike the chat stream's unnamed `data:` lines.
 
-Split from `openapi.py`, which calls `tighten_responses_request` and merges `SCHEMAS`.
+Split from `openapi.py`, which applies `RESPONSES_RANGES` and merges `SCHEMAS`.
 """
 
 from __future__ import annotations
@@ -13,25 +13,12 @@ _NULL = {"type": "null"}
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
 
-# as the chat path enforces them (the request becomes a chat request: kvgate.server.responses_input)
-_RANGES = {
+# the Responses fields' own ranges, beside the sampling ranges it shares with the chat body (openapi.py's
+# _RANGES): the request becomes a chat request (kvgate.server.responses_input), which enforces both
+RESPONSES_RANGES = {
     "max_output_tokens": {"minimum": 1},
-    "temperature": {"minimum": 0, "maximum": 2},
-    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"minimum": -1},
-    "min_p": {"minimum": 0, "maximum": 1},
-    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
-    "seed": {"minimum": -(2**63), "maximum": 2**64 - 1},
     "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
 }
-
-
-def tighten_responses_request(js: dict) -> None:
-    for name, rng in _RANGES.items():
-        prop = js["properties"][name]
-        for branch in prop.get("anyOf", [prop]):
-            if branch.get("type") != "null":
-                branch.update(rng)
 
 
 _ITEM = {

@@ -19,7 +19,7 @@ import json
 import uuid
 
 
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
@@ -74,7 +74,7 @@ def message_item(
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {
         "type": "message",
-        "id": item_id or _id("msg_"),
+        "id": item_id or new_id("msg_"),
         "status": status,
         "role": "assistant",
         "content": [part],
@@ -86,7 +86,7 @@ def call_item(
 ) -> dict:
     return {
         "type": "function_call",
-        "id": item_id or _id("fc_"),
+        "id": item_id or new_id("fc_"),
         "call_id": call_id,
         "name": name,
         "arguments": arguments,
@@ -123,7 +123,8 @@ class ResponseEvents:
         self.response = skel
         self.seq = 0
         self.output: list[dict] = []
-        self.text: dict | None = None  # the message item being written, and its logprobs
+        self.text: dict | None = None  # the message item being written
+        self.parts: list[str] = []  # its text so far
         self.logprobs: list = []
         self.pending: list = []  # logprobs of tokens whose text has not come yet
         self.calls: dict[int, dict] = {}  # chat tool call index -> its open function_call item
@@ -169,7 +170,7 @@ class ResponseEvents:
     def end(self) -> list[str]:
         if self.error is not None:  # no item is done: what was written stays, marked incomplete
             if self.text is not None:
-                text = "".join(self.text["_parts"])
+                text = "".join(self.parts)
                 at = self.output.index(self.text)
                 self.output[at] = message_item(text, self.logprobs, "incomplete", self.text["id"])
             for item in self.calls.values():
@@ -204,8 +205,8 @@ class ResponseEvents:
                     "response.content_part.added", content_index=0, part=part, **self._where(self.text)
                 )
             )
-            self.text["_parts"] = []
-        self.text["_parts"].append(piece)
+            self.parts = []
+        self.parts.append(piece)
         self.logprobs += logprobs
         out.append(
             self.event(
@@ -225,7 +226,7 @@ class ResponseEvents:
         self.text = None
         self.logprobs += self.pending
         self.pending = []
-        text = "".join(item.pop("_parts"))
+        text = "".join(self.parts)
         done = message_item(text, self.logprobs, item_id=item["id"])
         where = self._where(item)
         self.output[where["output_index"]] = done
@@ -246,7 +247,9 @@ class ResponseEvents:
             out += self._close_text()
             for open_index in sorted(self.calls):  # calls come one after another: the last is done
                 out += self._close_call(open_index)
-            item = call_item(delta.get("id") or _id("call_"), fn.get("name") or "", "", status="in_progress")
+            item = call_item(
+                delta.get("id") or new_id("call_"), fn.get("name") or "", "", status="in_progress"
+            )
             self.calls[index] = item
             self.output.append(item)
             out.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=item))

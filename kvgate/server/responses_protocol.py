@@ -35,32 +35,31 @@ class OutputText(_Body):
 TextPart = InputText | OutputText
 
 
-class MessageItem(_Body):
+class _Replayed(_Body):
+    """An input item as an earlier response gave it back: its `id` and `status` ride along, unused."""
+
     model_config = _STRICT
-    type: Literal["message"] | None = None
-    role: str  # checked by name (responses_input.ROLES): a union's schema error names only `input`
-    content: str | list[TextPart]
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(_Body):
-    model_config = _STRICT
+class MessageItem(_Replayed):
+    type: Literal["message"] | None = None
+    role: str  # checked by name (responses_input.ROLES): a union's schema error names only `input`
+    content: str | list[TextPart]
+
+
+class FunctionCallItem(_Replayed):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(_Body):
-    model_config = _STRICT
+class FunctionCallOutputItem(_Replayed):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
-    id: str | None = None
-    status: str | None = None
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem

@@ -19,7 +19,7 @@ from kvgate.server import protocol as P
 from kvgate.server.bodies import parse_json, read_body
 from kvgate.server.errors import APIError
 from kvgate.server.responses_input import responses_param, to_chat
-from kvgate.server.responses_output import ResponseEvents, _id, response_body, skeleton
+from kvgate.server.responses_output import ResponseEvents, new_id, response_body, skeleton
 from kvgate.server.serving import generate
 
 _KEPT_HEADERS = ("retry-after", "x-kvgate-budget-cap")
@@ -43,7 +43,7 @@ async def responses(request: Request) -> Response:
         if "param" in err.get("error", {}):
             err["error"]["param"] = responses_param(err["error"]["param"], origin)
         return JSONResponse(err, status_code=answer.status_code, headers=headers)
-    skel = skeleton(body, _id("resp_"), int(time.time()), settings.model_name)
+    skel = skeleton(body, new_id("resp_"), int(time.time()), settings.model_name)
     if isinstance(answer, StreamingResponse):
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         events = _events(answer.body_iterator, ResponseEvents(skel))
