@@ -115,6 +115,7 @@ class Refusal(Exception):
         status: int,
         *,
         retry_after: int | None = None,
+        retry_after_ms: int | None = None,
         estimated_bytes: int | None = None,
         limit_bytes: int | None = None,
         positions: int | None = None,
@@ -126,6 +127,8 @@ class Refusal(Exception):
         self.message = message
         self.status = status
         self.retry_after = retry_after
+        # the same wait to the millisecond, where the forecast has one (the openai SDK's `retry-after-ms`)
+        self.retry_after_ms = retry_after_ms
         self.estimated_bytes = estimated_bytes
         self.limit_bytes = limit_bytes
         self.positions = positions
@@ -135,7 +138,7 @@ class Refusal(Exception):
         self.param = param
 
     def details(self) -> dict:
-        keys = ("estimated_bytes", "limit_bytes", "positions", "positions_limit")
+        keys = ("retry_after_ms", "estimated_bytes", "limit_bytes", "positions", "positions_limit")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 

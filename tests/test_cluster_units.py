@@ -133,6 +133,33 @@ def test_when_every_replica_refuses_the_client_gets_one_429_with_the_smallest_re
     assert "every kvgate replica refused" in e.value.message
 
 
+def test_the_cluster_429_keeps_a_replicas_milliseconds_only_with_its_retry_after():
+    """A replica's TTFT 429 carries retry-after-ms; the cluster's one 429 passes it on when it gives
+    that replica's Retry-After, and drops it when another replica's view says sooner (the two
+    headers would disagree). Red with the milliseconds always copied."""
+
+    def answer(tag: str, retry: int, ms: int | None, view_retry: int):
+        body = {
+            "code": "ttft_budget_exceeded",
+            "message": f"{tag} later",
+            "status": 429,
+            "retry_after": retry,
+        }
+        if ms is not None:
+            body["retry_after_ms"] = ms
+        return [("refused", {"refusal": body, "view": view(tag, version=2, retry_after=view_retry)})]
+
+    views = [view("a", free=20), view("b", free=10)]
+    d = dispatcher(views, lambda t, w: answer(t, 3, 2500, 3) if t == "a" else answer(t, 5, None, 5))
+    with pytest.raises(Refusal) as e:
+        run(d.dispatch(FakeCall()))
+    assert (e.value.retry_after, e.value.retry_after_ms) == (3, 2500)
+    d = dispatcher(views, lambda t, w: answer(t, 3, 2500, 3) if t == "a" else answer(t, 9, None, 2))
+    with pytest.raises(Refusal) as e:
+        run(d.dispatch(FakeCall()))
+    assert (e.value.retry_after, e.value.retry_after_ms) == (2, None)
+
+
 def test_with_no_room_anywhere_no_replica_is_asked_and_the_429_names_the_numbers():
     """Seen red with `rank_now` ranking full replicas (each was asked and refused)."""
     views = [view("a", free=2, retry_after=7), view("b", free=3, retry_after=4)]

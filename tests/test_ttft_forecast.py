@@ -147,11 +147,14 @@ def test_a_calibrated_engine_refuses_an_over_budget_prompt_from_the_first_reques
 
     e = make_engine(block_size=4, prefill_chunk=64, max_ttft=0.2)
     assert e.snapshot().prefill_line is None
-    set_step_hook(e, lambda so: time.sleep(0.1))  # ~1.6 ms a prompt token in a 64 chunk
+    set_step_hook(e, lambda so: time.sleep(0.1 if so.prefills else 0.0))  # ~1.6 ms a prompt token
     note = calibrate_prefill(e)
-    assert "a 128-token prompt prefilled in" in note and "tokens/s at best" in note
+    assert "a 128-token prompt prefilled and 16 tokens in" in note and "tokens/s at best" in note
     snap = e.snapshot()
     assert snap.prefill_line is not None and snap.prefill_token_time_best >= 0.1 / 64
+    # its decode ticks are the walks' step, not its 0.1 s prompt chunks (session 32: a fresh server's
+    # first burst was told to retry in 60 s for rows free in 3). Red with max_tokens 1 back.
+    assert "decode ticks" in note and forecast.typical_step(snap) < 0.05
     with pytest.raises(Refusal) as ei:
         e.submit(req(400, 1, salt=3))
     assert (ei.value.status, ei.value.code) == (400, "ttft_budget_exceeded")
@@ -218,3 +221,77 @@ def test_the_typical_step_is_the_clipped_mean_of_the_recent_ticks():
     one stall stretch a walk of hundreds of ticks. Red with the median, and with no clipping."""
     snap = snapshot(recent_decode_periods=(0.01,) * 30 + (0.02, 1.0))
     assert forecast.typical_step(snap) == pytest.approx((30 * 0.01 + 0.02 + 0.03) / 32)
+
+
+def test_before_any_decode_tick_the_step_is_the_shortest_step_timed_not_the_prompt_chunks_mean():
+    """A server that has prefilled only prompt chunks (0.4 s each, and one 0.05 s chunk) has no decode
+    tick to walk rows by: the shortest step (0.05 s) is the step, since every chunk does at least a
+    decode tick's work. Red with the chunks' clipped mean back (0.36 s: 129 s forecast where rows were
+    free in 3 s, session 32's retry-herd bench)."""
+    snap = snapshot(recent_steps=(0.4,) * 9 + (0.05,), step_time_ema=0.3)
+    assert forecast.typical_step(snap) == 0.05
+    assert forecast.typical_step(snapshot(step_time_ema=0.3)) == 0.3
+
+
+def test_waiters_ahead_take_the_freed_rows_and_then_end_themselves(make_engine):
+    """Two rows (10 and 30 steps left) and two waiters ahead (prompts of one chunk, 20 and 50 tokens to
+    generate) on a 2-row server: the waiters take the rows at ticks 10 and 30, and the newcomer the row
+    the first of them frees, at tick 10 + 1 + 1 + 20 = 32. Red with the walk stopping at the running
+    rows (no room in sight: an infinite forecast and a Retry-After of 60 s, the bench's first finding)."""
+    cfg = cfg_for(make_engine, max_seqs=2, max_ttft=1.0)
+    rows = (RowView(1, 10, 4, 8, 0, 5, 15), RowView(2, 30, 4, 8, 0, 5, 35))
+    waiters = (WaiterView(8, 4, 3, 20), WaiterView(8, 4, 4, 50))
+    snap = snapshot(
+        rows=rows, waiters=waiters, kv_blocks_total=64, kv_blocks_free=56, recent_decode_periods=(0.01,) * 8
+    )
+    assert forecast.admission_tick(cfg, snap, list(waiters), 4, 1) == 32
+    admit, _, _ = forecast.predicted_ttft(cfg, snap, [], 8, 4)
+    # 30 ticks walked with the running rows, then 3 plain steps of simulated waiters
+    assert admit == pytest.approx(0.33)
+    assert admission.ttft_refusal(cfg, (admit, 0.0, 8), timed=False) is None
+    # blocks bind too: the whole pool (64) only after both waiters end (tick 82); more never fits
+    assert forecast.admission_tick(cfg, snap, list(waiters), 64, 1) == 82
+    assert forecast.admission_tick(cfg, snap, list(waiters), 65, 1) is None
+
+
+def test_a_herd_refused_together_is_told_to_come_back_spread_out(make_engine):
+    """One row busy for ~4 s, --max-ttft 0.5: four requests of 100 tokens arrive together and are all
+    refused. Each one's wait counts those refused before it as waiters ahead, so the k-th is told to
+    come back about k x 100 steps later than the first, and says so. Red with the gate raising the
+    plain refusal (all four told the same ~4 s: session 32's retry-herd bench admitted 16 of 88 first
+    retries that way)."""
+    from kvgate.request import Refusal
+    from tests.test_admission import hog, wait_until
+
+    e = make_engine(block_size=4, max_seqs=1, max_ttft=0.5)
+    e.generate(req(40, 2), timeout=20)  # times a prefill
+    h = hog(e, 8, 400, step_sleep=0.01)
+    assert wait_until(lambda: forecast.typical_step(e.snapshot()) >= 0.005)
+    refusals = []
+    for k in range(4):
+        with pytest.raises(Refusal) as ei:
+            e.submit(req(8, 100, salt=10 + k))
+        refusals.append(ei.value)
+    assert all((r.status, r.code) == (429, "ttft_budget_exceeded") for r in refusals)
+    waits = [r.retry_after_ms for r in refusals]
+    step = forecast.typical_step(e.snapshot())
+    assert all(b - a >= 0.8 * 100 * step * 1000 for a, b in zip(waits, waits[1:])), waits
+    assert "told to come back" not in refusals[0].message
+    assert "1 request refused before this one was told" in refusals[1].message
+    assert "3 requests refused before this one were told" in refusals[3].message
+    assert [r.retry_after for r in refusals] == [min(60, -(-w // 1000)) for w in waits]
+    h.cancel()
+    set_step_hook(e, None)
+
+
+def test_a_refusal_with_a_wait_in_milliseconds_sends_the_header_the_openai_sdk_reads_first():
+    """`retry-after-ms` beside Retry-After (the openai SDKs prefer it), and in the body. Red with the
+    header line out of APIError.response."""
+    from kvgate.request import Refusal
+    from kvgate.server.errors import from_refusal
+
+    r = Refusal("ttft_budget_exceeded", "later", 429, retry_after=2, retry_after_ms=1450)
+    resp = from_refusal(r).response()
+    assert (resp.headers["retry-after"], resp.headers["retry-after-ms"]) == ("2", "1450")
+    assert b'"retry_after_ms":1450' in resp.body
+    assert "retry-after-ms" not in from_refusal(Refusal("x", "y", 503, retry_after=5)).response().headers

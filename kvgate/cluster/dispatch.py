@@ -278,6 +278,11 @@ class Dispatcher:
             pool = [r for r in refusals if r.status == 429] or refusals  # "later" beats "unavailable"
             best = min(pool, key=lambda r: r.retry_after if r.retry_after is not None else 1 << 30)
             retry = min(soonest, best.retry_after) if best.retry_after is not None else soonest
+            details = best.details()
+            if (
+                retry != best.retry_after
+            ):  # another replica's view says sooner: its milliseconds no longer hold
+                details.pop("retry_after_ms", None)
             return Refusal(
                 best.code,
                 f"every kvgate replica refused this request ({len(refusals)} asked); the soonest: "
@@ -285,7 +290,7 @@ class Dispatcher:
                 best.status,
                 retry_after=retry,
                 param=best.param,
-                **best.details(),
+                **details,
             )
         d = call.demand
         # what each replica lacks: KV, or batch rows (--max-seqs) with KV to spare. Rows only: lowering

@@ -268,20 +268,47 @@ def ttft_never_refusal(
     )
 
 
-def ttft_refusal(cfg: SchedulerConfig, estimate: tuple[float, float, int], timed: bool) -> Refusal | None:
+RETRY_MARGIN = (
+    0.1  # of the budget, added to a TTFT 429's wait: a retry due exactly at the budget is a coin toss
+)
+MIN_RETRY_MS = 100
+
+
+def ttft_refusal(
+    cfg: SchedulerConfig,
+    estimate: tuple[float, float, int],
+    timed: bool,
+    later: tuple[float, float, int] | None = None,
+    told: int = 0,
+) -> Refusal | None:
     """The 429 for a forecast over `--max-ttft`, or None when it is within the budget. `timed`: a
-    prefill was timed (else the prefill counted 0 s). Retry-After is the excess rounded up: rounded to
-    the nearest, a forecast 0.4 s over the budget said "retry in 0 s" (clamped to 1, too soon)."""
+    prefill was timed (else the prefill counted 0 s). `later`: the forecast with the `told` requests
+    refused before this one, and told to come back sooner, counted ahead of it (the gate's promises):
+    the wait it is given comes from that one, so a herd refused together does not come back together
+    (session 31's QA: 4 of 35 first retries admitted). The wait is the excess over the budget plus
+    RETRY_MARGIN of the budget: Retry-After in whole seconds rounded up (to the nearest, a forecast
+    0.4 s over said "retry in 0 s"), retry-after-ms to the millisecond."""
     admit, prefill, ahead = estimate
     if cfg.max_ttft is None or admit + prefill <= cfg.max_ttft:
         return None
+    back_admit, back_prefill, _ = later or estimate
+    wait_s = min(back_admit + back_prefill, 3600) - cfg.max_ttft + RETRY_MARGIN * cfg.max_ttft
     wait = "no room is in sight" if admit == float("inf") else f"{admit:.2f}s until rows and KV free up"
     rate = f"about {prefill:.2f}s at the measured prefill rate" if timed else "not timed yet, counted as 0s"
+    them = (
+        "1 request refused before this one was"
+        if told == 1
+        else f"{told} requests refused before this one were"
+    )
+    herd = (
+        f" {them} told to come back sooner; its wait counts them ahead of it ({wait_s:.2f}s)." if told else ""
+    )
     return Refusal(
         "ttft_budget_exceeded",
         f"this request would wait about {admit + prefill:.2f}s for its first token ({wait}, then {ahead} "
         f"prompt tokens to prefill, {rate}), more than this server's --max-ttft "
-        f"{cfg.max_ttft:g}s. Retry after the Retry-After interval.",
+        f"{cfg.max_ttft:g}s.{herd} Retry after the Retry-After interval.",
         429,
-        retry_after=int(min(60, max(1, math.ceil(min(admit + prefill, 3600) - cfg.max_ttft)))),
+        retry_after=int(min(60, max(1, math.ceil(wait_s)))),
+        retry_after_ms=int(min(60_000, max(MIN_RETRY_MS, math.ceil(wait_s * 1000)))),
     )

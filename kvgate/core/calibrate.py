@@ -4,9 +4,12 @@ The TTFT budget forecasts from timed prefill steps. A server that has just start
 400 ("this prompt alone is over the budget") stayed silent and its 429 counted prefill as 0 s, so the
 first long prompt after a restart ran 13.6 s under `--max-ttft 1` (session 30's QA). `calibrate_prefill`
 sends one synthetic prompt of two whole chunks through the engine's own path (admission, prefill,
-one token) and waits for it. Its chunks run alone, so they give the 400's lower bound; at two
-positions, they give the forecast's line a slope. The request is counted like any other (one admitted,
-one finished), and its blocks stay in the prefix cache as evictable.
+DECODE_TICKS tokens) and waits for it. Its chunks run alone, so they give the 400's lower bound; at two
+positions, they give the forecast's line a slope. Its decode ticks give the walks of running rows their
+step: without them a fresh server priced a decode tick at a prompt chunk's 0.43 s, and its first burst
+of 12 requests behind 2 rows was told to retry in 60 s, 129 s forecast for rows free in 3 (session 32).
+The request is counted like any other (one admitted, one finished), and its blocks stay in the prefix
+cache as evictable.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from kvgate.core.state import MIN_TIMED_PREFILL
 from kvgate.request import GenerationRequest
 from kvgate.sampling_params import SamplingParams
 
+DECODE_TICKS = 16  # tokens generated after the prompt: their ticks are the decode step's first measure
+
 
 def calibrate_prefill(engine, timeout: float = 120.0) -> str:
     """Run the calibration prompt; return a line for the start-up log saying what was measured."""
     cfg = engine.sched_cfg
-    room = min(cfg.max_model_len, cfg.total_blocks * cfg.block_size) - 1
+    room = min(cfg.max_model_len, cfg.total_blocks * cfg.block_size) - DECODE_TICKS
     n = min(2 * cfg.prefill_chunk, room)
     if n < MIN_TIMED_PREFILL:
         return f"TTFT calibration skipped: room for {n} prompt tokens, fewer than {MIN_TIMED_PREFILL}"
@@ -29,9 +34,12 @@ def calibrate_prefill(engine, timeout: float = 120.0) -> str:
     # spread over the vocabulary, never one repeated token (a real prompt's embedding reads vary)
     ids = [(7 + 7919 * i) % vocab for i in range(n)]
     t0 = time.monotonic()
-    engine.generate(GenerationRequest(ids, SamplingParams(temperature=0.0), 1, ignore_eos=True), timeout)
+    request = GenerationRequest(ids, SamplingParams(temperature=0.0), DECODE_TICKS, ignore_eos=True)
+    engine.generate(request, timeout)
     seconds = time.monotonic() - t0
     snap = engine.snapshot()
     best = snap.prefill_token_time_best
     fastest = f"{1 / best:,.0f} tokens/s at best" if best else "no whole chunk timed alone"
-    return f"TTFT calibration: a {n}-token prompt prefilled in {seconds:.2f}s ({fastest})"
+    ticks = snap.recent_decode_periods
+    tick = f"; decode ticks {1e3 * sum(ticks) / len(ticks):.1f} ms" if ticks else ""
+    return f"TTFT calibration: a {n}-token prompt prefilled and {DECODE_TICKS} tokens in {seconds:.2f}s ({fastest}{tick})"

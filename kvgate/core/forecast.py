@@ -19,7 +19,9 @@ up to 0.57 s (session 31's QA).
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import deque
 
 from kvgate.config import SchedulerConfig
 from kvgate.core.admission import group_blocks
@@ -32,15 +34,17 @@ OUTLIER = 3.0  # a tick period over this many times the median counts as this ma
 
 def typical_step(snap: EngineSnapshot) -> float | None:
     """Seconds per decode tick now, for walks of many ticks: the mean of the recent decode-only tick
-    periods (else of the forwards without a prompt chunk, else of all recent forwards), each clipped
-    at OUTLIER x their median; the EMA before any; None before any step. A mean, since a walk adds
+    periods (else of the forwards without a prompt chunk), each clipped at OUTLIER x their median;
+    before any decode tick, the shortest step timed (a prompt chunk does at least a decode tick's
+    work: the clipped mean of prompt chunks made a fresh server's first burst wait 129 s for rows
+    free in 3, session 32); the EMA before any; None before any step. A mean, since a walk adds
     ticks up: the event loop's hiccups (one tick in a few, twice as long) belong in the sum, and the
     median left them out (QA pass 4: 5 of 12 admitted requests late under a mixed load). Clipped,
     so that one rare stall (a first 2-row step warming its kernels took 0.33 s) does not stretch a
     walk of hundreds of ticks."""
-    recent = sorted(snap.recent_decode_periods or snap.recent_decode_steps or snap.recent_steps)
+    recent = sorted(snap.recent_decode_periods or snap.recent_decode_steps)
     if not recent:
-        return snap.step_time_ema
+        return min(snap.recent_steps) if snap.recent_steps else snap.step_time_ema
     cap = OUTLIER * recent[len(recent) // 2]
     return sum(min(t, cap) for t in recent) / len(recent)
 
@@ -113,15 +117,41 @@ def predicted_ttft(
     spans += [(0, w.prompt_len) for w in waiters] + [(cached, P)]
     ahead = sum(end - start for start, end in spans)
     prefill = sum(prefill_seconds(line, start, end) for start, end in spans)
-    slots = len(waiters) + n - (cfg.max_seqs - len(snap.rows))
     need = group_blocks(cfg, P, max_tokens, n, cached // cfg.block_size)
-    blocks = need - snap.kv_blocks_available + sum(w.blocks for w in waiters)
-    admit = step if snap.rows else 0.0  # admitted at the worker's next tick: after the step in flight
-    if slots > 0 or blocks > 0:
+    ticks = admission_tick(cfg, snap, waiters, need, n)
+    if ticks is None:
         admit = float("inf")
-        for steps, nblocks in sorted((r.steps_left, r.blocks) for r in snap.rows):
-            slots, blocks = slots - 1, blocks - nblocks
-            if slots <= 0 and blocks <= 0:
-                admit = decode_seconds(snap, step, steps + 1)
-                break
+    elif ticks == 0:
+        admit = step if snap.rows else 0.0  # admitted at the worker's next tick: after the step in flight
+    else:
+        horizon = max(
+            (r.steps_left for r in snap.rows), default=0
+        )  # past it only simulated waiters run, at `step`
+        admit = decode_seconds(snap, step, min(ticks + 1, horizon)) + max(0, ticks + 1 - horizon) * step
     return admit, prefill, ahead
+
+
+def admission_tick(cfg: SchedulerConfig, snap: EngineSnapshot, waiters: list[WaiterView], need: int, n: int):
+    """The tick (0: now) at which a newcomer needing `n` rows and `need` blocks is admitted, or None
+    if never. The running rows end by their remaining steps; the waiters ahead take the rows and
+    blocks that free up first, in FIFO order, and each then runs its prompt chunks and max_tokens
+    before it ends in turn. Without that second part, a fifth request behind two rows and two
+    waiters found no room in sight and was told to retry in 60 s, where about 3 s was true (the
+    retry-herd bench, session 32)."""
+    chunk = max(1, cfg.prefill_chunk)
+    ends = [(r.steps_left, r.blocks) for r in snap.rows]
+    heapq.heapify(ends)
+    rows, blocks = cfg.max_seqs - len(snap.rows), snap.kv_blocks_available
+    queue = deque(waiters)
+    tick = 0
+    while True:
+        while queue and rows >= 1 and blocks >= queue[0].blocks:
+            w = queue.popleft()
+            rows, blocks = rows - 1, blocks - w.blocks
+            heapq.heappush(ends, (tick + 1 + -(-w.prompt_len // chunk) + w.max_tokens, w.blocks))
+        if not queue and rows >= n and blocks >= need:
+            return tick
+        if not ends:
+            return None
+        tick, freed = heapq.heappop(ends)
+        rows, blocks = rows + 1, blocks + freed

@@ -2,8 +2,8 @@
 
 A browser page on another origin may call the API only when its origin is listed (comma-separated,
 or `*` for any). Preflight (`OPTIONS`) is answered before the API-key check, as browsers send it
-without credentials; the real request still needs the key. `Retry-After` and `X-KVGate-Budget-Cap`
-are exposed so a page can read the refusal's wait and the budget cap.
+without credentials; the real request still needs the key. `Retry-After`, `Retry-After-Ms` and
+`X-KVGate-Budget-Cap` are exposed so a page can read the refusal's wait and the budget cap.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-EXPOSED = ["Retry-After", "X-KVGate-Budget-Cap", "X-Request-Id"]
+EXPOSED = ["Retry-After", "Retry-After-Ms", "X-KVGate-Budget-Cap", "X-Request-Id"]
 
 
 def add_cors_flag(parser) -> None:

@@ -46,6 +46,8 @@ class APIError(Exception):
         h = dict(headers or {})
         if self.retry_after is not None:
             h["Retry-After"] = str(int(self.retry_after))
+        if self.extra.get("retry_after_ms") is not None:  # read before Retry-After by the openai SDKs
+            h["retry-after-ms"] = str(int(self.extra["retry_after_ms"]))
         return JSONResponse(self.body(), status_code=self.status, headers=h)
 
 

@@ -127,6 +127,7 @@ _RESPONSES = {
                     "positions": _INT,
                     "positions_limit": _INT,
                     "retry_after_seconds": _INT,
+                    "retry_after_ms": _INT,
                 },
             }
         },
@@ -210,7 +211,13 @@ _RESPONSES = {
     },
 }
 
-_RETRY_AFTER = {"Retry-After": {"required": True, "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+_RETRY_AFTER = {
+    "Retry-After": {"required": True, "schema": {"type": "string", "pattern": "^[0-9]+$"}},
+    "retry-after-ms": {  # the TTFT forecast's wait to the millisecond; the openai SDKs read it first
+        "required": False,
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    },
+}
 _WHY = {
     400: "Invalid request (names the field in error.param), or a request that can never fit (names both sides)",
     401: "Missing or wrong API key (only when the server has one)",
