@@ -66,6 +66,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's own context length
     seed: int | None = None  # default seed for requests that give none (None = fresh entropy)
     threads: int | None = None  # torch intra-op threads; None = torch's default
+    adaptive_threads: str = "auto"  # auto | on | off: fewer threads while other processes use the cores
     pack_weights: str = "auto"  # auto | on | off: oneDNN-prepacked weight matrices (CPU float32)
     weights: str = "auto"  # auto | full | int8 | int4 | gguf | gguf-q8act (auto: gguf where exact Q4_1 blocks, else full)
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
@@ -151,6 +152,14 @@ ENGINE_FLAGS = [
     ),
     ("--max-model-len", at_least(int, 2), None, "context length (default: the model's)"),
     ("--threads", at_least(int, 1), None, "torch intra-op threads (default: torch's choice)"),
+    (
+        "--adaptive-threads",
+        str,
+        "auto",
+        "auto | on | off: step on fewer threads while other processes use this engine's CPUs, and on all "
+        "again after (auto: on a CPU with --weights gguf or gguf-q8act, whose numbers are the same at any "
+        "thread count; on: also other formats, whose last bits may then move)",
+    ),
     ("--pack-weights", str, "auto", "auto | on | off: prepack weights for oneDNN (auto: CPU float32)"),
     (
         "--q8-head",
@@ -238,6 +247,7 @@ CHOICES = {
     "--prefill-attention": ("auto", "kernel", "sdpa"),
     "--prefix-cache": ("on", "off"),
     "--cuda-graphs": ("auto", "on", "full", "off"),
+    "--adaptive-threads": ("auto", "on", "off"),
 }
 
 
@@ -271,6 +281,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         min_cap_tokens=a.min_cap_tokens,
         max_model_len=a.max_model_len,
         threads=a.threads,
+        adaptive_threads=a.adaptive_threads,
         pack_weights=a.pack_weights,
         q8_head=a.q8_head,
         weights=a.weights,

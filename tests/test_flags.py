@@ -61,6 +61,9 @@ def test_the_choices_are_the_resolvers_own():
     assert CHOICES["--weights"] == ("auto", *FORMATS)
     assert CHOICES["--decode-attention"] == paged_attention.CHOICES
     assert CHOICES["--prefill-attention"] == prefill_attention.CHOICES
+    from kvgate.core import core_share
+
+    assert CHOICES["--adaptive-threads"] == core_share.CHOICES
 
 
 def test_a_memory_limit_above_the_machines_memory_is_refused():

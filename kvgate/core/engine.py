@@ -33,6 +33,7 @@ import torch
 
 from kvgate.config import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, EngineConfig, SchedulerConfig
 from kvgate.core import admission
+from kvgate.core.core_share import governor_for
 from kvgate.core.gate import SHUTTING_DOWN, AdmissionGate
 from kvgate.core.inbox import Cancel, CancelAll, Drain, Inbox, Stop
 from kvgate.core.kv_cache import KVPool
@@ -156,6 +157,7 @@ class Engine:
             self._capture_pieces()
         self.core = EngineCore(self.sched_cfg, self.tokenizer, self.runner, self.inbox)
         self.gate = AdmissionGate(self.sched_cfg, self.inbox, lambda: self.core.snapshot, self._unavailable)
+        self.governor = governor_for(cfg.adaptive_threads, self.device, self.weights_format)  # CPU threads
         self.info = EngineInfo(spec.name, loaded.source, str(self.device), p.dtype, time.monotonic() - t0)
         self._thread: threading.Thread | None = None
         self.dead: str | None = None
@@ -382,6 +384,8 @@ class Engine:
         core = self.core
         try:
             while True:
+                if self.governor is not None:
+                    self.governor.poll()
                 commands = self.inbox.take(core.wait_time())
                 if any(isinstance(c, Stop) for c in commands):
                     core.scheduler.apply([c for c in commands if not isinstance(c, Stop)])

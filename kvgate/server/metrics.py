@@ -145,5 +145,15 @@ class _EngineCollector:
                 "The CUDA decode graphs' pool, measured after capture",
                 graphs.pool_bytes,
             )
+        governor = getattr(engine, "governor", None)  # --adaptive-threads on a CPU
+        if governor is not None:
+            yield gauge(
+                "cpu_threads", "Threads the engine steps on now (--adaptive-threads)", governor.threads
+            )
+            yield gauge(
+                "cpu_others_cores",
+                "Other processes' use of the engine's CPUs at the last look, in cores",
+                governor.others,
+            )
         if snap.step_time_ema is not None:
             yield gauge("step_seconds_ema", "Smoothed engine step time", snap.step_time_ema)

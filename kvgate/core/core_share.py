@@ -1,0 +1,123 @@
+"""Step on fewer threads while other processes use this engine's cores, and on all of them again after.
+
+A CPU decode step is ~200 short OpenMP regions, and each waits at its barrier for its slowest thread.
+When another process takes one of the cores, every region waits for the thread that lost its core:
+4 streams x 50 tokens took 0.42 s idle, 1.2-1.7 s beside a one-thread busy loop, and 0.69 s there at
+`--threads 1` (session 31, 2 vCPUs). A row's numbers do not depend on the thread count (session 32:
+SmolLM2's logprobs bit-equal at 1 and 2 threads, 1 and 3 rows, a 700-token prompt), so the count can
+follow the load without changing what a request generates.
+
+`CoreShare` reads the busy and stolen time of the CPUs this process may run on (/proc/stat) and the
+process's own CPU time (/proc/self/stat); the difference is other processes' (and the hypervisor's),
+in cores. `ThreadGovernor` runs on the worker between steps: once a PERIOD it steps on
+`min(base, cpus - floor(others + 1 - SHED))` threads, at least 1, after two periods in a row agree,
+through `torch.set_num_threads` on the worker thread (the kernels read the count at every call).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("kvgate.engine")
+
+PERIOD = 1.0  # seconds between looks at the CPUs
+SHED = 0.6  # other processes' use, in cores, that gives up one of this engine's threads
+
+
+class CoreShare:
+    """Other processes' use of this process's CPUs, in cores, between two calls of `others`."""
+
+    def __init__(self, stat: str = "/proc/stat", own: str = "/proc/self/stat"):
+        self.stat, self.own = stat, own
+        self.cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, int, int]:
+        busy = 0
+        with open(self.stat) as f:
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if name in self.cpus:
+                    v = [int(x) for x in rest.split()]
+                    # user nice system idle iowait irq softirq steal: all but idle and iowait
+                    busy += v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+        with open(self.own) as f:
+            fields = f.read().rpartition(")")[2].split()
+        return time.monotonic(), busy, int(fields[11]) + int(fields[12])  # utime, stime
+
+    def others(self) -> float:
+        now = self._sample()
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        self._last = now
+        if t1 <= t0:
+            return 0.0
+        return max(0.0, (busy1 - busy0 - (own1 - own0)) / self.tick / (t1 - t0))
+
+
+class ThreadGovernor:
+    def __init__(
+        self,
+        base: int,
+        share: CoreShare,
+        set_threads: Callable[[int], None],
+        cpus: int | None = None,
+        period: float = PERIOD,
+    ):
+        self.base, self.share, self.set_threads, self.period = base, share, set_threads, period
+        self.cpus = cpus or len(os.sched_getaffinity(0))
+        self.threads = base
+        self.others = 0.0  # the last reading, in cores
+        self._want: int | None = None
+        self._next = time.monotonic() + period
+
+    def wanted(self, others: float) -> int:
+        return max(1, min(self.base, self.cpus - math.floor(others + 1 - SHED)))
+
+    def poll(self, now: float | None = None) -> None:
+        """On the worker thread, between steps: look once a period, switch after two agreeing looks."""
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return
+        self._next = now + self.period
+        self.others = self.share.others()
+        want = self.wanted(self.others)
+        if want == self.threads or want != self._want:
+            self._want = None if want == self.threads else want
+            return
+        log.info(
+            "other processes used %.1f of this engine's %d CPUs for %.0fs: stepping on %d threads (was %d; "
+            "--adaptive-threads off keeps %d)",
+            self.others,
+            self.cpus,
+            2 * self.period,
+            want,
+            self.threads,
+            self.base,
+        )
+        self.set_threads(want)
+        self.threads, self._want = want, None
+
+
+CHOICES = ("auto", "on", "off")
+INVARIANT_FORMATS = ("gguf", "gguf-q8act")  # kernels whose rows split by output, never by the sum
+
+
+def governor_for(setting: str, device, weights_format: str) -> ThreadGovernor | None:
+    """The worker's governor, or None: `--adaptive-threads` auto is on for a CPU engine whose weights
+    run in kvgate's own kernels (their numbers measured the same at any thread count); `on` also
+    adapts torch's matmuls, whose sums may split by thread (a row's last bits may then move)."""
+    import torch
+
+    from kvgate.memory.plan import PlanError
+
+    if setting not in CHOICES:
+        raise PlanError(f"--adaptive-threads {setting!r} is not one of {', '.join(CHOICES)}")
+    on = setting == "on" or (setting == "auto" and weights_format in INVARIANT_FORMATS)
+    if not on or getattr(device, "type", str(device)) != "cpu" or not os.path.exists("/proc/self/stat"):
+        return None
+    return ThreadGovernor(torch.get_num_threads(), CoreShare(), torch.set_num_threads)
