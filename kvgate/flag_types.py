@@ -44,3 +44,13 @@ def more_than(kind: type, low):
 
 
 PORT = at_least(int, 1, 65535)
+
+
+def byte_size(text: str) -> int:
+    """A size such as 64MiB, 2GB or 1000000 (0 allowed), as bytes."""
+    from kvgate.units import SizeError, parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except SizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -24,6 +24,7 @@ BAD = [
     ("serve", "--max-model-len", "0", "must be at least 2"),
     ("serve", "--port", "99999", "must be from 1 to 65535"),
     ("serve", "--shutdown-grace", "-1", "must be at least 0"),
+    ("serve", "--responses-store", "lots", "cannot read 'lots' as a size"),
     ("serve", "--dtype", "foo", "invalid choice"),
     ("serve", "--weights", "q3", "invalid choice"),
     ("serve", "--prefix-cache", "maybe", "invalid choice"),

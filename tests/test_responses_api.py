@@ -60,7 +60,7 @@ def test_text_whole_and_streamed_agree_and_say_where_the_limit_cut_them(base):
     whole = client(base).responses.create(**args)
     assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert whole.output[0].status == "incomplete" and whole.usage.output_tokens == 6
-    assert whole.id.startswith("resp_") and whole.store is False
+    assert whole.id.startswith("resp_") and whole.store is True  # kept: --responses-store is on by default
     events = list(client(base).responses.create(**args, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:4] == [

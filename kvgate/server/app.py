@@ -21,6 +21,7 @@ from kvgate.server.cors import install_cors
 from kvgate.server.errors import APIError
 from kvgate.server.metrics import Metrics
 from kvgate.server.openapi import install_openapi
+from kvgate.server.responses_store import ResponseStore
 from kvgate.server.routes import install_routes
 
 __all__ = ["ServerSettings", "create_app"]
@@ -36,6 +37,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics = Metrics(lambda: app.state.engine)
     app.state.live = LiveStats()
+    app.state.responses = ResponseStore(settings.responses_store_bytes)
     app.state.started_at = int(time.time())  # the model card's `created`
     install_openapi(app)
     install_console(app)

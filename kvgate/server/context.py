@@ -21,6 +21,9 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     default_temperature: float = 1.0
     cors_origins: list[str] | None = None  # browser origins allowed (kvgate.server.cors); None = no CORS
+    responses_store_bytes: int = (
+        64 << 20
+    )  # kept responses for previous_response_id (responses_store); 0 = none
 
 
 def refused(state, code: str, retry_after: int | None = None) -> None:

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from kvgate.server.openapi_fields import tighten_features, tighten_message
-from kvgate.server.openapi_responses import RESPONSES_RANGES, SCHEMAS, responses_route_docs
+from kvgate.server.openapi_responses import RESPONSES_RANGES, SCHEMAS, responses_route_docs, stored_route_docs
 
 _BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
@@ -265,6 +265,8 @@ def _route_responses(path: str) -> dict:
         return {"200": _ok(name), **{str(s): _error(s) for s in (400, 401, 404, 413, 503)}}
     if path == "/v1/responses":
         return responses_route_docs(_error)
+    if path.startswith("/v1/responses/"):
+        return stored_route_docs(_error)
     if path in ("/v1/chat/completions", "/v1/completions"):
         name = "ChatCompletion" if path == "/v1/chat/completions" else "Completion"
         ok = _ok(name, "The completion (JSON), or with stream=true a server-sent event stream")

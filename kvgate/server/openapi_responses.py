@@ -50,8 +50,14 @@ SCHEMAS = {
                 "required": ["input_tokens", "output_tokens", "total_tokens"],
                 "properties": {"input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT},
             },
-            "store": {"const": False},
+            "store": {"type": "boolean"},
+            "previous_response_id": {"anyOf": [_NULL, _STR]},
         },
+    },
+    "ResponseDeleted": {
+        "type": "object",
+        "required": ["id", "object", "deleted"],
+        "properties": {"id": _STR, "object": {"const": "response"}, "deleted": {"const": True}},
     },
     "ResponseStreamEvent": {
         "type": "object",
@@ -81,3 +87,13 @@ def responses_route_docs(error) -> dict:
         },
     }
     return {"200": ok, **{str(s): error(s) for s in (400, 401, 404, 413, 429, 500, 503)}}
+
+
+def stored_route_docs(error) -> dict:
+    """`GET` (the response) and `DELETE` (its deletion) of `/v1/responses/{response_id}`."""
+    ref = {
+        "anyOf": [{"$ref": "#/components/schemas/Response"}, {"$ref": "#/components/schemas/ResponseDeleted"}]
+    }
+    ok = {"description": "The stored response (GET), or that it was deleted (DELETE)"}
+    ok["content"] = {"application/json": {"schema": ref}}
+    return {"200": ok, "401": error(401), "404": error(404)}

@@ -12,8 +12,9 @@ Input items, in order, become messages: a string is one user message; `{"role", 
 assistant's text, in one message, as the chat templates expect them); `function_call_output` items
 become `tool` messages. `instructions` is a system message before them all.
 
-Not done, refused by name (400 `unsupported_parameter`): `previous_response_id` and `conversation`
-(kvgate stores no responses: send the whole conversation), `background`, hosted tools (web search,
+`previous_response_id` is resolved before this (`responses_route.continued`: the stored conversation
+goes before `input`). Not done, refused by name (400 `unsupported_parameter`): `conversation` (the
+Conversations API: send the whole conversation, or chain responses), `background`, hosted tools (web search,
 file search, ...), non-text input parts, and reasoning items (this model does not reason in them).
 """
 
@@ -26,7 +27,6 @@ from kvgate.server.errors import invalid, unsupported
 from kvgate.server.responses_protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
 
 NOT_DONE = {
-    "previous_response_id": "kvgate stores no responses; send the whole conversation in input",
     "conversation": "kvgate stores no conversations; send the whole conversation in input",
     "background": "background responses are not implemented; send the request and wait for it",
     "prompt": "stored prompt templates are not implemented; send instructions and input",

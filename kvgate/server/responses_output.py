@@ -40,7 +40,7 @@ def skeleton(body: dict, rid: str, created: int, model: str) -> dict:
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None},
-        "store": False,  # kvgate keeps no responses
+        "store": False,  # the route sets whether it keeps this one (--responses-store)
         "temperature": body.get("temperature"),
         "text": {"format": fmt or {"type": "text"}},
         "tool_choice": body.get("tool_choice", "auto"),

@@ -47,13 +47,19 @@ class MessageItem(_Replayed):
     type: Literal["message"] | None = None
     role: str  # checked by name (responses_input.ROLES): a union's schema error names only `input`
     content: str | list[TextPart]
+    phase: str | None = None  # an output message's phase, as the openai SDK's models dump it; unused
 
 
 class FunctionCallItem(_Replayed):
+    # the openai SDK's `model_dump()` of a call also carries these (None for a plain function call)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
+    async_: bool | None = Field(None, alias="async")
+    caller: Any = None
+    namespace: str | None = None
 
 
 class FunctionCallOutputItem(_Replayed):
@@ -131,7 +137,7 @@ class ResponsesRequest(_Body):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
-    store: bool | None = None  # accepted; kvgate keeps no responses (the response says store: false)
+    store: bool | None = None  # false: not kept for previous_response_id / GET (the default keeps it)
     # refused unless null or false (`responses_input.NOT_DONE` says why)
     previous_response_id: str | None = None
     conversation: Any = None

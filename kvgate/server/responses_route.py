@@ -5,11 +5,17 @@ request (admission before any header, the same 400/429/503 bodies), and the answ
 a JSON chat completion becomes a `response` object, a chat stream becomes the Responses event
 stream. Errors keep kvgate's error body; their `param` is given in the Responses body's own names
 (`input.2.content`, `max_output_tokens`, `text.format`).
+
+A response is kept (`responses_store`) unless the request says `store: false`: `previous_response_id`
+puts the kept conversation (its input items and output) before the new input, and `GET` / `DELETE
+/v1/responses/{id}` read and drop it. A param in an earlier turn's items is named
+`previous_response_id`; the client's own items keep their own indices.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from fastapi import Request
@@ -17,19 +23,29 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvgate.server import protocol as P
 from kvgate.server.bodies import parse_json, read_body
-from kvgate.server.errors import APIError
+from kvgate.server.errors import APIError, invalid
 from kvgate.server.responses_input import responses_param, to_chat
 from kvgate.server.responses_output import ResponseEvents, new_id, response_body, skeleton
+from kvgate.server.responses_store import ResponseStore
 from kvgate.server.serving import generate
 
-_KEPT_HEADERS = ("retry-after", "x-kvgate-budget-cap")
+_KEPT_HEADERS = ("retry-after", "retry-after-ms", "x-kvgate-budget-cap")
+_INDEX = re.compile(r"input[\[.](\d+)\]?")
 
 
 async def responses(request: Request) -> Response:
-    settings = request.app.state.settings
+    settings, store = request.app.state.settings, request.app.state.responses
     raw = await read_body(request, settings.max_body_bytes)
     body = parse_json(raw)
-    chat, origin = to_chat(body)
+    body, conversation, earlier = continued(body, store)
+    try:
+        chat, origin = to_chat(body)
+    except APIError as e:  # named by the merged input's indices: give the client's own
+        if earlier and e.param:
+            e.param = _own_index(e.param, earlier)
+            e.message = _INDEX.sub(lambda m: _own_text(m, earlier), e.message)
+        raise
+    origin = [_own_index(o, earlier) for o in origin]
     try:
         answer = await generate(request, P.ChatCompletionRequest, raw=json.dumps(chat).encode())
     except APIError as e:
@@ -43,17 +59,78 @@ async def responses(request: Request) -> Response:
         if "param" in err.get("error", {}):
             err["error"]["param"] = responses_param(err["error"]["param"], origin)
         return JSONResponse(err, status_code=answer.status_code, headers=headers)
+    keep = store.on and body.get("store") is not False
     skel = skeleton(body, new_id("resp_"), int(time.time()), settings.model_name)
+    skel["store"], skel["previous_response_id"] = keep, body.get("previous_response_id")
+
+    def kept(response: dict) -> None:
+        if keep and response["status"] in ("completed", "incomplete"):
+            store.put(response, conversation)
+
     if isinstance(answer, StreamingResponse):
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        events = _events(answer.body_iterator, ResponseEvents(skel))
+        events = _events(answer.body_iterator, ResponseEvents(skel), kept)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    return JSONResponse(response_body(json.loads(answer.body), skel), headers=headers)
+    response = response_body(json.loads(answer.body), skel)
+    kept(response)
+    return JSONResponse(response, headers=headers)
 
 
-async def _events(chat_stream, shaper: ResponseEvents):
+def continued(body, store: ResponseStore) -> tuple:
+    """(the body with `previous_response_id`'s conversation put before its input, the whole
+    conversation as input items, how many of them came from earlier turns). A 400 naming the field
+    when that response is not stored. `instructions` are not carried over (OpenAI's rule)."""
+    if not isinstance(body, dict):
+        return body, [], 0
+    mine = body.get("input")
+    mine = [{"type": "message", "role": "user", "content": mine}] if isinstance(mine, str) else mine
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return body, mine if isinstance(mine, list) else [], 0
+    if not isinstance(prev, str):
+        raise invalid("previous_response_id must be a string: a response id", param="previous_response_id")
+    stored = store.get(prev)
+    if stored is None:
+        raise APIError(400, store.missing(prev), "previous_response_not_found", param="previous_response_id")
+    response, before = stored
+    earlier = before + response["output"]
+    conversation = earlier + (mine if isinstance(mine, list) else [])
+    return {**body, "input": conversation if isinstance(mine, list) else mine}, conversation, len(earlier)
+
+
+def _own_index(where: str, earlier: int) -> str:
+    """`input.N` of the merged input as the client's own index; the earlier turns' items as
+    `previous_response_id`."""
+    if not earlier or not where.startswith("input."):
+        return where
+    head, _, rest = where[6:].partition(".")
+    n = int(head) - earlier
+    return "previous_response_id" if n < 0 else f"input.{n}" + (f".{rest}" if rest else "")
+
+
+def _own_text(m: re.Match, earlier: int) -> str:
+    n = int(m.group(1)) - earlier
+    return "previous_response_id's conversation" if n < 0 else m.group(0).replace(m.group(1), str(n))
+
+
+async def stored_response(request: Request, response_id: str) -> Response:
+    """GET: the kept response; DELETE: drop it. One route for both methods, so a 405 on the path
+    lists both in its Allow header."""
+    store = request.app.state.responses
+    if request.method == "DELETE":
+        if not store.delete(response_id):
+            raise APIError(404, store.missing(response_id), "response_not_found")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    stored = store.get(response_id)
+    if stored is None:
+        raise APIError(404, store.missing(response_id), "response_not_found")
+    return JSONResponse(stored[0])
+
+
+async def _events(chat_stream, shaper: ResponseEvents, kept):
     """The chat stream's SSE lines in, the Responses events out; closing it closes the chat stream
-    (a client that leaves cancels the generation, as on the chat endpoint)."""
+    (a client that leaves cancels the generation, as on the chat endpoint). `kept` gets the final
+    response."""
     try:
         for e in shaper.start():
             yield e
@@ -66,5 +143,6 @@ async def _events(chat_stream, shaper: ResponseEvents):
                     yield e
         for e in shaper.end():
             yield e
+        kept(shaper.response)
     finally:
         await chat_stream.aclose()

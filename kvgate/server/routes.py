@@ -16,7 +16,7 @@ from kvgate.server import protocol as P
 from kvgate.server.bodies import read_body
 from kvgate.server.context import check_model, ready_engine
 from kvgate.server.prepare import prepare_detokenize, prepare_tokenize
-from kvgate.server.responses_route import responses
+from kvgate.server.responses_route import responses, stored_response
 from kvgate.server.serving import generate
 
 
@@ -98,6 +98,7 @@ async def resources(request: Request):
             "cuda_graphs": getattr(eng, "graphs_note", None),  # None: a cluster front end (its replicas say)
         },
         "live": state.live.summary(),
+        "responses_store": state.responses.summary(),  # server memory, outside the ledger's plan
     }
 
 
@@ -134,6 +135,7 @@ ROUTES = [
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/responses", responses),
+    ("GET|DELETE", "/v1/responses/{response_id}", stored_response),
 ]
 
 
@@ -141,4 +143,4 @@ def install_routes(app: FastAPI) -> None:
     # Registered on the app itself (not an APIRouter): FastAPI 0.165 keeps an included router as one
     # opaque route, which would hide the paths from anything that lists `app.routes`.
     for method, path, endpoint in ROUTES:
-        app.add_api_route(path, endpoint, methods=[method])
+        app.add_api_route(path, endpoint, methods=method.split("|"))

@@ -89,6 +89,7 @@ def serve(args) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         cors_origins=cors_origins(args),
+        responses_store_bytes=args.responses_store,
     )
     app = create_app(settings)
     servers: list = []  # the uvicorn server, once made (a failed load stops it)
