@@ -110,8 +110,17 @@ def test_every_v1_route_needs_the_key_and_health_metrics_stay_open(keyed):
         f"bearer{KEY}",
         f"Bearer  {KEY}",
     ]
+    good = {"Authorization": f"Bearer {KEY}"}
     for method, route in routes:
-        path = route.replace("{model_id:path}", "tiny")  # GET /v1/models/{id}: the served model
+
+        def target(route: str = route) -> str:
+            path = route.replace("{model_id:path}", "tiny")  # GET /v1/models/{id}: the served model
+            if "{response_id}" in route:  # GET / DELETE of a kept response: a fresh one each time
+                made = client.post("/v1/responses", json=bodies["/v1/responses"], headers=good)
+                path = route.replace("{response_id}", made.json()["id"])
+            return path
+
+        path = target()
         for auth in wrong:
             headers = {} if auth is None else {"Authorization": auth}
             r = client.request(method, path, json=bodies.get(path), headers=headers)
@@ -119,8 +128,9 @@ def test_every_v1_route_needs_the_key_and_health_metrics_stay_open(keyed):
             err = r.json()["error"]
             assert err["code"] == "invalid_api_key" and err["type"] == "authentication_error"
             assert KEY not in r.text and "nope" not in r.text, "the 401 echoes a key"
-        ok = client.request(method, path, json=bodies.get(path), headers={"Authorization": f"Bearer {KEY}"})
+        ok = client.request(method, path, json=bodies.get(path), headers=good)
         assert ok.status_code == 200, (method, path, ok.text[:300])
+        path = target()
         ok = client.request(method, path, json=bodies.get(path), headers={"Authorization": f"bearer {KEY}"})
         assert ok.status_code == 200, "the scheme name is case-insensitive (RFC 7235)"
     for path in ("/health", "/metrics"):
@@ -164,6 +174,7 @@ def _serve_args(**kw):
         served_model_name=None,
         max_body_bytes=1 << 20,
         shutdown_grace=1.0,
+        responses_store=1 << 20,
         log_level="warning",
         model="default",
     )

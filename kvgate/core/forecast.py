@@ -124,9 +124,8 @@ def predicted_ttft(
     elif ticks == 0:
         admit = step if snap.rows else 0.0  # admitted at the worker's next tick: after the step in flight
     else:
-        horizon = max(
-            (r.steps_left for r in snap.rows), default=0
-        )  # past it only simulated waiters run, at `step`
+        # the running rows' last tick: past it only simulated waiters run, each tick at `step`
+        horizon = max((r.steps_left for r in snap.rows), default=0)
         admit = decode_seconds(snap, step, min(ticks + 1, horizon)) + max(0, ticks + 1 - horizon) * step
     return admit, prefill, ahead
 
