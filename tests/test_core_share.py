@@ -28,24 +28,28 @@ class Readings:
 
 
 def test_the_governor_sheds_a_thread_after_two_busy_looks_and_takes_it_back_after_two_quiet_ones():
-    """2 CPUs: another process at 0.7 cores twice gives up a thread; 1.0 keeps it given up; 0.1 twice
-    takes it back. One busy look alone changes nothing. Red with the second look out (a switch at
-    the first 0.7) and with `base - others` in place of `cpus - others` (the 16-CPU case below)."""
+    """2 CPUs: another process at 0.9 cores twice gives up a thread; 1.0 keeps it given up, and so
+    does 0.5 (under SHED, over RESTORE: no flapping); 0.1 twice takes it back. One busy look alone
+    changes nothing. Red with the second look out (a switch at the first 0.9), with `base - others`
+    in place of `cpus - others` (the 16-CPU case below) and with one threshold for both ways (0.5
+    would give the thread back)."""
     calls = []
-    g = ThreadGovernor(2, Readings([0.0, 0.7, 0.7, 1.0, 0.1, 0.7, 0.1, 0.1]), calls.append, cpus=2, period=1)
+    g = ThreadGovernor(
+        2, Readings([0.0, 0.9, 0.9, 1.0, 0.1, 0.5, 0.5, 0.1, 0.1]), calls.append, cpus=2, period=1
+    )
     seen = []
-    for k in range(1, 9):
+    for k in range(1, 10):
         g.poll(now=time.monotonic() + 2 * k)
         seen.append(g.threads)
-    assert seen == [2, 2, 1, 1, 1, 1, 1, 2] and calls == [1, 2]
+    assert seen == [2, 2, 1, 1, 1, 1, 1, 1, 2] and calls == [1, 2]
     # two engines of 8 threads on 16 CPUs: each sees the other's 8 cores busy, and keeps its 8
     g = ThreadGovernor(8, Readings([8.0]), calls.append, cpus=16, period=1)
     for k in range(1, 4):
         g.poll(now=time.monotonic() + 2 * k)
     assert g.threads == 8 and calls == [1, 2]
     # the same engine with a one-thread busy loop on a 2-CPU machine's spare share: one thread
-    assert ThreadGovernor(2, Readings([0.0]), calls.append, cpus=2).wanted(0.65) == 1
-    assert ThreadGovernor(2, Readings([0.0]), calls.append, cpus=2).wanted(0.5) == 2
+    assert ThreadGovernor(2, Readings([0.0]), calls.append, cpus=2).wanted(0.85) == 1
+    assert ThreadGovernor(2, Readings([0.0]), calls.append, cpus=2).wanted(0.65) == 2
 
 
 def test_core_share_counts_other_processes_busy_and_stolen_time_not_its_own(tmp_path, monkeypatch):

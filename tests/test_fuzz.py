@@ -99,8 +99,9 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(make_engine,
     generated = int(m.group(1))
     assert generated >= 300, out[-3000:]
     ops = re.search(r"Tested:\s+(\d+)", out)
-    # 9 with GET /v1/models/{id} (issue 13), 10 with /v1/responses, 12 with GET / DELETE of a kept one
-    assert ops and int(ops.group(1)) == 12, out[-3000:]
+    # 9 with GET /v1/models/{id} (issue 13), 10 with /v1/responses, 14 with GET / DELETE of a kept one,
+    # its input_items and cancel
+    assert ops and int(ops.group(1)) == 14, out[-3000:]
     snap = engine.snapshot()
     c = snap.counters
     assert engine.alive and c.failed == 0

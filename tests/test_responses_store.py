@@ -3,8 +3,6 @@ store's bound (kvgate/server/responses_store.py, kvgate/server/responses_route.p
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
@@ -95,11 +93,8 @@ def test_the_store_is_bounded_by_its_bytes_least_recently_used_out_first():
     store.get("resp_1")
     assert store.put(resp(3), [])
     assert store.get("resp_2") is None and store.get("resp_1") is not None and store.evicted == 1
-    kept = [
-        json.dumps(x, separators=(",", ":"))
-        for x in (resp(1), [{"role": "user", "content": "a"}], resp(3), [])
-    ]
-    assert store.bytes == sum(len(k) for k in kept)
+    assert store.bytes == sum(len(a) + len(b) for a, b in store._items.values())  # what is held
+    assert store.get("resp_1")[1][0]["id"].startswith("msg_")  # an item sent without an id gets one
     assert store.summary() == {"limit_bytes": 2500, "bytes": store.bytes, "responses": 2, "evicted": 1}
     assert not store.put({"id": "big", "output": "y" * 3000}, [])  # larger than the store: not kept
     assert store.summary()["responses"] == 2
@@ -116,3 +111,68 @@ def test_with_the_store_off_nothing_is_kept_and_chaining_says_how_to_turn_it_on(
         assert again.status_code == 400 and "--responses-store 0" in again.json()["error"]["message"]
         store = httpx.get(f"{b}/v1/resources", timeout=10).json()["responses_store"]
         assert store == {"limit_bytes": 0, "bytes": 0, "responses": 0, "evicted": 0}
+
+
+def test_input_items_lists_the_conversation_in_pages_as_the_sdk_reads_it(base):  # noqa: F811
+    """Two chained turns: turn 2's input items are turn 1's input, turn 1's output and turn 2's input,
+    newest first by default, each with an id and typed parts; the SDK's pager walks them 2 at a time
+    with `after`. Red with the store not giving ids to items sent without one (the pager cannot go on)."""
+    c = client(base)
+    first = c.responses.create(input="one", **GREEDY)
+    second = c.responses.create(
+        input=[{"role": "user", "content": "two"}], previous_response_id=first.id, **GREEDY
+    )
+    items = list(c.responses.input_items.list(second.id, limit=2))
+    assert len(items) == 3 and len({i.id for i in items}) == 3
+    assert [i.type for i in items] == ["message", "message", "message"]
+    assert items[0].content[0].text == "two" and items[2].content[0].text == "one"
+    assert items[1].id == first.output[0].id  # turn 1's answer, as it was given
+    oldest = c.responses.input_items.list(second.id, order="asc", limit=1)
+    assert oldest.data[0].id == items[2].id and oldest.has_more
+    bad = httpx.get(f"{base}/v1/responses/{second.id}/input_items", params={"limit": 0}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
+def test_what_a_kept_response_cannot_do_is_said_not_dropped(base):  # noqa: F811
+    """GET with stream=true (the SDK's retrieve(stream=True) got an empty stream), cancel (only
+    background responses), a trailing slash (a bare 307), an id of 50,000 characters (a 100 KB
+    error), and a continuation without input (OpenAI's input is optional then). Red with each
+    check taken out of the route (QA pass 5's F4-F7)."""
+    c = client(base)
+    r = c.responses.create(input="hi", **GREEDY)
+    got = httpx.get(f"{base}/v1/responses/{r.id}", params={"stream": "true"}, timeout=10)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "stream"
+    with pytest.raises(openai.BadRequestError, match="only those can be cancelled"):
+        c.responses.cancel(r.id)
+    slash = httpx.get(f"{base}/v1/responses/", timeout=10)
+    assert slash.status_code in (404, 405) and "error" in slash.json()
+    huge = httpx.get(f"{base}/v1/responses/resp_{'a' * 50_000}", timeout=10)
+    assert huge.status_code == 404 and len(huge.text) < 1000 and "50005 characters" in huge.text
+    assert "Send the whole conversation" not in huge.text  # advice for continuations only
+    for body in ({}, {"input": None}):
+        more = httpx.post(
+            f"{base}/v1/responses", json={**GREEDY, "previous_response_id": r.id, **body}, timeout=30
+        )
+        assert more.status_code == 200, more.text
+
+
+def test_a_response_larger_than_the_store_says_store_false(tmp_path):
+    """Whole and streamed. Red with `kept` ignoring put's answer (store: true, then a 404)."""
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from tests.tiny_model import make_tiny_hf_dir
+
+    d = make_tiny_hf_dir(tmp_path / "tiny4k", geometry={"max_pos": 4096})
+    cfg = EngineConfig(kv_cache_bytes=32 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
+    e = Engine.from_model(str(d), cfg, overhead_bytes=0).start()
+    with running_server(e, responses_store_bytes=3000) as (b, _app):
+        big = {**GREEDY, "input": "word " * 700}
+        r = httpx.post(f"{b}/v1/responses", json=big, timeout=60).json()
+        assert r["store"] is False
+        small = httpx.post(f"{b}/v1/responses", json={**GREEDY, "input": "hi"}, timeout=60).json()
+        assert small["store"] is True
+        with client(b).responses.stream(**{k: v for k, v in big.items()}) as s:
+            final = [x for x in s if x.type in ("response.completed", "response.incomplete")][-1].response
+        assert final.store is False
+        assert httpx.get(f"{b}/v1/responses/{final.id}", timeout=10).status_code == 404
+    e.shutdown()

@@ -9,8 +9,9 @@ follow the load without changing what a request generates.
 
 `CoreShare` reads the busy and stolen time of the CPUs this process may run on (/proc/stat) and the
 process's own CPU time (/proc/self/stat); the difference is other processes' (and the hypervisor's),
-in cores. `ThreadGovernor` runs on the worker between steps: once a PERIOD it steps on
-`min(base, cpus - floor(others + 1 - SHED))` threads, at least 1, after two periods in a row agree,
+in cores. `ThreadGovernor` runs on the worker between steps: once a PERIOD it gives up a thread for
+each core other processes use past SHED, and takes one back only when their use falls under RESTORE
+(at least 1 thread, at most `base`), after two periods in a row agree,
 through `torch.set_num_threads` on the worker thread (the kernels read the count at every call).
 """
 
@@ -25,7 +26,11 @@ from collections.abc import Callable
 log = logging.getLogger("kvgate.engine")
 
 PERIOD = 1.0  # seconds between looks at the CPUs
-SHED = 0.6  # other processes' use, in cores, that gives up one of this engine's threads
+# other processes' use, in cores past a whole number, that takes one of this engine's threads, and under
+# which it is given back. Half a core of background load (a test runner) made one thread slower than
+# two (QA pass 5: 0.76-0.85 s against 0.56-0.63 s), and one threshold for both flapped every 2 s
+SHED = 0.8
+RESTORE = 0.4
 
 
 class CoreShare:
@@ -76,7 +81,9 @@ class ThreadGovernor:
         self._next = time.monotonic() + period
 
     def wanted(self, others: float) -> int:
-        return max(1, min(self.base, self.cpus - math.floor(others + 1 - SHED)))
+        down = self.cpus - math.floor(others + 1 - SHED)  # at most this many with others this busy
+        up = self.cpus - math.floor(others + 1 - RESTORE)  # at least this many (RESTORE < SHED: up <= down)
+        return max(1, min(self.base, max(up, min(down, self.threads))))
 
     def poll(self, now: float | None = None) -> None:
         """On the worker thread, between steps: look once a period, switch after two agreeing looks."""
@@ -90,11 +97,11 @@ class ThreadGovernor:
             self._want = None if want == self.threads else want
             return
         log.info(
-            "other processes used %.1f of this engine's %d CPUs for %.0fs: stepping on %d threads (was %d; "
-            "--adaptive-threads off keeps %d)",
+            "other processes used %.1f of this engine's %d CPUs at the last of two looks %.0fs apart: stepping "
+            "on %d threads (was %d; --adaptive-threads off keeps %d)",
             self.others,
             self.cpus,
-            2 * self.period,
+            self.period,
             want,
             self.threads,
             self.base,

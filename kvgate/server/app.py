@@ -12,6 +12,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvgate.server.auth import AuthAndCount
@@ -42,12 +43,21 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     install_openapi(app)
     install_console(app)
     install_routes(app)
+    app.router.redirect_slashes = False  # "/v1/responses/" is a JSON 404, not a bare 307
     app.add_middleware(AuthAndCount, settings=settings, metrics=metrics)
     install_cors(app, settings.cors_origins)  # after: the outermost, so a preflight needs no key
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _query_error(request: Request, exc: RequestValidationError):  # a query parameter's type
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return APIError(
+            400, f"{where}: {first.get('msg', 'invalid')}", "invalid_value", param=where
+        ).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

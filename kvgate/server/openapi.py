@@ -266,7 +266,7 @@ def _route_responses(path: str) -> dict:
     if path == "/v1/responses":
         return responses_route_docs(_error)
     if path.startswith("/v1/responses/"):
-        return stored_route_docs(_error)
+        return stored_route_docs(_error, path)
     if path in ("/v1/chat/completions", "/v1/completions"):
         name = "ChatCompletion" if path == "/v1/chat/completions" else "Completion"
         ok = _ok(name, "The completion (JSON), or with stream=true a server-sent event stream")

@@ -89,11 +89,29 @@ def responses_route_docs(error) -> dict:
     return {"200": ok, **{str(s): error(s) for s in (400, 401, 404, 413, 429, 500, 503)}}
 
 
-def stored_route_docs(error) -> dict:
-    """`GET` (the response) and `DELETE` (its deletion) of `/v1/responses/{response_id}`."""
+def stored_route_docs(error, path: str) -> dict:
+    """`GET` (the response) and `DELETE` (its deletion) of `/v1/responses/{response_id}`; its
+    `input_items` (a list object) and `cancel` (never a 200: kvgate runs no background response)."""
+    if path.endswith("/input_items"):
+        listing = {
+            "type": "object",
+            "required": ["object", "data", "has_more"],
+            "properties": {
+                "object": {"const": "list"},
+                "data": {"type": "array"},
+                "has_more": {"type": "boolean"},
+            },
+        }
+        ok = {
+            "description": "The input items, in pages",
+            "content": {"application/json": {"schema": listing}},
+        }
+        return {"200": ok, "400": error(400), "401": error(401), "404": error(404)}
+    if path.endswith("/cancel"):
+        return {"400": error(400), "401": error(401), "404": error(404)}
     ref = {
         "anyOf": [{"$ref": "#/components/schemas/Response"}, {"$ref": "#/components/schemas/ResponseDeleted"}]
     }
     ok = {"description": "The stored response (GET), or that it was deleted (DELETE)"}
     ok["content"] = {"application/json": {"schema": ref}}
-    return {"200": ok, "401": error(401), "404": error(404)}
+    return {"200": ok, "400": error(400), "401": error(401), "404": error(404)}

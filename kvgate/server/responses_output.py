@@ -119,8 +119,11 @@ def response_body(chat: dict, skel: dict) -> dict:
 class ResponseEvents:
     """The chat stream's chunks in, the Responses stream's SSE events out."""
 
-    def __init__(self, skel: dict):
+    def __init__(self, skel: dict, on_final=None):
+        """`on_final(response)`: called with the finished response before its last event is written
+        (it may still change it: whether the store kept it)."""
         self.response = skel
+        self.on_final = on_final
         self.seq = 0
         self.output: list[dict] = []
         self.text: dict | None = None  # the message item being written
@@ -183,6 +186,8 @@ class ResponseEvents:
             out += self._close_call(index)
         self.response = {**self.response, "output": self.output, "usage": usage(self.usage)}
         finish(self.response, self.finish_reason)
+        if self.on_final is not None:
+            self.on_final(self.response)
         kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
         return out + [self.event(kind, response=self.response)]
 

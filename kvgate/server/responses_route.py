@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import re
 import time
+from typing import Literal
 
-from fastapi import Request
+from fastapi import Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvgate.server import protocol as P
@@ -26,7 +27,7 @@ from kvgate.server.bodies import parse_json, read_body
 from kvgate.server.errors import APIError, invalid
 from kvgate.server.responses_input import responses_param, to_chat
 from kvgate.server.responses_output import ResponseEvents, new_id, response_body, skeleton
-from kvgate.server.responses_store import ResponseStore
+from kvgate.server.responses_store import ResponseStore, page, shown
 from kvgate.server.serving import generate
 
 _KEPT_HEADERS = ("retry-after", "retry-after-ms", "x-kvgate-budget-cap")
@@ -63,13 +64,13 @@ async def responses(request: Request) -> Response:
     skel = skeleton(body, new_id("resp_"), int(time.time()), settings.model_name)
     skel["store"], skel["previous_response_id"] = keep, body.get("previous_response_id")
 
-    def kept(response: dict) -> None:
+    def kept(response: dict) -> None:  # a response larger than the whole store says store: false
         if keep and response["status"] in ("completed", "incomplete"):
-            store.put(response, conversation)
+            response["store"] = store.put(response, conversation)
 
     if isinstance(answer, StreamingResponse):
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        events = _events(answer.body_iterator, ResponseEvents(skel), kept)
+        events = _events(answer.body_iterator, ResponseEvents(skel, kept))
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     response = response_body(json.loads(answer.body), skel)
     kept(response)
@@ -87,11 +88,18 @@ def continued(body, store: ResponseStore) -> tuple:
     prev = body.get("previous_response_id")
     if prev is None:
         return body, mine if isinstance(mine, list) else [], 0
+    if mine is None:  # optional when continuing (OpenAI's schema): the new turn adds no items
+        mine = []
     if not isinstance(prev, str):
         raise invalid("previous_response_id must be a string: a response id", param="previous_response_id")
     stored = store.get(prev)
     if stored is None:
-        raise APIError(400, store.missing(prev), "previous_response_not_found", param="previous_response_id")
+        raise APIError(
+            400,
+            store.missing(prev, chaining=True),
+            "previous_response_not_found",
+            param="previous_response_id",
+        )
     response, before = stored
     earlier = before + response["output"]
     conversation = earlier + (mine if isinstance(mine, list) else [])
@@ -117,6 +125,11 @@ async def stored_response(request: Request, response_id: str) -> Response:
     """GET: the kept response; DELETE: drop it. One route for both methods, so a 405 on the path
     lists both in its Allow header."""
     store = request.app.state.responses
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise invalid(
+            "stream: replaying a kept response as events is not supported; GET it without stream",
+            param="stream",
+        )
     if request.method == "DELETE":
         if not store.delete(response_id):
             raise APIError(404, store.missing(response_id), "response_not_found")
@@ -127,10 +140,41 @@ async def stored_response(request: Request, response_id: str) -> Response:
     return JSONResponse(stored[0])
 
 
-async def _events(chat_stream, shaper: ResponseEvents, kept):
+async def input_items(
+    request: Request,
+    response_id: str,
+    after: str | None = None,
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    include: list[str] | None = Query(None),  # accepted: the items carry all they have
+) -> Response:
+    """The kept response's input items (earlier turns' included), newest first by default, in pages."""
+    store = request.app.state.responses
+    stored = store.get(response_id)
+    if stored is None:
+        raise APIError(404, store.missing(response_id), "response_not_found")
+    listing = page(stored[1], after, limit, order)
+    if listing is None:
+        raise invalid(
+            f"after {shown(after)} is not an input item of response {shown(response_id)}", param="after"
+        )
+    return JSONResponse(listing)
+
+
+async def cancel_response(request: Request, response_id: str) -> Response:
+    """OpenAI cancels background responses only; kvgate runs none (`background` is refused)."""
+    store = request.app.state.responses
+    if store.get(response_id) is None:
+        raise APIError(404, store.missing(response_id), "response_not_found")
+    raise invalid(
+        f"response {shown(response_id)} is not a background response: only those can be cancelled, and kvgate "
+        "runs none (a client cancels a running response by closing its connection)"
+    )
+
+
+async def _events(chat_stream, shaper: ResponseEvents):
     """The chat stream's SSE lines in, the Responses events out; closing it closes the chat stream
-    (a client that leaves cancels the generation, as on the chat endpoint). `kept` gets the final
-    response."""
+    (a client that leaves cancels the generation, as on the chat endpoint)."""
     try:
         for e in shaper.start():
             yield e
@@ -143,6 +187,5 @@ async def _events(chat_stream, shaper: ResponseEvents, kept):
                     yield e
         for e in shaper.end():
             yield e
-        kept(shaper.response)
     finally:
         await chat_stream.aclose()

@@ -12,7 +12,10 @@ and the KV pool): size it with that in mind.
 from __future__ import annotations
 
 import json
+import uuid
 from collections import OrderedDict
+
+from kvgate.units import fmt_bytes
 
 DEFAULT_BYTES = 64 << 20
 
@@ -32,7 +35,7 @@ class ResponseStore:
         """Keep `response` and the input items that led to it (earlier turns included); False when it
         is larger than the whole store (it is then not kept)."""
         rid = response["id"]
-        record = (_dump(response), _dump(conversation))
+        record = (_dump(response), _dump(with_ids(conversation)))
         size = len(record[0]) + len(record[1])
         if size > self.limit:
             return False
@@ -68,18 +71,69 @@ class ResponseStore:
             "evicted": self.evicted,
         }
 
-    def missing(self, rid: str) -> str:
-        """Why `rid` is not here, and what to do, for a 404 or 400."""
+    def missing(self, rid: str, chaining: bool = False) -> str:
+        """Why `rid` is not here, for a 404 (or, `chaining`, the 400 of a previous_response_id, which
+        also says what to send instead)."""
+        then = " Send the whole conversation in input instead." if chaining else ""
         if not self.on:
-            return (
-                f"response {rid!r} is not stored: this server keeps no responses (--responses-store 0). "
-                "Send the whole conversation in input instead of previous_response_id."
-            )
+            return f"response {shown(rid)} is not stored: this server keeps no responses (--responses-store 0).{then}"
         return (
-            f"response {rid!r} is not stored here: it was made with store: false, deleted, evicted from the "
-            f"{self.limit / (1 << 20):g} MiB --responses-store ({self.evicted} evicted so far), or made by "
-            "another server (a restart keeps none). Send the whole conversation in input instead."
+            f"response {shown(rid)} is not stored here: it was made with store: false, was larger than the "
+            f"whole {fmt_bytes(self.limit)} --responses-store, was deleted or evicted ({self.evicted} evicted "
+            f"so far), or was made by another server (a restart keeps none).{then}"
         )
+
+
+def shown(rid: str, most: int = 64) -> str:
+    """An id as an error message quotes it: at most `most` characters (a 100 KB id made a 100 KB error)."""
+    return repr(rid) if len(rid) <= most else repr(rid[:most]) + f"... ({len(rid)} characters)"
+
+
+PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+
+
+def with_ids(items: list) -> list:
+    """The items, each with an `id` (the ones given keep theirs): `input_items` pages by them, and a
+    later turn replays them."""
+    out = []
+    for item in items:
+        if isinstance(item, dict) and not item.get("id"):
+            item = {**item, "id": PREFIX.get(item.get("type") or "message", "item_") + uuid.uuid4().hex[:24]}
+        out.append(item)
+    return out
+
+
+def listed(item: dict) -> dict:
+    """An input item as OpenAI's `input_items` lists it: typed, with a status, text as parts."""
+    item = {"type": "message", **item}
+    if item["type"] == "message":
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        if isinstance(item.get("content"), str):
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        item.setdefault("status", "completed")
+    elif item["type"] in ("function_call", "function_call_output"):
+        item.setdefault("status", "completed")
+    return item
+
+
+def page(items: list, after: str | None, limit: int, order: str) -> dict | None:
+    """OpenAI's list object over `items` (`order` asc: oldest first), from after the item `after`;
+    None when `after` is not one of them."""
+    items = [listed(i) for i in (items if order == "asc" else items[::-1])]
+    start = 0
+    if after is not None:
+        ids = [i.get("id") for i in items]
+        if after not in ids:
+            return None
+        start = ids.index(after) + 1
+    data = items[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + limit < len(items),
+    }
 
 
 def _dump(value) -> bytes:

@@ -16,7 +16,7 @@ from kvgate.server import protocol as P
 from kvgate.server.bodies import read_body
 from kvgate.server.context import check_model, ready_engine
 from kvgate.server.prepare import prepare_detokenize, prepare_tokenize
-from kvgate.server.responses_route import responses, stored_response
+from kvgate.server.responses_route import cancel_response, input_items, responses, stored_response
 from kvgate.server.serving import generate
 
 
@@ -136,6 +136,8 @@ ROUTES = [
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/responses", responses),
     ("GET|DELETE", "/v1/responses/{response_id}", stored_response),
+    ("GET", "/v1/responses/{response_id}/input_items", input_items),
+    ("POST", "/v1/responses/{response_id}/cancel", cancel_response),
 ]
 
 
