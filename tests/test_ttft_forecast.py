@@ -147,7 +147,8 @@ def test_a_calibrated_engine_refuses_an_over_budget_prompt_from_the_first_reques
 
     e = make_engine(block_size=4, prefill_chunk=64, max_ttft=0.2)
     assert e.snapshot().prefill_line is None
-    set_step_hook(e, lambda so: time.sleep(0.1 if so.prefills else 0.0))  # ~1.6 ms a prompt token
+    # ~1.6 ms a prompt token; a decode tick 2 ms a row
+    set_step_hook(e, lambda so: time.sleep(0.1 if so.prefills else 0.002 * len(so.decodes)))
     note = calibrate_prefill(e)
     assert "a 128-token prompt prefilled and 16 tokens in" in note and "tokens/s at best" in note
     snap = e.snapshot()
@@ -155,6 +156,10 @@ def test_a_calibrated_engine_refuses_an_over_budget_prompt_from_the_first_reques
     # its decode ticks are the walks' step, not its 0.1 s prompt chunks (session 32: a fresh server's
     # first burst was told to retry in 60 s for rows free in 3). Red with max_tokens 1 back.
     assert "decode ticks" in note and forecast.typical_step(snap) < 0.05
+    # and then at 8 rows (the same prompt as 8 choices): what a row adds to a tick. Red with the wide
+    # part out (no slope: a burst's 2-row ticks were forecast at the 1-row price, QA pass 5's F1)
+    assert "at 1 rows" in note and "at 8 rows" in note, note
+    assert 0.001 < snap.decode_row_seconds < 0.004, snap.decode_row_seconds
     with pytest.raises(Refusal) as ei:
         e.submit(req(400, 1, salt=3))
     assert (ei.value.status, ei.value.code) == (400, "ttft_budget_exceeded")
@@ -295,3 +300,18 @@ def test_a_refusal_with_a_wait_in_milliseconds_sends_the_header_the_openai_sdk_r
     assert (resp.headers["retry-after"], resp.headers["retry-after-ms"]) == ("2", "1450")
     assert b'"retry_after_ms":1450' in resp.body
     assert "retry-after-ms" not in from_refusal(Refusal("x", "y", 503, retry_after=5)).response().headers
+
+
+def test_a_walk_prices_each_stretch_of_ticks_at_its_row_count():
+    """Ticks measured at 1 row (4 ms), a row costing 2 ms more: two rows with 10 and 30 steps left
+    walk 10 ticks at 6 ms, then 20 at 4 ms. Red with the row cost left out of decode_seconds (0.12 s)."""
+    from kvgate.core.state import row_slope
+
+    assert row_slope({1: 0.004, 8: 0.018}) == pytest.approx(0.002)
+    assert row_slope({4: 0.01}) == 0.0 and row_slope({1: 0.01, 4: 0.008}) == 0.0  # noise: no negative cost
+    rows = (RowView(1, 10, 4, 8, 0, 5, 15), RowView(2, 30, 4, 8, 0, 5, 35))
+    snap = snapshot(
+        rows=rows, recent_decode_periods=(0.004,) * 8, recent_decode_rows=(1,) * 8, decode_row_seconds=0.002
+    )
+    assert forecast.decode_seconds(snap, 0.004, 30) == pytest.approx(10 * 0.006 + 20 * 0.004)
+    assert forecast.step_at(snap, 0.004, 8) == pytest.approx(0.018)

@@ -49,15 +49,28 @@ def typical_step(snap: EngineSnapshot) -> float | None:
     return sum(min(t, cap) for t in recent) / len(recent)
 
 
+def measured_rows(snap: EngineSnapshot) -> float:
+    """The rows the typical step was measured at: the recent decode ticks' mean (1 before any)."""
+    rows = snap.recent_decode_rows
+    return sum(rows) / len(rows) if rows else 1.0
+
+
+def step_at(snap: EngineSnapshot, step: float, rows: float) -> float:
+    """The typical step moved to `rows` rows by the cost of a row (`decode_row_seconds`), at least
+    half of it: measured at 1 row (the startup calibration), a burst's 2-row ticks came out 15-25%
+    longer, and 16-row ones several times (session 32, QA pass 5's F1)."""
+    return max(step + snap.decode_row_seconds * (rows - measured_rows(snap)), step / 2)
+
+
 def decode_seconds(snap: EngineSnapshot, step: float, steps: int) -> float:
     """Seconds for the next `steps` ticks of the running rows, each row running its `steps_left`: the
-    typical `step` now, plus the probe's seconds per position for every position the rows still
-    running have grown by, less those of the rows that have ended (a stretch of ticks averaging at
-    least half the step)."""
-    c = snap.decode_position_seconds
+    typical `step` now, moved by the cost of a row to the rows still running (`step_at`), plus the
+    probe's seconds per position for every position they have grown by, less those of the rows that
+    have ended (a stretch of ticks averaging at least half the step)."""
+    c, b, r0 = snap.decode_position_seconds, snap.decode_row_seconds, measured_rows(snap)
     if steps <= 0:
         return 0.0
-    if c <= 0 or not snap.rows:
+    if (c <= 0 and b <= 0) or not snap.rows:
         return steps * step
     rows = sorted((r.steps_left, r.prompt_len + r.generated) for r in snap.rows)
     now = sum(ctx for _, ctx in rows)  # the positions today's step reads
@@ -67,7 +80,7 @@ def decode_seconds(snap: EngineSnapshot, step: float, steps: int) -> float:
         if end > k:  # ticks k..end-1 with `running` rows, each at its context + tick
             n = end - k
             grown = running * (k + end - 1) * n / 2 + n * contexts
-            total += n * max(step + c * (grown / n - now), step / 2)
+            total += n * max(step + b * (running - r0) + c * (grown / n - now), step / 2)
             k = end
         if k >= steps:
             break
@@ -126,7 +139,8 @@ def predicted_ttft(
     else:
         # the running rows' last tick: past it only simulated waiters run, each tick at `step`
         horizon = max((r.steps_left for r in snap.rows), default=0)
-        admit = decode_seconds(snap, step, min(ticks + 1, horizon)) + max(0, ticks + 1 - horizon) * step
+        later = step_at(snap, step, max(1, min(cfg.max_seqs, len(waiters))))  # the waiters' own ticks
+        admit = decode_seconds(snap, step, min(ticks + 1, horizon)) + max(0, ticks + 1 - horizon) * later
     return admit, prefill, ahead
 
 

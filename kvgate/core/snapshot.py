@@ -96,6 +96,8 @@ class EngineSnapshot:
     recent_steps: tuple[float, ...] = field(default=())
     recent_decode_steps: tuple[float, ...] = field(default=())  # of those, the steps without a prompt chunk
     recent_decode_periods: tuple[float, ...] = field(default=())  # start to start, decode-only ticks
+    recent_decode_rows: tuple[int, ...] = field(default=())  # the rows of each of those ticks
+    decode_row_seconds: float = 0.0  # what a decode tick gains per row (kvgate.core.state.row_slope)
     decode_position_seconds: float = 0.0  # a decode step's growth per row context position (measured)
     cached_hashes: frozenset = frozenset()  # prompt-block hashes the prefix cache holds
 

@@ -50,9 +50,16 @@ class StepTimes:
     # and publishing, and whatever the event loop takes from it (session 31: the forward alone was
     # 15-20% short, and a forecast of 1.5 s became a 1.94 s wait)
     recent_decode_periods: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    recent_decode_rows: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # theirs
+    # rows -> smoothed tick period at that many rows: the cost of a row, kept while the load sits at
+    # one count (the recent periods then say nothing of it)
+    by_rows: dict = field(default_factory=dict)
 
-    def observe_period(self, seconds: float) -> None:
+    def observe_period(self, seconds: float, rows: int = 1) -> None:
         self.recent_decode_periods.append(seconds)
+        self.recent_decode_rows.append(rows)
+        old = self.by_rows.get(rows)
+        self.by_rows[rows] = seconds if old is None else 0.9 * old + 0.1 * seconds
 
     def observe(
         self, seconds: float, prefilled: int, prefill_chunk: int, alone: bool = False, position: float = 0.0
@@ -70,6 +77,17 @@ class StepTimes:
             t = seconds / prefilled
             best = self.prefill_token_best
             self.prefill_token_best = t if best is None else min(best, t)
+
+
+def row_slope(by_rows: dict) -> float:
+    """Seconds a decode tick gains per row: the least-squares slope over the row counts seen (each
+    count once), at least 0; 0 before two counts were seen."""
+    if len(by_rows) < 2:
+        return 0.0
+    xs, ys = list(by_rows), list(by_rows.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    vx = sum((x - mx) ** 2 for x in xs)
+    return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / vx)
 
 
 class EngineState:
@@ -218,5 +236,7 @@ class EngineState:
             recent_steps=tuple(t.recent),
             recent_decode_steps=tuple(t.recent_decode),
             recent_decode_periods=tuple(t.recent_decode_periods),
+            recent_decode_rows=tuple(t.recent_decode_rows),
+            decode_row_seconds=row_slope(t.by_rows),
             decode_position_seconds=t.position_seconds,
         )

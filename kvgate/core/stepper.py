@@ -48,6 +48,7 @@ class EngineCore:
         # when the last decode-only step began, while rows kept running after it (no idle wait since):
         # the next step's start then closes one whole tick period, scheduling and publishing included
         self._decode_began: float | None = None
+        self._decode_rows = 0  # the rows that tick decoded
 
     def wait_time(self) -> float:
         """How long the worker may block on its inbox: not at all with rows running, else until the
@@ -65,7 +66,7 @@ class EngineCore:
             return
         self.step_started = began = time.monotonic()
         if self._decode_began is not None:
-            self.state.times.observe_period(began - self._decode_began)
+            self.state.times.observe_period(began - self._decode_began, self._decode_rows)
         try:
             result = self.runner.execute(out)
         finally:
@@ -82,6 +83,7 @@ class EngineCore:
                     s.finish(row, "error", error=f"{type(exc).__name__}: {exc}", flush=False)
         decode_only = not out.prefills and result.step_error is None
         self._decode_began = began if decode_only and self.state.running else None
+        self._decode_rows = len(out.decodes) + len(out.verifies)
         self.publish()
 
     def fail_all(self, reason: str) -> None:
