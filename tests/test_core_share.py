@@ -73,7 +73,7 @@ def test_core_share_counts_other_processes_busy_and_stolen_time_not_its_own(tmp_
         own.write_text("1234 (python3 (odd) name) " + " ".join(fields))
 
     write([10, 0, 5, 100, 3, 0, 0, 0, 0, 0], [20, 0, 5, 100, 0, 0, 0, 0, 0, 0], [0] * 10, (50, 10))
-    share = cs.CoreShare(str(stat), str(own))
+    share = cs.CoreShare(str(stat), str(own), str(tmp_path / "no-tasks"))
     write([110, 5, 55, 300, 9, 20, 0, 30, 0, 0], [120, 0, 25, 290, 0, 0, 20, 10, 0, 0], [900] * 10, (170, 40))
     assert share.others() == pytest.approx(1.025)
 
@@ -91,6 +91,37 @@ def test_a_busy_child_process_reads_as_about_a_core():
     other = share.others()
     child.wait()
     assert other >= 0.5, other
+
+
+def test_a_busy_python_thread_of_this_process_counts_unless_it_is_the_worker():
+    """The HTTP event loop and its helpers are Python threads that take the engine's cores as another
+    process would (QA pass 5: 12 streaming clients made two-row ticks 3x slower); the worker itself
+    is the engine. Red with the side threads not counted (about 0 for the busy thread)."""
+    import threading
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        share = CoreShare()
+        time.sleep(0.2)
+        share.others()
+        time.sleep(1.0)
+        side = share.others()
+        share.worker = t.native_id  # the same thread as the engine's worker: its own
+        share.others()
+        time.sleep(1.0)
+        worker = share.others()
+    finally:
+        stop.set()
+        t.join()
+    assert side >= 0.5, side
+    assert worker < side - 0.3, (worker, side)
 
 
 def test_switching_threads_mid_request_changes_no_number(q4_tiny_dir):  # noqa: F811
