@@ -41,7 +41,9 @@ class CoreShare:
     ones, so what is left of the process is the engine's. Streaming 12 clients on 2 cores took
     enough of them that two-row ticks ran 3x slower (QA pass 5's F1)."""
 
-    def __init__(self, stat: str = "/proc/stat", own: str = "/proc/self/stat", tasks: str = "/proc/self/task"):
+    def __init__(
+        self, stat: str = "/proc/stat", own: str = "/proc/self/stat", tasks: str = "/proc/self/task"
+    ):
         self.stat, self.own, self.tasks = stat, own, tasks
         self.cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
         self.tick = os.sysconf("SC_CLK_TCK")
