@@ -9,7 +9,7 @@ positions, they give the forecast's line a slope. Its decode ticks, at one row a
 WIDE_ROWS (the same prompt, cached, as that many choices), give the walks of running rows their step and
 the cost of a row: without them a fresh server priced a decode tick at a prompt chunk's 0.43 s, and its first burst
 of 12 requests behind 2 rows was told to retry in 60 s, 129 s forecast for rows free in 3 (session 32).
-The request is counted like any other (one admitted, one finished), and its blocks stay in the prefix
+Its requests are counted like any others (one, then up to WIDE_ROWS choices), and their blocks stay in the prefix
 cache as evictable.
 """
 
