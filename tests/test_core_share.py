@@ -181,3 +181,21 @@ def test_the_thread_count_and_the_others_reading_are_metrics(q4_tiny_dir):  # no
     finally:
         e.shutdown()
     assert got["kvgate_cpu_threads"] == 1 and got["kvgate_cpu_others_cores"] == 0.9
+
+
+def test_a_failed_look_stops_the_governor_and_never_the_worker():
+    """Reading /proc can fail (out of file descriptors in a connection burst); the poll runs on the
+    engine's worker, whose end would 503 every request until a restart. Red with the look unguarded.
+    A --threads above the CPUs is kept with no other load (the user's choice, not shed for want of
+    CPUs alone)."""
+
+    class Broken:
+        def others(self):
+            raise OSError(24, "Too many open files")
+
+    calls = []
+    g = ThreadGovernor(2, Broken(), calls.append, cpus=2, period=1)
+    g.poll(now=time.monotonic() + 2)
+    g.poll(now=time.monotonic() + 4)
+    assert g.threads == 2 and calls == [] and g._next == float("inf")
+    assert ThreadGovernor(4, Readings([0.0]), calls.append, cpus=2).wanted(0.0) == 4

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from kvgate.server.responses_store import ResponseStore
+from kvgate.server.responses_store import ENTRY_BYTES, ResponseStore
 from tests.server_util import running_server
 from tests.test_responses_api import base, client  # noqa: F401 (a fixture)
 
@@ -80,10 +80,10 @@ def test_an_error_in_the_new_input_names_its_own_index_not_the_merged_one(base):
 
 
 def test_the_store_is_bounded_by_its_bytes_least_recently_used_out_first():
-    """Three responses of ~1 KB in a 2.5 KB store: the oldest goes; reading one makes it the newest, so
+    """Three responses of ~1 KB in a 3 KB store (each also counts ENTRY_BYTES): the oldest goes; reading one makes it the newest, so
     the next eviction takes the other. The bytes counted are the JSON kept. Red with the read not
     moving the entry (the read one evicted)."""
-    store = ResponseStore(2500)
+    store = ResponseStore(3000)
 
     def resp(i):
         return {"id": f"resp_{i}", "output": [{"type": "message", "text": "x" * 900}]}
@@ -93,9 +93,9 @@ def test_the_store_is_bounded_by_its_bytes_least_recently_used_out_first():
     store.get("resp_1")
     assert store.put(resp(3), [])
     assert store.get("resp_2") is None and store.get("resp_1") is not None and store.evicted == 1
-    assert store.bytes == sum(len(a) + len(b) for a, b in store._items.values())  # what is held
+    assert store.bytes == sum(len(a) + len(b) + ENTRY_BYTES for a, b in store._items.values())  # what is held
     assert store.get("resp_1")[1][0]["id"].startswith("msg_")  # an item sent without an id gets one
-    assert store.summary() == {"limit_bytes": 2500, "bytes": store.bytes, "responses": 2, "evicted": 1}
+    assert store.summary() == {"limit_bytes": 3000, "bytes": store.bytes, "responses": 2, "evicted": 1}
     assert not store.put({"id": "big", "output": "y" * 3000}, [])  # larger than the store: not kept
     assert store.summary()["responses"] == 2
 
@@ -176,3 +176,11 @@ def test_a_response_larger_than_the_store_says_store_false(tmp_path):
         assert final.store is False
         assert httpx.get(f"{b}/v1/responses/{final.id}", timeout=10).status_code == 404
     e.shutdown()
+
+
+def test_an_item_sent_with_type_null_is_listed_as_a_message():
+    """Red with the type defaulted only when absent (listed as type null)."""
+    from kvgate.server.responses_store import listed
+
+    item = listed({"type": None, "role": "user", "content": "hi", "id": "msg_1"})
+    assert item["type"] == "message" and item["content"] == [{"type": "input_text", "text": "hi"}]

@@ -272,11 +272,16 @@ def test_a_herd_refused_together_is_told_to_come_back_spread_out(make_engine):
     e.generate(req(40, 2), timeout=20)  # times a prefill
     h = hog(e, 8, 400, step_sleep=0.01)
     assert wait_until(lambda: forecast.typical_step(e.snapshot()) >= 0.005)
-    refusals = []
+    refusals, times = [], []
     for k in range(4):
         with pytest.raises(Refusal) as ei:
             e.submit(req(8, 100, salt=10 + k))
         refusals.append(ei.value)
+        times.append(time.monotonic())
+    # each is due back when retry-after-ms says (the openai SDK's wait), not at the whole second after
+    # it: counted past that, a client back on time was ahead of itself (red with retry_after as due)
+    dues = [due for due, _ in e.gate._promised]
+    assert all(abs(d - (t + r.retry_after_ms / 1000)) < 0.1 for d, t, r in zip(dues, times, refusals)), dues
     assert all((r.status, r.code) == (429, "ttft_budget_exceeded") for r in refusals)
     waits = [r.retry_after_ms for r in refusals]
     step = forecast.typical_step(e.snapshot())
@@ -315,3 +320,17 @@ def test_a_walk_prices_each_stretch_of_ticks_at_its_row_count():
     )
     assert forecast.decode_seconds(snap, 0.004, 30) == pytest.approx(10 * 0.006 + 20 * 0.004)
     assert forecast.step_at(snap, 0.004, 8) == pytest.approx(0.018)
+
+
+def test_the_cost_of_a_row_takes_the_median_of_each_counts_ticks():
+    """A 0.33 s warm-up tick among eight 8-row ticks of 18 ms: the cost of a row stays ~2 ms (a
+    smoothed mean from that first tick made it 11 ms: a 100-tick walk 5 s long, the session's review).
+    Red with the mean of each count's ticks."""
+    st = StepTimes()
+    for t in (0.004,) * 9:
+        st.observe_period(t, 1)
+    for t in (0.33,) + (0.018,) * 8:
+        st.observe_period(t, 8)
+    from kvgate.core.state import row_slope
+
+    assert row_slope(st.by_rows) == pytest.approx(0.002)

@@ -46,8 +46,10 @@ def calibrate_prefill(engine, timeout: float = 120.0) -> str:
         try:
             for h in engine.submit_choices(sampled, wide):
                 h.result(timeout)
-        except Refusal as r:  # a pool too small for them: the cost of a row is learnt from live ticks
-            return f"TTFT calibration: {n} prompt tokens timed; {wide} rows not ({r.code})"
+        except (Refusal, TimeoutError) as r:  # too small a pool, too slow a host: learnt from live ticks
+            return f"TTFT calibration: {n} prompt tokens timed; {wide} rows not ({type(r).__name__}: {r})"[
+                :300
+            ]
     seconds = time.monotonic() - t0
     snap = engine.snapshot()
     best = snap.prefill_token_time_best

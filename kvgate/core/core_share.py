@@ -104,7 +104,8 @@ class ThreadGovernor:
         period: float = PERIOD,
     ):
         self.base, self.share, self.set_threads, self.period = base, share, set_threads, period
-        self.cpus = cpus or len(os.sched_getaffinity(0))
+        # a --threads above the CPUs is the user's choice: it is not shed for want of CPUs alone
+        self.cpus = max(cpus or len(os.sched_getaffinity(0)), base)
         self.threads = base
         self.others = 0.0  # the last reading, in cores
         self._want: int | None = None
@@ -123,7 +124,14 @@ class ThreadGovernor:
         self._next = now + self.period
         if getattr(self.share, "worker", 0) is None:  # the first look runs on the worker: it is the engine
             self.share.worker = threading.get_native_id()
-        self.others = self.share.others()
+        try:
+            self.others = self.share.others()
+        except Exception as exc:  # /proc unreadable (out of file descriptors...): never the worker's end
+            log.warning(
+                "--adaptive-threads stops at %d threads: reading the CPUs failed: %s", self.threads, exc
+            )
+            self._next = float("inf")
+            return
         want = self.wanted(self.others)
         if want == self.threads or want != self._want:
             self._want = None if want == self.threads else want

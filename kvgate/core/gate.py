@@ -116,7 +116,9 @@ class AdmissionGate:
         if told < MAX_PROMISES:
             blocks = admission.group_blocks(cfg, entry.prompt_len, entry.max_tokens, n)
             view = WaiterView(entry.prompt_len, blocks, entry.id, entry.max_tokens)
-            self._promised.append((now + refusal.retry_after, view))
+            # due when the openai SDK comes back (retry-after-ms): counted past that, a client back on
+            # time would be ahead of itself
+            self._promised.append((now + refusal.retry_after_ms / 1000, view))
         return refusal
 
     def counters(self) -> Counters:

@@ -62,7 +62,9 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            return APIError(404, f"no route {request.method} {request.url.path}", "not_found").response()
+            path = request.url.path
+            hint = f"; did you mean {path.rstrip('/')}?" if path.endswith("/") and len(path) > 1 else ""
+            return APIError(404, f"no route {request.method} {path}{hint}", "not_found").response()
         if exc.status_code == 405:  # keep Starlette's Allow header (RFC 9110 requires it on a 405)
             err = APIError(
                 405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"

@@ -42,7 +42,7 @@ def install_cors(app: FastAPI, origins: list[str] | None) -> None:
     app.add_middleware(
         CORSMiddleware,
         allow_origins=origins,
-        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],  # DELETE: a kept response
         allow_headers=["*"],
         expose_headers=EXPOSED,
         max_age=600,

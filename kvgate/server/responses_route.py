@@ -164,7 +164,7 @@ async def input_items(
 async def cancel_response(request: Request, response_id: str) -> Response:
     """OpenAI cancels background responses only; kvgate runs none (`background` is refused)."""
     store = request.app.state.responses
-    if store.get(response_id) is None:
+    if response_id not in store:
         raise APIError(404, store.missing(response_id), "response_not_found")
     raise invalid(
         f"response {shown(response_id)} is not a background response: only those can be cancelled, and kvgate "

@@ -36,13 +36,13 @@ class ResponseStore:
         is larger than the whole store (it is then not kept)."""
         rid = response["id"]
         record = (_dump(response), _dump(with_ids(conversation)))
-        size = len(record[0]) + len(record[1])
+        size = _size(record)
         if size > self.limit:
             return False
         self.delete(rid)
         while self.bytes + size > self.limit:
-            _, (a, b) = self._items.popitem(last=False)
-            self.bytes -= len(a) + len(b)
+            _, old = self._items.popitem(last=False)
+            self.bytes -= _size(old)
             self.evicted += 1
         self._items[rid] = record
         self.bytes += size
@@ -60,8 +60,11 @@ class ResponseStore:
         record = self._items.pop(rid, None)
         if record is None:
             return False
-        self.bytes -= len(record[0]) + len(record[1])
+        self.bytes -= _size(record)
         return True
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._items
 
     def summary(self) -> dict:
         return {
@@ -105,7 +108,7 @@ def with_ids(items: list) -> list:
 
 def listed(item: dict) -> dict:
     """An input item as OpenAI's `input_items` lists it: typed, with a status, text as parts."""
-    item = {"type": "message", **item}
+    item = {**item, "type": item.get("type") or "message"}
     if item["type"] == "message":
         kind = "output_text" if item.get("role") == "assistant" else "input_text"
         if isinstance(item.get("content"), str):
@@ -134,6 +137,13 @@ def page(items: list, after: str | None, limit: int, order: str) -> dict | None:
         "last_id": data[-1]["id"] if data else None,
         "has_more": start + limit < len(items),
     }
+
+
+ENTRY_BYTES = 300  # an entry's own cost beside its JSON: the key, the tuple, two bytes objects, the dict slot
+
+
+def _size(record: tuple[bytes, bytes]) -> int:
+    return len(record[0]) + len(record[1]) + ENTRY_BYTES
 
 
 def _dump(value) -> bytes:
