@@ -334,3 +334,14 @@ def test_the_cost_of_a_row_takes_the_median_of_each_counts_ticks():
     from kvgate.core.state import row_slope
 
     assert row_slope(st.by_rows) == pytest.approx(0.002)
+
+
+def test_a_waiter_with_n_choices_takes_n_rows_in_the_walk(make_engine):
+    """Four rows, two of them free; a waiter ahead asking for 3 choices is admitted only when a third
+    row frees (tick 10), and holds three rows until it ends: the newcomer waits for it (tick 10 + 1 +
+    1 + 20 = 32). Red with a waiter counted as one row (the newcomer admitted at once)."""
+    cfg = cfg_for(make_engine, max_seqs=4, max_ttft=1.0)
+    rows = (RowView(1, 10, 4, 8, 0, 5, 15), RowView(2, 40, 4, 8, 0, 5, 45))
+    waiters = [WaiterView(8, 6, 3, 20, 3)]
+    snap = snapshot(rows=rows, kv_blocks_total=64, kv_blocks_free=56, recent_decode_periods=(0.01,) * 8)
+    assert forecast.admission_tick(cfg, snap, waiters, 4, 1) == 32

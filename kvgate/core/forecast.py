@@ -158,10 +158,12 @@ def admission_tick(cfg: SchedulerConfig, snap: EngineSnapshot, waiters: list[Wai
     queue = deque(waiters)
     tick = 0
     while True:
-        while queue and rows >= 1 and blocks >= queue[0].blocks:
+        while queue and rows >= queue[0].choices and blocks >= queue[0].blocks:
             w = queue.popleft()
-            rows, blocks = rows - 1, blocks - w.blocks
-            heapq.heappush(ends, (tick + 1 + -(-w.prompt_len // chunk) + w.max_tokens, w.blocks))
+            rows, blocks = rows - w.choices, blocks - w.blocks
+            end = tick + 1 + -(-w.prompt_len // chunk) + w.max_tokens
+            for k in range(w.choices):  # each choice's row frees then; the blocks go with the first
+                heapq.heappush(ends, (end, w.blocks if k == 0 else 0))
         if not queue and rows >= n and blocks >= need:
             return tick
         if not ends:

@@ -74,6 +74,7 @@ class WaiterView:
     blocks: int
     request_id: int = 0
     max_tokens: int = 0
+    choices: int = 1  # rows it takes when admitted (n > 1 choices are admitted together)
 
 
 @dataclass(frozen=True)

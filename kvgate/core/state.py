@@ -223,6 +223,7 @@ class EngineState:
                     choice_blocks(w.prompt_len, w.max_tokens, w.choices, kv.block_size),
                     w.id,
                     w.max_tokens,
+                    w.choices,
                 )
                 for w in self.waiting
             ),
