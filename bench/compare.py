@@ -1064,6 +1064,7 @@ USAGE_MD = """## Running the benchmarks
 | side by side | `make bench-compare` (`python -m bench.compare`, `--quick` for a short sweep) | about 30-60 min on 2 vCPUs; the first run also builds llama-server and llama-cpp-python (~5 min each) |
 | bandwidth bound | `python -m bench.bandwidth` | memory read GB/s and batch-1 decode bound for fp32/bf16/Q4_1 |
 | soak | `make soak` (`python -m bench.soak`, see its `--help`) | minutes of mixed load, then leak checks |
+| retry herd | `python -m bench.retry_herd` (see its `--help`) | clients that follow a TTFT 429's wait: how often a retry is admitted, and admitted TTFT against the budget |
 
 `kvgate bench` essentials:
 - Prompts: `--input-len N` builds distinct prompts from a word list, sized with the server's tokenizer
