@@ -50,3 +50,25 @@ def running_server(engine, **settings):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def langchain_weather(base: str, **chat_kw):
+    """LangChain's ChatOpenAI pointed at a kvgate server (SmolLM2, greedy, 80 tokens; `chat_kw` adds
+    to that) and the `get_weather` tool both LangChain tests bind."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"It is sunny in {city}."
+
+    llm = ChatOpenAI(
+        base_url=base + "/v1",
+        api_key="unused",
+        model="SmolLM2-135M-Instruct",
+        temperature=0,
+        max_tokens=80,
+        **chat_kw,
+    )
+    return llm, get_weather

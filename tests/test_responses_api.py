@@ -258,23 +258,11 @@ def test_langchain_in_responses_mode_calls_a_tool_and_gives_structured_output(re
     """LangChain's ChatOpenAI(use_responses_api=True): a required tool call, then structured output
     (its json_schema text format). Before /v1/responses both were 404s."""
     pytest.importorskip("langchain_openai")
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
     from pydantic import BaseModel
 
-    @tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        return f"It is sunny in {city}."
+    from tests.server_util import langchain_weather
 
-    llm = ChatOpenAI(
-        base_url=real_base + "/v1",
-        api_key="unused",
-        model="SmolLM2-135M-Instruct",
-        temperature=0,
-        max_tokens=80,
-        use_responses_api=True,
-    )
+    llm, get_weather = langchain_weather(real_base, use_responses_api=True)
     ai = llm.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
     assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
 

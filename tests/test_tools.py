@@ -434,22 +434,11 @@ def test_langchain_runs_a_tool_loop_and_a_structured_output_call(real_base):
     on tools, tool messages and response_format)."""
     pytest.importorskip("langchain_openai")
     from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
     from pydantic import BaseModel
 
-    @tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        return f"It is sunny in {city}."
+    from tests.server_util import langchain_weather
 
-    llm = ChatOpenAI(
-        base_url=real_base + "/v1",
-        api_key="unused",
-        model="SmolLM2-135M-Instruct",
-        temperature=0,
-        max_tokens=80,
-    )
+    llm, get_weather = langchain_weather(real_base)
     with_tools = llm.bind_tools([get_weather], tool_choice="required")
     msgs = [HumanMessage("What is the weather in Paris?")]
     ai = with_tools.invoke(msgs)

@@ -279,9 +279,8 @@ class Dispatcher:
             best = min(pool, key=lambda r: r.retry_after if r.retry_after is not None else 1 << 30)
             retry = min(soonest, best.retry_after) if best.retry_after is not None else soonest
             details = best.details()
-            if (
-                retry != best.retry_after
-            ):  # another replica's view says sooner: its milliseconds no longer hold
+            # another replica's view says sooner: the refusal's own milliseconds no longer hold
+            if retry != best.retry_after:
                 details.pop("retry_after_ms", None)
             return Refusal(
                 best.code,

@@ -268,9 +268,8 @@ def ttft_never_refusal(
     )
 
 
-RETRY_MARGIN = (
-    0.1  # of the budget, added to a TTFT 429's wait: a retry due exactly at the budget is a coin toss
-)
+# of the budget, added to a TTFT 429's wait: a retry due exactly at the budget is a coin toss
+RETRY_MARGIN = 0.1
 MIN_RETRY_MS = 100
 
 

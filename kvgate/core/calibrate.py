@@ -47,9 +47,8 @@ def calibrate_prefill(engine, timeout: float = 120.0) -> str:
             for h in engine.submit_choices(sampled, wide):
                 h.result(timeout)
         except (Refusal, TimeoutError) as r:  # too small a pool, too slow a host: learnt from live ticks
-            return f"TTFT calibration: {n} prompt tokens timed; {wide} rows not ({type(r).__name__}: {r})"[
-                :300
-            ]
+            why = f"{type(r).__name__}: {r}"[:200]
+            return f"TTFT calibration: {n} prompt tokens timed; {wide} rows not ({why})"
     seconds = time.monotonic() - t0
     snap = engine.snapshot()
     best = snap.prefill_token_time_best

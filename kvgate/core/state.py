@@ -55,11 +55,13 @@ class StepTimes:
     # rows -> the last tick periods at that many rows: the cost of a row, kept while the load sits at
     # one count (the recent periods then say nothing of it)
     by_rows: dict = field(default_factory=dict)
+    row_cost: float = 0.0  # row_slope(by_rows), kept up to date by observe_period (once a tick)
 
     def observe_period(self, seconds: float, rows: int = 1) -> None:
         self.recent_decode_periods.append(seconds)
         self.recent_decode_rows.append(rows)
         self.by_rows.setdefault(rows, deque(maxlen=ROW_SAMPLES)).append(seconds)
+        self.row_cost = row_slope(self.by_rows)
 
     def observe(
         self, seconds: float, prefilled: int, prefill_chunk: int, alone: bool = False, position: float = 0.0
@@ -240,6 +242,6 @@ class EngineState:
             recent_decode_steps=tuple(t.recent_decode),
             recent_decode_periods=tuple(t.recent_decode_periods),
             recent_decode_rows=tuple(t.recent_decode_rows),
-            decode_row_seconds=row_slope(t.by_rows),
+            decode_row_seconds=t.row_cost,
             decode_position_seconds=t.position_seconds,
         )

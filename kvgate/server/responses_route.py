@@ -112,13 +112,24 @@ def _own_index(where: str, earlier: int) -> str:
     if not earlier or not where.startswith("input."):
         return where
     head, _, rest = where[6:].partition(".")
-    n = int(head) - earlier
-    return "previous_response_id" if n < 0 else f"input.{n}" + (f".{rest}" if rest else "")
+    n = _own_number(head, earlier)
+    return "previous_response_id" if n is None else f"input.{n}" + (f".{rest}" if rest else "")
 
 
 def _own_text(m: re.Match, earlier: int) -> str:
-    n = int(m.group(1)) - earlier
-    return "previous_response_id's conversation" if n < 0 else m.group(0).replace(m.group(1), str(n))
+    """`_INDEX`'s match in a message (`input[N]` or `input.N`) with the client's own N."""
+    n = _own_number(m.group(1), earlier)
+    return "previous_response_id's conversation" if n is None else m.group(0).replace(m.group(1), str(n))
+
+
+def _own_number(index: str, earlier: int) -> int | None:
+    """A merged input index as the client's own, or None for an earlier turn's item."""
+    n = int(index) - earlier
+    return None if n < 0 else n
+
+
+def _not_kept(store: ResponseStore, rid: str) -> APIError:
+    return APIError(404, store.missing(rid), "response_not_found")
 
 
 async def stored_response(request: Request, response_id: str) -> Response:
@@ -132,12 +143,12 @@ async def stored_response(request: Request, response_id: str) -> Response:
         )
     if request.method == "DELETE":
         if not store.delete(response_id):
-            raise APIError(404, store.missing(response_id), "response_not_found")
+            raise _not_kept(store, response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-    stored = store.get(response_id)
-    if stored is None:
-        raise APIError(404, store.missing(response_id), "response_not_found")
-    return JSONResponse(stored[0])
+    response = store.response(response_id)
+    if response is None:
+        raise _not_kept(store, response_id)
+    return JSONResponse(response)
 
 
 async def input_items(
@@ -152,7 +163,7 @@ async def input_items(
     store = request.app.state.responses
     stored = store.get(response_id)
     if stored is None:
-        raise APIError(404, store.missing(response_id), "response_not_found")
+        raise _not_kept(store, response_id)
     listing = page(stored[1], after, limit, order)
     if listing is None:
         raise invalid(
@@ -165,7 +176,7 @@ async def cancel_response(request: Request, response_id: str) -> Response:
     """OpenAI cancels background responses only; kvgate runs none (`background` is refused)."""
     store = request.app.state.responses
     if response_id not in store:
-        raise APIError(404, store.missing(response_id), "response_not_found")
+        raise _not_kept(store, response_id)
     raise invalid(
         f"response {shown(response_id)} is not a background response: only those can be cancelled, and kvgate "
         "runs none (a client cancels a running response by closing its connection)"

@@ -56,6 +56,14 @@ class ResponseStore:
         self._items.move_to_end(rid)
         return json.loads(record[0]), json.loads(record[1])
 
+    def response(self, rid: str) -> dict | None:
+        """The response alone (its conversation left undecoded), or None; a read counts as a use."""
+        record = self._items.get(rid)
+        if record is None:
+            return None
+        self._items.move_to_end(rid)
+        return json.loads(record[0])
+
     def delete(self, rid: str) -> bool:
         record = self._items.pop(rid, None)
         if record is None:
