@@ -93,6 +93,33 @@ def test_a_replayed_sdk_message_is_accepted():
     check(CHAT, {"messages": [*MSG, {**dump, "annotations": []}, *MSG]})
 
 
+def test_a_message_from_the_sdks_parse_and_stream_helpers_is_accepted():
+    """QA pass 6's F1: `chat.completions.parse()` returns a `ParsedChatCompletionMessage` whose dump adds
+    `parsed` and each call's `function.parsed_arguments`, and the `.stream()` helper's calls keep their
+    delta `index`. Seen red before the three were declared: 400 "invalid field
+    'messages.1.tool_calls.0.function.parsed_arguments': Extra inputs are not permitted (and 1 more
+    problem(s))". What the model is shown is the same as for the plain message."""
+    from openai.types.chat import ParsedChatCompletionMessage, ParsedFunctionToolCall
+    from openai.types.chat.parsed_function_tool_call import ParsedFunction
+
+    fn = ParsedFunction(name="f", arguments='{"a": 1}', parsed_arguments={"a": 1})
+    call = ParsedFunctionToolCall(id="c1", type="function", function=fn)
+    dump = ParsedChatCompletionMessage(role="assistant", content=None, parsed={"x": 1}, tool_calls=[call])
+    dump = dump.model_dump()
+    dump["tool_calls"][0]["index"] = 0
+    tool = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    shown = P.chat_messages(check(CHAT, {"messages": [*MSG, dump, tool]}))
+    plain = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    assert shown[1] == {"role": "assistant", "content": "", "tool_calls": [plain]}
+
+
+def test_a_400_names_every_problem_not_just_the_first():
+    """The QA report's "(and 1 more problem(s))" left a client author to fix one field per round trip.
+    Seen red with the old tail: the second field's name was not in the message."""
+    err = refused(CHAT, {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": 1}]}], "n": "2"})
+    assert "; also " in err["message"] and "'n'" in err["message"]
+
+
 @pytest.mark.parametrize(
     "field,value,says",
     [
@@ -162,7 +189,7 @@ def test_a_responses_api_tool_choice_names_the_missing_function():
     assert err["param"] == "tool_choice" and err["code"] == "invalid_schema"
     msg = err["message"]
     assert "'tool_choice.function' is missing" in msg and "'tool_choice.name' is not a field" in msg
-    assert '{"type": "function", "function": {"name": "..."}}' in msg and "more problem" not in msg
+    assert '{"type": "function", "function": {"name": "..."}}' in msg and "; also" not in msg
     err = refused(CHAT, {**MINIMAL[CHAT], "tools": tools, "tool_choice": "any"})
     assert '"none", "auto", "required", or {"type": "function"' in err["message"]
 
@@ -171,7 +198,7 @@ def test_a_mixed_batch_prompt_says_it_mixes_kinds():
     """Seen red with the old schema_error: "invalid field 'prompt': Input should be a valid string (and
     4 more problem(s))"."""
     err = refused(COMP, {"prompt": ["a", [1, 2]]})
-    assert err["param"] == "prompt" and "more problem" not in err["message"]
+    assert err["param"] == "prompt" and "; also" not in err["message"]
     assert "mixes lists and strings" in err["message"]
     assert "all strings or all token-id lists" in err["message"]
     err = refused(COMP, {"prompt": [[1, 2], [3, "x"]]})  # the member the client meant, by its path

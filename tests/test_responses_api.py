@@ -54,8 +54,8 @@ def test_text_whole_and_streamed_agree_and_say_where_the_limit_cut_them(base):
     """Greedy, 6 output tokens: the whole response and the stream give the same text; both end
     `incomplete` for max_output_tokens (the cut item says so too); the stream's events come in the
     documented order with sequence numbers 0, 1, 2, ... and its deltas add up to the text. Seen red
-    with `finish` ignoring a length finish (status completed) and with the text item closed after
-    the final event."""
+    with `finish` ignoring a length finish (status completed), with the text item closed after
+    the final event, and with the cut item's `output_item.done` saying "completed"."""
     args = dict(model="tiny", input="hello there", max_output_tokens=6, temperature=0)
     whole = client(base).responses.create(**args)
     assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "max_output_tokens")
@@ -81,6 +81,7 @@ def test_text_whole_and_streamed_agree_and_say_where_the_limit_cut_them(base):
     final = events[-1].response
     assert deltas == events[-4].text == final.output_text == whole.output_text
     assert final.usage.output_tokens == 6 and final.status == "incomplete"
+    assert events[-2].item.status == "incomplete" == final.output[0].status  # QA pass 6's F2
 
 
 def test_input_items_and_instructions_render_as_the_chat_messages_they_stand_for(base):
@@ -197,6 +198,34 @@ def test_what_kvgate_does_not_do_is_a_400_naming_the_responses_field(base, extra
     r = httpx.post(base + "/v1/responses", json={"model": "tiny", "input": "hi", **extra}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_reasoning_settings_are_accepted_and_given_back_as_chats_reasoning_effort_is(base):
+    """QA pass 6's F6: openai-agents' `ModelSettings(reasoning=Reasoning(effort="low"))`, LangChain's
+    `reasoning_effort` in Responses mode and pydantic-ai send `reasoning` here, where chat's
+    `reasoning_effort` was already accepted. Seen red with the old `Reasoning` model: 400 "invalid
+    field 'reasoning.effort': Input should be None". An unknown effort is still a 400 naming it."""
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 3}
+    r = httpx.post(base + "/v1/responses", json={**body, "reasoning": {"effort": "low", "summary": "auto"}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["reasoning"] == {"effort": "low", "summary": "auto"}
+    assert [item["type"] for item in out["output"]] == ["message"]  # no reasoning item: none was done
+    r = httpx.post(base + "/v1/responses", json={**body, "reasoning": {"effort": "extreme"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort"
+
+
+def test_responses_traffic_has_its_own_endpoint_label(base):
+    """QA pass 6 (6B's F3): `/v1/responses` was counted as endpoint="other" in kvgate_requests_total,
+    beside `/`, probes and typos. Seen red without "/v1/responses" in auth.ENDPOINTS. A kept response's
+    routes share one template label, so ids never become series."""
+    r = httpx.post(base + "/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2})
+    assert r.status_code == 200
+    httpx.get(base + "/v1/responses/" + r.json()["id"])
+    text = httpx.get(base + "/metrics").text
+    assert 'kvgate_requests_total{endpoint="/v1/responses",status="200"}' in text
+    assert 'kvgate_requests_total{endpoint="/v1/responses/{id}",status="200"}' in text
+    assert r.json()["id"] not in text
 
 
 # ---- real clients on the real model --------------------------------------------------------------

@@ -19,6 +19,7 @@ ENDPOINTS = {
     "/",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/models",
     "/v1/tokenize",
     "/v1/detokenize",
@@ -26,6 +27,16 @@ ENDPOINTS = {
     "/health",
     "/metrics",
 }
+
+
+def endpoint_of(path: str) -> str:
+    """The `endpoint` label: a route's own path, kept responses' routes as one template (an id in a
+    label would grow the series without bound), anything else "other"."""
+    if path in ENDPOINTS:
+        return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
+    return "other"
 
 
 class AuthAndCount:
@@ -36,7 +47,7 @@ class AuthAndCount:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if path in ENDPOINTS else "other"
+        endpoint = endpoint_of(path)
         headers = dict(scope["headers"])
         send = with_request_id(send, headers.get(b"x-request-id", b""))
         key = self.settings.api_key

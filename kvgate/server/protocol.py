@@ -5,7 +5,8 @@ list). A field is accepted and ignored only when honouring it could not change t
 `reasoning_effort` and `verbosity` steer reasoning models (this one has no reasoning), `prompt_cache_key`
 is a routing hint (kvgate's prefix cache needs no key), `store`, `metadata`, `service_tier`, `user` and
 `safety_identifier` are bookkeeping, a replayed assistant message's `refusal` and `reasoning_content`
-are not part of what the model is shown. Unknown fields and fields that would change the output if
+are not part of what the model is shown, nor is what the openai SDK's `.parse()` and `.stream()` helpers
+add to the messages they return (`parsed`, a tool call's `index` and `function.parsed_arguments`). Unknown fields and fields that would change the output if
 dropped are refused: a client must learn that kvgate did not honour them instead of silently getting a
 different answer. Types are strict for the same reason: "5" is not an integer, "yes" is not a boolean.
 
@@ -108,6 +109,7 @@ class CalledFunction(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
     arguments: str
+    parsed_arguments: Any = None  # the openai SDK's parse of `arguments` (`.parse()`), replayed: ignored
 
 
 class ToolCall(_Body):
@@ -115,6 +117,7 @@ class ToolCall(_Body):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
+    index: int | None = None  # a replayed stream's delta position (the SDK's `.stream()` helper): ignored
 
 
 class _Common(_Body):
@@ -173,6 +176,9 @@ class ChatMessage(_Body):
     annotations: list | None = None
     audio: Any = None
     function_call: Any = None
+    # the openai SDK's `.parse()` / `.stream()` messages also carry its own parse of the content: ignored,
+    # as the content it was parsed from is what the model is shown
+    parsed: Any = None
 
 
 class Prediction(_Body):
@@ -242,6 +248,10 @@ NULL_ONLY = {
 }
 
 
+SDK_CALL_FIELDS = {"index": True, "function": {"parsed_arguments"}}  # accepted, never shown to the model
+MAX_OTHER_PROBLEMS = 4  # named after the first in a 400; past that, counted
+
+
 def parse(model_cls, data: Any):
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object", code="invalid_json")
@@ -254,8 +264,11 @@ def parse(model_cls, data: Any):
 def schema_error(exc: ValidationError) -> APIError:
     """One 400 naming the field that failed and why (kvgate.server.schema_errors: a union-typed field
     is reported by the member the client meant, with the shapes it takes)."""
-    msg, loc, more = describe(exc.errors(include_url=False), _model_names())  # inputs read, never echoed
-    tail = f" (and {more} more problem(s))" if more else ""
+    msg, loc, others = describe(exc.errors(include_url=False), _model_names())  # inputs read, never echoed
+    shown = others[:MAX_OTHER_PROBLEMS]
+    tail = f"; also {'; '.join(shown)}" if shown else ""
+    if len(others) > len(shown):
+        tail += f" (and {len(others) - len(shown)} more)"
     return invalid(msg + tail, param=loc, code="invalid_schema")
 
 
@@ -351,7 +364,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         if m.name is not None:  # the template decides what a name means (most ignore it)
             msg["name"] = m.name
         if m.tool_calls:  # rendered by kvgate.server.tools
-            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            msg["tool_calls"] = [c.model_dump(exclude=SDK_CALL_FIELDS) for c in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)

@@ -39,7 +39,7 @@ def skeleton(body: dict, rid: str, created: int, model: str) -> dict:
         "output": [],
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": None, "summary": None, **(body.get("reasoning") or {})},
         "store": False,  # the route sets whether it keeps this one (--responses-store)
         "temperature": body.get("temperature"),
         "text": {"format": fmt or {"type": "text"}},
@@ -181,9 +181,12 @@ class ResponseEvents:
             err = {"code": self.error.get("code"), "message": self.error.get("message")}
             self.response = {**self.response, "output": self.output, "status": "failed", "error": err}
             return [self.event("response.failed", response=self.response)]
-        out = self._close_text()
+        # the item being written when max_output_tokens cut the answer is done as "incomplete", as the
+        # final response says (`finish`), so a client that builds its output from these events agrees
+        last = self.output[-1] if self.output and self.finish_reason == "length" else None
+        out = self._close_text("incomplete" if self.text is not None and self.text is last else "completed")
         for index in sorted(self.calls):
-            out += self._close_call(index)
+            out += self._close_call(index, "incomplete" if self.calls[index] is last else "completed")
         self.response = {**self.response, "output": self.output, "usage": usage(self.usage)}
         finish(self.response, self.finish_reason)
         if self.on_final is not None:
@@ -224,7 +227,7 @@ class ResponseEvents:
         )
         return out
 
-    def _close_text(self) -> list[str]:
+    def _close_text(self, status: str = "completed") -> list[str]:
         item = self.text
         if item is None:
             return []
@@ -232,7 +235,7 @@ class ResponseEvents:
         self.logprobs += self.pending
         self.pending = []
         text = "".join(self.parts)
-        done = message_item(text, self.logprobs, item_id=item["id"])
+        done = message_item(text, self.logprobs, status, item_id=item["id"])
         where = self._where(item)
         self.output[where["output_index"]] = done
         part = done["content"][0]
@@ -268,10 +271,10 @@ class ResponseEvents:
             )
         return out
 
-    def _close_call(self, index: int) -> list[str]:
+    def _close_call(self, index: int, status: str = "completed") -> list[str]:
         item = self.calls.pop(index)
         where = self._where(item)
-        item["status"] = "completed"
+        item["status"] = status
         return [
             self.event(
                 "response.function_call_arguments.done",

@@ -102,11 +102,13 @@ class ResponsesStreamOptions(_Body):
 
 
 class Reasoning(_Body):
-    """Accepted only empty: the model has no reasoning settings."""
+    """Accepted and given back, as chat's `reasoning_effort`: they steer a reasoning model's hidden
+    reasoning, and this model has none (so there is no summary to give either)."""
 
     model_config = _STRICT
-    effort: None = None
-    summary: None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # summary's older name
 
 
 class ResponsesRequest(_Body):

@@ -26,9 +26,9 @@ SHAPES = {
 }
 
 
-def describe(errors: list[dict], tags: frozenset[str] = frozenset()) -> tuple[str, str, int]:
-    """(message, the field's path, how many other problems) for pydantic's `exc.errors()`; `tags` are
-    the model class names that may appear as union-member tags in a path."""
+def describe(errors: list[dict], tags: frozenset[str] = frozenset()) -> tuple[str, str, list[str]]:
+    """(message, the field's path, the other problems, each as "'path': why") for pydantic's
+    `exc.errors()`; `tags` are the model class names that may appear as union-member tags in a path."""
 
     def is_tag(part) -> bool:
         return isinstance(part, str) and (part in _SIMPLE_TAGS or "[" in part or part in tags)
@@ -38,7 +38,7 @@ def describe(errors: list[dict], tags: frozenset[str] = frozenset()) -> tuple[st
     cut = next((i for i, p in enumerate(loc) if is_tag(p)), None)
     if cut is None:
         path = _path(loc, is_tag)
-        return f"invalid field '{path}': {first['msg']}", path, len(errors) - 1
+        return f"invalid field '{path}': {first['msg']}", path, _others(errors[1:], is_tag)
     field = loc[:cut]
     path = _path(field, is_tag)
     group = [
@@ -61,7 +61,13 @@ def describe(errors: list[dict], tags: frozenset[str] = frozenset()) -> tuple[st
         mix = _mixed(next((e.get("input") for e in group if len(e["loc"]) == cut + 1), None))
         parts = [mix] if mix else [_what(_path(e["loc"], is_tag), e) for e in best[:3]]
         detail = "; ".join(parts) + (f". {name} must be {shapes}" if shapes else "")
-    return f"invalid field '{path}': {detail}", path, len(errors) - len(group)
+    rest = [e for e in errors if e not in group]
+    return f"invalid field '{path}': {detail}", path, _others(rest, is_tag)
+
+
+def _others(errors: list[dict], is_tag) -> list[str]:
+    """The other failures, one "'path': why" each, in pydantic's order, without repeats."""
+    return list(dict.fromkeys(_what(_path(e["loc"], is_tag), e) for e in errors))
 
 
 def _what(path: str, e: dict) -> str:
