@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_plan(a) -> int:
     from kvgate.core.engine import Engine  # noqa: F401 -- serve and generate import it before they measure
+    from kvgate.memory.overhead import OVERHEAD_DRIFT
+    from kvgate.units import fmt_bytes
 
     cfg, loaded = engine_config(a), {}
 
@@ -146,12 +148,18 @@ def cmd_plan(a) -> int:
             import torch
 
             torch.set_num_threads(cfg.threads)
-        loaded["plan"] = plan_for(loaded["model"], cfg).plan
+        loaded["plan"] = plan_for(loaded["model"], cfg, drift=True).plan
 
     as_served(work) if a.plan_for == "serve" else work()
     plan = loaded["plan"]
     if a.json:
-        print(json.dumps({**plan.to_dict(a.context), "planned_for": a.plan_for}, indent=1))
+        drift = OVERHEAD_DRIFT if plan.device == "cpu" else 0
+        print(
+            json.dumps(
+                {**plan.to_dict(a.context), "planned_for": a.plan_for, "overhead_drift_bytes": drift},
+                indent=1,
+            )
+        )
         return 0
     spec = loaded["model"].spec
     print(f"model {spec.name}: {spec.num_layers} layers, {spec.num_kv_heads} KV heads x {spec.head_dim}")
@@ -162,6 +170,12 @@ def cmd_plan(a) -> int:
         if a.plan_for == "serve"
         else "  planned for: `kvgate generate` (no HTTP server; `kvgate serve` holds more, see --for serve)"
     )
+    if plan.device == "cpu":
+        print(
+            f"  note: the runtime overhead above includes {fmt_bytes(OVERHEAD_DRIFT)} over this process's "
+            "measurement: a server measures its own at startup, and it moves by a few MiB between processes, "
+            "so a server with these flags should get at least this pool"
+        )
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from kvgate.config import EngineConfig, ModelSpec
 from kvgate.memory import plan as P
 from kvgate.memory import workspace as W
-from kvgate.memory.overhead import OVERHEAD_SLACK
+from kvgate.memory.overhead import OVERHEAD_DRIFT, OVERHEAD_SLACK
 from kvgate.memory.plan import PlanError, make_plan, resolve_limit
 from kvgate.models.linear import packs_weights
 from kvgate.units import parse_bytes
@@ -185,6 +186,17 @@ def test_model_that_cannot_fit_is_refused_with_the_numbers():
     assert "Raise --memory-limit to at least" in msg and "--dtype" in msg
 
 
+def test_the_advised_limit_fits_a_server_whose_overhead_measures_a_little_more():
+    """QA pass 6: `kvgate plan` advised "at least 663MiB" and a server started with it measured 0.5 MiB
+    more overhead and refused to load ("663.5 MiB > limit 663.0 MiB"). The advice now adds
+    OVERHEAD_DRIFT, what the measurement moves between processes. Seen red with the advice at the
+    exact need: the limit it named did not fit an overhead 1 MiB higher."""
+    with pytest.raises(PlanError) as ei:
+        smollm2_plan("600MiB", 4, overhead=100 * MiB, max_seqs=2)
+    advised = re.search(r"at least (\d+)MiB", str(ei.value)).group(1)
+    smollm2_plan(f"{advised}MiB", 4, overhead=100 * MiB + OVERHEAD_DRIFT - MiB, max_seqs=2)
+
+
 def test_tight_limit_shrinks_the_step_and_says_so():
     """A limit that fits the weights but not the requested step workspace halves the prefill chunk
     (then the rows) until one minimum request fits, and notes it. Broken by: removing the shrink loop
@@ -332,6 +344,8 @@ def test_cli_plan_json_equals_engine_plan(default_model_cache):
     assert out.returncode == 0, out.stderr
     cli = json.loads(out.stdout)
     assert cli.pop("planned_for") == "serve"  # what the CLI adds: the process its overhead was measured for
+    # and the margin it adds to its measurement for that other process (a server's pool is at least its)
+    assert cli.pop("overhead_drift_bytes") == OVERHEAD_DRIFT
     assert cli["limit_bytes"] == 1280 * MiB and cli["context_tokens"] == 1024
     assert OVERHEAD_SLACK + (64 << 20) < cli["overhead_bytes"] < OVERHEAD_SLACK + (1 << 30)
 

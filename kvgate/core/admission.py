@@ -93,10 +93,22 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None) -> Ref
             f"{P - cfg.max_model_len + 1} token{'s' if P >= cfg.max_model_len + 1 else ''}."
         )
     else:
+        by_context = max(0, cfg.max_model_len - P)
+        by_pool = max(0, max_choice_positions(cfg, P, 1, cfg.total_blocks) - P)
+        if by_pool < by_context:  # the advice must fit the pool too, or it earns a second 400
+            most = (
+                f"{by_pool} (the context allows {by_context}, but this server's whole KV pool holds "
+                f"{cfg.kv_positions} positions)"
+                if by_pool
+                else f"1 and shorten the prompt: this server's whole KV pool holds {cfg.kv_positions} "
+                "positions"
+            )
+        else:
+            most = str(by_context)
         msg = (
             f"this request needs {want} positions (prompt {P} + max_tokens {max_tokens or 1}) but the "
             f"model's context is {cfg.max_model_len}. Shorten the prompt or lower max_tokens to at most "
-            f"{max(0, cfg.max_model_len - P)}."
+            f"{most}."
         )
     return Refusal(
         "context_length_exceeded",

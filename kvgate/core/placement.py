@@ -15,7 +15,7 @@ import torch
 
 from kvgate.config import EngineConfig
 from kvgate.core.speculate import MAX_SPECULATE
-from kvgate.memory.overhead import runtime_overhead_bytes
+from kvgate.memory.overhead import OVERHEAD_DRIFT, runtime_overhead_bytes
 from kvgate.memory.plan import MemoryPlan, make_plan
 from kvgate.models import LoadedModel, native
 from kvgate.models.linear import packs_weights, warm_kernels
@@ -252,10 +252,13 @@ def resolve_kv_dtype(
     return kv
 
 
-def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None = None) -> Placement:
+def plan_for(
+    loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None = None, drift: bool = False
+) -> Placement:
     """Resolve device, dtype and packing, warm the packed kernels and choose the decode attention path
     (by a measured probe under auto, `kvgate.models.paged_attention`; their memory belongs in the
-    measured overhead), measure that overhead, and make the plan (its notes say which attention)."""
+    measured overhead), measure that overhead, and make the plan (its notes say which attention).
+    `drift`: add `OVERHEAD_DRIFT` to a measured CPU overhead (`kvgate plan`, for another process)."""
     device = resolve_device(cfg.device)
     weights_note = None
     if cfg.weights == "auto":
@@ -293,6 +296,8 @@ def plan_for(loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None 
     log.info("prefill attention: %s", prefill_why)
     if overhead_bytes is None:
         overhead_bytes = runtime_overhead_bytes(str(device), checkpoint_bytes(loaded))
+        if drift and device.type == "cpu":
+            overhead_bytes += OVERHEAD_DRIFT
     ext = native.extension() if fmt == "gguf" and device.type == "cpu" else None  # gguf's kernels
     amx = ext is not None and ext.prefill_isa() == "amx-bf16"
     plan = make_plan(
