@@ -44,16 +44,21 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def engine(tmp_path_factory):
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
 
     d = make_tiny_hf_dir(tmp_path_factory.mktemp("tiny4k"), geometry={"max_pos": 4096})
     cfg = EngineConfig(kv_cache_bytes=32 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
     e = Engine.from_model(str(d), cfg, overhead_bytes=0).start()
-    with running_server(e) as (b, _app):
-        yield b
+    yield e
     e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(engine):
+    with running_server(engine) as (b, _app):
+        yield b
 
 
 def check_calls(calls: list[dict]) -> None:
@@ -84,6 +89,40 @@ def test_the_parser_gives_the_same_calls_whatever_the_pieces():
     events = [e for ch in OUTPUT for e in p.push(ch)] + p.end()
     assert [e[1].name for e in events if e[0] == "call"] == ["get_weather", "get_time"]
     assert T.parse_output("Hello <b>there</b>") == ("Hello <b>there</b>", [])
+
+
+def test_the_grammar_commits_to_a_call_only_on_the_whole_opening(engine):
+    """QA pass 6's two HIGH findings, both one character that the model also writes in text
+    committing it to a call: under `auto` an answer starting with "<" (HTML, or the `<tool_response>`
+    SmolLM2 echoes after a tool's answer) could only go on as `<tool_call>`, so a call was made up;
+    and after a call, the newline SmolLM2 writes before a remark (p 0.55-0.65, against 0.3 for the
+    end) could only go on as another call, which it copied from the first: single-intent prompts
+    came back with two identical calls (send_email twice). Here each text is fed to the grammar as
+    whole outputs: seen red with the old `answer` regex (/[^<][\\s\\S]*/) and the old separator
+    (`call ("\\n" call)*`)."""
+    from kvgate.structured.compiler import compiler_for
+
+    comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+    functions = [P.FunctionDef.model_validate(t["function"]) for t in TOOLS]
+    call = T._block("get_time", "{}")
+
+    def whole(text: str, mode: str = "auto", parallel: bool = True) -> bool:
+        m = comp.matcher(T.grammar(T.ToolPlan(mode, functions, parallel), None))
+        ids = engine.tokenizer.encode(text)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    for text in ("<h1>Hi</h1>", "<tool_response>\nsunny\n</tool_response>", "<", "<tool", "Sunny."):
+        assert whole(text), text
+    assert not whole("<tool_call>Sunny")  # the whole opening is a call's
+    for text in (call, call + "\n", call + "\n" + call, call + "\n\n" + call, call + "\n\nThe function"):
+        assert whole(text) and whole(text, "required"), text
+    assert not whole(call + "\nThe function returns a json object")  # a remark ends within 16 chars
+    assert not whole(call + "\n<p>")  # after a call, "<" on a new line opens another call
+    assert whole(call + "\nThe", "required", parallel=False)
+    assert not whole(call + "\n" + call, "required", parallel=False) and whole(call, "named", False)
+    # the remark is dropped, and a proper prefix of the opening ended by the model is an answer
+    assert T.parse_output(call + "\n\nThe function", cut=False)[0] is None
+    assert T.parse_output("<tool", cut=False) == ("<tool", []) and T.parse_output("<tool") == ("", [])
 
 
 def cut_expectation(cut: int) -> list[tuple[str, str]]:
@@ -457,3 +496,55 @@ def test_langchain_runs_a_tool_loop_and_a_structured_output_call(real_base):
 
     got = llm.with_structured_output(Answer).invoke("Is it sunny in Paris? Answer as JSON.")
     assert isinstance(got, Answer)
+
+
+@pytest.mark.slow
+def test_smollm2_makes_one_call_for_one_intent_and_answers_html_as_text(real_base):
+    """QA pass 6's HIGH findings on the real model, greedy: with parallel calls allowed (the default),
+    "send the email" and "the weather in Paris" each gave two identical calls (an agent would send the
+    email twice), and under `auto` an HTML answer came back as a made-up get_weather call. Seen red
+    with the old grammar (two calls; a tool call instead of the HTML)."""
+    email = {
+        "type": "function",
+        "function": {
+            "name": "send_email",
+            "description": "Send an email.",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"type": "string"}, "body": {"type": "string", "maxLength": 40}},
+                "required": ["to", "body"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    for tool, ask in (
+        (email, "Send one email to bob@example.com saying hi."),
+        (weather, "What's the weather in Paris?"),
+    ):
+        body = {"messages": [{"role": "user", "content": ask}], "tools": [tool], "tool_choice": "required"}
+        body.update(temperature=0, max_tokens=150)
+        choice = httpx.post(real_base + CHAT, json=body, timeout=120).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1, choice
+    ask = "Write an HTML paragraph tag containing the word hi. Output only the HTML."
+    bare = {**weather, "function": {k: v for k, v in weather["function"].items() if k != "description"}}
+    body = {
+        "messages": [{"role": "user", "content": ask}],
+        "tools": [bare],
+        "temperature": 0,
+        "max_tokens": 40,
+    }
+    choice = httpx.post(real_base + CHAT, json=body, timeout=120).json()["choices"][0]
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"].startswith("<"), choice

@@ -13,10 +13,13 @@ as they are). Any other template (SmolLM2's among them) gets the documented gene
 answer as a user turn inside `<tool_response>` tags: roles every template accepts.
 
 Generation: with `tool_choice` `auto` the grammar is `answer | calls`, with `required` or a named
-function `calls` only; `calls` is one block, or with `parallel_tool_calls` (the default) one or more
-joined by newlines. Each block is `{"name": NAME, "arguments": ARGS}` with ARGS generated under that
-function's JSON schema (`%json`), so arguments always parse and validate. An answer may not start
-with "<", which is what tells it from a call. `none` renders no tools and uses no grammar.
+function `calls` only; `calls` is one block, or with `parallel_tool_calls` (the default) one or more,
+each after the first opened by newlines and `<tool_call>` together. Each block is `{"name": NAME,
+"arguments": ARGS}` with ARGS generated under that function's JSON schema (`%json`), so arguments
+always parse and validate. An answer may start with anything but `<tool_call>` itself; after the
+calls, a newline that `<tool_call>` does not follow starts a short remark that ends the output and is
+dropped (`grammar` says why neither side may commit on one character). `none` renders no tools and
+uses no grammar.
 
 `ToolCallParser` reads the output incrementally (the same code for streams and whole responses): it
 releases content, each call's start (id, name) and its arguments as they are generated, holding back
@@ -30,6 +33,7 @@ call's name was whole, with no call and no content.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -41,6 +45,7 @@ END = "</tool_call>"
 CLOSE = "}\n" + END
 SEP = "\n"
 ARGS_AT = ', "arguments": '
+TAIL_CHARS = 16  # a remark after the calls: the model may start one, and the output ends within it
 
 PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -147,17 +152,42 @@ def args_schema(f: P.FunctionDef) -> dict:
     return schema
 
 
+def not_starting_with(word: str) -> str:
+    """A regex (no lookahead: llguidance's lexer has none) for the non-empty texts that do not start
+    with `word`: those that part from it at some character, and its proper prefixes."""
+    esc = [re.escape(ch) for ch in word]
+    part = "|".join("".join(esc[:i]) + "[^" + esc[i] + "]" for i in range(len(word)))
+    prefixes = "|".join("".join(esc[:i]) for i in range(1, len(word)))
+    return f"({part})[\\s\\S]*|{prefixes}"
+
+
 def grammar(plan: ToolPlan, answer_rule: str | None) -> str:
-    """llguidance Lark text: `answer_rule` (a rule body, or None for free text) or the calls."""
+    """llguidance Lark text: `answer_rule` (a rule body, or None for free text) or the calls.
+
+    Neither side commits on one character the model also writes in text: an answer may start with
+    anything but the whole `<tool_call>` (HTML, or the `<tool_response>` a small model echoes after
+    a tool's answer, are answers), and after a call a newline commits to another call only when
+    `<tool_call>` follows it; else the newline starts a remark of at most TAIL_CHARS that ends the
+    output (the parser drops it). A separator that was one newline forced a model that meant
+    "\n\nThe function returns ..." into a second call, which it copied from the first."""
     lines = []
     if plan.mode == "auto":
         lines.append("start: answer | calls")
-        lines.append(f"answer: {answer_rule}" if answer_rule else "answer: TEXT\nTEXT: /[^<][\\s\\S]*/")
+        text = f"TEXT: /{not_starting_with(OPEN.rstrip())}/"
+        lines.append(f"answer: {answer_rule}" if answer_rule else f"answer: TEXT\n{text}")
     else:
         lines.append("start: calls")
-    lines.append('calls: call ("\\n" call)*' if plan.parallel else "calls: call")
+    more = " next*" if plan.parallel else ""
+    lines.append(f"calls: call{more} TAIL?")
+    if plan.parallel:  # blank lines may part two calls, as they may end the calls
+        lines.append(f"TAIL: /\\n+([^<\\n][\\s\\S]{{0,{TAIL_CHARS - 1}}})?/")
+        lines.append("NEWLINES: /\\n+/")
+    else:
+        lines.append(f"TAIL: /\\n[\\s\\S]{{0,{TAIL_CHARS}}}/")
     alts = " | ".join(f"fn_{i}" for i in range(len(plan.functions)))
     lines.append(f"call: {json.dumps(OPEN)} ({alts}) {json.dumps(CLOSE)}")
+    if plan.parallel:
+        lines.append(f"next: NEWLINES {json.dumps(OPEN)} ({alts}) {json.dumps(CLOSE)}")
     for i, f in enumerate(plan.functions):
         head = '{"name": ' + json.dumps(f.name, ensure_ascii=False) + ARGS_AT
         lines.append(f"fn_{i}: {json.dumps(head)} %json {json.dumps(args_schema(f))}")
@@ -224,7 +254,7 @@ class ToolCallParser:
     """
 
     buf: str = ""
-    state: str = "start"  # start | content | head | args | close | between
+    state: str = "start"  # start | content | head | args | close | between | tail
     calls: list[ParsedCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     scan: _ArgsScan = field(default_factory=_ArgsScan)
@@ -239,15 +269,20 @@ class ToolCallParser:
                 break  # waiting for more text
         return events
 
-    def end(self) -> list[tuple]:
-        """The output ended: a call whose name is whole but whose arguments never began comes out
-        with empty arguments; any other held-back text is the start or end of a call's markup
-        (an answer never starts with "<": see `grammar`) and is dropped."""
+    def end(self, cut: bool = True) -> list[tuple]:
+        """The output ended (`cut`: by max_tokens, maybe inside a call): a call whose name is whole but
+        whose arguments never began comes out with empty arguments. Held-back text that could still
+        have become a call's opening (`<tool`) is an answer when the model ended it (an answer may be
+        a proper prefix of `<tool_call>`: see `grammar`) and is dropped when the output was cut; any
+        other held-back text is a call's markup and is dropped."""
         events: list[tuple] = []
         if self.state == "head":
             name = self._name(self.buf)
             if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
                 self._open_call(events, name[0])
+        elif self.state == "start" and self.buf and not cut:
+            self.state = "content"
+            self._content(events)
         self.buf = ""
         return events
 
@@ -307,19 +342,22 @@ class ToolCallParser:
             self.state = "content"  # not the wrapper's end: kept as content (the grammar never does this)
 
     def _between(self, events) -> None:
-        nxt = SEP + OPEN
-        if self.buf.startswith(nxt):
-            self.buf = self.buf[len(nxt) :]
+        rest = self.buf.lstrip(SEP)
+        if rest != self.buf and rest.startswith(OPEN):  # newlines, then the next call
+            self.buf = rest[len(OPEN) :]
             self.state = "head"
-        elif not nxt.startswith(self.buf):  # not a call: kept as content (the grammar never does this)
-            self.state = "content"
+        elif self.buf and (rest == self.buf or not OPEN.startswith(rest)):
+            self.state = "tail"  # not a call: the remark that ends the output (`grammar`)
+
+    def _tail(self, events) -> None:
+        self.buf = ""  # dropped: the calls are the answer
 
 
-def parse_output(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """A whole output: (content or None, the calls)."""
+def parse_output(text: str, cut: bool = True) -> tuple[str | None, list[ParsedCall]]:
+    """A whole output: (content or None, the calls); `cut`: see `ToolCallParser.end`."""
     p = ToolCallParser()
     p.push(text)
-    p.end()
+    p.end(cut)
     content = "".join(p.content)
     return (content if content or not p.calls else None), p.calls
 
@@ -328,7 +366,7 @@ def read_calls(choice: dict) -> None:
     """Turn a finished chat choice's text into its message: content, or tool calls (the choice then
     finishes with `tool_calls` when every call is whole; cut short, it keeps `length` or `stop` with the
     calls so far, as a stream gives)."""
-    content, calls = parse_output(choice["message"]["content"])
+    content, calls = parse_output(choice["message"]["content"], cut=choice["finish_reason"] == "length")
     choice["message"] = {"role": "assistant", "content": content}
     if calls:
         choice["message"]["tool_calls"] = call_dicts(calls)
