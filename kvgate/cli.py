@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_plan(a) -> int:
     from kvgate.core.engine import Engine  # noqa: F401 -- serve and generate import it before they measure
-    from kvgate.memory.overhead import OVERHEAD_DRIFT
+    from kvgate.memory.overhead import OVERHEAD_DRIFT, load_peak_warning, process_peak_rss_bytes
     from kvgate.units import fmt_bytes
 
     cfg, loaded = engine_config(a), {}
@@ -152,11 +152,17 @@ def cmd_plan(a) -> int:
 
     as_served(work) if a.plan_for == "serve" else work()
     plan = loaded["plan"]
+    peak = process_peak_rss_bytes()  # this process has just loaded and placed the model, as serve does
     if a.json:
         drift = OVERHEAD_DRIFT if plan.device == "cpu" else 0
         print(
             json.dumps(
-                {**plan.to_dict(a.context), "planned_for": a.plan_for, "overhead_drift_bytes": drift},
+                {
+                    **plan.to_dict(a.context),
+                    "planned_for": a.plan_for,
+                    "overhead_drift_bytes": drift,
+                    "load_peak_rss_bytes": peak,
+                },
                 indent=1,
             )
         )
@@ -170,6 +176,14 @@ def cmd_plan(a) -> int:
         if a.plan_for == "serve"
         else "  planned for: `kvgate generate` (no HTTP server; `kvgate serve` holds more, see --for serve)"
     )
+    if peak is not None:
+        print(
+            f"  load peak       {fmt_bytes(peak):>12}  (resident, measured here while loading and placing the "
+            "model, before any request; a server's is about the same)"
+        )
+        warn = load_peak_warning(peak, plan.limit_bytes, plan.device)
+        if warn:
+            print(f"  warning: {warn}")
     if plan.device == "cpu":
         print(
             f"  note: the runtime overhead above includes {fmt_bytes(OVERHEAD_DRIFT)} over this process's "

@@ -232,3 +232,26 @@ def test_a_dominant_position_in_any_lane_wins_the_softmax(op):
         out = op(q, k, v, tables, torch.tensor([L]), dim**-0.5)
         assert torch.isfinite(out).all(), p
         torch.testing.assert_close(out[0, 0], v.view(L, dim)[p], atol=1e-5, rtol=1e-5)
+
+
+def test_the_startup_race_counts_only_this_threads_cpu_time():
+    """The auto probes time each path by the calling thread's CPU clock on one thread (`race`), so
+    another process that takes the core mid-call does not decide the path: QA pass 6 saw two starts
+    with the same flags take different prefill attention paths, whose logprobs differ by up to 0.003.
+    A call that waits (here: sleeps, as a preempted one would) costs it nothing; one that computes
+    does. Seen red with the wall clock (perf_counter): the sleeper lost. It runs on one torch thread
+    and puts the count back."""
+    import time
+
+    from kvgate.models.paged_attention import race
+
+    threads = torch.get_num_threads()
+    x = torch.randn(256, 256)
+
+    def busy():
+        for _ in range(20):
+            x @ x
+
+    asleep, computing = race(time.sleep, (0.02,), busy, (), 3)
+    assert asleep < computing
+    assert torch.get_num_threads() == threads

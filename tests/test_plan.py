@@ -197,6 +197,21 @@ def test_the_advised_limit_fits_a_server_whose_overhead_measures_a_little_more()
     smollm2_plan(f"{advised}MiB", 4, overhead=100 * MiB + OVERHEAD_DRIFT - MiB, max_seqs=2)
 
 
+def test_a_load_peak_over_the_limit_is_said_with_the_numbers():
+    """QA pass 6 (HIGH, the memory contract): loading SmolLM2 under --memory-limit 720MiB peaked at
+    1,074 MiB resident before the ledger existed, and nothing said so. The peak is now measured and
+    an operator told when it is over the limit, with what to give a container. Seen red with the
+    comparison reversed (no warning over the limit)."""
+    from kvgate.memory.overhead import load_peak_warning, process_peak_rss_bytes
+
+    peak = process_peak_rss_bytes()
+    assert peak is not None and peak > 0  # this test process has a resident peak
+    said = load_peak_warning(900 * MiB, 720 * MiB, "cpu")
+    assert "900 MiB" in said and "--memory-limit 720 MiB" in said and "at least 900 MiB" in said
+    assert load_peak_warning(700 * MiB, 720 * MiB, "cpu") is None
+    assert load_peak_warning(900 * MiB, 720 * MiB, "cuda:0") is None  # the ledger counts device memory there
+
+
 def test_tight_limit_shrinks_the_step_and_says_so():
     """A limit that fits the weights but not the requested step workspace halves the prefill chunk
     (then the rows) until one minimum request fits, and notes it. Broken by: removing the shrink loop
@@ -346,6 +361,9 @@ def test_cli_plan_json_equals_engine_plan(default_model_cache):
     assert cli.pop("planned_for") == "serve"  # what the CLI adds: the process its overhead was measured for
     # and the margin it adds to its measurement for that other process (a server's pool is at least its)
     assert cli.pop("overhead_drift_bytes") == OVERHEAD_DRIFT
+    # the resident peak it reached while loading (QA pass 6: ~1 GiB under a 720 MiB limit before the
+    # Q8 table was checked in pieces), measured, outside the plan
+    assert cli.pop("load_peak_rss_bytes") > cli["weights_bytes"]
     assert cli["limit_bytes"] == 1280 * MiB and cli["context_tokens"] == 1024
     assert OVERHEAD_SLACK + (64 << 20) < cli["overhead_bytes"] < OVERHEAD_SLACK + (1 << 30)
 

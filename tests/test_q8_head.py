@@ -43,6 +43,25 @@ def test_blocks_round_trip_exactly_and_a_float_table_is_refused():
     assert q8_blocks(torch.randn(4, 40)) is None  # not whole blocks
 
 
+def test_a_table_is_checked_in_pieces_with_the_same_answer(monkeypatch):
+    """`q8_blocks` checks CHECK_ROWS rows at a time (the whole table's float temporaries were most of
+    the load's peak over --memory-limit, QA pass 6): pieces of 64 rows give the whole table's codes
+    and scales, and a nudged value in a later piece still refuses the table. Seen red with the
+    pieces written at row 0 each time (codes of the last piece only) and with a piece's failure
+    ignored."""
+    import kvgate.models.q8_head as Q
+
+    torch.manual_seed(1)
+    table = ggml_q8_0(torch.randn(300, 96))
+    whole = q8_blocks(table)
+    monkeypatch.setattr(Q, "CHECK_ROWS", 64)
+    pieces = q8_blocks(table)
+    assert torch.equal(pieces[0], whole[0]) and torch.equal(pieces[1], whole[1])
+    nudged = table.clone()
+    nudged[290, 5] = torch.nextafter(nudged[290, 5], torch.tensor(1e9))
+    assert q8_blocks(nudged) is None
+
+
 def test_the_kernel_matches_the_float_matmul_and_gives_a_row_the_same_bits_among_any_rows():
     """Against `x @ W.T` on the widened table (atol 1e-4 at these magnitudes), for 1..20 rows; each
     row's output alone equals its output among all 20 (torch.equal), across the kernel's groups of

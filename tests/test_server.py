@@ -335,6 +335,8 @@ def test_health_metrics_resources_tokenize(make_engine):
         assert res["kv"]["blocks_free"] == res["kv"]["blocks_total"] == engine.plan.kv_blocks
         assert res["ledger"]["reserved_bytes"] <= res["ledger"]["limit_bytes"]
         assert set(res["ledger"]["reserved_by_role"]) >= {"weights", "kv_cache", "workspace"}
+        proc = res["process"]  # measured beside the ledger: resident now <= the peak so far
+        assert 0 < proc["rss_bytes"] <= proc["peak_rss_bytes"] and "load_peak_rss_bytes" in proc
         ids = httpx.post(base + "/v1/tokenize", json={"prompt": "hello"}).json()["tokens"]
         assert httpx.post(base + "/v1/detokenize", json={"tokens": ids}).json()["prompt"] == "hello"
         bad = httpx.post(base + "/v1/detokenize", json={"tokens": [10**9]})

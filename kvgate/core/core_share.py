@@ -154,17 +154,19 @@ CHOICES = ("auto", "on", "off")
 INVARIANT_FORMATS = ("gguf", "gguf-q8act")  # kernels whose rows split by output, never by the sum
 
 
-def governor_for(setting: str, device, weights_format: str) -> ThreadGovernor | None:
+def governor_for(setting: str, device, weights_format: str, paged_attention: bool) -> ThreadGovernor | None:
     """The worker's governor, or None: `--adaptive-threads` auto is on for a CPU engine whose weights
-    run in kvgate's own kernels (their numbers measured the same at any thread count); `on` also
-    adapts torch's matmuls, whose sums may split by thread (a row's last bits may then move)."""
+    and decode attention run in kvgate's own kernels (their numbers measured the same at any thread
+    count; the gather + SDPA decode path's are not: QA pass 6 saw a request's logprobs and seeded text
+    change when the count dropped); `on` also adapts torch's ops, whose sums may split by thread (a
+    row's last bits may then move)."""
     import torch
 
     from kvgate.memory.plan import PlanError
 
     if setting not in CHOICES:
         raise PlanError(f"--adaptive-threads {setting!r} is not one of {', '.join(CHOICES)}")
-    on = setting == "on" or (setting == "auto" and weights_format in INVARIANT_FORMATS)
+    on = setting == "on" or (setting == "auto" and weights_format in INVARIANT_FORMATS and paged_attention)
     if not on or getattr(device, "type", str(device)) != "cpu" or not os.path.exists("/proc/self/stat"):
         return None
     return ThreadGovernor(torch.get_num_threads(), CoreShare(), torch.set_num_threads)

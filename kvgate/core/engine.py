@@ -157,7 +157,7 @@ class Engine:
             self._capture_pieces()
         self.core = EngineCore(self.sched_cfg, self.tokenizer, self.runner, self.inbox)
         self.gate = AdmissionGate(self.sched_cfg, self.inbox, lambda: self.core.snapshot, self._unavailable)
-        self.governor = governor_for(cfg.adaptive_threads, self.device, self.weights_format)  # CPU threads
+        self.governor = governor_for(cfg.adaptive_threads, self.device, place.weights, place.paged_attention)
         self.info = EngineInfo(spec.name, loaded.source, str(self.device), p.dtype, time.monotonic() - t0)
         self._thread: threading.Thread | None = None
         self.dead: str | None = None

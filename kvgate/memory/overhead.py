@@ -33,6 +33,31 @@ def process_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def process_peak_rss_bytes() -> int | None:
+    """The process's resident peak so far (VmHWM), or None where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def load_peak_warning(peak: int | None, limit: int, device: str) -> str | None:
+    """What to tell an operator whose process peaked above --memory-limit while loading (CPU: the
+    ledger's limit is host memory), or None."""
+    if peak is None or not device.startswith("cpu") or peak <= limit:
+        return None
+    mib = 1 << 20
+    return (
+        f"loading peaked at {peak / mib:,.0f} MiB resident, above --memory-limit {limit / mib:,.0f} MiB: "
+        "the checkpoint is held in float while its matrices are packed, before the ledger's plan applies. "
+        f"From here on the process stays within the plan; give a container at least {-(-peak // mib)} MiB."
+    )
+
+
 def runtime_overhead_bytes(device: str, held_tensor_bytes: int = 0) -> int:
     """What the process holds besides the ledger's tensors: measured baseline RSS plus a fixed slack.
 

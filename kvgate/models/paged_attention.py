@@ -60,19 +60,26 @@ def length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     return (torch.arange(width, device=lens.device) < lens[:, None]).view(-1, 1, 1, width)
 
 
-def _race(a, a_args: tuple, b, b_args: tuple, reps: int) -> tuple[float, float]:
-    """Fastest seconds per call of `a` and of `b`, timed alternately so both see the same load. The
-    fastest, not the mean: on a shared machine a preempted call (a 4 ms scheduler tick with both
-    vCPUs busy) says nothing about the kernel, and alternating keeps a busy spell from favouring one."""
-    a(*a_args), b(*b_args)
-    ta, tb = float("inf"), float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a(*a_args)
-        t1 = time.perf_counter()
-        b(*b_args)
-        t2 = time.perf_counter()
-        ta, tb = min(ta, t1 - t0), min(tb, t2 - t1)
+def race(a, a_args: tuple, b, b_args: tuple, reps: int) -> tuple[float, float]:
+    """Fastest CPU seconds per call of `a` and of `b` on one thread, timed alternately. The calling
+    thread's own clock on one thread, as the Q8 head's probe: with wall time on all threads, other
+    processes on the machine decided the race (two starts with the same flags took different prefill
+    paths, whose logprobs differ by up to 0.003: QA pass 6). The fastest, not the mean: a call that
+    was preempted says nothing about the kernel."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a(*a_args), b(*b_args)
+        ta, tb = float("inf"), float("inf")
+        for _ in range(reps):
+            t0 = time.thread_time()
+            a(*a_args)
+            t1 = time.thread_time()
+            b(*b_args)
+            t2 = time.thread_time()
+            ta, tb = min(ta, t1 - t0), min(tb, t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
     return ta, tb
 
 
@@ -96,7 +103,7 @@ def probe(
         mask = length_mask(lens, nblk * block_size)
         reps = 31 if rows == 1 else 11
         with torch.inference_mode():
-            out[rows] = _race(
+            out[rows] = race(
                 op, (q, k, v, tables, lens, head_dim**-0.5), gather_attention, (q, k, v, tables, mask), reps
             )
     return out

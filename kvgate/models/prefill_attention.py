@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from kvgate.models import native
+from kvgate.models.paged_attention import race
 
 log = logging.getLogger("kvgate.models")
 
@@ -85,8 +85,8 @@ def sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf) -> tor
 def probe(
     heads: int, kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype = torch.float32
 ) -> tuple[float, float]:
-    """Fastest seconds per call of the kernel and of gather + SDPA on one `PROBE_TOKENS` chunk shaped
-    like the model's, the pool in the KV cache's dtype, timed alternately (a few ms in all)."""
+    """Fastest CPU seconds per call of the kernel and of gather + SDPA on one `PROBE_TOKENS` chunk shaped
+    like the model's, the pool in the KV cache's dtype, timed alternately on one thread (`race`)."""
     ext = native.extension()
     gen = torch.Generator().manual_seed(0)
     n = PROBE_TOKENS
@@ -105,15 +105,8 @@ def probe(
     def gather():
         sdpa(q, k, v, span)
 
-    best = [float("inf"), float("inf")]
     with torch.inference_mode():
-        kernel(), gather()
-        for _ in range(7):
-            for i, fn in enumerate((kernel, gather)):
-                t0 = time.perf_counter()
-                fn()
-                best[i] = min(best[i], time.perf_counter() - t0)
-    return best[0], best[1]
+        return race(kernel, (), gather, (), 7)
 
 
 def resolve(

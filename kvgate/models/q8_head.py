@@ -27,22 +27,32 @@ from kvgate.models import native
 QBLOCK = 32
 
 
+CHECK_ROWS = 2048  # table rows `q8_blocks` checks at a time (SmolLM2: 4.7 MB of float32 a piece)
+
+
 def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(codes int8 [N, K], scales float32 [N, K / 32]) such that `scales * codes` is `weight` bit for
     bit in float32, or None when no such blocks exist (the weight was not Q8_0 to begin with)."""
     n, k = weight.shape
     if k % QBLOCK or weight.dtype != torch.float32:
         return None
-    blocks = weight.reshape(n, k // QBLOCK, QBLOCK)
-    scales = blocks.abs().amax(-1) / 127.0
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe.unsqueeze(-1))
-    if codes.abs().amax() > 127:
-        return None
-    codes = codes.to(torch.int8)
-    if not torch.equal(scales.unsqueeze(-1) * codes.float(), blocks):
-        return None
-    return codes.reshape(n, k), scales.contiguous()
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // QBLOCK, dtype=torch.float32)
+    # rows a piece at a time: the float temporaries of a whole table (three of SmolLM2's 113 MB) were
+    # most of the load's transient peak over --memory-limit (QA pass 6)
+    for at in range(0, n, CHECK_ROWS):
+        blocks = weight[at : at + CHECK_ROWS].reshape(-1, k // QBLOCK, QBLOCK)
+        s = blocks.abs().amax(-1) / 127.0
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(blocks / safe.unsqueeze(-1))
+        if q.abs().amax() > 127:
+            return None
+        q = q.to(torch.int8)
+        if not torch.equal(s.unsqueeze(-1) * q.float(), blocks):
+            return None
+        codes[at : at + CHECK_ROWS] = q.view(-1, k)
+        scales[at : at + CHECK_ROWS] = s
+    return codes, scales
 
 
 ROWS16 = 16  # table rows per tile of `Q8Table`

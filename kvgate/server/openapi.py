@@ -207,6 +207,10 @@ _RESPONSES = {
             "ledger": {"type": "object"},
             "kv": {"type": "object"},
             "scheduler": {"type": "object"},
+            "process": {
+                "type": "object",
+                "description": "measured resident bytes: now, peak, peak while loading",
+            },
         },
     },
 }

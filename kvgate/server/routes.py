@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvgate.memory.overhead import process_peak_rss_bytes, process_rss_bytes
 from kvgate.server import protocol as P
 from kvgate.server.bodies import read_body
 from kvgate.server.context import check_model, ready_engine
@@ -97,9 +98,23 @@ async def resources(request: Request):
             # what --cuda-graphs did at startup: shapes captured, their measured pool and its charge
             "cuda_graphs": getattr(eng, "graphs_note", None),  # None: a cluster front end (its replicas say)
         },
+        # measured, outside the ledger: the process's resident memory now, its peak, and the peak it
+        # reached while loading (above --memory-limit when the float checkpoint was, see the README)
+        "process": {
+            "rss_bytes": _or_none(process_rss_bytes),
+            "peak_rss_bytes": process_peak_rss_bytes(),
+            "load_peak_rss_bytes": getattr(state, "load_peak_bytes", None),
+        },
         "live": state.live.summary(),
         "responses_store": state.responses.summary(),  # server memory, outside the ledger's plan
     }
+
+
+def _or_none(measure):
+    try:
+        return measure()
+    except OSError:  # no /proc here: absent, not zero
+        return None
 
 
 async def tokenize(request: Request):
