@@ -234,12 +234,14 @@ def _draw_native(
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """The chosen token's log-probability under `logits` and the `k` most likely tokens' (finite ones)."""
+    """The chosen token's log-probability under `logits` and the `k` most likely tokens': always k, as
+    OpenAI and vLLM give them, so tokens a grammar forbids fill the list at -inf (-9999.0 in JSON) when
+    fewer than k are allowed (QA pass 6: clients that index top_logprobs[k] broke on shorter lists)."""
     lp = torch.log_softmax(logits.float(), -1)
     top: list[tuple[int, float]] = []
     if k:
         vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
-        top = [(i, v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True) if math.isfinite(v)]
+        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
     return TokenLogprobs(token, float(lp[token]), top)
 
 

@@ -162,6 +162,27 @@ def test_chat_logprobs_have_openais_shape_with_bytes(tiny_base):
     assert none["choices"][0]["logprobs"] is None
 
 
+def test_top_logprobs_hold_k_entries_under_a_grammar_too(tiny_base):
+    """QA pass 6: under a json_schema a forced token (`{"`, `":`) got one top entry instead of the k
+    asked: masked tokens were dropped. OpenAI and vLLM always give k; the forbidden ones now fill the
+    list at -9999.0. Seen red with the finite-only filter back in `token_logprobs`."""
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+    body = {
+        "messages": MSG,
+        "max_tokens": 12,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    }
+    r = httpx.post(tiny_base + CHAT, json=body, timeout=60)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert all(len(e["top_logprobs"]) == 5 for e in content), [len(e["top_logprobs"]) for e in content]
+    floors = [t["logprob"] for e in content for t in e["top_logprobs"] if t["logprob"] == -9999.0]
+    assert floors  # the grammar forced some token: the rest of its top five are the forbidden ones
+    assert "Infinity" not in r.text and "NaN" not in r.text
+
+
 def test_token_bytes_are_exact_for_a_split_character(tiny_dir):
     """A character split across byte-level tokens: each token's bytes are its own byte, and they join
     to the character. Seen red with bytes from a one-token text decode (U+FFFD's three bytes)."""

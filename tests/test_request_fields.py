@@ -208,9 +208,14 @@ def test_a_mixed_batch_prompt_says_it_mixes_kinds():
 
 
 def test_too_many_choices_names_n():
-    """Seen red with `_PARAMS` emptied in errors.py (no param in the body)."""
+    """Seen red with `_PARAMS` emptied in errors.py (no param in the body). QA pass 6: a server whose
+    memory plan shrank --max-seqs 2 to 1 blamed --max-seqs, and a best_of request was told "n=2";
+    the message now names what shrank the rows and both fields (red with the old message)."""
     err = from_refusal(too_many_choices(100, 4)).body()["error"]
     assert err["code"] == "too_many_choices" and err["param"] == "n"
+    err = from_refusal(too_many_choices(2, 1, 2), {"n": "best_of"}).body()["error"]
+    assert err["param"] == "best_of" and "n, or best_of" in err["message"]
+    assert "--max-seqs 2, which the memory plan shrank to 1" in err["message"]
 
 
 def _doc_validator(name: str):

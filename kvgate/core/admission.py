@@ -72,11 +72,19 @@ def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[Requ
     return WaitEntry(handle, ceiling, explicit, requested, cap, deadline, hashes, list(followers))
 
 
-def too_many_choices(n: int, max_seqs: int) -> Refusal:
+def too_many_choices(n: int, max_seqs: int, asked_rows: int | None = None) -> Refusal:
+    """`asked_rows`: the --max-seqs the server was started with, when the memory plan shrank it."""
+    if asked_rows is not None and asked_rows > max_seqs:
+        why = (
+            f"(--max-seqs {asked_rows}, which the memory plan shrank to {max_seqs} to fit --memory-limit: "
+            "a larger limit keeps more)"
+        )
+    else:
+        why = "(--max-seqs)"
     return Refusal(
         "too_many_choices",
-        f"n={n} choices run as {n} batch rows at once, and this server runs at most {max_seqs} "
-        f"(--max-seqs). Ask for at most n={max_seqs}, or send several requests.",
+        f"this request's {n} choices (n, or best_of when larger) run as {n} batch rows at once, and this "
+        f"server runs at most {max_seqs} {why}. Ask for at most {max_seqs}, or send several requests.",
         400,
         param="n",
     )

@@ -290,7 +290,7 @@ class Engine:
         if n == 1:
             return [self.submit(request)]
         if n > self.sched_cfg.max_seqs:  # before n handles are built: n (or best_of) may be any integer
-            raise admission.too_many_choices(n, self.sched_cfg.max_seqs)
+            raise admission.too_many_choices(n, self.sched_cfg.max_seqs, self.cfg.max_seqs)
         request = request.validate(self.tokenizer.vocab_size).as_kept(self.sched_cfg.speculate)
         handles = [RequestHandle(request, self._send_cancel)]
         for i in range(1, n):
