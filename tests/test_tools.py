@@ -414,12 +414,61 @@ def test_bad_tool_requests_are_400s_naming_the_field(base):
     bad = [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice"),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
+            "tools.0.function.parameters",
+        ),
         ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools.0.type"),
     ]
     for extra, param in bad:
         r = httpx.post(base + CHAT, json={"messages": MSG, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_a_refused_schema_names_the_tool_the_path_and_the_way_out(base):
+    """QA pass 6: agents send 10-30 tools, and `a tool's parameters cannot be enforced: Unimplemented
+    keys: ["uniqueItems"]` named neither the tool nor the property; pydantic writes uniqueItems for
+    every set[...] field. Seen red with the old message (no tool name, no path, no hint)."""
+    ok = {"type": "function", "function": {"name": "ok1", "parameters": {"type": "object"}}}
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    bad = {"type": "function", "function": {"name": "bad_one", "parameters": tags}}
+    r = httpx.post(base + CHAT, json={"messages": MSG, "tools": [ok, bad]}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tools.1.function.parameters"
+    assert "tool 'bad_one'" in err["message"] and "properties.tags.uniqueItems" in err["message"]
+    assert "use list[...]" in err["message"]
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": tags}}
+    err = httpx.post(base + CHAT, json={"messages": MSG, "response_format": rf}, timeout=60).json()["error"]
+    assert err["param"] == "response_format" and "properties.tags.uniqueItems" in err["message"]
+
+
+def test_a_format_the_engine_does_not_know_is_an_annotation_and_known_ones_hold(base):
+    """In JSON Schema `format` is an annotation unless a validator asserts it; pydantic writes
+    `binary` for bytes and `password` for SecretStr, and those schemas were 400s (QA pass 6). Unknown
+    formats now leave a plain string; `email` is still enforced. A property named "format" is a name,
+    not a keyword. Seen red without `drop_unknown_formats` (400 "Unknown format: binary")."""
+    from kvgate.structured.schema_prep import drop_unknown_formats
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "blob": {"type": "string", "format": "binary"},
+            "mail": {"type": "string", "format": "email"},
+            "format": {"type": "string"},
+        },
+        "required": ["blob", "mail", "format"],
+        "additionalProperties": False,
+    }
+    kept = drop_unknown_formats(schema)["properties"]
+    assert "format" not in kept["blob"] and kept["mail"]["format"] == "email" and "format" in kept
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"messages": MSG, "response_format": rf, "max_tokens": 200, "temperature": 0, "seed": 3}
+    r = httpx.post(base + CHAT, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        got = json.loads(choice["message"]["content"])
+        assert "@" in got["mail"]  # the tiny model writes noise, but the email format held
 
 
 # ---- the real model ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from kvgate.server import protocol as P
 from kvgate.server import tools as T
 from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.structured.compiler import Grammar, GrammarError, compiler_for
+from kvgate.structured.schema_prep import compiles, drop_unknown_formats, keyword_paths, unimplemented
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
 
@@ -53,9 +54,9 @@ def features_of(engine, req) -> Features:
         )
     answer = _answer_rule(req.response_format)
     if f.tools is not None:
-        text, param = T.grammar(f.tools, answer), "tools"
+        text = T.grammar(f.tools, answer)
     elif answer is not None:
-        text, param = f"start: {answer}\n", "response_format"
+        text = f"start: {answer}\n"
     else:
         return f
     if f.tools is not None and f.logprobs is not None:
@@ -64,9 +65,38 @@ def features_of(engine, req) -> Features:
     try:
         f.grammar = compiler.check(text)
     except GrammarError as exc:
-        what = "a tool's parameters" if param == "tools" else "this JSON schema"
-        raise APIError(400, f"{what} cannot be enforced: {exc}", "unsupported_schema", param=param) from None
+        raise _unenforceable(req, f.tools, str(exc)) from None
     return f
+
+
+def _unenforceable(req, plan: T.ToolPlan | None, why: str) -> APIError:
+    """The 400 for a schema the engine refused, naming the tool (of maybe dozens) and the keyword's
+    paths in it, with the way out for the keyword pydantic writes for `set[...]` fields."""
+    param, what, schema = "response_format", "this JSON schema", None
+    if req.response_format is not None and req.response_format.json_schema is not None:
+        schema = req.response_format.json_schema.schema_
+    if plan is not None:
+        if schema is None:
+            param, what = "tools", "the tools' parameters"
+        names = [t.function.name for t in req.tools]
+        for fn in plan.functions:
+            if not compiles(T.args_schema(fn)):
+                i = names.index(fn.name)
+                param, what, schema = (
+                    f"tools.{i}.function.parameters",
+                    f"tool {fn.name!r}'s parameters",
+                    fn.parameters,
+                )
+                break
+    keys = unimplemented(why)
+    paths = keyword_paths(schema, keys) if schema is not None else []
+    where = f" (at {', '.join(paths[:4])})" if paths else ""
+    hint = (
+        "; pydantic writes uniqueItems for set[...] fields: use list[...], or drop uniqueItems"
+        if "uniqueItems" in keys
+        else ""
+    )
+    return APIError(400, f"{what} cannot be enforced: {why}{where}{hint}", "unsupported_schema", param=param)
 
 
 def _answer_rule(rf: P.ResponseFormat | None) -> str | None:
@@ -80,7 +110,7 @@ def _answer_rule(rf: P.ResponseFormat | None) -> str | None:
             raise invalid(
                 "response_format of type 'json_schema' needs json_schema.schema", param="response_format"
             )
-        schema = dict(rf.json_schema.schema_)
+        schema = drop_unknown_formats(dict(rf.json_schema.schema_))
     schema["x-guidance"] = T.JSON_STYLE
     return "%json " + json.dumps(schema, ensure_ascii=False)
 

@@ -249,7 +249,6 @@ NULL_ONLY = {
 
 
 SDK_CALL_FIELDS = {"index": True, "function": {"parsed_arguments"}}  # accepted, never shown to the model
-MAX_OTHER_PROBLEMS = 4  # named after the first in a 400; past that, counted
 
 
 def parse(model_cls, data: Any):
@@ -264,12 +263,8 @@ def parse(model_cls, data: Any):
 def schema_error(exc: ValidationError) -> APIError:
     """One 400 naming the field that failed and why (kvgate.server.schema_errors: a union-typed field
     is reported by the member the client meant, with the shapes it takes)."""
-    msg, loc, others = describe(exc.errors(include_url=False), _model_names())  # inputs read, never echoed
-    shown = others[:MAX_OTHER_PROBLEMS]
-    tail = f"; also {'; '.join(shown)}" if shown else ""
-    if len(others) > len(shown):
-        tail += f" (and {len(others) - len(shown)} more)"
-    return invalid(msg + tail, param=loc, code="invalid_schema")
+    msg, loc = describe(exc.errors(include_url=False), _model_names())  # inputs read, never echoed
+    return invalid(msg, param=loc, code="invalid_schema")
 
 
 def _model_names() -> frozenset[str]:

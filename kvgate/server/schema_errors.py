@@ -26,9 +26,22 @@ SHAPES = {
 }
 
 
-def describe(errors: list[dict], tags: frozenset[str] = frozenset()) -> tuple[str, str, list[str]]:
-    """(message, the field's path, the other problems, each as "'path': why") for pydantic's
-    `exc.errors()`; `tags` are the model class names that may appear as union-member tags in a path."""
+MAX_OTHER_PROBLEMS = 4  # named after the first in a 400; past that, counted
+
+
+def describe(errors: list[dict], tags: frozenset[str] = frozenset()) -> tuple[str, str]:
+    """(message, the field's path) for pydantic's `exc.errors()`: the first problem, then up to
+    MAX_OTHER_PROBLEMS others as "'path': why" (a client fixes them all in one round trip); `tags` are
+    the model class names that may appear as union-member tags in a path."""
+    msg, path, others = _first(errors, tags)
+    shown = others[:MAX_OTHER_PROBLEMS]
+    tail = f"; also {'; '.join(shown)}" if shown else ""
+    if len(others) > len(shown):
+        tail += f" (and {len(others) - len(shown)} more)"
+    return msg + tail, path
+
+
+def _first(errors: list[dict], tags: frozenset[str]) -> tuple[str, str, list[str]]:
 
     def is_tag(part) -> bool:
         return isinstance(part, str) and (part in _SIMPLE_TAGS or "[" in part or part in tags)

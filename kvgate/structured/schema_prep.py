@@ -1,0 +1,109 @@
+"""A request's JSON schema made ready for the grammar engine, and its refusals made to point somewhere.
+
+- `drop_unknown_formats`: a `format` the engine does not know is dropped, and the value stays a plain
+  string. In JSON Schema (2020-12) `format` is an annotation unless a validator opts into asserting
+  it, so this is what the schema means; pydantic writes `binary` for `bytes` and `password` for
+  `SecretStr`, and those requests were 400s. The formats the engine knows (`date-time`, `email`,
+  `uuid`, ...) stay enforced. Which it knows is asked of the engine, once per distinct value.
+- `keyword_paths`: where refused keywords sit (`properties.tags.uniqueItems`), for the 400.
+
+Both walk only the places that hold schemas: the names under `properties` or `$defs` are a schema's
+own names (a property may be called "format"), never keywords.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import llguidance
+
+# keywords whose value maps names to schemas, and those whose value is a schema or a list of them
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SUBSCHEMAS = (
+    "items",
+    "prefixItems",
+    "additionalProperties",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+
+
+@functools.cache
+def known_format(name: str) -> bool:
+    """Whether the grammar engine enforces strings of this `format`."""
+    schema = {"type": "string", "format": name}
+    return not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema))
+
+
+def _children(schema: dict, path: str):
+    """(sub-schema, its path) for every schema directly inside `schema`."""
+    for key in NAMED_SCHEMAS:
+        named = schema.get(key)
+        if isinstance(named, dict):
+            for name, sub in named.items():
+                yield sub, f"{path}{key}.{name}."
+    for key in SUBSCHEMAS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, s in enumerate(sub):
+                yield s, f"{path}{key}.{i}."
+        elif sub is not None:
+            yield sub, f"{path}{key}."
+
+
+def drop_unknown_formats(schema):
+    """A copy of `schema` without the `format`s the engine does not know (the rest untouched)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    fmt = out.get("format")
+    if isinstance(fmt, str) and not known_format(fmt):
+        del out["format"]
+    for key in NAMED_SCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: drop_unknown_formats(sub) for name, sub in out[key].items()}
+    for key in SUBSCHEMAS:
+        sub = out.get(key)
+        if isinstance(sub, list):
+            out[key] = [drop_unknown_formats(s) for s in sub]
+        elif isinstance(sub, dict):
+            out[key] = drop_unknown_formats(sub)
+    return out
+
+
+def keyword_paths(schema, keywords: set[str], path: str = "") -> list[str]:
+    """Dotted paths of the `keywords` used as keywords anywhere in `schema`."""
+    if not isinstance(schema, dict):
+        return []
+    found = [path + k for k in schema if k in keywords]
+    for sub, where in _children(schema, path):
+        found += keyword_paths(sub, keywords, where)
+    return found
+
+
+def unimplemented(message: str) -> set[str]:
+    """The keywords an engine message names as `Unimplemented keys: ["a", "b"]`, if any."""
+    marker = "Unimplemented keys:"
+    if marker not in message:
+        return set()
+    tail = message.split(marker, 1)[1].strip()
+    try:
+        keys, _ = json.JSONDecoder().raw_decode(tail)
+    except json.JSONDecodeError:
+        return set()
+    return {k for k in keys if isinstance(k, str)} if isinstance(keys, list) else set()
+
+
+def compiles(schema: dict) -> bool:
+    """Whether the engine takes `schema` alone (which of several tools a refusal is about)."""
+    return not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema))
