@@ -446,8 +446,8 @@ def test_a_format_the_engine_does_not_know_is_an_annotation_and_known_ones_hold(
     """In JSON Schema `format` is an annotation unless a validator asserts it; pydantic writes
     `binary` for bytes and `password` for SecretStr, and those schemas were 400s (QA pass 6). Unknown
     formats now leave a plain string; `email` is still enforced. A property named "format" is a name,
-    not a keyword. Seen red without `drop_unknown_formats` (400 "Unknown format: binary")."""
-    from kvgate.structured.schema_prep import drop_unknown_formats
+    not a keyword. Seen red without `engine_schema` (400 "Unknown format: binary")."""
+    from kvgate.structured.schema_prep import engine_schema
 
     schema = {
         "type": "object",
@@ -459,7 +459,7 @@ def test_a_format_the_engine_does_not_know_is_an_annotation_and_known_ones_hold(
         "required": ["blob", "mail", "format"],
         "additionalProperties": False,
     }
-    kept = drop_unknown_formats(schema)["properties"]
+    kept = engine_schema(schema)["properties"]
     assert "format" not in kept["blob"] and kept["mail"]["format"] == "email" and "format" in kept
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     body = {"messages": MSG, "response_format": rf, "max_tokens": 200, "temperature": 0, "seed": 3}
@@ -469,6 +469,21 @@ def test_a_format_the_engine_does_not_know_is_an_annotation_and_known_ones_hold(
     if choice["finish_reason"] == "stop":
         got = json.loads(choice["message"]["content"])
         assert "@" in got["mail"]  # the tiny model writes noise, but the email format held
+
+
+def test_descriptions_do_not_count_against_the_grammars_bound(base):
+    """QA pass 6: the 32 KiB bound on a grammar's text counted the schema's descriptions and examples,
+    so a simple schema with verbose docs (10 string properties, 56 KB of JSON) was a 400 blaming "the
+    grammar". Annotations never change what is generated and stay out of the grammar's copy (the
+    tools' descriptions still reach the prompt). Seen red without ANNOTATIONS dropped."""
+    props = {
+        f"p{i}": {"type": "string", "description": "word " * 1000, "examples": ["e" * 50]} for i in range(10)
+    }
+    schema = {"type": "object", "description": "x" * 5000, "properties": props, "required": ["p0"]}
+    assert len(json.dumps(schema)) > 40_000
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    r = httpx.post(base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 5}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 # ---- the real model ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from kvgate.server import protocol as P
 from kvgate.server import tools as T
 from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.structured.compiler import Grammar, GrammarError, compiler_for
-from kvgate.structured.schema_prep import compiles, drop_unknown_formats, keyword_paths, unimplemented
+from kvgate.structured.schema_prep import compiles, engine_schema, keyword_paths, unimplemented
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
 
@@ -110,7 +110,7 @@ def _answer_rule(rf: P.ResponseFormat | None) -> str | None:
             raise invalid(
                 "response_format of type 'json_schema' needs json_schema.schema", param="response_format"
             )
-        schema = drop_unknown_formats(dict(rf.json_schema.schema_))
+        schema = engine_schema(dict(rf.json_schema.schema_))
     schema["x-guidance"] = T.JSON_STYLE
     return "%json " + json.dumps(schema, ensure_ascii=False)
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from kvgate.server import protocol as P
 from kvgate.server.errors import invalid
-from kvgate.structured.schema_prep import drop_unknown_formats
+from kvgate.structured.schema_prep import engine_schema
 
 OPEN = "<tool_call>\n"
 END = "</tool_call>"
@@ -145,7 +145,7 @@ def _native_turn(m: dict) -> dict:
 def args_schema(f: P.FunctionDef) -> dict:
     # no parameters: the function takes none (an empty object, not any object)
     schema = (
-        drop_unknown_formats(dict(f.parameters))
+        engine_schema(dict(f.parameters))
         if f.parameters
         else {"type": "object", "properties": {}, "additionalProperties": False}
     )

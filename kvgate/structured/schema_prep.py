@@ -1,10 +1,12 @@
 """A request's JSON schema made ready for the grammar engine, and its refusals made to point somewhere.
 
-- `drop_unknown_formats`: a `format` the engine does not know is dropped, and the value stays a plain
+- `engine_schema`: a `format` the engine does not know is dropped, and the value stays a plain
   string. In JSON Schema (2020-12) `format` is an annotation unless a validator opts into asserting
   it, so this is what the schema means; pydantic writes `binary` for `bytes` and `password` for
   `SecretStr`, and those requests were 400s. The formats the engine knows (`date-time`, `email`,
   `uuid`, ...) stay enforced. Which it knows is asked of the engine, once per distinct value.
+- The annotations that never change what is generated (`description`, `title`, `examples`, ...) are
+  left out of the grammar's copy: they counted against its 32 KiB bound.
 - `keyword_paths`: where refused keywords sit (`properties.tags.uniqueItems`), for the 400.
 
 Both walk only the places that hold schemas: the names under `properties` or `$defs` are a schema's
@@ -38,6 +40,9 @@ SUBSCHEMAS = (
 )
 
 
+ANNOTATIONS = ("description", "title", "examples", "$comment", "deprecated", "readOnly", "writeOnly")
+
+
 @functools.cache
 def known_format(name: str) -> bool:
     """Whether the grammar engine enforces strings of this `format`."""
@@ -61,23 +66,25 @@ def _children(schema: dict, path: str):
             yield sub, f"{path}{key}."
 
 
-def drop_unknown_formats(schema):
-    """A copy of `schema` without the `format`s the engine does not know (the rest untouched)."""
+def engine_schema(schema):
+    """A copy of `schema` for the engine: without the `format`s it does not know, nor the annotations
+    that never change what is generated (`ANNOTATIONS`: a grammar's text holds its schema, and the
+    32 KiB bound on it counted descriptions, so verbose simple schemas were refused)."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
+    out = {k: v for k, v in schema.items() if k not in ANNOTATIONS}
     fmt = out.get("format")
     if isinstance(fmt, str) and not known_format(fmt):
         del out["format"]
     for key in NAMED_SCHEMAS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: drop_unknown_formats(sub) for name, sub in out[key].items()}
+            out[key] = {name: engine_schema(sub) for name, sub in out[key].items()}
     for key in SUBSCHEMAS:
         sub = out.get(key)
         if isinstance(sub, list):
-            out[key] = [drop_unknown_formats(s) for s in sub]
+            out[key] = [engine_schema(s) for s in sub]
         elif isinstance(sub, dict):
-            out[key] = drop_unknown_formats(sub)
+            out[key] = engine_schema(sub)
     return out
 
 
