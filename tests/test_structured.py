@@ -277,6 +277,18 @@ def test_a_schema_the_engine_cannot_compile_is_a_400_naming_the_construct(tiny_b
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
+def test_the_engines_refusal_is_quoted_whole_on_one_line(tiny_base):
+    """QA pass 6: a bad pattern's 400 ended at "regex parse error:" (the detail was on llguidance's
+    next lines), and int64 bounds came back as Rust's `min=Some(...)` with no way out. Seen red with
+    the old first-line `_reason`."""
+    bad = {"type": "string", "pattern": "(["}
+    err = httpx.post(tiny_base + CHAT, json={"messages": MSG, "response_format": fmt(bad)}).json()["error"]
+    assert "unclosed character class" in err["message"] and "\n" not in err["message"]
+    wide = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
+    err = httpx.post(tiny_base + CHAT, json={"messages": MSG, "response_format": fmt(wide)}).json()["error"]
+    assert "Some(" not in err["message"] and "narrow minimum/maximum" in err["message"]
+
+
 def test_a_schema_is_compiled_once_then_served_from_the_cache(tiny_engine, tiny_base):
     """Seen red with the cache lookup removed from GrammarCompiler._template (compiles went up by 2)."""
     comp = compiler_for(tiny_engine.tokenizer, tiny_engine.spec.vocab_size, tiny_engine.plan.limits.max_seqs)

@@ -26,6 +26,7 @@ import), and names the JSON-schema keywords it does not implement, which is what
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import llguidance
 
+MAX_REASON = 400  # characters of the engine's error quoted in a 400
 MAX_GRAMMAR_CHARS = 32 << 10  # a schema or tool list beyond this is refused (it bounds a grammar's size)
 LEXER_STATES = 1024  # llguidance's lexer DFA states per grammar (built lazily while generating)
 # One compiled grammar at most: LEXER_STATES x 2 KiB (measured per state) + the compiled grammar,
@@ -108,10 +110,18 @@ class GrammarCompiler:
 
 
 def _reason(error: str) -> str:
-    """llguidance's error, first line, without its position marker."""
-    line = error.strip().splitlines()[0] if error.strip() else "the grammar engine refused it"
+    """llguidance's error on one line: its lines joined, the caret lines that mark a position
+    dropped (a regex error's detail is on the lines after "regex parse error:"), Rust's `Some(x)`
+    written as x, and the way out for integer bounds it cannot turn into a grammar."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip().strip("^")]
+    line = " ".join(lines) if lines else "the grammar engine refused it"
     if "failed to compile JSON schema:" in line:
         line = line.split("failed to compile JSON schema:", 1)[1].strip()
+    line = re.sub(r"Some\(([^()]*)\)", r"\1", line)[:MAX_REASON]
+    if "regex for integer range" in line or "regex for float range" in line:
+        line += (
+            " (bounds near or past 2^63 or 1e308 cannot be enforced: narrow minimum/maximum, or drop them)"
+        )
     return line
 
 
