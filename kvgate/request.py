@@ -67,6 +67,8 @@ class GenerationRequest:
     # row's first draft source (kvgate.core.predicted); it changes how fast, never what, is generated
     prediction_ids: list[int] | None = None
     skip_special_tokens: bool = True  # false: special tokens the model writes stay in the text
+    # (opening, closing) of output regions the stop strings do not apply in: tool calls (kvgate.stop)
+    stop_exempt: tuple[str, str] | None = None
 
     def validate(self, vocab_size: int) -> GenerationRequest:
         """Raise `RequestError` / `SamplingError` (both ValueErrors naming the field) or return self."""

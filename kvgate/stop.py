@@ -10,10 +10,20 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stop_ids: frozenset[int] | set[int], stop_strings: list[str]):
+    def __init__(
+        self,
+        stop_ids: frozenset[int] | set[int],
+        stop_strings: list[str],
+        exempt: tuple[str, str] | None = None,
+    ):
+        """`exempt`: (opening, closing) of regions where stop strings do not apply: a tool call's
+        `<tool_call>` ... `</tool_call>`, whose arguments a grammar writes (a stop string there cut
+        a call's JSON in two, and agents ran the broken call: QA pass 6)."""
         self.stop_ids = frozenset(stop_ids)
         self.stops = [s for s in stop_strings if s]
         self.held = ""
+        self.exempt = exempt
+        self.inside = False
 
     def is_stop_token(self, token_id: int) -> bool:
         return token_id in self.stop_ids
@@ -22,6 +32,8 @@ class StopMatcher:
         """Feed new text; return (text safe to emit now, whether a stop string completed)."""
         if not self.stops:
             return text, False
+        if self.exempt is not None:
+            return self._push_regions(text)
         pending = self.held + text
         cut = min((i for i in (pending.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
@@ -43,3 +55,40 @@ class StopMatcher:
                     best = n
                     break
         return best
+
+    def _push_regions(self, text: str) -> tuple[str, bool]:
+        """`push` with the exempt regions: a stop string counts where it starts outside them."""
+        opening, closing = self.exempt
+        pending, self.held, out = self.held + text, "", []
+        while pending:
+            if self.inside:
+                end = pending.find(closing)
+                if end < 0:  # all of it is the region's, but a closing's start that may go on
+                    keep = _partial(pending, closing)
+                    out.append(pending[: len(pending) - keep])
+                    self.held = pending[len(pending) - keep :]
+                    break
+                out.append(pending[: end + len(closing)])
+                pending, self.inside = pending[end + len(closing) :], False
+                continue
+            at = pending.find(opening)
+            hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0 and (at < 0 or i < at)]
+            if hits:
+                out.append(pending[: min(hits)])
+                return "".join(out), True
+            if at < 0:
+                keep = max(self._longest_partial(pending), _partial(pending, opening))
+                out.append(pending[: len(pending) - keep])
+                self.held = pending[len(pending) - keep :]
+                break
+            out.append(pending[: at + len(opening)])
+            pending, self.inside = pending[at + len(opening) :], True
+        return "".join(out), False
+
+
+def _partial(text: str, word: str) -> int:
+    """The longest end of `text` that is a proper prefix of `word`."""
+    for n in range(min(len(word) - 1, len(text)), 0, -1):
+        if text.endswith(word[:n]):
+            return n
+    return 0

@@ -486,6 +486,19 @@ def test_descriptions_do_not_count_against_the_grammars_bound(base):
     assert r.status_code == 200, r.text
 
 
+def test_a_stop_string_does_not_cut_a_call(base):
+    """QA pass 6's F10: `stop: ["}"]` (or a quote, or a word of the arguments) cut a call's JSON in
+    two and finished with `stop`; every agent framework ran the call and failed on its arguments.
+    Stop strings now apply outside the calls only (OpenAI does not stop inside a call's arguments).
+    Seen red without `stop_exempt` (finish_reason stop, arguments that do not parse)."""
+    for stop in (["}"], ['"'], ["city"]):
+        body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+        body.update(stop=stop, max_tokens=200, temperature=0)
+        choice = httpx.post(base + CHAT, json=body, timeout=60).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", (stop, choice)
+        check_calls(choice["message"]["tool_calls"])
+
+
 # ---- the real model ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_base():

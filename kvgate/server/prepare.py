@@ -22,7 +22,7 @@ from kvgate.server.chat_template import template_options
 from kvgate.server.context import ServerSettings, check_model
 from kvgate.server.errors import invalid
 from kvgate.server.features import Features, features_of, render_chat
-from kvgate.server.tools import plan_tools
+from kvgate.server.tools import CALL_REGION, plan_tools
 from kvgate.tokenizer import ChatTemplateError
 
 
@@ -112,6 +112,7 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
             prompt_logprobs=feats.logprobs if feats.scores_prompt else None,
             prediction_ids=predicted,
             skip_special_tokens=req.skip_special_tokens,
+            stop_exempt=CALL_REGION if feats.tools is not None else None,
         )
         for ids in prompts
     ]

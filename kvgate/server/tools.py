@@ -46,6 +46,7 @@ END = "</tool_call>"
 CLOSE = "}\n" + END
 SEP = "\n"
 ARGS_AT = ', "arguments": '
+CALL_REGION = (OPEN.rstrip(), END)  # where the request's stop strings do not apply (kvgate.stop)
 TAIL_CHARS = 16  # a remark after the calls: the model may start one, and the output ends within it
 
 PREAMBLE = (
