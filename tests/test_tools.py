@@ -418,6 +418,16 @@ def test_bad_tool_requests_are_400s_naming_the_field(base):
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
             "tools.0.function.parameters",
         ),
+        # QA pass 6's F12: arguments that are not an object crashed every client's fn(**args)
+        (
+            {
+                "tools": [
+                    TOOLS[0],
+                    {"type": "function", "function": {"name": "g", "parameters": {"type": "array"}}},
+                ]
+            },
+            "tools.1.function.parameters",
+        ),
         ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools.0.type"),
     ]
     for extra, param in bad:

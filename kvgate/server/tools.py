@@ -76,6 +76,15 @@ def plan_tools(req: P.ChatCompletionRequest) -> ToolPlan | None:
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):
         raise invalid("two tools have the same function name", param="tools")
+    for i, t in enumerate(req.tools):
+        kind = (t.function.parameters or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise invalid(
+                f"tool {t.function.name!r}'s parameters are a JSON schema of type {json.dumps(kind)}; a "
+                'call\'s arguments are one JSON object, so parameters must be {"type": "object", ...} '
+                "(as OpenAI requires): wrap the value in a property",
+                param=f"tools.{i}.function.parameters",
+            )
     if choice == "none":
         return None
     if isinstance(choice, P.NamedToolChoice):
