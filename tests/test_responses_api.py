@@ -228,6 +228,20 @@ def test_responses_traffic_has_its_own_endpoint_label(base):
     assert r.json()["id"] not in text
 
 
+def test_a_refusal_names_the_responses_fields_in_its_message_too(base):
+    """QA pass 6's F9: the param was the Responses field, but the message named chat's
+    ("max_completion_tokens=0 must be ...", "'logprobs' is not supported ... with tools"). Seen red
+    without `responses_message`."""
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 0}
+    err = httpx.post(base + "/v1/responses", json=body).json()["error"]
+    assert err["param"] == "max_output_tokens" and "max_output_tokens" in err["message"]
+    assert "max_completion_tokens" not in err["message"]
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    body = {"model": "tiny", "input": "hi", "tools": [tool], "include": ["message.output_text.logprobs"]}
+    err = httpx.post(base + "/v1/responses", json=body).json()["error"]
+    assert err["param"] == "include" and "'include'" in err["message"], err
+
+
 # ---- real clients on the real model --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_base():

@@ -20,6 +20,7 @@ file search, ...), non-text input parts, and reasoning items (this model does no
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvgate.server import protocol as P
@@ -163,5 +164,24 @@ def responses_param(param: str | None, origin: list[str]) -> str | None:
         if index.isdigit() and int(index) < len(origin):
             return origin[int(index)] + (f".{tail}" if tail and origin[int(index)] != "instructions" else "")
         return "input"
-    renamed = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+    renamed = {
+        "max_completion_tokens": "max_output_tokens",
+        "response_format": "text.format",
+        "logprobs": "include",
+    }
     return renamed.get(head, head) + (f".{rest}" if rest and head != "response_format" else "")
+
+
+_CHAT_NAMES = [
+    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bresponse_format\b"), "text.format"),
+    (re.compile(r"'logprobs'"), "'include' (message.output_text.logprobs)"),
+]
+
+
+def responses_message(message: str) -> str:
+    """A chat error's message in the Responses body's names (QA pass 6: "max_completion_tokens=0 must
+    be ..." answered a request that sent max_output_tokens)."""
+    for pattern, name in _CHAT_NAMES:
+        message = pattern.sub(name, message)
+    return message

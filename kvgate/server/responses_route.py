@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvgate.server import protocol as P
 from kvgate.server.bodies import parse_json, read_body
 from kvgate.server.errors import APIError, invalid
-from kvgate.server.responses_input import responses_param, to_chat
+from kvgate.server.responses_input import responses_message, responses_param, to_chat
 from kvgate.server.responses_output import ResponseEvents, new_id, response_body, skeleton
 from kvgate.server.responses_store import ResponseStore, page, shown
 from kvgate.server.serving import generate
@@ -50,7 +50,7 @@ async def responses(request: Request) -> Response:
     try:
         answer = await generate(request, P.ChatCompletionRequest, raw=json.dumps(chat).encode())
     except APIError as e:
-        e.param = responses_param(e.param, origin)
+        e.param, e.message = responses_param(e.param, origin), responses_message(e.message)
         raise
     headers = {k: v for k, v in answer.headers.items() if k.lower() in _KEPT_HEADERS}
     if answer.status_code != 200:  # an error body (or 499, no body): its param in Responses names
@@ -59,6 +59,8 @@ async def responses(request: Request) -> Response:
         err = json.loads(answer.body)
         if "param" in err.get("error", {}):
             err["error"]["param"] = responses_param(err["error"]["param"], origin)
+        if isinstance(err.get("error", {}).get("message"), str):
+            err["error"]["message"] = responses_message(err["error"]["message"])
         return JSONResponse(err, status_code=answer.status_code, headers=headers)
     keep = store.on and body.get("store") is not False
     skel = skeleton(body, new_id("resp_"), int(time.time()), settings.model_name)
