@@ -243,6 +243,11 @@ def test_tool_turns_render_with_the_generic_preamble_for_a_template_without_tool
     native, tools = T.render(P.chat_messages(req), T.plan_tools(req), native=True)
     assert tools[0]["function"]["name"] == "get_weather" and native[3]["role"] == "tool"
     assert native[2]["tool_calls"][0]["function"]["arguments"] == {}
+    # a call kvgate returned cut before its arguments (`length`) replays as {} (QA pass 6: the model was
+    # shown `"arguments": }`); red with the arguments pasted as they are
+    req.messages[2].tool_calls[0].function.arguments = ""
+    msgs, _ = T.render(P.chat_messages(req), T.plan_tools(req), native=False)
+    assert msgs[2]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 
 
 # ---- over HTTP, tiny model -----------------------------------------------------------------------

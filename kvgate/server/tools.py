@@ -117,7 +117,11 @@ def render(messages: list[dict], plan: ToolPlan | None, native: bool) -> tuple[l
             else:
                 out.append({"role": "user", "content": block, "_tool_answers": True})
         elif m.get("tool_calls"):
-            blocks = [_block(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            # a call cut before its arguments (kvgate's own `length` answer) replays as `{}`: the model is
+            # never shown `"arguments": }` as an example of its format
+            blocks = [
+                _block(c["function"]["name"], c["function"]["arguments"] or "{}") for c in m["tool_calls"]
+            ]
             text = SEP.join(blocks)
             out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + text})
         else:
