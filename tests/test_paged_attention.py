@@ -255,3 +255,18 @@ def test_the_startup_race_counts_only_this_threads_cpu_time():
     asleep, computing = race(time.sleep, (0.02,), busy, (), 3)
     assert asleep < computing
     assert torch.get_num_threads() == threads
+
+
+def test_the_forecasts_cost_per_position_is_wall_time_not_the_races_cpu_time(monkeypatch):
+    """The race that picks the path counts one thread's CPU time; the TTFT forecast's growth per
+    context position must be a step's wall time on the engine's threads (a review of session 33: on a
+    many-core host the one-thread figure overstates it up to the thread count, and --max-ttft would
+    refuse early). Seen red with position_seconds reading the race's one-row entry."""
+    from kvgate.models import paged_attention as PA
+
+    fake = {1: (1.0, 2.0), 16: (1.0, 2.0), "wall": (0.3, 0.6)}
+    monkeypatch.setattr(PA, "probe", lambda *a, **k: fake)
+    monkeypatch.setattr(PA, "kernel", lambda: object())
+    args = ("cpu", torch.float32, 9, 3, 64, 16, torch.float16)
+    assert PA.position_seconds(*args, True) == 0.3 / PA.PROBE_CONTEXT
+    assert PA.position_seconds(*args, False) == 0.6 / PA.PROBE_CONTEXT

@@ -118,6 +118,9 @@ def test_a_400_names_every_problem_not_just_the_first():
     Seen red with the old tail: the second field's name was not in the message."""
     err = refused(CHAT, {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": 1}]}], "n": "2"})
     assert "; also " in err["message"] and "'n'" in err["message"]
+    # one entry per field: a union field (stop) fails once per member (red without the grouping)
+    err = refused(CHAT, {"messages": MSG, "max_tokens": "x", "stop": 7})
+    assert err["message"].count("'stop'") == 1, err["message"]
 
 
 @pytest.mark.parametrize(

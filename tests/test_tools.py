@@ -125,6 +125,25 @@ def test_the_grammar_commits_to_a_call_only_on_the_whole_opening(engine):
     assert T.parse_output("<tool", cut=False) == ("<tool", []) and T.parse_output("<tool") == ("", [])
 
 
+def test_only_the_models_own_end_makes_a_held_opening_an_answer():
+    """A held-back proper prefix of `<tool_call>` is an answer only when the model ended the output
+    (its end token, or the grammar complete); a stop string, max_tokens or a shutdown may have cut a
+    call's opening, and the stream and the whole response must agree (review of session 33: a stop
+    string "tool" gave content "<"). Red with the cut judged from finish_reason == "length" alone."""
+    from types import SimpleNamespace as NS
+
+    assert T.model_ended(NS(finish_reason="stop", stop_reason="token:2"))
+    assert T.model_ended(NS(finish_reason="stop", stop_reason="grammar"))
+    for r in (
+        NS(finish_reason="stop", stop_reason="string"),
+        NS(finish_reason="cancelled", stop_reason=None),
+    ):
+        assert not T.model_ended(r)
+        choice = {"message": {"role": "assistant", "content": "<"}, "finish_reason": r.finish_reason}
+        T.read_calls(choice, T.model_ended(r))
+        assert choice["message"]["content"] == ""
+
+
 def cut_expectation(cut: int) -> list[tuple[str, str]]:
     """The calls an OUTPUT cut after `cut` characters must give: each call whose name is whole, with
     its argument text up to the cut (never past the end of the arguments)."""

@@ -18,6 +18,7 @@ from kvgate.core.speculate import MAX_SPECULATE
 from kvgate.memory.overhead import OVERHEAD_DRIFT, runtime_overhead_bytes
 from kvgate.memory.plan import MemoryPlan, make_plan
 from kvgate.models import LoadedModel, native
+from kvgate.models.lazy_weights import LazyWeights
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
 from kvgate.models.paged_attention import kernel as paged_attention_kernel
@@ -102,12 +103,16 @@ def resolve_packing(name: str, device: torch.device, dtype: torch.dtype) -> bool
 
 def checkpoint_params(loaded: LoadedModel) -> int:
     """Values in the loaded checkpoint: every tensor the model will be built from."""
-    return sum(t.numel() for t in loaded.weights.values())
+    w = loaded.weights
+    return w.numel() if isinstance(w, LazyWeights) else sum(t.numel() for t in w.values())
 
 
 def checkpoint_bytes(loaded: LoadedModel) -> int:
-    """Bytes of the loaded checkpoint tensors, as they sit in memory now."""
-    return sum(t.numel() * t.element_size() for t in loaded.weights.values())
+    """Bytes of the loaded checkpoint tensors, as they sit in memory now (none, read on demand)."""
+    w = loaded.weights
+    return (
+        w.held_bytes if isinstance(w, LazyWeights) else sum(t.numel() * t.element_size() for t in w.values())
+    )
 
 
 def resolve_weights(name: str, device: torch.device) -> tuple[str, torch.dtype | None]:

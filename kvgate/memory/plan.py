@@ -284,7 +284,7 @@ def make_plan(
             + (" (with the CUDA decode graphs; --cuda-graphs off drops them)" if cuda_graphs else "")
             + " + KV for one "
             f"{min_ctx}-token request {fmt_bytes(min_kv)} = {fmt_bytes(need)} > limit {fmt_bytes(limit)} "
-            f"({source}). Raise --memory-limit to at least {-(-(need + OVERHEAD_DRIFT) // (1 << 20))}MiB, pick a smaller "
+            f"({source}). Raise --memory-limit to at least {-(-(need + (OVERHEAD_DRIFT if device == 'cpu' else 0)) // (1 << 20))}MiB, pick a smaller "
             "--dtype, or lower --max-model-len"
             + (
                 " (or --pack-weights off, which drops the packed LM head copy)."

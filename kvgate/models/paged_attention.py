@@ -102,11 +102,21 @@ def probe(
         lens = torch.full((rows,), PROBE_CONTEXT, dtype=torch.long)
         mask = length_mask(lens, nblk * block_size)
         reps = 31 if rows == 1 else 11
+        a, b = (op, (q, k, v, tables, lens, head_dim**-0.5)), (gather_attention, (q, k, v, tables, mask))
         with torch.inference_mode():
-            out[rows] = race(
-                op, (q, k, v, tables, lens, head_dim**-0.5), gather_attention, (q, k, v, tables, mask), reps
-            )
+            out[rows] = race(*a, *b, reps)
+            if rows == 1:  # the forecast's cost per position: wall time on the engine's threads, as served
+                out["wall"] = tuple(_fastest_wall(*fn, reps) for fn in (a, b))
     return out
+
+
+def _fastest_wall(fn, args: tuple, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def choose(
@@ -158,11 +168,12 @@ def position_seconds(
     device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, kv_dtype, paged: bool
 ) -> float:
     """Seconds one decode row's attention adds to a layer's step per context position, from the probe's
-    one-row race (cached: no new timing) on the path that serves; the TTFT forecast and Retry-After
+    one-row wall time on the engine's threads (cached: no new timing; the race that picks the path
+    counts one thread's CPU time, which a forecast must not take for a step's) on the path that serves; the TTFT forecast and Retry-After
     use it for the steps growing as the rows' contexts grow. One row's cost per position is the largest
     (more rows share the threads better): a forecast that errs, errs late. 0 where nothing was probed
     (CUDA, or no kernel to race)."""
     if torch.device(device).type != "cpu" or kernel() is None:
         return 0.0
     t = probe(heads, kv_heads, head_dim, block_size, dtype, kv_dtype or dtype)
-    return t[1][0 if paged else 1] / PROBE_CONTEXT
+    return t["wall"][0 if paged else 1] / PROBE_CONTEXT

@@ -79,8 +79,13 @@ def _first(errors: list[dict], tags: frozenset[str]) -> tuple[str, str, list[str
 
 
 def _others(errors: list[dict], is_tag) -> list[str]:
-    """The other failures, one "'path': why" each, in pydantic's order, without repeats."""
-    return list(dict.fromkeys(_what(_path(e["loc"], is_tag), e) for e in errors))
+    """The other failures, one "'path': why" for each field, in pydantic's order: a union field fails
+    once per member, and "'stop': a valid string; 'stop': a valid list" would read as two demands."""
+    by_path: dict[str, str] = {}
+    for e in errors:
+        path = _path(e["loc"], is_tag)
+        by_path.setdefault(path, _what(path, e))
+    return list(by_path.values())
 
 
 def _what(path: str, e: dict) -> str:

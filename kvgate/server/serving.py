@@ -32,7 +32,7 @@ from kvgate.server.prepare import prepare_generation, submit_all
 from kvgate.server.responses import ChunkMaker, completion_body, usage
 from kvgate.server.sse import ENGINE_ERROR, observe_after_cancel, sse_stream
 from kvgate.server.stream_shape import StreamShaper
-from kvgate.server.tools import read_calls
+from kvgate.server.tools import model_ended, read_calls
 
 log = logging.getLogger("kvgate.server")
 
@@ -113,8 +113,8 @@ async def generate(request: Request, cls, raw: bytes | None = None) -> Response:
     body = completion_body(kind, rid, created, settings.model_name, results, prepared.n)
     body["usage"] = usage(every, prepared.candidates)  # every candidate generated counts
     if prepared.features.tools is not None:
-        for choice in body["choices"]:
-            read_calls(choice)
+        for choice, res in zip(body["choices"], results, strict=True):
+            read_calls(choice, model_ended(res))
     await asyncio.to_thread(decorate_body, body, prepared, eng.tokenizer, token_logprobs, scores)
     return JSONResponse(body, headers=headers)
 

@@ -80,7 +80,7 @@ class StreamShaper:
         reason = result.finish_reason
         if self.f is not None and self.f.tools is not None:
             parser = self._parser(i)
-            out += self._tool_events(i, parser.end(cut=reason == "length"))
+            out += self._tool_events(i, parser.end(cut=not T.model_ended(result)))
             reason = T.finish_reason(reason, parser.calls)
         return out + [self._dress(self.chunks.finish(i, reason))]
 

@@ -377,11 +377,19 @@ def parse_output(text: str, cut: bool = True) -> tuple[str | None, list[ParsedCa
     return (content if content or not p.calls else None), p.calls
 
 
-def read_calls(choice: dict) -> None:
+def model_ended(result) -> bool:
+    """Whether the model ended the output itself (its end token): only then is a held-back proper
+    prefix of `<tool_call>` an answer; a stop string, max_tokens or a shutdown may have cut a call's
+    opening (review of session 33: a stop string "tool" returned "<" as content)."""
+    why = result.stop_reason or ""
+    return result.finish_reason == "stop" and (why.startswith("token:") or why == "grammar")
+
+
+def read_calls(choice: dict, ended: bool = False) -> None:
     """Turn a finished chat choice's text into its message: content, or tool calls (the choice then
     finishes with `tool_calls` when every call is whole; cut short, it keeps `length` or `stop` with the
     calls so far, as a stream gives)."""
-    content, calls = parse_output(choice["message"]["content"], cut=choice["finish_reason"] == "length")
+    content, calls = parse_output(choice["message"]["content"], cut=not ended)
     choice["message"] = {"role": "assistant", "content": content}
     if calls:
         choice["message"]["tool_calls"] = call_dicts(calls)

@@ -25,6 +25,7 @@ NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dep
 SUBSCHEMAS = (
     "items",
     "prefixItems",
+    "additionalItems",
     "additionalProperties",
     "anyOf",
     "oneOf",
@@ -43,11 +44,24 @@ SUBSCHEMAS = (
 ANNOTATIONS = ("description", "title", "examples", "$comment", "deprecated", "readOnly", "writeOnly")
 
 
+# JSON Schema 2020-12's formats: the engine is asked once which of these it enforces; any other value
+# (a client's own, sent once per request) is never compiled nor remembered (a cache keyed on what
+# clients send would grow for the life of the process: review of session 33)
+STANDARD_FORMATS = (
+    "date-time date time duration email idn-email hostname idn-hostname ipv4 ipv6 uri uri-reference "
+    "iri iri-reference uuid uri-template json-pointer relative-json-pointer regex"
+).split()
+
+
 @functools.cache
+def enforced_formats() -> frozenset[str]:
+    """The standard formats the grammar engine enforces (asked of it once)."""
+    return frozenset(f for f in STANDARD_FORMATS if compiles({"type": "string", "format": f}))
+
+
 def known_format(name: str) -> bool:
     """Whether the grammar engine enforces strings of this `format`."""
-    schema = {"type": "string", "format": name}
-    return not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema))
+    return name in enforced_formats()
 
 
 def _children(schema: dict, path: str):
