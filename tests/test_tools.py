@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from kvgate.server import protocol as P
+from kvgate.server import tool_parser as TP
 from kvgate.server import tools as T
 from tests.server_util import running_server
 from tests.tiny_model import make_tiny_hf_dir
@@ -77,18 +78,18 @@ OUTPUT = (
 def test_the_parser_gives_the_same_calls_whatever_the_pieces():
     """Fed one character at a time, or in one piece, or split at every position: the same calls and
     arguments. Seen red when the held-back end marker (`}\\n</tool_call>`) was released as arguments."""
-    content, calls = T.parse_output(OUTPUT)
+    content, calls = TP.parse_output(OUTPUT)
     assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0].arguments) == {"city": "Paris", "unit": "celsius", "days": 2}
     for cut in range(len(OUTPUT)):
-        p = T.ToolCallParser()
+        p = TP.ToolCallParser()
         events = p.push(OUTPUT[:cut]) + p.push(OUTPUT[cut:]) + p.end()
         args = ["".join(e[2] for e in events if e[0] == "args" and e[1] == i) for i in range(2)]
         assert args == [c.arguments for c in calls], cut
-    p = T.ToolCallParser()
+    p = TP.ToolCallParser()
     events = [e for ch in OUTPUT for e in p.push(ch)] + p.end()
     assert [e[1].name for e in events if e[0] == "call"] == ["get_weather", "get_time"]
-    assert T.parse_output("Hello <b>there</b>") == ("Hello <b>there</b>", [])
+    assert TP.parse_output("Hello <b>there</b>") == ("Hello <b>there</b>", [])
 
 
 def test_the_grammar_commits_to_a_call_only_on_the_whole_opening(engine):
@@ -121,8 +122,8 @@ def test_the_grammar_commits_to_a_call_only_on_the_whole_opening(engine):
     assert whole(call + "\nThe", "required", parallel=False)
     assert not whole(call + "\n" + call, "required", parallel=False) and whole(call, "named", False)
     # the remark is dropped, and a proper prefix of the opening ended by the model is an answer
-    assert T.parse_output(call + "\n\nThe function", cut=False)[0] is None
-    assert T.parse_output("<tool", cut=False) == ("<tool", []) and T.parse_output("<tool") == ("", [])
+    assert TP.parse_output(call + "\n\nThe function", cut=False)[0] is None
+    assert TP.parse_output("<tool", cut=False) == ("<tool", []) and TP.parse_output("<tool") == ("", [])
 
 
 def test_only_the_models_own_end_makes_a_held_opening_an_answer():
@@ -132,15 +133,15 @@ def test_only_the_models_own_end_makes_a_held_opening_an_answer():
     string "tool" gave content "<"). Red with the cut judged from finish_reason == "length" alone."""
     from types import SimpleNamespace as NS
 
-    assert T.model_ended(NS(finish_reason="stop", stop_reason="token:2"))
-    assert T.model_ended(NS(finish_reason="stop", stop_reason="grammar"))
+    assert TP.model_ended(NS(finish_reason="stop", stop_reason="token:2"))
+    assert TP.model_ended(NS(finish_reason="stop", stop_reason="grammar"))
     for r in (
         NS(finish_reason="stop", stop_reason="string"),
         NS(finish_reason="cancelled", stop_reason=None),
     ):
-        assert not T.model_ended(r)
+        assert not TP.model_ended(r)
         choice = {"message": {"role": "assistant", "content": "<"}, "finish_reason": r.finish_reason}
-        T.read_calls(choice, T.model_ended(r))
+        TP.read_calls(choice, TP.model_ended(r))
         assert choice["message"]["content"] == ""
 
 
@@ -167,19 +168,19 @@ def test_an_output_cut_anywhere_gives_the_calls_so_far_and_never_markup():
     Seen red when end() released the held-back `}\n</tool` as arguments and the half head as
     content, and with the whole-response side keeping the raw text unless every call was done."""
     for cut in range(len(OUTPUT) + 1):
-        content, calls = T.parse_output(OUTPUT[:cut])
+        content, calls = TP.parse_output(OUTPUT[:cut])
         want = cut_expectation(cut)
         assert [(c.name, c.arguments) for c in calls] == want, cut
         assert content == ("" if not want else None), (cut, content)
         for split in range(cut + 1):
-            p = T.ToolCallParser()
+            p = TP.ToolCallParser()
             events = p.push(OUTPUT[:split]) + p.push(OUTPUT[split:cut]) + p.end()
             assert not [e for e in events if e[0] == "content"], (cut, split, events)
             named = [e[1].name for e in events if e[0] == "call"]
             args = ["".join(e[2] for e in events if e[0] == "args" and e[1] == i) for i in range(len(named))]
             assert list(zip(named, args, strict=True)) == want, (cut, split)
     choice = {"message": {"role": "assistant", "content": OUTPUT[:-20]}, "finish_reason": "length"}
-    T.read_calls(choice)
+    TP.read_calls(choice)
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     got = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
     assert got == cut_expectation(len(OUTPUT) - 20)
@@ -193,13 +194,13 @@ def test_arguments_that_hold_braces_and_the_end_marker_in_strings_are_read_exact
     args = '{"a": "x}\\n</tool_call>\\"}", "b": [1, {"c": {}}], "d": {"e": "]"}}'
     assert json.loads(args)["a"] == 'x}\n</tool_call>"}'
     text = T._block("f", args) + T.SEP + T._block("g", "{}")
-    content, calls = T.parse_output(text)
+    content, calls = TP.parse_output(text)
     assert content is None and [(c.name, c.arguments, c.done) for c in calls] == [
         ("f", args, True),
         ("g", "{}", True),
     ]
     for cut in range(len(text)):
-        for c in T.parse_output(text[:cut])[1]:
+        for c in TP.parse_output(text[:cut])[1]:
             assert args.startswith(c.arguments) or "{}".startswith(c.arguments), (cut, c)
 
 
@@ -208,21 +209,21 @@ def test_a_finished_choice_reads_its_calls_and_answers():
     cut before the name leaves an empty content, text stays text. Seen red with read_calls not
     called in serving (the e2e test below) and with its finish_reason rewrite removed."""
     done = {"message": {"role": "assistant", "content": OUTPUT}, "finish_reason": "stop"}
-    T.read_calls(done)
+    TP.read_calls(done)
     assert done["finish_reason"] == "tool_calls" and len(done["message"]["tool_calls"]) == 2
     early = {
         "message": {"role": "assistant", "content": '<tool_call>\n{"name": "get_w'},
         "finish_reason": "length",
     }
-    T.read_calls(early)
+    TP.read_calls(early)
     assert early == {"message": {"role": "assistant", "content": ""}, "finish_reason": "length"}
     # a stop string that ends the output inside the arguments: the call so far, and `stop` (not
     # `tool_calls`, which would promise whole arguments). Red with `all(c.done ...)` taken out.
     cut = {"message": {"role": "assistant", "content": OUTPUT[: OUTPUT.index("}")]}, "finish_reason": "stop"}
-    T.read_calls(cut)
+    TP.read_calls(cut)
     assert cut["finish_reason"] == "stop" and len(cut["message"]["tool_calls"]) == 1
     text = {"message": {"role": "assistant", "content": "Sunny."}, "finish_reason": "stop"}
-    T.read_calls(text)
+    TP.read_calls(text)
     assert text == {"message": {"role": "assistant", "content": "Sunny."}, "finish_reason": "stop"}
 
 

@@ -32,7 +32,7 @@ from kvgate.server.prepare import prepare_generation, submit_all
 from kvgate.server.responses import ChunkMaker, completion_body, usage
 from kvgate.server.sse import ENGINE_ERROR, observe_after_cancel, sse_stream
 from kvgate.server.stream_shape import StreamShaper
-from kvgate.server.tools import model_ended, read_calls
+from kvgate.server.tool_parser import model_ended, read_calls
 
 log = logging.getLogger("kvgate.server")
 

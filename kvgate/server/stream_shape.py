@@ -23,7 +23,7 @@ import string
 
 from kvgate.request import Result, Token
 from kvgate.server import logprobs as L
-from kvgate.server import tools as T
+from kvgate.server import tool_parser as TP
 from kvgate.server.responses import ChunkMaker, finish_reason
 
 OBFUSCATION_BLOCK = 64  # bytes: a chunk's JSON is padded to a multiple of this
@@ -41,7 +41,7 @@ class StreamShaper:
         self.continuous = bool(opts and opts.continuous_usage_stats)
         self.obfuscate = bool(opts and opts.include_obfuscation)
         self.generated = 0
-        self.parsers: dict[int, T.ToolCallParser] = {}
+        self.parsers: dict[int, TP.ToolCallParser] = {}
         self.offsets: dict[int, int] = {}  # characters sent so far per choice (completion text_offset)
 
     # ---- events -> chunks -----------------------------------------------------------------------
@@ -80,13 +80,13 @@ class StreamShaper:
         reason = result.finish_reason
         if self.f is not None and self.f.tools is not None:
             parser = self._parser(i)
-            out += self._tool_events(i, parser.end(cut=not T.model_ended(result)))
-            reason = T.finish_reason(reason, parser.calls)
+            out += self._tool_events(i, parser.end(cut=not TP.model_ended(result)))
+            reason = TP.finish_reason(reason, parser.calls)
         return out + [self._dress(self.chunks.finish(i, reason))]
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _parser(self, i: int) -> T.ToolCallParser:
-        return self.parsers.setdefault(i, T.ToolCallParser())
+    def _parser(self, i: int) -> TP.ToolCallParser:
+        return self.parsers.setdefault(i, TP.ToolCallParser())
 
     def _tool_events(self, i: int, events) -> list[dict]:
         out = []

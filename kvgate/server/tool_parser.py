@@ -1,0 +1,214 @@
+"""Reading tool calls back out of generated text (the format and grammar are `kvgate.server.tools`').
+
+`ToolCallParser` reads the output incrementally, the same code for streams and whole responses (the
+tools module's doc says what it releases and when); `read_calls` turns a finished choice's text into
+its message, and `finish_reason` gives the reason the stream and the whole answer share.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from kvgate.server.tools import ARGS_AT, END, OPEN, SEP
+
+
+@dataclass
+class ParsedCall:
+    index: int
+    id: str
+    name: str
+    arguments: str = ""
+    done: bool = False
+
+
+@dataclass
+class _ArgsScan:
+    """Where a call's arguments (one JSON value) end: at the `}` (or whitespace) that comes at depth 0
+    outside a string. No `}` of the arguments is ever taken for the wrapper's, nor the other way."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    started: bool = False
+    ended: bool = False
+
+    def length(self, text: str) -> int:
+        """How much of `text` is still arguments; `ended` once their end is in it."""
+        for n, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    self.ended = self.depth == 0
+            elif self.depth == 0 and (ch in "}]" or ch.isspace() and self.started):
+                self.ended = True  # the wrapper's `}`, or a space after a top-level number or literal
+                return n
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.ended = self.depth == 0
+            elif ch == '"':
+                self.in_string = True
+            elif not ch.isspace():
+                self.started = True
+            if self.ended:
+                return n + 1
+        return len(text)
+
+
+@dataclass
+class ToolCallParser:
+    """Incremental reader of generated text: `push(text)` -> events, `end()` -> the last events.
+
+    Events: ("content", text), ("call", ParsedCall) when a call's name is known, ("args", index, text).
+    Arguments are released as they come, exactly their JSON text: the wrapper's end (`}`, a newline,
+    `</tool_call>`) never is. Output cut short (max_tokens) in a call gives that call with the
+    arguments so far, `done` False, once its name is whole, and nothing before: no markup ever
+    comes out as content.
+    """
+
+    buf: str = ""
+    state: str = "start"  # start | content | head | args | close | between | tail
+    calls: list[ParsedCall] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    scan: _ArgsScan = field(default_factory=_ArgsScan)
+
+    def push(self, text: str) -> list[tuple]:
+        self.buf += text
+        events: list[tuple] = []
+        while self.buf:
+            before = (self.state, len(self.buf))
+            getattr(self, "_" + self.state)(events)
+            if (self.state, len(self.buf)) == before:
+                break  # waiting for more text
+        return events
+
+    def end(self, cut: bool = True) -> list[tuple]:
+        """The output ended (`cut`: by max_tokens, maybe inside a call): a call whose name is whole but
+        whose arguments never began comes out with empty arguments. Held-back text that could still
+        have become a call's opening (`<tool`) is an answer when the model ended it (an answer may be
+        a proper prefix of `<tool_call>`: see `grammar`) and is dropped when the output was cut; any
+        other held-back text is a call's markup and is dropped."""
+        events: list[tuple] = []
+        if self.state == "head":
+            name = self._name(self.buf)
+            if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
+                self._open_call(events, name[0])
+        elif self.state == "start" and self.buf and not cut:
+            self.state = "content"
+            self._content(events)
+        self.buf = ""
+        return events
+
+    def _start(self, events) -> None:
+        if self.buf.startswith(OPEN):
+            self.buf = self.buf[len(OPEN) :]
+            self.state = "head"
+        elif not OPEN.startswith(self.buf):
+            self.state = "content"  # else: could still become a call
+
+    def _content(self, events) -> None:
+        self.content.append(self.buf)
+        events.append(("content", self.buf))
+        self.buf = ""
+
+    def _head(self, events) -> None:
+        name = self._name(self.buf)
+        if name is not None and self.buf.startswith(ARGS_AT, name[1]):
+            self._open_call(events, name[0])
+            self.buf = self.buf[name[1] + len(ARGS_AT) :]
+            self.state = "args"
+
+    @staticmethod
+    def _name(text: str) -> tuple[str, int] | None:
+        """The call's name and where it ends, once it is whole."""
+        prefix = '{"name": '
+        if not text.startswith(prefix):
+            return None
+        try:
+            return json.JSONDecoder().raw_decode(text, len(prefix))
+        except json.JSONDecodeError:
+            return None
+
+    def _open_call(self, events, name: str) -> None:
+        call = ParsedCall(len(self.calls), "call_" + uuid.uuid4().hex[:24], name)
+        self.calls.append(call)
+        self.scan = _ArgsScan()
+        events.append(("call", call))
+
+    def _args(self, events) -> None:
+        n = self.scan.length(self.buf)
+        if n:
+            self.calls[-1].arguments += self.buf[:n]
+            events.append(("args", self.calls[-1].index, self.buf[:n]))
+            self.buf = self.buf[n:]
+        if self.scan.ended:
+            self.state = "close"
+
+    def _close(self, events) -> None:
+        rest = self.buf.lstrip()
+        tail = rest[1:].lstrip() if rest.startswith("}") else None
+        if tail is not None and tail.startswith(END):
+            self.calls[-1].done = True
+            self.buf = tail[len(END) :]
+            self.state = "between"
+        elif rest and (tail is None or not END.startswith(tail)):
+            self.state = "content"  # not the wrapper's end: kept as content (the grammar never does this)
+
+    def _between(self, events) -> None:
+        rest = self.buf.lstrip(SEP)
+        if rest != self.buf and rest.startswith(OPEN):  # newlines, then the next call
+            self.buf = rest[len(OPEN) :]
+            self.state = "head"
+        elif self.buf and (rest == self.buf or not OPEN.startswith(rest)):
+            self.state = "tail"  # not a call: the remark that ends the output (`grammar`)
+
+    def _tail(self, events) -> None:
+        self.buf = ""  # dropped: the calls are the answer
+
+
+def parse_output(text: str, cut: bool = True) -> tuple[str | None, list[ParsedCall]]:
+    """A whole output: (content or None, the calls); `cut`: see `ToolCallParser.end`."""
+    p = ToolCallParser()
+    p.push(text)
+    p.end(cut)
+    content = "".join(p.content)
+    return (content if content or not p.calls else None), p.calls
+
+
+def model_ended(result) -> bool:
+    """Whether the model ended the output itself (its end token): only then is a held-back proper
+    prefix of `<tool_call>` an answer; a stop string, max_tokens or a shutdown may have cut a call's
+    opening (review of session 33: a stop string "tool" returned "<" as content)."""
+    why = result.stop_reason or ""
+    return result.finish_reason == "stop" and (why.startswith("token:") or why == "grammar")
+
+
+def read_calls(choice: dict, ended: bool = False) -> None:
+    """Turn a finished chat choice's text into its message: content, or tool calls (the choice then
+    finishes with `tool_calls` when every call is whole; cut short, it keeps `length` or `stop` with the
+    calls so far, as a stream gives)."""
+    content, calls = parse_output(choice["message"]["content"], cut=not ended)
+    choice["message"] = {"role": "assistant", "content": content}
+    if calls:
+        choice["message"]["tool_calls"] = call_dicts(calls)
+    choice["finish_reason"] = finish_reason(choice["finish_reason"], calls)
+
+
+def finish_reason(reason: str, calls: list[ParsedCall]) -> str:
+    """A choice that stopped after whole calls finishes with `tool_calls`; one cut short (max_tokens,
+    or a stop string inside a call) keeps its own reason. The stream and the whole answer share it."""
+    return "tool_calls" if calls and reason == "stop" and all(c.done for c in calls) else reason
+
+
+def call_dicts(calls: list[ParsedCall]) -> list[dict]:
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]
