@@ -158,9 +158,7 @@ def _field(reader, key: str, default=None):
 
 
 def _convert(path: Path, out: Path) -> None:
-    import torch
     from gguf.quants import dequantize
-    from safetensors.torch import save_file
 
     reader = _open_reader(path)
     arch = _field(reader, "general.architecture")
@@ -181,51 +179,92 @@ def _convert(path: Path, out: Path) -> None:
     if window and int(window) < cfg["max_position_embeddings"]:
         cfg["sliding_window"] = int(window)
     tensors = {t.name: t for t in reader.tensors}
-    weights: dict[str, torch.Tensor] = {}
-    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    t0 = time.monotonic()
-    with _Progress(path.name, [t.n_bytes for t in tensors.values()]) as progress:
-        for name, t in tensors.items():
-            qtype = t.tensor_type.name
-            if qtype not in SUPPORTED_QUANTS:
-                raise ModelLoadError(
-                    f"{path.name}: tensor {name} uses quantization type {qtype}, which kvgate cannot "
-                    f"dequantize. Supported: {', '.join(SUPPORTED_QUANTS)}. Re-quantize the model to one of "
-                    "these (for example Q8_0 or Q4_K_M) or use the original safetensors directory."
-                )
-            hf_name = _hf_name(name)
-            if hf_name is None:
-                progress.step(t.n_bytes)
-                continue
-            try:
-                arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-            except Exception as exc:
-                raise ModelLoadError(
-                    f"{path.name}: tensor {name} ({qtype}) could not be decoded ({exc}); the file is "
-                    "probably truncated or corrupt. Download it again."
-                ) from exc
-            if arch in PERMUTED_QK_ARCHS and name.endswith(("attn_q.weight", "attn_q.bias")):
-                arr = _unpermute(arr, n_heads)
-            elif arch in PERMUTED_QK_ARCHS and name.endswith(("attn_k.weight", "attn_k.bias")):
-                arr = _unpermute(arr, n_kv)
-            weights[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
-            progress.step(t.n_bytes)
-    if "model.embed_tokens.weight" not in weights:
+    layout = []  # (GGUF name, HF name, row-major shape): the file's header is written before any data
+    for name, t in tensors.items():
+        qtype = t.tensor_type.name
+        if qtype not in SUPPORTED_QUANTS:
+            raise ModelLoadError(
+                f"{path.name}: tensor {name} uses quantization type {qtype}, which kvgate cannot "
+                f"dequantize. Supported: {', '.join(SUPPORTED_QUANTS)}. Re-quantize the model to one of "
+                "these (for example Q8_0 or Q4_K_M) or use the original safetensors directory."
+            )
+        hf_name = _hf_name(name)
+        if hf_name is not None:
+            layout.append(
+                (name, hf_name, [int(d) for d in reversed(t.shape)])
+            )  # GGUF lists dims fastest-first
+    names = {hf for _, hf, _ in layout}
+    if "model.embed_tokens.weight" not in names:
         raise ModelLoadError(f"{path.name}: no token_embd.weight tensor; the file is incomplete.")
-    cfg["tie_word_embeddings"] = "lm_head.weight" not in weights
+    cfg["tie_word_embeddings"] = "lm_head.weight" not in names
     expected = cfg["num_hidden_layers"]
-    missing = [i for i in range(expected) if f"model.layers.{i}.self_attn.q_proj.weight" not in weights]
+    missing = [i for i in range(expected) if f"model.layers.{i}.self_attn.q_proj.weight" not in names]
     if missing:
         raise ModelLoadError(
             f"{path.name}: metadata says {expected} layers but layer(s) {missing[:5]} have no weights; "
             "the file is incomplete or corrupt. Download it again."
         )
-    save_file(weights, str(out / "model.safetensors"))
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    t0 = time.monotonic()
+    # One tensor at a time, dequantized and written: holding every float tensor for one save_file made
+    # a first start's resident peak the whole float checkpoint over its plan (QA pass 6).
+    with (
+        _Progress(path.name, [t.n_bytes for t in tensors.values()]) as progress,
+        _F32Writer(out / "model.safetensors", [(hf, shape) for _, hf, shape in layout]) as writer,
+    ):
+        for name, hf_name, shape in layout:
+            t = tensors[name]
+            try:
+                arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            except Exception as exc:
+                raise ModelLoadError(
+                    f"{path.name}: tensor {name} ({t.tensor_type.name}) could not be decoded ({exc}); the "
+                    "file is probably truncated or corrupt. Download it again."
+                ) from exc
+            if list(arr.shape) != shape:
+                raise ModelLoadError(
+                    f"{path.name}: tensor {name} decodes to shape {list(arr.shape)}, its header says {shape}; "
+                    "the file is corrupt. Download it again."
+                )
+            if arch in PERMUTED_QK_ARCHS and name.endswith(("attn_q.weight", "attn_q.bias")):
+                arr = _unpermute(arr, n_heads)
+            elif arch in PERMUTED_QK_ARCHS and name.endswith(("attn_k.weight", "attn_k.bias")):
+                arr = _unpermute(arr, n_kv)
+            writer.write(hf_name, arr)
+            progress.step(t.n_bytes)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     tok_json, extra = _tokenizer_from_metadata(reader, path)
     (out / "tokenizer.json").write_text(tok_json)
     (out / "kvgate_tokenizer.json").write_text(json.dumps(extra, indent=1))
     log.info("converted %s in %.1fs; later loads read the cache", path.name, time.monotonic() - t0)
+
+
+class _F32Writer:
+    """A .safetensors file of float32 tensors written one at a time: the header (every name, shape and
+    offset) first, padded to 8 bytes as the format asks, then each tensor's bytes in header order."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, list[int]]]):
+        header, at = {}, 0
+        for name, shape in entries:
+            n = 4 * int(np.prod(shape, dtype=np.int64))
+            header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + n]}
+            at += n
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.order = [name for name, _ in entries]
+        self.f = open(path, "wb")
+        self.f.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, name: str, arr: np.ndarray) -> None:
+        if name != self.order.pop(0):
+            raise AssertionError(f"tensor {name} written out of the header's order")
+        np.ascontiguousarray(arr, dtype=np.float32).tofile(self.f)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
 
 
 def _config_from_metadata(reader, arch: str, path: Path) -> dict:
