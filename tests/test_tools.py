@@ -145,6 +145,24 @@ def test_only_the_models_own_end_makes_a_held_opening_an_answer():
         assert choice["message"]["content"] == ""
 
 
+def test_max_tokens_inside_the_dropped_remark_still_finishes_with_tool_calls():
+    """The remark after the calls is dropped, so max_tokens cutting it cut nothing returned: the choice
+    finishes with `tool_calls` (the Responses API then marks the call completed). A cut between two
+    calls, where another call may have been starting, keeps `length`. Review of session 33; seen red
+    with `in_remark` ignored."""
+    call = TP._block if hasattr(TP, "_block") else T._block
+    text = call("get_time", "{}") + "\n\nThe func"
+    choice = {"message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+    TP.read_calls(choice)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    choice = {
+        "message": {"role": "assistant", "content": call("get_time", "{}") + "\n"},
+        "finish_reason": "length",
+    }
+    TP.read_calls(choice)
+    assert choice["finish_reason"] == "length"
+
+
 def cut_expectation(cut: int) -> list[tuple[str, str]]:
     """The calls an OUTPUT cut after `cut` characters must give: each call whose name is whole, with
     its argument text up to the cut (never past the end of the arguments)."""
@@ -371,7 +389,9 @@ def test_a_call_cut_by_max_tokens_streams_and_answers_the_same_arguments_without
     for cut, named in ((8, False), (n // 2, True), (n - 2, True)):
         c = httpx.post(base + CHAT, json={**body, "max_tokens": cut}, timeout=60).json()["choices"][0]
         calls, content, finish = stream_calls(base, {**body, "max_tokens": cut})
-        assert c["finish_reason"] == finish == "length" and not content, (cut, c)
+        # n - 2 may land in the dropped remark after the call: nothing returned was cut then
+        ends = ("length", "tool_calls") if cut == n - 2 else ("length",)
+        assert c["finish_reason"] == finish and finish in ends and not content, (cut, c)
         got = [
             (x["function"]["name"], x["function"]["arguments"]) for x in c["message"].get("tool_calls", [])
         ]
@@ -379,7 +399,7 @@ def test_a_call_cut_by_max_tokens_streams_and_answers_the_same_arguments_without
         assert bool(got) == named and not c["message"]["content"], (cut, c)
         if named:
             assert got[0][0] == full["name"] and full["arguments"].startswith(got[0][1]), (cut, got)
-    assert got[0][1] == full["arguments"]  # n - 2: the cut came inside the wrapper's end
+    assert got[0][1] == full["arguments"]  # n - 2: the cut came inside the wrapper's end or after it
 
 
 def test_auto_lets_the_model_answer_in_text_and_none_renders_no_tools(base):

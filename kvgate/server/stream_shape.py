@@ -80,8 +80,9 @@ class StreamShaper:
         reason = result.finish_reason
         if self.f is not None and self.f.tools is not None:
             parser = self._parser(i)
+            in_remark = parser.state == "tail"
             out += self._tool_events(i, parser.end(cut=not TP.model_ended(result)))
-            reason = TP.finish_reason(reason, parser.calls)
+            reason = TP.finish_reason(reason, parser.calls, in_remark)
         return out + [self._dress(self.chunks.finish(i, reason))]
 
     # ---- helpers --------------------------------------------------------------------------------

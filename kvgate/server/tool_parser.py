@@ -175,11 +175,16 @@ class ToolCallParser:
 
 def parse_output(text: str, cut: bool = True) -> tuple[str | None, list[ParsedCall]]:
     """A whole output: (content or None, the calls); `cut`: see `ToolCallParser.end`."""
+    p = _parsed(text, cut)
+    content = "".join(p.content)
+    return (content if content or not p.calls else None), p.calls
+
+
+def _parsed(text: str, cut: bool) -> ToolCallParser:
     p = ToolCallParser()
     p.push(text)
     p.end(cut)
-    content = "".join(p.content)
-    return (content if content or not p.calls else None), p.calls
+    return p
 
 
 def model_ended(result) -> bool:
@@ -194,17 +199,21 @@ def read_calls(choice: dict, ended: bool = False) -> None:
     """Turn a finished chat choice's text into its message: content, or tool calls (the choice then
     finishes with `tool_calls` when every call is whole; cut short, it keeps `length` or `stop` with the
     calls so far, as a stream gives)."""
-    content, calls = parse_output(choice["message"]["content"], cut=not ended)
-    choice["message"] = {"role": "assistant", "content": content}
-    if calls:
-        choice["message"]["tool_calls"] = call_dicts(calls)
-    choice["finish_reason"] = finish_reason(choice["finish_reason"], calls)
+    p = _parsed(choice["message"]["content"], cut=not ended)
+    content = "".join(p.content)
+    choice["message"] = {"role": "assistant", "content": content if content or not p.calls else None}
+    if p.calls:
+        choice["message"]["tool_calls"] = call_dicts(p.calls)
+    choice["finish_reason"] = finish_reason(choice["finish_reason"], p.calls, p.state == "tail")
 
 
-def finish_reason(reason: str, calls: list[ParsedCall]) -> str:
-    """A choice that stopped after whole calls finishes with `tool_calls`; one cut short (max_tokens,
-    or a stop string inside a call) keeps its own reason. The stream and the whole answer share it."""
-    return "tool_calls" if calls and reason == "stop" and all(c.done for c in calls) else reason
+def finish_reason(reason: str, calls: list[ParsedCall], in_remark: bool = False) -> str:
+    """A choice that stopped after whole calls finishes with `tool_calls`; one cut short (max_tokens
+    inside a call) keeps its own reason. `in_remark`: the output was in the remark after the calls
+    (the parser's `tail`), which is dropped, so max_tokens there cut nothing returned. The stream and
+    the whole answer share it."""
+    whole = calls and all(c.done for c in calls)
+    return "tool_calls" if whole and (reason == "stop" or (reason == "length" and in_remark)) else reason
 
 
 def call_dicts(calls: list[ParsedCall]) -> list[dict]:
