@@ -9,6 +9,7 @@ queue really does wait for KV (nothing else stops the worker).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -86,6 +87,19 @@ def test_exact_pool_ceiling_admitted_and_one_more_refused(make_engine):
         "queue_rejected": 0,
     }
     assert wait_until(lambda: e.snapshot().kv_blocks_available == e.snapshot().kv_blocks_total)
+
+
+def test_the_context_refusals_advice_fits_every_choice(make_engine):
+    """n choices share the pool, so the max_tokens a context 400 advises must fit all of them, or
+    following it earns a kv_budget 400 (review of session 33). Seen red with the advice taken for
+    one choice ("at most 22")."""
+    e = make_engine(kv_cache_bytes=8 * 4 * BPT, block_size=4, max_model_len=48, max_seqs=4)
+    with pytest.raises(Refusal) as ei:
+        e.submit_choices(req(10, 40), 2)  # 50 > 48 context
+    most = int(re.search(r"at most (\d+)", ei.value.message).group(1))
+    assert ei.value.code == "context_length_exceeded" and most == 10, ei.value.message
+    for h in e.submit_choices(req(10, most), 2):  # the advice, followed, is admitted
+        assert h.result(timeout=60).finish_reason == "length"
 
 
 def test_context_overflow_reported_before_budget_overflow(make_engine):

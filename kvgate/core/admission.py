@@ -52,7 +52,7 @@ def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[Requ
     explicit = req.max_tokens is not None
     ceiling = req.max_tokens if explicit else cfg.max_model_len - P
     if P == 0 or P + (ceiling if explicit else 1) > cfg.max_model_len:
-        raise context_refusal(cfg, P, req.max_tokens)
+        raise context_refusal(cfg, P, req.max_tokens, n)
     if n > cfg.max_seqs:
         raise too_many_choices(n, cfg.max_seqs)
     cap = None
@@ -90,7 +90,8 @@ def too_many_choices(n: int, max_seqs: int, asked_rows: int | None = None) -> Re
     )
 
 
-def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None) -> Refusal:
+def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None, n: int = 1) -> Refusal:
+    """`n`: the request's choices, which share the pool (the advice must fit all of them)."""
     want = P + (max_tokens or 1)
     if P == 0:
         msg = "the prompt is empty: send at least one token of prompt."
@@ -102,7 +103,7 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None) -> Ref
         )
     else:
         by_context = max(0, cfg.max_model_len - P)
-        by_pool = max(0, max_choice_positions(cfg, P, 1, cfg.total_blocks) - P)
+        by_pool = max(0, max_choice_positions(cfg, P, n, cfg.total_blocks) - P)
         if by_pool < by_context:  # the advice must fit the pool too, or it earns a second 400
             most = (
                 f"{by_pool} (the context allows {by_context}, but this server's whole KV pool holds "
