@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_plan(a) -> int:
     from kvgate.core.engine import Engine  # noqa: F401 -- serve and generate import it before they measure
-    from kvgate.memory.overhead import OVERHEAD_DRIFT, load_peak_warning, process_peak_rss_bytes
+    from kvgate.memory.overhead import load_peak_warning, overhead_drift, process_peak_rss_bytes
     from kvgate.units import fmt_bytes
 
     cfg, loaded = engine_config(a), {}
@@ -154,13 +154,12 @@ def cmd_plan(a) -> int:
     plan = loaded["plan"]
     peak = process_peak_rss_bytes()  # this process has just loaded and placed the model, as serve does
     if a.json:
-        drift = OVERHEAD_DRIFT if plan.device == "cpu" else 0
         print(
             json.dumps(
                 {
                     **plan.to_dict(a.context),
                     "planned_for": a.plan_for,
-                    "overhead_drift_bytes": drift,
+                    "overhead_drift_bytes": overhead_drift(plan.device),
                     "load_peak_rss_bytes": peak,
                 },
                 indent=1,
@@ -184,9 +183,9 @@ def cmd_plan(a) -> int:
         warn = load_peak_warning(peak, plan.limit_bytes, plan.device)
         if warn:
             print(f"  warning: {warn}")
-    if plan.device == "cpu":
+    if overhead_drift(plan.device):
         print(
-            f"  note: the runtime overhead above includes {fmt_bytes(OVERHEAD_DRIFT)} over this process's "
+            f"  note: the runtime overhead above includes {fmt_bytes(overhead_drift(plan.device))} over this process's "
             "measurement: a server measures its own at startup, and it moves by a few MiB between processes, "
             "so a server with these flags should get at least this pool"
         )

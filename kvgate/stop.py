@@ -48,13 +48,7 @@ class StopMatcher:
         return out
 
     def _longest_partial(self, text: str) -> int:
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        return max((_partial(text, s) for s in self.stops), default=0)
 
     def _push_regions(self, text: str) -> tuple[str, bool]:
         """`push` with the exempt regions: a stop string counts where it starts outside them."""

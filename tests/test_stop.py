@@ -178,16 +178,8 @@ def test_stop_strings_do_not_apply_inside_exempt_regions(chunks, stops):
     Markers of two characters make regions, partial markers and overlaps common. Seen red with the
     region check dropped (a stop inside a region cut) and with the opening's start counted inside
     the text before it."""
-    m = StopMatcher(set(), stops, exempt=("<<", ">>"))
-    released, seen, stopped = "", "", False
-    for chunk in chunks:
-        text, stopped = m.push(chunk)
-        released += text
-        seen += chunk
-        if stopped:
-            break
-    if not stopped:
-        released += m.flush()
+    pieces, stopped = feed(StopMatcher(set(), stops, exempt=("<<", ">>")), chunks)
+    released = "".join(pieces)
     cut = None
     for n in range(1, len(chunks) + 1):  # the first chunk boundary where a free stop is complete
         so_far = "".join(chunks[:n])

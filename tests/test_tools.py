@@ -150,7 +150,7 @@ def test_max_tokens_inside_the_dropped_remark_still_finishes_with_tool_calls():
     finishes with `tool_calls` (the Responses API then marks the call completed). A cut between two
     calls, where another call may have been starting, keeps `length`. Review of session 33; seen red
     with `in_remark` ignored."""
-    call = TP._block if hasattr(TP, "_block") else T._block
+    call = T._block
     text = call("get_time", "{}") + "\n\nThe func"
     choice = {"message": {"role": "assistant", "content": text}, "finish_reason": "length"}
     TP.read_calls(choice)

@@ -15,7 +15,7 @@ import torch
 
 from kvgate.config import EngineConfig
 from kvgate.core.speculate import MAX_SPECULATE
-from kvgate.memory.overhead import OVERHEAD_DRIFT, runtime_overhead_bytes
+from kvgate.memory.overhead import overhead_drift, runtime_overhead_bytes
 from kvgate.memory.plan import MemoryPlan, make_plan
 from kvgate.models import LoadedModel, native
 from kvgate.models.lazy_weights import LazyWeights
@@ -301,8 +301,8 @@ def plan_for(
     log.info("prefill attention: %s", prefill_why)
     if overhead_bytes is None:
         overhead_bytes = runtime_overhead_bytes(str(device), checkpoint_bytes(loaded))
-        if drift and device.type == "cpu":
-            overhead_bytes += OVERHEAD_DRIFT
+        if drift:
+            overhead_bytes += overhead_drift(str(device))
     ext = native.extension() if fmt == "gguf" and device.type == "cpu" else None  # gguf's kernels
     amx = ext is not None and ext.prefill_isa() == "amx-bf16"
     plan = make_plan(

@@ -18,6 +18,11 @@ OVERHEAD_SLACK = 192 << 20  # allocator arenas, thread stacks, HTTP buffers beyo
 OVERHEAD_DRIFT = 2 << 20
 
 
+def overhead_drift(device: str) -> int:
+    """`OVERHEAD_DRIFT` where the overhead is measured (a CPU); 0 where it is a fixed allowance (CUDA)."""
+    return OVERHEAD_DRIFT if str(device).startswith("cpu") else 0
+
+
 def release_free_heap() -> None:
     """Collect garbage and hand freed heap back to the OS (glibc `malloc_trim`), so a baseline read
     right after a load counts what the process holds, not what a finished conversion left behind."""
@@ -53,7 +58,8 @@ def load_peak_warning(peak: int | None, limit: int, device: str) -> str | None:
     mib = 1 << 20
     return (
         f"loading peaked at {peak / mib:,.0f} MiB resident, above --memory-limit {limit / mib:,.0f} MiB: "
-        "the checkpoint is held in float while its matrices are packed, before the ledger's plan applies. "
+        "the checkpoint is read and packed before the ledger's plan applies (a first start also converts a "
+        "GGUF). "
         f"From here on the process stays within the plan; give a container at least {-(-peak // mib)} MiB."
     )
 

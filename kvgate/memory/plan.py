@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from kvgate.config import ModelSpec
 from kvgate.memory.graphs import graph_bytes, graph_shapes
-from kvgate.memory.overhead import OVERHEAD_DRIFT, runtime_overhead_bytes
+from kvgate.memory.overhead import overhead_drift, runtime_overhead_bytes
 from kvgate.memory.workspace import (
     StepLimits,
     attn_cap,
@@ -284,7 +284,8 @@ def make_plan(
             + (" (with the CUDA decode graphs; --cuda-graphs off drops them)" if cuda_graphs else "")
             + " + KV for one "
             f"{min_ctx}-token request {fmt_bytes(min_kv)} = {fmt_bytes(need)} > limit {fmt_bytes(limit)} "
-            f"({source}). Raise --memory-limit to at least {-(-(need + (OVERHEAD_DRIFT if device == 'cpu' else 0)) // (1 << 20))}MiB, pick a smaller "
+            f"({source}). Raise --memory-limit to at least {-(-(need + overhead_drift(device)) // (1 << 20))}MiB, "
+            "pick a smaller "
             "--dtype, or lower --max-model-len"
             + (
                 " (or --pack-weights off, which drops the packed LM head copy)."

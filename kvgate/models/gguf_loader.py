@@ -190,9 +190,8 @@ def _convert(path: Path, out: Path) -> None:
             )
         hf_name = _hf_name(name)
         if hf_name is not None:
-            layout.append(
-                (name, hf_name, [int(d) for d in reversed(t.shape)])
-            )  # GGUF lists dims fastest-first
+            # GGUF lists dims fastest-first
+            layout.append((name, hf_name, [int(d) for d in reversed(t.shape)]))
     names = {hf for _, hf, _ in layout}
     if "model.embed_tokens.weight" not in names:
         raise ModelLoadError(f"{path.name}: no token_embd.weight tensor; the file is incomplete.")

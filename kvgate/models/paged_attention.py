@@ -168,9 +168,9 @@ def position_seconds(
     device, dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, kv_dtype, paged: bool
 ) -> float:
     """Seconds one decode row's attention adds to a layer's step per context position, from the probe's
-    one-row wall time on the engine's threads (cached: no new timing; the race that picks the path
-    counts one thread's CPU time, which a forecast must not take for a step's) on the path that serves; the TTFT forecast and Retry-After
-    use it for the steps growing as the rows' contexts grow. One row's cost per position is the largest
+    one-row wall time on the engine's threads on the path that serves (cached: no new timing; the race
+    that picks the path counts one thread's CPU time, which a forecast must not take for a step's);
+    the TTFT forecast and Retry-After use it for the steps growing as the rows' contexts grow. One row's cost per position is the largest
     (more rows share the threads better): a forecast that errs, errs late. 0 where nothing was probed
     (CUDA, or no kernel to race)."""
     if torch.device(device).type != "cpu" or kernel() is None:

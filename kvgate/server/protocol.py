@@ -5,10 +5,10 @@ list). A field is accepted and ignored only when honouring it could not change t
 `reasoning_effort` and `verbosity` steer reasoning models (this one has no reasoning), `prompt_cache_key`
 is a routing hint (kvgate's prefix cache needs no key), `store`, `metadata`, `service_tier`, `user` and
 `safety_identifier` are bookkeeping, a replayed assistant message's `refusal` and `reasoning_content`
-are not part of what the model is shown, nor is what the openai SDK's `.parse()` and `.stream()` helpers
-add to the messages they return (`parsed`, a tool call's `index` and `function.parsed_arguments`). Unknown fields and fields that would change the output if
-dropped are refused: a client must learn that kvgate did not honour them instead of silently getting a
-different answer. Types are strict for the same reason: "5" is not an integer, "yes" is not a boolean.
+are not part of what the model is shown, nor what the openai SDK's `.parse()`/`.stream()` helpers add
+(`parsed`, a call's `index` and `parsed_arguments`). Unknown fields and fields that would change the
+output if dropped are refused: a client must learn that kvgate did not honour them instead of
+silently getting a different answer. Types are strict for the same reason: "5" is not an integer, "yes" is not a boolean.
 
 Null means "not given", as in OpenAI's schema (clients that serialize unset fields send null): a null
 for a field with a non-null default is that default (`"stream": null` is false), and OpenAI's fields

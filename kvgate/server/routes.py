@@ -99,7 +99,7 @@ async def resources(request: Request):
             "cuda_graphs": getattr(eng, "graphs_note", None),  # None: a cluster front end (its replicas say)
         },
         # measured, outside the ledger: the process's resident memory now, its peak, and the peak it
-        # reached while loading (above --memory-limit when the float checkpoint was, see the README)
+        # reached while loading, before the ledger existed (see the README)
         "process": {
             "rss_bytes": _or_none(process_rss_bytes),
             "peak_rss_bytes": process_peak_rss_bytes(),

@@ -42,6 +42,7 @@ def describe(errors: list[dict], tags: frozenset[str] = frozenset()) -> tuple[st
 
 
 def _first(errors: list[dict], tags: frozenset[str]) -> tuple[str, str, list[str]]:
+    """(the first problem's message, its field's path, the others as "'path': why")."""
 
     def is_tag(part) -> bool:
         return isinstance(part, str) and (part in _SIMPLE_TAGS or "[" in part or part in tags)

@@ -176,8 +176,7 @@ class ToolCallParser:
 def parse_output(text: str, cut: bool = True) -> tuple[str | None, list[ParsedCall]]:
     """A whole output: (content or None, the calls); `cut`: see `ToolCallParser.end`."""
     p = _parsed(text, cut)
-    content = "".join(p.content)
-    return (content if content or not p.calls else None), p.calls
+    return _content(p), p.calls
 
 
 def _parsed(text: str, cut: bool) -> ToolCallParser:
@@ -185,6 +184,12 @@ def _parsed(text: str, cut: bool) -> ToolCallParser:
     p.push(text)
     p.end(cut)
     return p
+
+
+def _content(p: ToolCallParser) -> str | None:
+    """The answer's text; None when there is none beside the calls (OpenAI's content of a call turn)."""
+    content = "".join(p.content)
+    return content if content or not p.calls else None
 
 
 def model_ended(result) -> bool:
@@ -200,8 +205,7 @@ def read_calls(choice: dict, ended: bool = False) -> None:
     finishes with `tool_calls` when every call is whole; cut short, it keeps `length` or `stop` with the
     calls so far, as a stream gives)."""
     p = _parsed(choice["message"]["content"], cut=not ended)
-    content = "".join(p.content)
-    choice["message"] = {"role": "assistant", "content": content if content or not p.calls else None}
+    choice["message"] = {"role": "assistant", "content": _content(p)}
     if p.calls:
         choice["message"]["tool_calls"] = call_dicts(p.calls)
     choice["finish_reason"] = finish_reason(choice["finish_reason"], p.calls, p.state == "tail")

@@ -21,8 +21,8 @@ calls, a newline that `<tool_call>` does not follow starts a short remark that e
 dropped (`grammar` says why neither side may commit on one character). `none` renders no tools and
 uses no grammar.
 
-`ToolCallParser` (kvgate/server/tool_parser.py) reads the output incrementally (the same code for streams and whole responses): it
-releases content, each call's start (id, name) and its arguments as they are generated, holding back
+`ToolCallParser` (kvgate/server/tool_parser.py) reads the output incrementally (the same code for
+streams and whole responses): it releases content, each call's start (id, name) and its arguments as they are generated, holding back
 only what could still be the start of a block. It follows the arguments' JSON, so it knows each
 character for an argument's or the wrapper's the moment it comes: the wrapper's markup never reaches
 the client. An output cut short (max_tokens) inside a call ends with that call and the argument text
