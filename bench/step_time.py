@@ -21,10 +21,10 @@ from bench.profile_step import setup
 
 
 def decode_ms(
-    rows: int, weights: str, steps: int, context: int = 300, kv_dtype: str = "auto"
+    rows: int, weights: str, steps: int, context: int = 300, kv_dtype: str = "auto", model: str = "default"
 ) -> tuple[list[float], list[float]]:
     """Wall and process CPU ms of `steps` decode steps (CPU time: less hurt by other processes)."""
-    e = setup(rows, context, "float32", weights, kv_dtype=kv_dtype)
+    e = setup(rows, context, "float32", weights, kv_dtype=kv_dtype, model=model)
     core, inbox = e.core, e.inbox
     try:
         for _ in range(3):
@@ -41,7 +41,12 @@ def decode_ms(
 
 
 def prefill_ms(
-    tokens: int, weights: str, reps: int = 3, kv_dtype: str = "auto", attention: str = "auto"
+    tokens: int,
+    weights: str,
+    reps: int = 3,
+    kv_dtype: str = "auto",
+    attention: str = "auto",
+    model: str = "default",
 ) -> tuple[list[float], list[float]]:
     """The step that prefills one `tokens`-long prompt (distinct prompts: no prefix-cache hits)."""
     from kvgate.config import EngineConfig
@@ -58,7 +63,7 @@ def prefill_ms(
         kv_dtype=kv_dtype,
         prefill_attention=attention,
     )
-    e = Engine.from_model("default", cfg)
+    e = Engine.from_model(model, cfg)
     core, out, cpu = e.core, [], []
     try:
         for r in range(reps + 1):
@@ -86,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--kv-dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     ap.add_argument("--prefill-attention", default="auto", help="auto | kernel | sdpa (the prefill step's)")
+    ap.add_argument(
+        "--model", default="default", help="a .gguf file or HF directory (bench.kquant_model writes k-quants)"
+    )
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     for rows in a.rows:
-        ms, cpu = decode_ms(rows, a.weights, a.steps, kv_dtype=a.kv_dtype)
+        ms, cpu = decode_ms(rows, a.weights, a.steps, kv_dtype=a.kv_dtype, model=a.model)
         med = statistics.median(ms)
         print(
             json.dumps(
@@ -107,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if a.prefill:
-        ms, cpu = prefill_ms(a.prefill, a.weights, kv_dtype=a.kv_dtype, attention=a.prefill_attention)
+        ms, cpu = prefill_ms(
+            a.prefill, a.weights, kv_dtype=a.kv_dtype, attention=a.prefill_attention, model=a.model
+        )
         print(
             json.dumps(
                 {

@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
+from bench.kquant_encode import ENCODERS
 from tests.tiny_model import CHAT_TEMPLATE, GEOMETRY, SPECIALS, byte_level_vocab, random_weights
 
 # token ids in the tiny vocabulary (SPECIALS come first)
@@ -82,13 +83,15 @@ def write_tiny_gguf(
     overrides: dict[str, str] | None = None,
     pre: str = "default",
     biases: bool = False,
+    geometry: dict | None = None,
 ) -> Path:
-    """Write the tiny model to `path` (a .gguf file) and return the path."""
+    """Write the tiny model to `path` (a .gguf file) and return the path. `geometry`: `GEOMETRY`'s
+    entries to change (k-quants need rows of a multiple of 256 values)."""
     tokens, merges = byte_level_vocab()
     vocab = len(tokens)
-    g = GEOMETRY
+    g = {**GEOMETRY, **(geometry or {})}
     head_dim = g["hidden"] // g["heads"]
-    weights = hf_weights(seed, tie, biases)
+    weights = hf_weights(seed, tie, biases, geometry)
     overrides = overrides or {}
 
     w = GGUFWriter(str(path), arch)
@@ -137,6 +140,8 @@ def _add_tensor(w: GGUFWriter, name: str, arr: np.ndarray, qtype: str) -> None:
         w.add_tensor(name, arr)
     elif qtype == "F16":
         w.add_tensor(name, arr.astype(np.float16))
+    elif qtype in ENCODERS:  # k-quants: gguf decodes them but cannot encode them
+        w.add_tensor(name, ENCODERS[qtype](arr), raw_dtype=GGMLQuantizationType[qtype])
     else:
         t = GGMLQuantizationType[qtype]
         try:
@@ -147,16 +152,19 @@ def _add_tensor(w: GGUFWriter, name: str, arr: np.ndarray, qtype: str) -> None:
         w.add_tensor(name, data, raw_dtype=t)
 
 
-def hf_weights(seed: int = 0, tie: bool = False, biases: bool = False) -> dict[str, torch.Tensor]:
+def hf_weights(
+    seed: int = 0, tie: bool = False, biases: bool = False, geometry: dict | None = None
+) -> dict[str, torch.Tensor]:
     """The HF-named float32 weights the GGUF is written from (for direct comparisons); with `biases`,
     also q/k/v projection biases (Qwen2 has them), drawn from their own seeded generator."""
     tokens, _ = byte_level_vocab()
-    w = random_weights(len(tokens), seed, tie)
+    w = random_weights(len(tokens), seed, tie, geometry)
     if biases:
+        g = {**GEOMETRY, **(geometry or {})}
         gen = torch.Generator().manual_seed(seed + 1000)
-        hd = GEOMETRY["hidden"] // GEOMETRY["heads"]
-        sizes = {"q": GEOMETRY["heads"] * hd, "k": GEOMETRY["kv_heads"] * hd, "v": GEOMETRY["kv_heads"] * hd}
-        for i in range(GEOMETRY["layers"]):
+        hd = g["hidden"] // g["heads"]
+        sizes = {"q": g["heads"] * hd, "k": g["kv_heads"] * hd, "v": g["kv_heads"] * hd}
+        for i in range(g["layers"]):
             for n, size in sizes.items():
                 w[f"model.layers.{i}.self_attn.{n}_proj.bias"] = torch.randn(size, generator=gen) * 0.5
     return w

@@ -86,8 +86,7 @@ class Engine:
         self.ledger.reserve("overhead", p.overhead_bytes, "runtime")
         # Weights are charged before they are materialized: a model that cannot fit never allocates.
         self.ledger.reserve("weights", p.weights_bytes, spec.name)
-        # The model pops each source tensor as it consumes it, so a loader that hands over owned
-        # tensors frees each one as soon as its copy exists (a copy of the dict would hold them all).
+        # The model pops each source tensor as it consumes it (a copy of the dict would hold them all).
         self.weights_format = place.weights
         self.model = LlamaModel(
             spec,
@@ -100,6 +99,7 @@ class Engine:
             q8_head=place.q8_head,
             paged_attention=place.paged_attention,
             prefill_kernel=place.prefill_kernel,
+            block_scales=loaded.block_scales,
         )
         # The plan may have shrunk the step below what was warmed: its new maximum is then one bucket
         # that was not (a few MiB of oneDNN kernels at most, inside the overhead's slack).

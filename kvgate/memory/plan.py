@@ -99,6 +99,7 @@ def weight_bytes(
     weight_format: str = "full",
     scale_bytes: int = 2,
     q8_head: bool = False,
+    matrix_bytes: list[int] | None = None,
 ) -> int:
     """Bytes of the model's weights and RoPE tables. `params`: the number of values in the checkpoint
     the model is built from (every tensor counted: biases, norms, an untied head); without it they are
@@ -108,7 +109,8 @@ def weight_bytes(
     codes and scales (`quantized_matrix_bytes`) instead of `dtype_bytes` per value; the LM head stays
     in the model dtype (`kvgate.models.llama`). `q8_head`: the tied embedding table (lookup and head)
     is held once, as Q8_0 codes and scales (`kvgate.models.q8_head.q8_bytes`, in tiles of 16 rows; in
-    tiles of 8 rows under gguf-q8act, `q8_dot_bytes`)."""
+    tiles of 8 rows under gguf-q8act, `q8_dot_bytes`). `matrix_bytes`: each layer matrix's bytes as
+    held, in `matrices` order (gguf: each in its own block format, `kvgate.models.block_formats`)."""
     h = spec.hidden_size
     if params is None:
         per_layer = (
@@ -125,7 +127,11 @@ def weight_bytes(
     if weight_format != "full":  # the layer matrices; the head stays in the model dtype
         mats = [m for m in matrices(spec) if quantizable(weight_format, *m)]
         params -= sum(n * k for n, k in mats)
-        qbytes = sum(quantized_matrix_bytes(weight_format, n, k, scale_bytes) for n, k in mats)
+        qbytes = (
+            sum(matrix_bytes)
+            if matrix_bytes is not None
+            else sum(quantized_matrix_bytes(weight_format, n, k, scale_bytes) for n, k in mats)
+        )
     if q8_head:
         params -= spec.vocab_size * h
         qbytes += (q8_dot_bytes if weight_format == "gguf-q8act" else q8_bytes)(spec.vocab_size, h)
@@ -162,13 +168,19 @@ class MemoryPlan:
     graph_breakdown: dict | None = None
     graph_shapes: int = 0
     prefix_cache: bool = True  # --prefix-cache (set by kvgate.core.placement); only the text says it
+    # the process's resident peak when the plan was made: the model read and checked, nothing built yet
+    # (set by kvgate.core.placement; `kvgate plan` and serve report this one number)
+    load_peak_bytes: int | None = None
 
     @property
     def kv_positions(self) -> int:
         return self.kv_blocks * self.block_size
 
     def max_concurrent(self, tokens_each: int) -> int:
-        return self.kv_blocks // max(1, -(-tokens_each // self.block_size))
+        """Requests of `tokens_each` positions (at most the model's context) the pool holds at once, at
+        most --max-seqs (the plan's rows)."""
+        tokens = min(tokens_each, self.limits.max_model_len)
+        return min(self.limits.max_seqs, self.kv_blocks // max(1, -(-tokens // self.block_size)))
 
     def to_dict(self, context: int | None = None) -> dict:
         d = asdict(self)
@@ -202,6 +214,7 @@ def make_plan(
     packed_weights: bool = False,
     weight_params: int | None = None,
     weight_format: str = "full",
+    matrix_bytes: list[int] | None = None,
     quant_act_bytes: int = 2,
     speculate: int = 0,
     q8_head: bool = False,
@@ -212,7 +225,7 @@ def make_plan(
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
-    kernels run in `quant_act_bytes`-wide activations. `cuda_graphs`: charge the decode graphs
+    kernels run in `quant_act_bytes`-wide activations; `matrix_bytes`: see `weight_bytes`. `cuda_graphs`: charge the decode graphs
     (`kvgate.memory.graphs.graph_bytes`) before the KV pool; `step_pieces`: with the pieces of steps that
     carry prompt chunks (`--cuda-graphs full`)."""
     limit, source = resolve_limit(limit_spec, device)
@@ -224,6 +237,7 @@ def make_plan(
         weight_format=weight_format,
         scale_bytes=quant_act_bytes,
         q8_head=q8_head,
+        matrix_bytes=matrix_bytes,
     )
     overhead = runtime_overhead_bytes(device) if overhead_bytes is None else overhead_bytes
     per_token = spec.kv_bytes_per_token(kv_dtype_bytes or dtype_bytes)  # --kv-dtype: the pool's own

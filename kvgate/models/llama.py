@@ -39,6 +39,7 @@ row's output moves by ~1e-6 with the rows beside it).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,8 @@ import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
 from kvgate.models import decode_stack, huge_pages, native
+from kvgate.models.block_formats import BlockLinear, fused_scales
+from kvgate.models.block_formats import held as held_blocks
 from kvgate.models.linear import Linear, packs_weights, row_buckets
 from kvgate.models.paged_attention import gather_attention, length_mask
 from kvgate.models.paged_attention import kernel as paged_kernel
@@ -124,6 +127,7 @@ class LlamaModel:
         q8_head: bool = False,
         paged_attention: bool = False,
         prefill_kernel: bool = False,
+        block_scales: Mapping[str, torch.Tensor] | None = None,
     ):
         """`pack`: prepack the weight matrices (`Linear`); None = wherever `packs_weights` says.
         `weights_format` int8 / int4: hold every layer matrix that allows it quantized (`Quantized`),
@@ -133,7 +137,9 @@ class LlamaModel:
         `paged_attention`: run decode attention with the paged CPU kernel (`kvgate.models.paged_attention`;
         the caller has checked it builds and chosen it by its probe), else gather + SDPA per group.
         `prefill_kernel`: run prompt-chunk attention with the paged CPU kernel
-        (`kvgate.models.prefill_attention`, chosen by its probe), else gather + SDPA per chunk."""
+        (`kvgate.models.prefill_attention`, chosen by its probe), else gather + SDPA per chunk.
+        `block_scales`: a converted GGUF's d and m per layer matrix, with which `--weights gguf` holds
+        matrices of any block type as the file's blocks (`kvgate.models.block_formats`)."""
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
@@ -158,10 +164,12 @@ class LlamaModel:
             return weights.pop(name).to(device=self.device, dtype=keep).contiguous()
 
         def lin(
-            weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False
-        ) -> Linear | Quantized | Q41Linear | Q41Dot8Linear:
+            weight: torch.Tensor, bias: torch.Tensor | None = None, head: bool = False, names: tuple = ()
+        ) -> Linear | Quantized | Q41Linear | Q41Dot8Linear | BlockLinear:
             if weights_format in GGUF_FORMATS and not head and quantizable(weights_format, *weight.shape):
-                return (Q41Dot8Linear if weights_format == "gguf-q8act" else Q41Linear)(weight, bias)
+                if weights_format == "gguf-q8act":
+                    return Q41Dot8Linear(weight, bias)
+                return held_blocks(weight, bias, fused_scales(block_scales, names))
             if (
                 quant
                 and weights_format not in GGUF_FORMATS
@@ -185,18 +193,21 @@ class LlamaModel:
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([mat(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_names = tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv")
+            qkv = torch.cat([mat(n) for n in qkv_names])
             biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            gate_up = torch.cat([mat(p + "mlp.gate_proj.weight"), mat(p + "mlp.up_proj.weight")])
+            gate_up_names = (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            gate_up = torch.cat([mat(n) for n in gate_up_names])
+            o_name, down_name = p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"
             self.layers.append(
                 (
                     w(p + "input_layernorm.weight"),
-                    lin(qkv, qkv_bias),
-                    lin(mat(p + "self_attn.o_proj.weight")),
+                    lin(qkv, qkv_bias, names=qkv_names),
+                    lin(mat(o_name), names=(o_name,)),
                     w(p + "post_attention_layernorm.weight"),
-                    lin(gate_up),
-                    lin(mat(p + "mlp.down_proj.weight")),
+                    lin(gate_up, names=gate_up_names),
+                    lin(mat(down_name), names=(down_name,)),
                 )
             )
         self.norm = w("model.norm.weight")
@@ -230,7 +241,7 @@ class LlamaModel:
             (lin, "packed")
             for layer in self.layers
             for lin in layer
-            if isinstance(lin, (Q41Linear, Q41Dot8Linear))
+            if isinstance(lin, (Q41Linear, Q41Dot8Linear, BlockLinear))
         ]
         if isinstance(self.q8, Q8DotTable):
             out.append((self.q8, "packed"))

@@ -7,6 +7,14 @@
 //   Q8_0 (the LM head GGUF files keep as Q8_0; q8_matmul, tiles from q8_pack16 in kvgate/models/q8_head.py):
 //     w = d * c, c int8. uint8 [T, K/32, 576]: per block, bytes 16k + j hold output j's code at k, then
 //     the 16 outputs' d as float32 (bytes 512..575).
+//   Q4F (a GGUF's Q4_K and Q4_0 layers, and Q4_1 whose scales are not fp16 values; block_matmul, tiles
+//     from block_pack16 in kvgate/models/block_formats.py): Q4_1's codes, then the 16 outputs' d and m
+//     as float32 (bytes 256 and 320): uint8 [T, K/32, 384]. d * c is exact in float32 for every 4-bit
+//     GGUF type (Q4_K's d is an fp16 times a 6-bit scale: 17 bits, times a 4-bit code: 21).
+//   Q8S (every other GGUF block type: Q5_K, Q6_K, Q3_K, Q2_K, Q5_0, Q5_1; block_matmul): Q8_0's int8
+//     codes, then d and m per half block of 16 k as float32, d(k < 16), d(k >= 16), m(k < 16),
+//     m(k >= 16), 16 outputs each (bytes 512, 576, 640, 704): uint8 [T, K/32, 768]. The k-quants' scales
+//     are per 16 values (Q6_K: an fp16 times an int8, 18 bits, times a 6-bit code: 24, still exact).
 // Output rows past N are zero codes and scales. So 16 (Q4_1: 32) weights of 16 outputs widen from one
 // 16-byte load, one output per lane: a GEMM's shape, where rows laid out one after another each needed
 // their own widening per k and a horizontal sum.
@@ -95,6 +103,20 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+inline float float_at(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+
+// sum of x[0, 16) as a fixed tree (every build: scalar)
+inline float half_sum(const float* x) {
+  float t[8], u[4];
+  for (int j = 0; j < 8; ++j) t[j] = x[j] + x[j + 8];
+  for (int j = 0; j < 4; ++j) u[j] = t[j] + t[j + 4];
+  return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
 // sum of x[0, 32) as a fixed tree: v_j = x_j + x_{j+16}, then halves added down to one (every build).
 inline float block_sum(const float* x) {
 #if defined(KVGATE_T_AVX2)
@@ -120,8 +142,9 @@ struct Q41 {
     const uint8_t c = wb[16 * (k / 2) + j];
     return float(k % 2 ? c >> 4 : c & 15);
   }
-  static float d(const uint8_t* wb, int64_t j) { return half_at(wb + 256 + 2 * j); }
-  static float m(const uint8_t* wb, int64_t j) { return half_at(wb + 288 + 2 * j); }
+  static constexpr bool HALVES = false;  // one d and m per block
+  static float d(const uint8_t* wb, int64_t j, int = 0) { return half_at(wb + 256 + 2 * j); }
+  static float m(const uint8_t* wb, int64_t j, int = 0) { return half_at(wb + 288 + 2 * j); }
 #if defined(KVGATE_T_AVX512)
   // the 16 outputs' codes at k = 2p (c0) and 2p + 1 (c1)
   static void widen(const uint8_t* wb, int p, __m512& c0, __m512& c1) {
@@ -130,8 +153,8 @@ struct Q41 {
     c0 = _mm512_permutexvar_ps(c, levels);  // reads each lane's low 4 bits
     c1 = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), levels);
   }
-  static __m512 d16(const uint8_t* wb) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256))); }
-  static __m512 m16(const uint8_t* wb) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 288))); }
+  static __m512 d16(const uint8_t* wb, int = 0) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256))); }
+  static __m512 m16(const uint8_t* wb, int = 0) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 288))); }
 #endif
 #if defined(KVGATE_T_AVX2)
   // outputs 8h .. 8h + 7 (AVX2's vpermps indexes 8 lanes only: a mask, a shift and a convert)
@@ -140,27 +163,26 @@ struct Q41 {
     c0 = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15)));
     c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
   }
-  static __m256 d8(const uint8_t* wb, int h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 256 + 16 * h))); }
-  static __m256 m8(const uint8_t* wb, int h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 288 + 16 * h))); }
+  static __m256 d8(const uint8_t* wb, int h, int = 0) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 256 + 16 * h))); }
+  static __m256 m8(const uint8_t* wb, int h, int = 0) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 288 + 16 * h))); }
 #endif
 };
 
 struct Q80 {
   static constexpr int64_t BYTES = 576;  // 512 B of int8 codes, 16 float32 d
   static constexpr bool HAS_M = false;
+  static constexpr bool HALVES = false;
   static constexpr int CHAINS = 2;  // a block's sum in two chains, even and odd k, then added
   static float code(const uint8_t* wb, int64_t k, int64_t j) { return float(static_cast<int8_t>(wb[16 * k + j])); }
-  static float d(const uint8_t* wb, int64_t j) {
-    float f;
-    std::memcpy(&f, wb + 512 + 4 * j, 4);
-    return f;
-  }
+  static float d(const uint8_t* wb, int64_t j, int = 0) { return float_at(wb + 512 + 4 * j); }
+  static float m(const uint8_t*, int64_t, int = 0) { return 0.f; }
 #if defined(KVGATE_T_AVX512)
   static void widen(const uint8_t* wb, int p, __m512& c0, __m512& c1) {
     c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 32 * p))));
     c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 32 * p + 16))));
   }
-  static __m512 d16(const uint8_t* wb) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 512)); }
+  static __m512 d16(const uint8_t* wb, int = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 512)); }
+  static __m512 m16(const uint8_t*, int = 0) { return _mm512_setzero_ps(); }
 #endif
 #if defined(KVGATE_T_AVX2)
   static void widen8(const uint8_t* wb, int p, int h, __m256& c0, __m256& c1) {
@@ -168,9 +190,66 @@ struct Q80 {
     c1 = _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 32 * p + 16 + 8 * h))));
   }
-  static __m256 d8(const uint8_t* wb, int h) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 512) + 8 * h); }
+  static __m256 d8(const uint8_t* wb, int h, int = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 512) + 8 * h); }
+  static __m256 m8(const uint8_t*, int, int = 0) { return _mm256_setzero_ps(); }
 #endif
 };
+
+// Q4_1's codes with float32 d (bytes 256..319) and m (320..383): a block d * c + m whose scales are not
+// fp16 values (Q4_K's d * sc and dmin * m, Q4_0's d and -8 d)
+struct Q4F {
+  static constexpr int64_t BYTES = 384;
+  static constexpr bool HAS_M = true;
+  static constexpr bool HALVES = false;
+  static constexpr int CHAINS = 1;
+  static float code(const uint8_t* wb, int64_t k, int64_t j) { return Q41::code(wb, k, j); }
+  static float d(const uint8_t* wb, int64_t j, int = 0) { return float_at(wb + 256 + 4 * j); }
+  static float m(const uint8_t* wb, int64_t j, int = 0) { return float_at(wb + 320 + 4 * j); }
+#if defined(KVGATE_T_AVX512)
+  static void widen(const uint8_t* wb, int p, __m512& c0, __m512& c1) { Q41::widen(wb, p, c0, c1); }
+  static __m512 d16(const uint8_t* wb, int = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 256)); }
+  static __m512 m16(const uint8_t* wb, int = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 320)); }
+#endif
+#if defined(KVGATE_T_AVX2)
+  static void widen8(const uint8_t* wb, int p, int h, __m256& c0, __m256& c1) { Q41::widen8(wb, p, h, c0, c1); }
+  static __m256 d8(const uint8_t* wb, int h, int = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 256) + 8 * h); }
+  static __m256 m8(const uint8_t* wb, int h, int = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 320) + 8 * h); }
+#endif
+};
+
+// Q8_0's int8 codes with float32 d and m per half block (kh = 0: k < 16, 1: k >= 16): d at bytes
+// 512 + 64 kh, m at 640 + 64 kh, 16 outputs each. A half block's sum is one chain over its 16 k.
+struct Q8S {
+  static constexpr int64_t BYTES = 768;
+  static constexpr bool HAS_M = true;
+  static constexpr bool HALVES = true;
+  static constexpr int CHAINS = 2;  // one per half block
+  static float code(const uint8_t* wb, int64_t k, int64_t j) { return Q80::code(wb, k, j); }
+  static float d(const uint8_t* wb, int64_t j, int kh = 0) { return float_at(wb + 512 + 64 * kh + 4 * j); }
+  static float m(const uint8_t* wb, int64_t j, int kh = 0) { return float_at(wb + 640 + 64 * kh + 4 * j); }
+#if defined(KVGATE_T_AVX512)
+  static void widen(const uint8_t* wb, int p, __m512& c0, __m512& c1) { Q80::widen(wb, p, c0, c1); }
+  static __m512 d16(const uint8_t* wb, int kh = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 512 + 64 * kh)); }
+  static __m512 m16(const uint8_t* wb, int kh = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 640 + 64 * kh)); }
+#endif
+#if defined(KVGATE_T_AVX2)
+  static void widen8(const uint8_t* wb, int p, int h, __m256& c0, __m256& c1) { Q80::widen8(wb, p, h, c0, c1); }
+  static __m256 d8(const uint8_t* wb, int h, int kh = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 512 + 64 * kh) + 8 * h); }
+  static __m256 m8(const uint8_t* wb, int h, int kh = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 640 + 64 * kh) + 8 * h); }
+#endif
+};
+
+// the chain a k = 2p (first) or 2p + 1 (second) product joins: Q8S a half block's, Q8_0 even or odd k,
+// Q4_1 / Q4F the one chain
+template <class F>
+constexpr int chain_of(int p, bool second) {
+  return F::HALVES ? (p >= 8 ? 1 : 0) : (second ? F::CHAINS - 1 : 0);
+}
+// block sums per row of x: one per block (xs[b]), or per half block (xs[2b + kh]) for a HALVES format
+template <class F>
+constexpr int64_t sums_per_block() {
+  return F::HALVES ? 2 : 1;
+}
 
 // tile block p into L2 (the next group's: at a thread's last group, the next thread's first tiles or the
 // bytes after the matrix, which a prefetch may ask for: it never faults)
@@ -225,14 +304,28 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const float* xr = x + r * K + b * QBLOCK + 2 * p;
-          s[r][t][0] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), c0, s[r][t][0]);
-          s[r][t][C - 1] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), c1, s[r][t][C - 1]);
+          const int a0 = chain_of<F>(p, false), a1 = chain_of<F>(p, true);
+          s[r][t][a0] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), c0, s[r][t][a0]);
+          s[r][t][a1] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), c1, s[r][t][a1]);
         }
       }
     }
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
       const uint8_t* wb = w + t * tstride + b * F::BYTES;
+      if constexpr (F::HALVES) {  // d and m per half block: four FMAs, halves in order
+        for (int kh = 0; kh < 2; ++kh) {
+          const __m512 d = F::d16(wb, kh);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(d, s[r][t][kh], acc[r][t]);
+        }
+        for (int kh = 0; kh < 2; ++kh) {
+          const __m512 m = F::m16(wb, kh);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(r * nb + b) * 2 + kh]), acc[r][t]);
+        }
+        continue;
+      }
       const __m512 d = F::d16(wb);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
@@ -284,8 +377,9 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
           F::widen8(w + t * tstride + b * F::BYTES, p, h, c0, c1);
           for (int r = 0; r < R; ++r) {
             const float* xr = x + r * K + b * QBLOCK + 2 * p;
-            s[r][t][h][0] = _mm256_fmadd_ps(_mm256_set1_ps(xr[0]), c0, s[r][t][h][0]);
-            s[r][t][h][C - 1] = _mm256_fmadd_ps(_mm256_set1_ps(xr[1]), c1, s[r][t][h][C - 1]);
+            const int a0 = chain_of<F>(p, false), a1 = chain_of<F>(p, true);
+            s[r][t][h][a0] = _mm256_fmadd_ps(_mm256_set1_ps(xr[0]), c0, s[r][t][h][a0]);
+            s[r][t][h][a1] = _mm256_fmadd_ps(_mm256_set1_ps(xr[1]), c1, s[r][t][h][a1]);
           }
         }
       }
@@ -293,6 +387,18 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
     for (int t = 0; t < NT; ++t) {
       const uint8_t* wb = w + t * tstride + b * F::BYTES;
       for (int h = 0; h < 2; ++h) {
+        if constexpr (F::HALVES) {  // as the AVX-512 loop: d and m per half block
+          for (int kh = 0; kh < 2; ++kh) {
+            const __m256 d = F::d8(wb, h, kh);
+            for (int r = 0; r < R; ++r) acc[r][t][h] = _mm256_fmadd_ps(d, s[r][t][h][kh], acc[r][t][h]);
+          }
+          for (int kh = 0; kh < 2; ++kh) {
+            const __m256 m = F::m8(wb, h, kh);
+            for (int r = 0; r < R; ++r)
+              acc[r][t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r * nb + b) * 2 + kh]), acc[r][t][h]);
+          }
+          continue;
+        }
         const __m256 d = F::d8(wb, h);
         for (int r = 0; r < R; ++r) {
           const __m256 sum = C == 2 ? _mm256_add_ps(s[r][t][h][0], s[r][t][h][C - 1]) : s[r][t][h][0];
@@ -329,10 +435,15 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* wb = w + t * tstride + b * F::BYTES;
           const float* xr = x + r * K + b * QBLOCK;
-          float s[2] = {0.f, 0.f};  // Q8_0: even and odd k apart; Q4_1: one chain
+          float s[2] = {0.f, 0.f};  // Q8_0: even and odd k apart; Q8S: the half blocks; Q4_1: one chain
           for (int64_t k = 0; k < QBLOCK; ++k) {
-            float& sk = s[F::CHAINS == 2 ? k % 2 : 0];
+            float& sk = s[chain_of<F>(static_cast<int>(k / 2), k % 2 == 1)];
             sk = std::fma(xr[k], F::code(wb, k, j), sk);
+          }
+          if constexpr (F::HALVES) {
+            for (int kh = 0; kh < 2; ++kh) acc = std::fma(F::d(wb, j, kh), s[kh], acc);
+            for (int kh = 0; kh < 2; ++kh) acc = std::fma(F::m(wb, j, kh), xs[(r * nb + b) * 2 + kh], acc);
+            continue;
           }
           acc = std::fma(F::d(wb, j), F::CHAINS == 2 ? s[0] + s[1] : s[0], acc);
           if constexpr (F::HAS_M) acc = std::fma(F::m(wb, j), xs[r * nb + b], acc);
@@ -388,7 +499,7 @@ void decode_cols(const float* x, const float* xs, int64_t M, int64_t N, int64_t 
       const int64_t avail = std::min(M - m, MAX_GROUP);
       int64_t rows = 1;
       while (rows * 2 <= avail) rows *= 2;
-      const float* xsr = F::HAS_M ? xs + m * nb : nullptr;
+      const float* xsr = F::HAS_M ? xs + m * nb * sums_per_block<F>() : nullptr;
       int64_t t = c0;
       const int64_t end = std::min(c1, full);
       for (int nt = group_tiles<F>(rows); nt >= 1; nt /= 2)  // fewer tiles side by side only at a range's end
@@ -413,32 +524,40 @@ constexpr int PROWS = 6;   // activation rows per register tile (6 x 2 running s
 #endif
 constexpr int64_t PBLOCK_FLOATS = 128 * 1024;  // activations per pass over the panels (512 KiB: half an L2)
 
-// panel[k * TILE + j] = fma(d_j, c_j(k), m_j) for tile `w` (nb blocks).
+// panel[k * TILE + j] = fma(d_j, c_j(k), m_j) for tile `w` (nb blocks): the file's own values (d * c is
+// exact in float32 for every format here, so one rounding, as gguf's d * c + m; Q8_0: m = 0, d * c).
+// A HALVES format takes k's half block's d and m.
+template <class F>
 void widen_panel(const uint8_t* w, int64_t nb, float* panel) {
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + b * Q41::BYTES;
+    const uint8_t* wb = w + b * F::BYTES;
     float* pb = panel + b * QBLOCK * TILE;
 #if defined(KVGATE_T_AVX512)
-    const __m512 d = Q41::d16(wb), m = Q41::m16(wb);
     for (int p = 0; p < 16; ++p) {
+      const int kh = F::HALVES && p >= 8 ? 1 : 0;
+      const __m512 d = F::d16(wb, kh), m = F::m16(wb, kh);
       __m512 c0, c1;
-      Q41::widen(wb, p, c0, c1);
+      F::widen(wb, p, c0, c1);
       _mm512_store_ps(pb + 2 * p * TILE, _mm512_fmadd_ps(d, c0, m));
       _mm512_store_ps(pb + (2 * p + 1) * TILE, _mm512_fmadd_ps(d, c1, m));
     }
 #elif defined(KVGATE_T_AVX2)
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = Q41::d8(wb, h), m = Q41::m8(wb, h);
       for (int p = 0; p < 16; ++p) {
+        const int kh = F::HALVES && p >= 8 ? 1 : 0;
+        const __m256 d = F::d8(wb, h, kh), m = F::m8(wb, h, kh);
         __m256 c0, c1;
-        Q41::widen8(wb, p, h, c0, c1);
+        F::widen8(wb, p, h, c0, c1);
         _mm256_store_ps(pb + 2 * p * TILE + 8 * h, _mm256_fmadd_ps(d, c0, m));
         _mm256_store_ps(pb + (2 * p + 1) * TILE + 8 * h, _mm256_fmadd_ps(d, c1, m));
       }
     }
 #else
     for (int64_t j = 0; j < TILE; ++j)
-      for (int64_t k = 0; k < QBLOCK; ++k) pb[k * TILE + j] = std::fma(Q41::d(wb, j), Q41::code(wb, k, j), Q41::m(wb, j));
+      for (int64_t k = 0; k < QBLOCK; ++k) {
+        const int kh = F::HALVES && k >= 16 ? 1 : 0;
+        pb[k * TILE + j] = std::fma(F::d(wb, j, kh), F::code(wb, k, j), F::m(wb, j, kh));
+      }
 #endif
   }
 }
@@ -523,6 +642,7 @@ void panel_group(const float* x, int64_t rows, int64_t K, const float* panel, fl
 }
 
 // Prefill rows x[0, M) against tiles [t0, t1).
+template <class F>
 void prefill_cols(const float* x, float* y, int64_t M, int64_t N, int64_t nb, const uint8_t* w, int64_t t0,
                   int64_t t1) {
   if (M <= 0 || t0 >= t1) return;
@@ -534,7 +654,7 @@ void prefill_cols(const float* x, float* y, int64_t M, int64_t N, int64_t nb, co
     const int64_t mb1 = std::min(mb + pblock, M);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t width = std::min(TILE, N - t * TILE);
-      widen_panel(w + t * nb * Q41::BYTES, nb, panel);
+      widen_panel<F>(w + t * nb * F::BYTES, nb, panel);
       for (int64_t m = mb; m < mb1; m += PROWS)
         panel_group(x + m * K, std::min<int64_t>(PROWS, mb1 - m), K, panel, y + m * N + t * TILE, N, width);
     }
@@ -611,7 +731,7 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
         kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more);
       else
         decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
-      if (!amx) prefill_cols(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
+      if (!amx) prefill_cols<Q41>(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
     });
   if (amx) kvgate_amx::q4_1_prefill(xp + Md * K, yp + Md * N, M - Md, N, nb, wp);
   return y;
@@ -646,5 +766,52 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const uint8_t* wp = pc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) { decode_cols<Q80>(xp, nullptr, M, N, nb, wp, yp, t0, t1); });
+  return y;
+}
+
+namespace {
+// decode rows [0, Md) on the float loop and prompt rows [Md, M) on the panels, for one block format
+template <class F>
+void block_rows(const float* xp, float* yp, int64_t M, int64_t Md, int64_t N, int64_t nb, int64_t T,
+                const uint8_t* wp) {
+  const int64_t K = nb * QBLOCK, per = sums_per_block<F>();
+  std::vector<float> xs(F::HAS_M ? static_cast<size_t>(Md * nb * per) : 0);
+  if constexpr (F::HAS_M)
+    at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        if constexpr (F::HALVES) {
+          xs[2 * i] = half_sum(xp + i * QBLOCK);
+          xs[2 * i + 1] = half_sum(xp + i * QBLOCK + 16);
+        } else {
+          xs[i] = block_sum(xp + i * QBLOCK);
+        }
+    });
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    decode_cols<F>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
+    prefill_cols<F>(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
+  });
+}
+}  // namespace
+
+torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows) {
+  const int64_t bytes = packed.dim() == 3 ? packed.size(2) : -1;
+  TORCH_CHECK(bytes == Q4F::BYTES || bytes == Q80::BYTES || bytes == Q8S::BYTES, "block_matmul: tiles of ",
+              Q4F::BYTES, " (Q4F), ", Q80::BYTES, " (Q8_0) or ", Q8S::BYTES, " (Q8S) bytes a block, got ",
+              packed.sizes(), " (Q4_1's tiles go to q4_1_matmul)");
+  check_tiles("block_matmul", "block_pack16", packed, N, bytes);
+  const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QBLOCK, M = x.size(0);
+  check_x("block_matmul", x, K);
+  const int64_t Md = decode_rows < 0 ? M : std::min(decode_rows, M);
+  auto xc = x.contiguous(), pc = packed.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = pc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (bytes == Q4F::BYTES)
+    block_rows<Q4F>(xp, yp, M, Md, N, nb, T, wp);
+  else if (bytes == Q80::BYTES)
+    block_rows<Q80>(xp, yp, M, Md, N, nb, T, wp);
+  else
+    block_rows<Q8S>(xp, yp, M, Md, N, nb, T, wp);
   return y;
 }
