@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_plan(a) -> int:
     from kvgate.core.engine import Engine  # noqa: F401 -- serve and generate import it before they measure
-    from kvgate.memory.overhead import load_peak_warning, overhead_drift, process_peak_rss_bytes
+    from kvgate.memory.overhead import load_peak_warning, overhead_drift
     from kvgate.units import fmt_bytes
 
     cfg, loaded = engine_config(a), {}
@@ -152,7 +152,7 @@ def cmd_plan(a) -> int:
 
     as_served(work) if a.plan_for == "serve" else work()
     plan = loaded["plan"]
-    peak = process_peak_rss_bytes()  # this process has just loaded and placed the model, as serve does
+    peak = plan.load_peak_bytes  # read when the plan was made, as serve's
     if a.json:
         print(
             json.dumps(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 from datetime import datetime
 
 import jinja2
@@ -22,6 +23,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kvgate.models.hf_loader import TokenizerInfo
+
+log = logging.getLogger("kvgate.tokenizer")
 
 # Used when a model ships no chat template: ChatML, the most common instruct format.
 FALLBACK_TEMPLATE = (
@@ -43,6 +46,12 @@ class TextTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        if not info.chat_template:
+            log.warning(
+                "the model ships no chat template: /v1/chat/completions formats messages as ChatML "
+                "(<|im_start|>role ... <|im_end|>), which may not be the format it was trained on; "
+                "/v1/completions sends prompts as given"
+            )
         self._template = env.from_string(info.chat_template or FALLBACK_TEMPLATE)
         # a template that reads `tools` renders tool definitions itself (kvgate.server.tools)
         self.supports_tools = "tools" in (info.chat_template or "")

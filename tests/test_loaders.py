@@ -367,3 +367,26 @@ def test_a_directorys_tensors_are_read_when_the_engine_asks_one_at_a_time(tmp_pa
     with pytest.raises(ModelLoadError) as err:
         load_model(str(d))
     assert "truncated or corrupt" in str(err.value)
+
+
+def test_a_new_version_of_a_gguf_replaces_its_cache_entry_and_the_log_names_it(gguf_dir, own_cache, caplog):
+    """Touching a GGUF converts it again (a new key) and removes the entry the earlier version left,
+    logging the entry's path and size; another file's entry stays. Seen red: every version kept its
+    515 MiB copy with nothing said (QA pass 7)."""
+    import logging
+
+    cache, calls = own_cache
+    other = write_tiny_gguf(gguf_dir / "other.gguf", seed=2)
+    load_model(str(other))
+    path = write_tiny_gguf(gguf_dir / "versions.gguf")
+    with caplog.at_level(logging.INFO, logger="kvgate.models"):
+        load_model(str(path))
+    first = cache / f"gguf-{gguf_loader.cache_key(path)}"
+    assert any(str(first) in r.getMessage() and "MiB" in r.getMessage() for r in caplog.records)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    load_model(str(path))
+    assert len(calls) == 3 and not first.exists()
+    assert sorted(cache.glob("gguf-*")) == sorted(
+        [cache / f"gguf-{gguf_loader.cache_key(path)}", cache / f"gguf-{gguf_loader.cache_key(other)}"]
+    )

@@ -27,6 +27,37 @@ def test_rope_scaling_is_refused_by_name(tmp_path):
         load_model(str(d))
 
 
+def test_rope_parameters_give_the_base_and_a_scaled_kind_is_refused(tmp_path):
+    """transformers 5 writes RoPE's base inside `rope_parameters` (no top-level rope_theta): it is read
+    from there, and a scaled kind written there (yarn) is refused as rope_scaling is. Seen red: the
+    base read as 10000 and the yarn model loaded (QA pass 7: a 1e6-base Qwen2's tokens went wrong)."""
+    d = _with_config(tmp_path / "a", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("rope_theta")
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert load_model(str(d)).spec.rope_theta == 1e6
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    with pytest.raises(ModelLoadError, match="rope_parameters .*yarn.* not implement"):
+        load_model(str(_with_config(tmp_path / "b", rope_parameters=yarn)))
+
+
+def test_a_checkpoint_missing_a_layer_tensor_is_refused_at_load_naming_it(tmp_path):
+    """A layer's up_proj left out of the file: the load names it and says to download again, instead of
+    `plan` accepting it and `generate` dying on a KeyError (QA pass 7). Seen red without the check."""
+    from safetensors.torch import load_file, save_file
+
+    d = make_tiny_hf_dir(tmp_path / "m")
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(
+        ModelLoadError,
+        match=r"1 of the 20 tensors a 2-layer model needs are missing, e\.g\. "
+        r"model\.layers\.1\.mlp\.up_proj\.weight; the file is incomplete",
+    ):
+        load_model(str(d))
+
+
 def test_sliding_window_caps_the_context_instead_of_attending_past_it(tmp_path):
     """Full attention equals sliding-window attention only inside the window, so the context is capped.
     Seen to fail when the window was ignored (max_position_embeddings stayed 512)."""
@@ -63,3 +94,21 @@ def test_completion_echo_suffix_and_unknown_message_keys_are_refused_by_name(mak
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.frobnicate"
         before = httpx.get(base + "/metrics").text.count('reason="shutting_down"')
         assert before == 0
+
+
+def test_a_model_without_a_chat_template_is_said_to_get_chatml(tmp_path, caplog):
+    """No chat template in the checkpoint: the fallback is ChatML, and the log says so once, at load,
+    instead of formatting chats silently in a format the model may not know (QA pass 7). Seen red
+    without the warning."""
+    import dataclasses
+    import logging
+
+    from kvgate.tokenizer import TextTokenizer
+
+    info = load_model(str(make_tiny_hf_dir(tmp_path / "m"))).tokenizer
+    with caplog.at_level(logging.WARNING, logger="kvgate.tokenizer"):
+        TextTokenizer(info)
+        assert not caplog.records  # the tiny model has its template
+        tok = TextTokenizer(dataclasses.replace(info, chat_template=None))
+    assert any("no chat template" in r.getMessage() and "ChatML" in r.getMessage() for r in caplog.records)
+    assert "<|im_start|>user\nhi<|im_end|>" in tok.render_chat([{"role": "user", "content": "hi"}])

@@ -401,3 +401,18 @@ def test_cli_plan_json_equals_engine_plan(default_model_cache):
     assert engine.plan.to_dict(1024) == cli
     assert engine.max_model_len == cli["limits"]["max_model_len"]
     assert engine.ledger.reserved <= cli["limit_bytes"]
+
+
+def test_max_concurrent_is_bounded_by_max_seqs_and_the_models_context():
+    """ "max concurrent requests at N tokens" counts what can run at once: no more than --max-seqs, and
+    a request no longer than the model's context (QA pass 7: 116 with --max-seqs 4; 1806 requests of
+    1024 tokens on a 512-token model). Seen red with the pool-only count."""
+    plan = smollm2_plan("4GiB", 2, max_seqs=4)
+    assert plan.kv_blocks // (1024 // 16) > 4
+    assert plan.max_concurrent(1024) == 4
+    assert "max concurrent requests at 1024 tokens each: 4 (--max-seqs 4)" in plan.describe(1024)
+    short = smollm2_plan("4GiB", 2, max_seqs=1000, max_model_len=512)
+    assert short.max_concurrent(1024) == min(1000, short.kv_blocks // (512 // 16))
+    assert "at 512 tokens each" in short.describe(1024) and "the model's context is 512" in short.describe(
+        1024
+    )

@@ -345,3 +345,26 @@ def test_a_waiter_with_n_choices_takes_n_rows_in_the_walk(make_engine):
     waiters = [WaiterView(8, 6, 3, 20, 3)]
     snap = snapshot(rows=rows, kv_blocks_total=64, kv_blocks_free=56, recent_decode_periods=(0.01,) * 8)
     assert forecast.admission_tick(cfg, snap, waiters, 4, 1) == 32
+
+
+def test_a_few_slow_warm_up_ticks_do_not_set_a_minute_long_retry_after():
+    """QA pass 7's F1: a fresh server on a busy machine told 429'd clients to come back in 40-60 s
+    where rows freed in 2.4-4.6 s. Three guards, each seen red on its own:
+    - a row count enters the cost of a row with 3 ticks (one 0.33 s warm-up tick at 4 rows made it
+      0.1 s; red with MIN_ROW_TICKS 1);
+    - the cost of a row is at most the measured step's share per row (red without `row_cost`'s bound:
+      a 4-row tick forecast at 0.31 s);
+    - Retry-After's step is at most twice the recent ticks' lower quartile (red with typical_step: 38 s
+      for a row 200 ticks from its end, where the fast ticks say 6)."""
+    from collections import deque
+
+    from kvgate.core.state import row_slope
+
+    assert row_slope({1: deque([0.013] * 9), 4: deque([0.33])}) == 0.0
+    assert row_slope({1: deque([0.013] * 9), 4: deque([0.33, 0.02, 0.02])}) == pytest.approx(0.007 / 3)
+    warm = snapshot(recent_decode_periods=(0.013,) * 8, recent_decode_rows=(1,) * 8, decode_row_seconds=0.1)
+    assert forecast.step_at(warm, 0.013, 4) == pytest.approx(4 * 0.013)
+    row = (RowView(1, 200, 4, 100, 0, 10, 210),)
+    slow = snapshot(rows=row, recent_decode_periods=(0.3,) * 10 + (0.015,) * 6, recent_decode_rows=(4,) * 16)
+    assert forecast.typical_step(slow) > 0.15
+    assert forecast.retry_after(slow) == 6

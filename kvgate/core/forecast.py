@@ -49,17 +49,33 @@ def typical_step(snap: EngineSnapshot) -> float | None:
     return sum(min(t, cap) for t in recent) / len(recent)
 
 
+def quick_step(snap: EngineSnapshot) -> float | None:
+    """Retry-After's step: the typical step, at most twice the recent ticks' lower quartile. A retry
+    that comes early costs one cheap 429; one told to wait too long waits in full (the openai SDK
+    sleeps up to 60 s), so a burst of slow ticks (a fresh server warming up on a busy machine) must not
+    set the hint: it said 40-60 s for rows free in 2.4-4.6 (QA pass 7's F1)."""
+    step = typical_step(snap)
+    recent = sorted(snap.recent_decode_periods)
+    return step if step is None or not recent else min(step, 2 * recent[len(recent) // 4])
+
+
 def measured_rows(snap: EngineSnapshot) -> float:
     """The rows the typical step was measured at: the recent decode ticks' mean (1 before any)."""
     rows = snap.recent_decode_rows
     return sum(rows) / len(rows) if rows else 1.0
 
 
+def row_cost(snap: EngineSnapshot, step: float) -> float:
+    """The cost of a row (`decode_row_seconds`), at most the step's share per row it was measured at: a
+    batched tick never costs more a row than a tick of its rows, each alone."""
+    return min(snap.decode_row_seconds, step / max(measured_rows(snap), 1.0))
+
+
 def step_at(snap: EngineSnapshot, step: float, rows: float) -> float:
-    """The typical step moved to `rows` rows by the cost of a row (`decode_row_seconds`), at least
-    half of it: measured at 1 row (the startup calibration), a burst's 2-row ticks came out 15-25%
-    longer, and 16-row ones several times (session 32, QA pass 5's F1)."""
-    return max(step + snap.decode_row_seconds * (rows - measured_rows(snap)), step / 2)
+    """The typical step moved to `rows` rows by the cost of a row (`row_cost`), at least half of it:
+    measured at 1 row (the startup calibration), a burst's 2-row ticks came out 15-25% longer, and
+    16-row ones several times (session 32, QA pass 5's F1)."""
+    return max(step + row_cost(snap, step) * (rows - measured_rows(snap)), step / 2)
 
 
 def decode_seconds(snap: EngineSnapshot, step: float, steps: int) -> float:
@@ -67,7 +83,7 @@ def decode_seconds(snap: EngineSnapshot, step: float, steps: int) -> float:
     typical `step` now, moved by the cost of a row to the rows still running (`step_at`), plus the
     probe's seconds per position for every position they have grown by, less those of the rows that
     have ended (a stretch of ticks averaging at least half the step)."""
-    c, b, r0 = snap.decode_position_seconds, snap.decode_row_seconds, measured_rows(snap)
+    c, b, r0 = snap.decode_position_seconds, row_cost(snap, step), measured_rows(snap)
     if steps <= 0:
         return 0.0
     if (c <= 0 and b <= 0) or not snap.rows:
@@ -95,7 +111,7 @@ def retry_after(snap: EngineSnapshot) -> int:
     Retry-After in full)."""
     if not snap.rows:
         return 1
-    step = typical_step(snap) or DEFAULT_STEP_SECONDS
+    step = quick_step(snap) or DEFAULT_STEP_SECONDS
     soonest = min(r.steps_left for r in snap.rows)
     return int(min(60, max(1, round(decode_seconds(snap, step, soonest)))))
 

@@ -15,9 +15,10 @@ import torch
 
 from kvgate.config import EngineConfig
 from kvgate.core.speculate import MAX_SPECULATE
-from kvgate.memory.overhead import overhead_drift, runtime_overhead_bytes
-from kvgate.memory.plan import MemoryPlan, make_plan
+from kvgate.memory.overhead import overhead_drift, process_peak_rss_bytes, runtime_overhead_bytes
+from kvgate.memory.plan import MemoryPlan, make_plan, matrices
 from kvgate.models import LoadedModel, native
+from kvgate.models.block_formats import BLOCK_FORMATS, block_bytes, format_counts, layer_matrix_formats
 from kvgate.models.lazy_weights import LazyWeights
 from kvgate.models.linear import packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
@@ -25,7 +26,6 @@ from kvgate.models.paged_attention import kernel as paged_attention_kernel
 from kvgate.models.paged_attention import position_seconds
 from kvgate.models.paged_attention import resolve as resolve_decode_attention
 from kvgate.models.prefill_attention import resolve as resolve_prefill_attention
-from kvgate.models.q4_1 import q4_1_blocks
 from kvgate.models.q8_head import probe as probe_q8_head
 from kvgate.models.q8_head import q8_blocks
 from kvgate.models.quant import FORMATS, GGUF_FORMATS, probe_activation_dtype, supported
@@ -126,39 +126,52 @@ def resolve_weights(name: str, device: torch.device) -> tuple[str, torch.dtype |
     return name, (None if name == "full" or name in GGUF_FORMATS else probe_activation_dtype(name))
 
 
-MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def not_gguf_blocks(loaded: LoadedModel) -> str | None:
-    """The first layer matrix that is not exact Q4_1 blocks, or None when all of them are."""
-    for name, t in loaded.weights.items():
-        if name.endswith(".weight") and name.split(".")[-2] in MATRICES and q4_1_blocks(t.float()) is None:
-            return f"{name} {tuple(t.shape)}"
-    return None
-
-
-def auto_weights(loaded: LoadedModel, device: torch.device) -> tuple[str, str]:
-    """--weights auto: gguf where every layer matrix is exact Q4_1 blocks and kvgate's CPU kernels run
-    (the same numbers as full at a fifth of the bytes, 2.5x full's decode at one row), else full."""
+def auto_weights(loaded: LoadedModel, device: torch.device) -> tuple[str, str, list | None]:
+    """--weights auto: gguf where every layer matrix is a GGUF file's blocks of a type kvgate's CPU
+    kernels hold (the same numbers as full in a fifth to a third of the bytes: Q4_1 2.5x full's decode
+    at one row), else full. Also returns `layer_matrix_formats` where it looked."""
     if device.type != "cpu":
-        return "full", f"full (auto: the Q4_1 kernel is CPU only, this is {device})"
+        return "full", f"full (auto: the GGUF block kernels are CPU only, this is {device})", None
     if native.extension() is None:
-        return "full", "full (auto: kvgate's C++ kernels are unavailable, see the log)"
-    bad = not_gguf_blocks(loaded)
-    if bad is not None:
-        return "full", "full (auto: the layer matrices are not exact Q4_1 blocks)"
-    return "gguf", "gguf (auto: every layer matrix is exact Q4_1 blocks, held as such: full's numbers)"
-
-
-def check_gguf_blocks(loaded: LoadedModel, fmt: str = "gguf") -> None:
-    """--weights gguf (or gguf-q8act) holds every layer matrix as its Q4_1 blocks: each must be exactly that."""
-    name = not_gguf_blocks(loaded)
-    if name is not None:
-        raise DeviceError(
-            f"--weights {fmt}: {name} is not exact Q4_1 blocks, and --weights {fmt} holds "
-            "every layer matrix as the file's own Q4_1 blocks (a Q4_1 GGUF such as the default model's). "
-            "Use --weights full (the same numbers, in float) or --weights int4."
+        return "full", "full (auto: kvgate's C++ kernels are unavailable, see the log)", None
+    formats = layer_matrix_formats(loaded)
+    bad = [what for fmt, what in formats if fmt is None]
+    if bad:
+        return (
+            "full",
+            f"full (auto: {len(bad)} of {len(formats)} layer matrices are not a GGUF file's blocks, e.g. {bad[0]})",
+            formats,
         )
+    held = format_counts(formats)
+    return (
+        "gguf",
+        f"gguf (auto: every layer matrix held as the file's own blocks, {held}: full's numbers)",
+        formats,
+    )
+
+
+def check_gguf_blocks(loaded: LoadedModel, fmt: str = "gguf", formats: list | None = None) -> list:
+    """--weights gguf holds every layer matrix as the file's own blocks, gguf-q8act as Q4_1 blocks: each
+    must be that. Returns `layer_matrix_formats` (`formats`: already looked at)."""
+    formats = layer_matrix_formats(loaded) if formats is None else formats
+    want = ("q4_1",) if fmt == "gguf-q8act" else BLOCK_FORMATS
+    bad = [(got, what) for got, what in formats if got not in want]
+    if bad:
+        got, what = bad[0]
+        kind = "exact Q4_1 blocks" if fmt == "gguf-q8act" else "a GGUF file's blocks of a type kvgate holds"
+        found = "float values" if got is None else f"{got} blocks"
+        raise DeviceError(
+            f"--weights {fmt}: {len(bad)} of {len(formats)} layer matrices are not {kind}, e.g. {what} "
+            f"({found}); --weights {fmt} holds every layer matrix as the file's own "
+            + (
+                "Q4_1 blocks (a Q4_1 GGUF such as the default model's). Use --weights gguf for other block "
+                "types, "
+                if fmt == "gguf-q8act"
+                else "blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K). Use "
+            )
+            + "--weights full (the same numbers, in float) or --weights int4."
+        )
+    return formats
 
 
 @dataclass
@@ -265,9 +278,9 @@ def plan_for(
     measured overhead), measure that overhead, and make the plan (its notes say which attention).
     `drift`: add `OVERHEAD_DRIFT` to a measured CPU overhead (`kvgate plan`, for another process)."""
     device = resolve_device(cfg.device)
-    weights_note = None
+    weights_note = formats = None
     if cfg.weights == "auto":
-        name, weights_note = auto_weights(loaded, device)
+        name, weights_note, formats = auto_weights(loaded, device)
     else:
         name = cfg.weights
     fmt, act = resolve_weights(name, device)
@@ -280,8 +293,11 @@ def plan_for(
         )
     packed = resolve_packing(cfg.pack_weights, device, dtype)  # quantized: the head (and any unquantizable)
     q8_head, q8_reason = resolve_q8_head(cfg.q8_head, loaded, device, dtype, packed, fmt)
-    if fmt in GGUF_FORMATS and weights_note is None:  # auto has checked them
-        check_gguf_blocks(loaded, fmt)
+    matrix_bytes = None
+    if fmt in GGUF_FORMATS:
+        formats = check_gguf_blocks(loaded, fmt, formats)
+        if fmt == "gguf":  # each matrix's tiles in its own format (the plan charges exactly those)
+            matrix_bytes = [block_bytes(f, n, k) for (f, _), (n, k) in zip(formats, matrices(loaded.spec))]
     spec = loaded.spec
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     if packed:
@@ -320,6 +336,7 @@ def plan_for(
         packed_weights=packed,
         weight_params=checkpoint_params(loaded),
         weight_format=fmt,
+        matrix_bytes=matrix_bytes,
         quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else (4 if fmt in GGUF_FORMATS else 2),
         speculate=cfg.speculate,
         q8_head=q8_head,
@@ -329,6 +346,7 @@ def plan_for(
         step_pieces=pieces,
     )
     plan.prefix_cache = cfg.prefix_cache != "off"  # the printed plan says where cached blocks live
+    plan.load_peak_bytes = process_peak_rss_bytes()  # read and checked, nothing built: plan's and serve's
     if amx:
         plan.notes.append(
             "prompt rows of the Q4_1 layers on AMX bf16 tiles (float32's numbers: each activation as three "
@@ -340,6 +358,11 @@ def plan_for(
     plan.notes.append(f"prefill attention: {prefill_why}")
     if weights_note is not None:
         plan.notes.append(f"weights: {weights_note}")
+    if (cfg.max_model_len or 0) > spec.max_position_embeddings:
+        plan.notes.append(
+            f"--max-model-len {cfg.max_model_len} is above the model's context, {spec.max_position_embeddings} "
+            "positions (its config): capped to that"
+        )
     if act is not None and fmt not in GGUF_FORMATS:  # int4 / int8: the probe's pick moves the numbers
         plan.notes.append(
             f"{fmt} matmuls on {str(act).removeprefix('torch.')} activations (a startup probe timed bfloat16 "

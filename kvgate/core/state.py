@@ -32,6 +32,7 @@ log = logging.getLogger("kvgate.engine")
 
 RECENT_STEPS = 32
 ROW_SAMPLES = 9  # ticks kept per row count for the cost of a row (their median)
+MIN_ROW_TICKS = 3  # ticks a row count needs before it enters the cost of a row (a median of 3)
 MIN_TIMED_PREFILL = 32  # prompt tokens a step must prefill to be timed: tiny tail chunks overstate the rate
 
 
@@ -84,11 +85,17 @@ class StepTimes:
 def row_slope(by_rows: dict) -> float:
     """Seconds a decode tick gains per row: the least-squares slope over the row counts seen (each
     count once, at the median of its last ROW_SAMPLES ticks: a 0.33 s warm-up tick among sixteen of
-    17.9 ms made one smoothed mean 5x the cost of a row), at least 0; 0 before two counts were seen."""
-    if len(by_rows) < 2:
+    17.9 ms made one smoothed mean 5x the cost of a row), at least 0; 0 before two counts were seen.
+    A count enters with MIN_ROW_TICKS ticks: a first 4-row tick warming its kernels, alone, made the
+    cost of a row ~0.1 s on a fresh server, and a Retry-After of 60 s for rows free in 2.6 (QA pass 7)."""
+    counts = {
+        n: sorted(v)[len(v) // 2] if isinstance(v, deque) else v
+        for n, v in by_rows.items()
+        if not isinstance(v, deque) or len(v) >= MIN_ROW_TICKS
+    }
+    if len(counts) < 2:
         return 0.0
-    xs = list(by_rows)
-    ys = [sorted(v)[len(v) // 2] if isinstance(v, deque) else v for v in by_rows.values()]
+    xs, ys = list(counts), list(counts.values())
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     vx = sum((x - mx) ** 2 for x in xs)
     return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / vx)

@@ -52,7 +52,18 @@ def describe_plan(plan, context: int | None = None) -> str:
             if plan.prefix_cache
             else "prefix cache off (--prefix-cache off): no block outlives the requests that hold it"
         ),
-        f"  max concurrent requests at {ctx} tokens each: {plan.max_concurrent(ctx)}",
+        f"  max concurrent requests at {min(ctx, plan.limits.max_model_len)} tokens each: "
+        f"{plan.max_concurrent(ctx)}"
+        + (
+            f" (--max-seqs {plan.limits.max_seqs})"
+            if plan.max_concurrent(ctx) == plan.limits.max_seqs
+            else ""
+        )
+        + (
+            f" (the model's context is {plan.limits.max_model_len})"
+            if ctx > plan.limits.max_model_len
+            else ""
+        ),
     ]
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

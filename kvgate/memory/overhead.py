@@ -13,9 +13,10 @@ import os
 OVERHEAD_SLACK = 192 << 20  # allocator arenas, thread stacks, HTTP buffers beyond the measured baseline
 # What the measured baseline moves between two processes with the same flags: `kvgate plan` against
 # `kvgate serve` came out 0.5 MiB apart in session 33 (serve higher) and 5 MiB in session 29 (plan
-# higher). `kvgate plan` adds it to its measurement, so a server never gets a smaller pool than the plan
-# promised, and a "raise --memory-limit to at least" advice adds it, so the next start fits too.
-OVERHEAD_DRIFT = 2 << 20
+# higher), and 3.8 MiB over plan's 2 MiB margin in QA pass 7 (serve higher, twice, session 34). `kvgate
+# plan` adds it to its measurement, so a server never gets a smaller pool than the plan promised, and a
+# "raise --memory-limit to at least" advice adds it, so the next start fits too.
+OVERHEAD_DRIFT = 8 << 20
 
 
 def overhead_drift(device: str) -> int:

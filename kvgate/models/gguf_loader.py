@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
+from kvgate.models.gguf_cache import settle
+from kvgate.models.gguf_scales import LAYOUTS, SCALES_FILE, block_scales
 
 log = logging.getLogger("kvgate.models")
 
-# Bump when the converter's output changes. 2: Qwen2 q/k rows are no longer unpermuted; Llama q/k
-# biases are.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4  # bumped when the output changes (2: Qwen2 q/k kept, Llama q/k biases unpermuted; 4: scales)
 # llama.cpp permutes q/k rows (weights and biases) only for architectures it runs with GPT-J style
 # RoPE; Qwen2 uses NeoX (rotate-half) RoPE and is written in HF order, untouched.
 PERMUTED_QK_ARCHS = ("llama", "mistral", "smollm")
@@ -86,6 +86,7 @@ def convert_to_cache(path: Path) -> Path:
         _convert(path, tmp)
         try:
             os.replace(tmp, target)
+            settle(target, path)  # records the source, removes its earlier versions' entries, logs
         except OSError:  # another process won the race; its copy is as good as ours
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
@@ -192,6 +193,16 @@ def _convert(path: Path, out: Path) -> None:
         if hf_name is not None:
             # GGUF lists dims fastest-first
             layout.append((name, hf_name, [int(d) for d in reversed(t.shape)]))
+    # the layer matrices' block scales, per 16 values (a matrix of a float type has none)
+    scaled = [
+        (name, hf, shape)
+        for name, hf, shape in layout
+        if hf.endswith("_proj.weight")
+        and len(shape) == 2
+        and shape[1] % 32 == 0
+        and tensors[name].tensor_type.name in LAYOUTS
+    ]
+    scale_entries = [(f"{hf}.{part}", [shape[0], shape[1] // 16]) for _, hf, shape in scaled for part in "dm"]
     names = {hf for _, hf, _ in layout}
     if "model.embed_tokens.weight" not in names:
         raise ModelLoadError(f"{path.name}: no token_embd.weight tensor; the file is incomplete.")
@@ -210,7 +221,9 @@ def _convert(path: Path, out: Path) -> None:
     with (
         _Progress(path.name, [t.n_bytes for t in tensors.values()]) as progress,
         _F32Writer(out / "model.safetensors", [(hf, shape) for _, hf, shape in layout]) as writer,
+        _F32Writer(out / SCALES_FILE, scale_entries) as scale_writer,
     ):
+        scaled_names = {name for name, _, _ in scaled}
         for name, hf_name, shape in layout:
             t = tensors[name]
             try:
@@ -230,12 +243,29 @@ def _convert(path: Path, out: Path) -> None:
             elif arch in PERMUTED_QK_ARCHS and name.endswith(("attn_k.weight", "attn_k.bias")):
                 arr = _unpermute(arr, n_kv)
             writer.write(hf_name, arr)
+            if name in scaled_names:
+                _write_scales(scale_writer, t, name, hf_name, shape, arch, n_heads, n_kv)
             progress.step(t.n_bytes)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     tok_json, extra = _tokenizer_from_metadata(reader, path)
     (out / "tokenizer.json").write_text(tok_json)
     (out / "kvgate_tokenizer.json").write_text(json.dumps(extra, indent=1))
-    log.info("converted %s in %.1fs; later loads read the cache", path.name, time.monotonic() - t0)
+    log.info("converted %s in %.1fs", path.name, time.monotonic() - t0)
+
+
+def _write_scales(writer, t, name: str, hf_name: str, shape: list[int], arch: str, n_heads: int, n_kv: int):
+    """A quantized layer matrix's d and m per 16 values, its rows in the float table's order."""
+    got = block_scales(t.tensor_type.name, t.data, *shape)
+    if got is None:
+        raise ModelLoadError(
+            f"tensor {name} ({t.tensor_type.name}): its blocks do not cover {shape}; the file is corrupt"
+        )
+    for part, arr in zip("dm", got):
+        if arch in PERMUTED_QK_ARCHS and name.endswith("attn_q.weight"):
+            arr = _unpermute(arr, n_heads)
+        elif arch in PERMUTED_QK_ARCHS and name.endswith("attn_k.weight"):
+            arr = _unpermute(arr, n_kv)
+        writer.write(f"{hf_name}.{part}", arr)
 
 
 class _F32Writer:

@@ -17,6 +17,7 @@ import torch
 
 from kvgate.config import ModelSpec
 from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
+from kvgate.models.gguf_scales import SCALES_FILE
 from kvgate.models.lazy_weights import LazyWeights, index_safetensors
 
 _HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -38,6 +39,8 @@ class LoadedModel:
     weights: MutableMapping[str, torch.Tensor]  # a dict, or `LazyWeights` read on demand (directories)
     tokenizer: TokenizerInfo
     source: str
+    # a converted GGUF's block scales per layer matrix ("<name>.d", "<name>.m"; kvgate.models.gguf_scales)
+    block_scales: MutableMapping[str, torch.Tensor] | None = None
 
 
 def read_spec(config: dict, path: Path) -> ModelSpec:
@@ -55,6 +58,7 @@ def read_spec(config: dict, path: Path) -> ModelSpec:
             f"{path}: rope_scaling {config['rope_scaling']} is not implemented in kvgate yet; the output "
             "would be silently wrong, so the model is refused. Use a model without RoPE scaling."
         )
+    rope_theta = _rope_theta(config, path)
     max_pos = int(config.get("max_position_embeddings", 2048))
     window = config.get("sliding_window")
     if window and config.get("use_sliding_window", True) and int(window) < max_pos:
@@ -69,7 +73,7 @@ def read_spec(config: dict, path: Path) -> ModelSpec:
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or hidden // heads),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -90,7 +94,7 @@ def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{cfg_path} is not valid JSON ({exc}); re-download the model.") from exc
     spec = read_spec(config, path)
-    files = sorted(path.glob("*.safetensors"))
+    files = [f for f in sorted(path.glob("*.safetensors")) if f.name != SCALES_FILE]
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights; kvgate does not read .bin checkpoints.")
     index = {}
@@ -104,7 +108,44 @@ def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
     weights = LazyWeights(index)  # read tensor by tensor as the engine builds its model
     if "lm_head.weight" not in weights and not spec.tie_word_embeddings:
         raise ModelLoadError(f"{path}: no lm_head.weight and tie_word_embeddings is false.")
-    return LoadedModel(spec, weights, _read_tokenizer(path), source or str(path))
+    missing = [n for n in required_tensors(spec) if n not in weights]
+    if missing:
+        raise ModelLoadError(
+            f"{source or path}: {len(missing)} of the {len(required_tensors(spec))} tensors a "
+            f"{spec.num_layers}-layer model needs are missing, e.g. {', '.join(missing[:3])}; the file is "
+            "incomplete or corrupt. Download it again and compare its size and checksum with the source."
+        )
+    scales = path / SCALES_FILE
+    block_scales = LazyWeights(index_safetensors(scales)) if scales.is_file() else None
+    return LoadedModel(spec, weights, _read_tokenizer(path), source or str(path), block_scales)
+
+
+def required_tensors(spec: ModelSpec) -> list[str]:
+    """Every tensor the model is built from (biases and an untied head aside)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    return names
+
+
+def _rope_theta(config: dict, path: Path) -> float:
+    """RoPE's base, from `rope_parameters` (transformers 5 writes it there, with the scaling kind) or
+    the top-level `rope_theta` (earlier configs); a scaled or per-layer-type RoPE is refused by name,
+    as `rope_scaling` is. Reading only the top level ran a 1e6-base Qwen2 at 10000 (QA pass 7)."""
+    rope = config.get("rope_parameters")
+    if rope is None:
+        return float(config.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", "default") if isinstance(rope, dict) else None
+    if kind != "default" or "rope_theta" not in rope:
+        raise ModelLoadError(
+            f"{path}: rope_parameters {rope} ask for RoPE other than the default kind with one base "
+            "(rope_type 'default' and a rope_theta), which kvgate does not implement yet; the output would "
+            "be silently wrong, so the model is refused. Use a model without RoPE scaling."
+        )
+    return float(rope["rope_theta"])
 
 
 def _read_tokenizer(path: Path) -> TokenizerInfo:

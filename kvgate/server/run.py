@@ -16,7 +16,7 @@ import time
 
 import uvicorn
 
-from kvgate.memory.overhead import load_peak_warning, process_peak_rss_bytes
+from kvgate.memory.overhead import load_peak_warning
 from kvgate.server.app import ServerSettings, create_app
 from kvgate.server.cors import cors_origins
 
@@ -99,7 +99,7 @@ def serve(args) -> int:
     def load():
         try:
             engine = Engine.from_model(args.model, cfg)
-            app.state.load_peak_bytes = process_peak_rss_bytes()
+            app.state.load_peak_bytes = engine.plan.load_peak_bytes  # where `kvgate plan` reads its own
             print(engine.plan.describe(1024), file=sys.stderr, flush=True)
             warn = load_peak_warning(app.state.load_peak_bytes, engine.plan.limit_bytes, str(engine.device))
             if warn:
