@@ -43,6 +43,13 @@ def test_the_openai_client_works_unchanged_against_the_ingress(cluster):
     assert pieces[-1].choices[0].finish_reason in ("stop", "length")
     raw = httpx.post(cluster + "/v1/completions", json=body(4, stream=False), timeout=30)
     assert raw.status_code == 200 and raw.headers["x-kvgate-replica"]
+    # one X-Request-Id, the client's own when sent (QA pass 7: the app's and Serve's came both). Red with
+    # the ingress keeping the app's header
+    traced = httpx.post(
+        cluster + "/v1/completions", json=body(2, stream=False), headers={"x-request-id": "t-7"}
+    )
+    assert traced.headers.get_list("x-request-id") == ["t-7"]
+    assert len(raw.headers.get_list("x-request-id")) == 1
     assert raw.json()["usage"]["completion_tokens"] == 4
     metrics = httpx.get(cluster + "/metrics", timeout=10).text
     assert (
@@ -138,6 +145,26 @@ def test_when_both_replicas_are_full_the_client_gets_one_429_with_the_smaller_re
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_whole_answer_the_client_gave_up_on_is_counted_cancelled(cluster):
+    """A non-streaming request admitted, then the client leaves: the ingress counts its choice as
+    `cancelled`, as a single server does (QA pass 7's F5: the cluster counted it nowhere)."""
+    import re
+
+    from tests.cluster_util import settle
+
+    def cancelled() -> float:
+        text = httpx.get(cluster + "/metrics", timeout=10).text
+        m = re.search(r'kvgate_request_finished_total\{finish_reason="cancelled"\} ([0-9.]+)', text)
+        return float(m.group(1)) if m else 0.0
+
+    settle(cluster)
+    before = cancelled()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(cluster + "/v1/completions", json=body(400, stream=False), timeout=1.5)
+    assert wait_until(lambda: cancelled() == before + 1, 15), cancelled()
 
 
 @pytest.mark.timeout(150)

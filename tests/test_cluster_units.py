@@ -472,3 +472,32 @@ def test_the_shipped_serve_configs_build_valid_cluster_options():
         assert app["import_path"] == "kvgate.cluster.app:build_app"
         opts = ClusterOptions(**app["args"])
         assert opts.engine_config().memory_limit == "4GiB"
+
+
+def test_the_clusters_counters_keep_a_dead_replicas_share():
+    """Two replicas served 10 and 20 prompt tokens; one dies and its replacement (a new tag) serves 5:
+    the cluster's count is 35, never 25 (QA pass 7's F2: every `_total` series dropped when Serve
+    replaced a replica, a counter reset to Prometheus). The blocks held are the live replicas'. Red
+    with the live sum alone."""
+    from kvgate.cluster.views import KeptCounters
+
+    def v(tag, prompt, held):
+        return view(tag, snapshot=snapshot(counters=Counters(prompt_tokens=prompt, kv_blocks_held=held)))
+
+    kept = KeptCounters()
+    both = [v("a", 10, 3), v("b", 20, 4)]
+    assert kept.fold(both, aggregate([x.snapshot for x in both]).counters).prompt_tokens == 30
+    after = [v("b", 20, 4), v("c", 5, 1)]
+    total = kept.fold(after, aggregate([x.snapshot for x in after]).counters)
+    assert (total.prompt_tokens, total.kv_blocks_held) == (35, 5)
+    # and the ingress's snapshot (what /metrics reads) is built that way
+    from types import SimpleNamespace
+
+    from kvgate.cluster.facade import ClusterEngine
+
+    live = [both]
+    engine = ClusterEngine(None, lambda: {})
+    engine.dispatcher = SimpleNamespace(ready_views=lambda: live[0])
+    assert engine.snapshot().counters.prompt_tokens == 30
+    live[0] = after
+    assert engine.snapshot().counters.prompt_tokens == 35

@@ -17,10 +17,12 @@ bodies, auth and metrics are the single-process server's own code, not a copy:
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvgate.cluster.dispatch import Dispatcher
 from kvgate.cluster.remote import RemoteCall
 from kvgate.cluster.routing import Demand, blocks_for, prefix_chain
-from kvgate.cluster.views import ReplicaView, aggregate
+from kvgate.cluster.views import KeptCounters, ReplicaView, aggregate
 from kvgate.core.admission import plan_entry
 from kvgate.request import RequestHandle
 from kvgate.tokenizer import TextTokenizer
@@ -58,6 +60,7 @@ class ClusterEngine:
         self.dead = None
         self.tokenizer: TextTokenizer | None = None
         self._last = None  # the last aggregate snapshot (metrics never go absent between views)
+        self._kept = KeptCounters()  # counters never drop when a replica goes
 
     async def connect(self) -> dict:
         """Learn the model and limits from one replica; Serve holds the call until one is ready."""
@@ -99,7 +102,7 @@ class ClusterEngine:
         views = self.dispatcher.ready_views()
         agg = aggregate([v.snapshot for v in views if v.snapshot is not None])
         if agg is not None:
-            self._last = agg
+            self._last = dataclasses.replace(agg, counters=self._kept.fold(views, agg.counters))
         return self._last
 
     @property

@@ -157,4 +157,5 @@ class KvgateIngress:
         await self.cluster.connect()
         s = dict(self.settings)
         s["model_name"] = s.get("model_name") or self.cluster.model_name
+        s["request_id_header"] = False  # Serve's proxy sets X-Request-Id (QA pass 7: it came twice)
         return build_ingress_app(self.cluster, ServerSettings(**s))

@@ -149,3 +149,23 @@ def aggregate(snaps: list[EngineSnapshot]) -> EngineSnapshot | None:
             measured = [v for v in values if v is not None]
             out[f.name] = sum(measured) / len(measured) if measured else None
     return EngineSnapshot(**out)
+
+
+class KeptCounters:
+    """The cluster's monotone counters: every replica ever seen at its last view, so a replica that dies
+    or is replaced (a new one has a new tag) keeps its share. Summing only the live replicas made every
+    `_total` series drop when Serve replaced one, which Prometheus reads as a counter reset: a false
+    spike in every rate panel (QA pass 7's F2). The blocks held and their peak stay the live ones."""
+
+    def __init__(self):
+        self.last: dict[str, Counters] = {}
+
+    def fold(self, views: list[ReplicaView], live: Counters) -> Counters:
+        for v in views:
+            if v.snapshot is not None:
+                self.last[v.replica] = v.snapshot.counters
+        total = Counters()
+        for c in self.last.values():
+            total = total.plus(c)
+        total.kv_blocks_held, total.kv_blocks_peak = live.kv_blocks_held, live.kv_blocks_peak
+        return total

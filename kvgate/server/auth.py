@@ -49,7 +49,8 @@ class AuthAndCount:
         path = scope["path"]
         endpoint = endpoint_of(path)
         headers = dict(scope["headers"])
-        send = with_request_id(send, headers.get(b"x-request-id", b""))
+        if self.settings.request_id_header:
+            send = with_request_id(send, headers.get(b"x-request-id", b""))
         key = self.settings.api_key
         if key and path.startswith("/v1/"):
             given = headers.get(b"authorization", b"")

@@ -24,6 +24,9 @@ class ServerSettings:
     responses_store_bytes: int = (
         64 << 20
     )  # kept responses for previous_response_id (responses_store); 0 = none
+    # X-Request-Id on every response (kvgate.server.auth); off behind Ray Serve, whose proxy sets it
+    # itself (the client's id when it sent one): both made every cluster response carry it twice
+    request_id_header: bool = True
 
 
 def refused(state, code: str, retry_after: int | None = None) -> None:

@@ -46,6 +46,22 @@ def served_name(model: str, override: str | None) -> str:
     return p.stem if p.suffix else p.name
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound now, or None. Checked before the model loads: a second server on
+    a busy port printed "serving on" and then died on uvicorn's raw bind error (QA pass 7)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return (
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}): another process holds the port "
+                f"(`ss -ltnp 'sport = :{port}'` names it). Stop it, or pass another --port."
+            )
+    return None
+
+
 class GracefulServer(uvicorn.Server):
     def __init__(self, config, app, grace: float):
         super().__init__(config)
@@ -83,6 +99,10 @@ def serve(args) -> int:
             "--api-key KEY (or KVGATE_API_KEY), or pass --allow-unauthenticated if this network is trusted.",
             file=sys.stderr,
         )
+        return 2
+    busy = port_taken(args.host, args.port)
+    if busy:
+        print(f"kvgate: error: {busy}", file=sys.stderr)
         return 2
     cfg = engine_config(args)
     settings = ServerSettings(

@@ -87,6 +87,9 @@ async def generate(request: Request, cls, raw: bytes | None = None) -> Response:
     except ClientGone:
         observe_after_cancel(handles, on_result)
         return Response(status_code=499)
+    except asyncio.CancelledError:  # the server cancelled this handler (Ray Serve does, when its client
+        observe_after_cancel(handles, on_result)  # leaves): the choices were cancelled; count them
+        raise
     for res in results:
         on_result(res)
     failed = [r for r in results if r.finish_reason == "error"]
