@@ -217,3 +217,29 @@ def test_every_response_carries_a_request_id(base):
     assert fresh[0] != fresh[1] and all(re.fullmatch("[0-9a-f]{32}", f) for f in fresh)
     created = httpx.get(base + "/v1/models").json()["data"][0]["created"]
     assert time.time() - 24 * 3600 < created <= time.time()
+
+
+def test_a_requests_refusal_and_departure_are_logged_under_its_id(base, caplog):
+    """The log names a request by its X-Request-Id when it is refused (with the code) and when its
+    client leaves before the answer (499), so a client quoting the id finds its line (QA pass 7's F4:
+    only uvicorn's access line, no id, no reason). Red with the log lines taken out."""
+    import logging
+    import time
+
+    with caplog.at_level(logging.INFO, logger="kvgate.server"):
+        big = {"messages": MSG, "max_tokens": 10**6}
+        r = httpx.post(base + CHAT, json=big, headers={"X-Request-Id": "qa7-refused"}, timeout=60)
+        assert r.status_code == 400
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(
+                base + CHAT,
+                json={"messages": MSG, "max_tokens": 900, "ignore_eos": True},
+                headers={"X-Request-Id": "qa7-gone"},
+                timeout=0.3,
+            )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any("qa7-gone" in r.getMessage() for r in caplog.records):
+            time.sleep(0.1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("request qa7-refused refused: context_length_exceeded" in m for m in lines), lines
+    assert any("request qa7-gone" in m and "499" in m for m in lines), lines

@@ -8,10 +8,14 @@ one place a refusal is counted (each exactly once, in the metrics and in the con
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from kvgate.core.admission import shutting_down_refusal
+from kvgate.server.auth import REQUEST_ID
 from kvgate.server.errors import APIError, from_refusal
+
+log = logging.getLogger("kvgate.server")
 
 
 @dataclass
@@ -30,6 +34,12 @@ class ServerSettings:
 
 
 def refused(state, code: str, retry_after: int | None = None) -> None:
+    log.info(
+        "request %s refused: %s%s",
+        REQUEST_ID.get(),
+        code,
+        "" if retry_after is None else f", retry after {retry_after} s",
+    )
     state.metrics.rejections.labels(code).inc()
     state.live.record_refusal(code, retry_after)
 

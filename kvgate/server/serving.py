@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvgate.core.admission import shutting_down_refusal
 from kvgate.request import Admitted, Finished, Refusal, Token
+from kvgate.server.auth import REQUEST_ID
 from kvgate.server.bodies import read_body
 from kvgate.server.context import ready_engine, refused
 from kvgate.server.errors import APIError, from_refusal
@@ -94,7 +95,7 @@ async def generate(request: Request, cls, raw: bytes | None = None) -> Response:
         on_result(res)
     failed = [r for r in results if r.finish_reason == "error"]
     if failed:
-        log.error("generation failed: %s", failed[0].error)
+        log.error("request %s: generation failed: %s", REQUEST_ID.get(), failed[0].error)
         return APIError(500, ENGINE_ERROR, "engine_error").response()
     if prepared.prompt_only:  # echo with max_tokens=0: the one token the engine sampled is left out
         results = [prompt_only(r) for r in results]
@@ -109,7 +110,7 @@ async def generate(request: Request, cls, raw: bytes | None = None) -> Response:
     if scores is not None and any(
         len(sc or ()) != len(g.prompt_ids) - 1 for sc, g in zip(scores, prepared.generations, strict=True)
     ):  # a prompt scored in part (its request cut short): no numbers rather than wrong ones
-        log.error("a scored prompt came back with a part of its scores")
+        log.error("request %s: a scored prompt came back with a part of its scores", REQUEST_ID.get())
         return APIError(500, ENGINE_ERROR, "engine_error").response()
     if prepared.candidates > prepared.n:
         results, token_logprobs = best_of(results, token_logprobs, prepared.candidates, prepared.n)

@@ -14,6 +14,7 @@ import json
 import logging
 
 from kvgate.request import Finished, Token
+from kvgate.server.auth import REQUEST_ID
 from kvgate.server.errors import APIError
 from kvgate.server.responses import ChunkMaker
 from kvgate.server.stream_shape import StreamShaper
@@ -49,7 +50,7 @@ async def sse_stream(chunks: ChunkMaker, handles, include_usage: bool, on_result
                 for c in shape.tail(i, ev.tail):
                     yield event(c)
             if ev.result.finish_reason == "error":
-                log.error("generation failed mid-stream: %s", ev.result.error)
+                log.error("request %s: generation failed mid-stream: %s", REQUEST_ID.get(), ev.result.error)
                 yield event(APIError(500, ENGINE_ERROR, "engine_error").body())
                 for h in handles:
                     h.cancel()
