@@ -1,4 +1,4 @@
-"""`kvgate serve | generate | plan | bench`. Every engine knob is a flag and a KVGATE_* variable."""
+"""`kvgate serve | generate | plan | bench | cluster`. Every engine knob is a flag and a KVGATE_* variable."""
 
 from __future__ import annotations
 

@@ -501,3 +501,19 @@ def test_the_clusters_counters_keep_a_dead_replicas_share():
     assert engine.snapshot().counters.prompt_tokens == 30
     live[0] = after
     assert engine.snapshot().counters.prompt_tokens == 35
+
+
+def test_a_replica_that_could_not_start_is_reported_by_its_own_reason():
+    """Serve says only "Deploying application kvgate failed"; the replica's PlanError (with the
+    numbers and the --memory-limit to raise to) is inside its deployment message, and that is what
+    `kvgate cluster` prints (QA pass 7's F6: a raw traceback). Red with the search left out."""
+    from kvgate.cluster.cli import replica_error
+
+    plan = (
+        "Traceback ...\nkvgate.memory.plan.PlanError: the model does not fit in the memory limit: ... = 737.5 MiB "
+        "> limit 600.0 MiB (explicit). Raise --memory-limit to at least 746MiB.\n  more"
+    )
+    got = replica_error(RuntimeError(f"Deploying application kvgate failed: {plan}"))
+    assert got.startswith("the model does not fit") and got.endswith("at least 746MiB.")
+    other = replica_error(RuntimeError("Deploying application kvgate failed: Failed to update\nmore"))
+    assert other.startswith("RuntimeError: Deploying application kvgate failed") and "log above" in other

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import signal
 import sys
 import threading
@@ -104,7 +105,15 @@ def run_cluster(args) -> int:
         print("kvgate: error: `kvgate cluster` needs Ray Serve: pip install 'kvgate[ray]'", file=sys.stderr)
         return 2
     opts = options_from(args)
-    seconds = launch(opts, args.host, args.port, address=args.address, num_cpus=args.num_cpus)
+    try:
+        seconds = launch(opts, args.host, args.port, address=args.address, num_cpus=args.num_cpus)
+    except Exception as exc:  # Serve's "Deploying application kvgate failed": say the replica's reason
+        why = replica_error(exc)
+        shutdown(local=not args.address)
+        print(
+            f"kvgate: error: the cluster did not start: {why}", file=sys.stderr, flush=True
+        )  # the last line
+        return 1
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(
         f"kvgate: cluster ready in {seconds:.1f}s: {opts.replicas} replicas, router {opts.router}, API "
@@ -119,6 +128,30 @@ def run_cluster(args) -> int:
     print("kvgate: stopping the cluster application", file=sys.stderr, flush=True)
     shutdown(local=not args.address)
     return 0
+
+
+KVGATE_ERRORS = r"(?:PlanError|DeviceError|ModelLoadError|ConfigError): ([^\n]+)"
+
+
+def replica_error(exc: BaseException) -> str:
+    """The reason a replica gave for not starting (kvgate's own error, found in Serve's deployment
+    messages), else the exception's first line. Serve reported a too-small --memory-limit as a bare
+    "Deploying application kvgate failed" traceback, the replica's PlanError buried in its controller's
+    log (QA pass 7's F6)."""
+    texts = [str(exc)]
+    try:
+        from ray import serve
+
+        for app in serve.status().applications.values():
+            texts += [app.message or ""] + [d.message or "" for d in app.deployments.values()]
+    except Exception:  # Serve already gone: the exception's own text is all there is
+        pass
+    for text in texts:
+        found = re.search(KVGATE_ERRORS, text)
+        if found:
+            return found.group(1).strip()
+    first = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[0] if first else ''} (the replicas' log above says more)"
 
 
 def launch(
