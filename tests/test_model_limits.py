@@ -112,3 +112,23 @@ def test_a_model_without_a_chat_template_is_said_to_get_chatml(tmp_path, caplog)
         tok = TextTokenizer(dataclasses.replace(info, chat_template=None))
     assert any("no chat template" in r.getMessage() and "ChatML" in r.getMessage() for r in caplog.records)
     assert "<|im_start|>user\nhi<|im_end|>" in tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_a_failed_kernel_build_quotes_the_compiler_and_advises_by_what_is_missing(monkeypatch):
+    """The warning quotes the compiler's error lines and asks to install only what is missing; with
+    g++ and ninja present it says the compiler refused the sources (QA pass 7: the last 300 characters
+    of a ninja command line, and advice to install tools already installed). Red with the advice
+    given whatever is installed."""
+    import shutil
+
+    from kvgate.models import native
+
+    exc = RuntimeError(
+        "Error building extension: [1/2] c++ -O3 ... -c tile_matmul.cpp\n"
+        "tile_matmul.cpp:329:30: error: no matching function for call to 'd16'\nninja: build stopped"
+    )
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    why = native.build_failure(exc)
+    assert "tile_matmul.cpp:329:30: error: no matching function" in why and "compiler refused" in why
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "ninja" else "/usr/bin/g++")
+    assert "Install ninja (" in native.build_failure(exc)

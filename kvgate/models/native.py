@@ -146,16 +146,34 @@ def extension():
         if took > 5:
             log.info("built kvgate's C++ kernels in %.0f s (cached in %s)", took, out)
     except Exception as exc:  # no compiler, no ninja, a failed build: the plain paths stay
-        why = (
-            f"kvgate's C++ kernels could not be built ({type(exc).__name__}: {str(exc)[-300:]}); "
-            "the LM head, --weights gguf, decode attention and the layer ops keep their plain PyTorch paths. Install g++ and ninja (`apt-get install g++ ninja-build`, "
-            "or `pip install ninja`) and restart to use them."
-        )
+        why = build_failure(exc)
         log.warning(why)
     if module is not None:
         _apply_env_choices(module)
     _state["module"], _state["why"] = module, why
     return module
+
+
+def build_failure(exc: BaseException) -> str:
+    """What a failed build tells the operator: the compiler's own error lines (not the last 300
+    characters of a ninja command line), and what to do, which depends on what is missing: advising
+    to install g++ and ninja where both were there misled (QA pass 7)."""
+    import shutil
+
+    text = str(exc)
+    errors = [line.strip() for line in text.splitlines() if "error:" in line or "Error:" in line][:3]
+    detail = " | ".join(errors) if errors else text.strip()[-300:]
+    missing = [tool for tool in ("g++", "ninja") if shutil.which(tool) is None]
+    fix = (
+        f"Install {' and '.join(missing)} (`apt-get install g++ ninja-build`, or `pip install ninja`) and restart"
+        if missing
+        else f"g++ and ninja are here, so the compiler refused the sources: report this error; deleting "
+        f"{cache_dir()} and restarting retries the build"
+    )
+    return (
+        f"kvgate's C++ kernels could not be built ({type(exc).__name__}: {detail}); the LM head, --weights "
+        f"gguf, decode attention and the layer ops keep their plain PyTorch paths. {fix}."
+    )
 
 
 def ready():
