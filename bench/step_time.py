@@ -21,10 +21,16 @@ from bench.profile_step import setup
 
 
 def decode_ms(
-    rows: int, weights: str, steps: int, context: int = 300, kv_dtype: str = "auto", model: str = "default"
+    rows: int,
+    weights: str,
+    steps: int,
+    context: int = 300,
+    kv_dtype: str = "auto",
+    model: str = "default",
+    dtype: str = "float32",
 ) -> tuple[list[float], list[float]]:
     """Wall and process CPU ms of `steps` decode steps (CPU time: less hurt by other processes)."""
-    e = setup(rows, context, "float32", weights, kv_dtype=kv_dtype, model=model)
+    e = setup(rows, context, dtype, weights, kv_dtype=kv_dtype, model=model)
     core, inbox = e.core, e.inbox
     try:
         for _ in range(3):
@@ -47,6 +53,7 @@ def prefill_ms(
     kv_dtype: str = "auto",
     attention: str = "auto",
     model: str = "default",
+    dtype: str = "float32",
 ) -> tuple[list[float], list[float]]:
     """The step that prefills one `tokens`-long prompt (distinct prompts: no prefix-cache hits)."""
     from kvgate.config import EngineConfig
@@ -55,7 +62,7 @@ def prefill_ms(
     from kvgate.sampling import SamplingParams
 
     cfg = EngineConfig(
-        dtype="float32",
+        dtype=dtype,
         memory_limit="4GiB",
         max_seqs=1,
         weights=weights,
@@ -92,13 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     ap.add_argument("--prefill-attention", default="auto", help="auto | kernel | sdpa (the prefill step's)")
     ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="the model dtype (--dtype auto picks bfloat16 for full on bf16 CPUs)",
+    )
+    ap.add_argument(
         "--model", default="default", help="a .gguf file or HF directory (bench.kquant_model writes k-quants)"
     )
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     for rows in a.rows:
-        ms, cpu = decode_ms(rows, a.weights, a.steps, kv_dtype=a.kv_dtype, model=a.model)
+        ms, cpu = decode_ms(rows, a.weights, a.steps, kv_dtype=a.kv_dtype, model=a.model, dtype=a.dtype)
         med = statistics.median(ms)
         print(
             json.dumps(
@@ -116,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     if a.prefill:
         ms, cpu = prefill_ms(
-            a.prefill, a.weights, kv_dtype=a.kv_dtype, attention=a.prefill_attention, model=a.model
+            a.prefill,
+            a.weights,
+            kv_dtype=a.kv_dtype,
+            attention=a.prefill_attention,
+            model=a.model,
+            dtype=a.dtype,
         )
         print(
             json.dumps(

@@ -211,3 +211,38 @@ def test_what_the_team_does_not_take_runs_op_by_op(q4_smol_dir, monkeypatch):
     assert torch.equal(with_stack[0], loop[0])
     monkeypatch.setenv(decode_stack.TEAM_ENV, "0")
     assert not decode_stack.build(model).team()
+
+
+def test_a_k_quant_models_stack_runs_its_block_tiles_op_by_op_as_the_loop(tmp_path, monkeypatch):
+    """A Q4_K_M-like GGUF (q4f and q8s tiles, `BlockLinear`): the stack takes its matrices as "block"
+    kinds, op by op (the thread team takes Q4_1 only), and its logits and K/V equal the Python loop's
+    bit for bit at 1 and 7 rows. Red with `_parts` refusing BlockLinear (no stack: the loop)."""
+    from kvgate.core.kv_cache import KVPool
+    from kvgate.core.step_inputs import DecodeInput
+    from kvgate.models import load_model
+    from kvgate.models.block_formats import BlockLinear
+    from kvgate.models.llama import LlamaModel
+    from tests.test_block_formats import KQ_GEOMETRY, Q4_K_M, write_gguf
+
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = load_model(str(write_gguf(tmp_path / "kq.gguf", Q4_K_M)))
+    model = LlamaModel(
+        loaded.spec, loaded.weights, torch.float32, "cpu", weights_format="gguf", paged_attention=True,
+        block_scales=loaded.block_scales,
+    )  # fmt: skip
+    assert any(isinstance(lin, BlockLinear) for layer in model.layers for lin in layer)
+    stack = model.decode_stack
+    assert stack is not None and not stack.team()
+    kv = KVPool(loaded.spec, 300, BS, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
+    assert KQ_GEOMETRY["hidden"] == loaded.spec.hidden_size
+    for decodes in ([rows[4]], rows):
+        with_stack = step(model, kv, decodes)
+        model.decode_stack = None
+        loop = step(model, kv, decodes)
+        model.decode_stack = stack
+        assert torch.equal(with_stack[0], loop[0])
+        assert all(torch.equal(a, b) for a, b in zip(with_stack[1], loop[1], strict=True))

@@ -2,8 +2,9 @@
 
 `build(model)` returns a `DecodeStack` for a model whose forward would call only kvgate's C++ kernels
 between the embedding and the final norm: CPU, float32, the C++ layer ops, the paged decode kernel,
-and every layer matmul a `Q41Linear` (`--weights gguf`) or `Q41Dot8Linear` (`gguf-q8act`) without a
-bias. Any other model gets None and keeps the Python loop.
+and every layer matmul a `Q41Linear` (`--weights gguf`), a `BlockLinear` (gguf's other block formats,
+op by op: the thread team takes Q4_1 tiles only) or a `Q41Dot8Linear` (`gguf-q8act`) without a bias.
+Any other model gets None and keeps the Python loop.
 
 The forward uses the stack for steps whose tokens are all decode rows (a verify span's positions
 are decode rows too; a prompt chunk is not). It runs the same kernels in the same order as the loop (SiLU * up included: both call silu_mul), so
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 
 from kvgate.models import native
+from kvgate.models.block_formats import BlockLinear
 from kvgate.models.q4_1 import Q41Linear
 from kvgate.models.q4_1_dot8 import Q41Dot8Linear
 
@@ -36,6 +38,8 @@ def _parts(lin) -> tuple[object, int, str] | None:
         return lin.packed, lin.out_features, "q4_1_dot8"
     if isinstance(lin, Q41Linear):
         return lin.packed, lin.out_features, "q4_1"
+    if isinstance(lin, BlockLinear):  # op by op (run_ops): the thread team takes Q4_1 tiles only
+        return lin.packed, lin.out_features, "block"
     return None
 
 

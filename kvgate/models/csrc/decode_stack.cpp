@@ -35,6 +35,7 @@
 
 torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows);
 torch::Tensor q4_1_dot8(torch::Tensor x, torch::Tensor packed, int64_t N);
+torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
@@ -71,16 +72,19 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int64_t tid, int64_t nt) {
 }
 
 // One weight matrix: Q4_1 tiles, for the float kernel (kind "q4_1", q4_1_pack16) or the 8-bit-activation
-// one ("q4_1_dot8", q4_1_pack8).
+// one ("q4_1_dot8", q4_1_pack8); or another GGUF block format's tiles ("block", block_pack16 in
+// kvgate/models/block_formats.py: run_ops only).
 struct Mat {
   torch::Tensor packed;
   int64_t out_features;
   bool dot8;
+  bool block = false;
   const uint8_t* w = nullptr;  // the tiles, [T, nb, per bytes]
   int64_t T = 0, nb = 0, per = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (dot8) return q4_1_dot8(x, packed, out_features);
+    if (block) return block_matmul(x, packed, out_features, x.size(0));
     return q4_1_matmul(x, packed, out_features, x.size(0));  // every row a decode row
   }
 };
@@ -98,9 +102,9 @@ class DecodeStack {
                 norms_.size(), " norms, ", mats.size(), " matrices, ", out_features.size(), " out_features, ",
                 kinds.size(), " kinds");
     for (size_t i = 0; i < mats.size(); ++i) {
-      TORCH_CHECK(kinds[i] == "q4_1" || kinds[i] == "q4_1_dot8", "DecodeStack: matrix ", i, "'s kind must be ",
-                  "'q4_1' or 'q4_1_dot8', got '", kinds[i], "'");
-      mats_.push_back(Mat{std::move(mats[i]), out_features[i], kinds[i] == "q4_1_dot8"});
+      TORCH_CHECK(kinds[i] == "q4_1" || kinds[i] == "q4_1_dot8" || kinds[i] == "block", "DecodeStack: matrix ", i,
+                  "'s kind must be 'q4_1', 'q4_1_dot8' or 'block', got '", kinds[i], "'");
+      mats_.push_back(Mat{std::move(mats[i]), out_features[i], kinds[i] == "q4_1_dot8", kinds[i] == "block"});
     }
     team_ok_ = team_shapes();
   }
@@ -344,7 +348,7 @@ class DecodeStack {
     dot8_ = mats_[0].dot8;
     const int64_t block = dot8_ ? kvgate_int8::TILE_BLOCK : TILE_BLOCK, outs = dot8_ ? kvgate_int8::NT : 16;
     for (auto& m : mats_) {
-      if (m.dot8 != dot8_ || m.packed.dtype() != torch::kUInt8 || m.packed.dim() != 3 || !m.packed.is_contiguous() ||
+      if (m.block || m.dot8 != dot8_ || m.packed.dtype() != torch::kUInt8 || m.packed.dim() != 3 || !m.packed.is_contiguous() ||
           !m.packed.device().is_cpu() || m.packed.size(2) != block || m.packed.size(0) != (m.out_features + outs - 1) / outs)
         return false;  // not one kind's tiles of out_features outputs: run_ops' checks name the problem
       m.w = m.packed.data_ptr<uint8_t>();
