@@ -390,3 +390,15 @@ def test_a_new_version_of_a_gguf_replaces_its_cache_entry_and_the_log_names_it(g
     assert sorted(cache.glob("gguf-*")) == sorted(
         [cache / f"gguf-{gguf_loader.cache_key(path)}", cache / f"gguf-{gguf_loader.cache_key(other)}"]
     )
+
+
+def test_a_gguf_without_a_tokenizer_says_so_instead_of_naming_type_none(tmp_path):
+    """QA pass 7: "tokenizer type 'None' is not supported" for a file with no tokenizer at all. Red with
+    the old message."""
+    from types import SimpleNamespace
+
+    from kvgate.models import ModelLoadError
+    from kvgate.models.gguf_tokenizer import tokenizer_from_metadata
+
+    with pytest.raises(ModelLoadError, match=r"x\.gguf: carries no tokenizer \(no tokenizer\.ggml\.model\)"):
+        tokenizer_from_metadata(SimpleNamespace(fields={}), tmp_path / "x.gguf")

@@ -32,6 +32,7 @@ import numpy as np
 from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
 from kvgate.models.gguf_cache import settle
 from kvgate.models.gguf_scales import LAYOUTS, SCALES_FILE, block_scales
+from kvgate.models.gguf_tokenizer import field, tokenizer_from_metadata
 
 log = logging.getLogger("kvgate.models")
 
@@ -41,18 +42,6 @@ CACHE_FORMAT = 4  # bumped when the output changes (2: Qwen2 q/k kept, Llama q/k
 PERMUTED_QK_ARCHS = ("llama", "mistral", "smollm")
 # Quantization types we accept, all dequantized by `gguf.quants.dequantize`.
 SUPPORTED_QUANTS = ("F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K Q8_K").split()
-
-# llama.cpp's end-of-generation token texts (its EOG list); any present in the vocab stops generation.
-EOG_TEXTS = (
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<EOT>",
-    "<|eom_id|>",
-    "<｜end▁of▁sentence｜>",
-)
 
 
 def cache_root() -> Path:
@@ -151,32 +140,25 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def _convert(path: Path, out: Path) -> None:
     from gguf.quants import dequantize
 
     reader = _open_reader(path)
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path.name}: architecture '{arch}' is not supported. Supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
         )
     cfg = _config_from_metadata(reader, arch, path)
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = field(reader, f"{arch}.rope.scaling.type")
     if "rope_freqs.weight" in {t.name for t in reader.tensors} or scaling not in (None, "none"):
         raise ModelLoadError(
             f"{path.name}: this model uses RoPE scaling ({scaling or 'rope_freqs, Llama 3.1+ style'}), which "
             "kvgate does not implement yet; its output would be silently wrong, so it is refused. Use a "
             "model without RoPE scaling (Llama 2/3.0, SmolLM, Mistral, Qwen2)."
         )
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = field(reader, f"{arch}.attention.sliding_window")
     if window and int(window) < cfg["max_position_embeddings"]:
         cfg["sliding_window"] = int(window)
     tensors = {t.name: t for t in reader.tensors}
@@ -247,7 +229,7 @@ def _convert(path: Path, out: Path) -> None:
                 _write_scales(scale_writer, t, name, hf_name, shape, arch, n_heads, n_kv)
             progress.step(t.n_bytes)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    tok_json, extra = _tokenizer_from_metadata(reader, path)
+    tok_json, extra = tokenizer_from_metadata(reader, path)
     (out / "tokenizer.json").write_text(tok_json)
     (out / "kvgate_tokenizer.json").write_text(json.dumps(extra, indent=1))
     log.info("converted %s in %.1fs", path.name, time.monotonic() - t0)
@@ -298,7 +280,7 @@ class _F32Writer:
 
 def _config_from_metadata(reader, arch: str, path: Path) -> dict:
     def need(key: str):
-        v = _field(reader, f"{arch}.{key}")
+        v = field(reader, f"{arch}.{key}")
         if v is None:
             raise ModelLoadError(
                 f"{path.name}: metadata key {arch}.{key} is missing; the file is incomplete."
@@ -307,16 +289,16 @@ def _config_from_metadata(reader, arch: str, path: Path) -> dict:
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-    vocab = _field(reader, f"{arch}.vocab_size")
+    kv_heads = int(field(reader, f"{arch}.attention.head_count_kv", heads))
+    vocab = field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads))
+    head_dim = int(field(reader, f"{arch}.rope.dimension_count", hidden // heads))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "kvgate_source_architecture": arch,
-        "name": str(_field(reader, "general.name", path.stem)),
+        "name": str(field(reader, "general.name", path.stem)),
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
@@ -324,9 +306,9 @@ def _config_from_metadata(reader, arch: str, path: Path) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rope_theta": float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(field(reader, f"{arch}.context_length", 2048)),
     }
 
 
@@ -364,37 +346,3 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: rows (head, pair, 2) back to (head, 2, pair)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _tokenizer_from_metadata(reader, path: Path) -> tuple[str, dict]:
-    from kvgate.tokenizer_build import build_bpe_tokenizer
-
-    model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelLoadError(
-            f"{path.name}: tokenizer type '{model}' is not supported yet (kvgate reads byte-level BPE, "
-            "'gpt2', from GGUF). Use the model's Hugging Face directory, which carries tokenizer.json."
-        )
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    token_types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = list(_field(reader, "tokenizer.ggml.merges", []))
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    tok = build_bpe_tokenizer(tokens, merges, token_types, pre)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eog = set()
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        v = _field(reader, f"tokenizer.ggml.{key}")
-        if v is not None:
-            eog.add(int(v))
-    index = {t: i for i, t in enumerate(tokens)}
-    eog.update(index[t] for t in EOG_TEXTS if t in index)
-    extra = {
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": None if eos is None else int(eos),
-        "eog_token_ids": sorted(eog),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "source": "gguf",
-    }
-    return tok.to_str(), extra

@@ -182,7 +182,7 @@ def _read_tokenizer(path: Path) -> TokenizerInfo:
     eos = gc.get("eos_token_id", tid("eos_token"))
     eos_list = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     bos = gc.get("bos_token_id", tid("bos_token"))
-    from kvgate.models.gguf_loader import EOG_TEXTS
+    from kvgate.models.gguf_tokenizer import EOG_TEXTS
 
     eog = set(int(e) for e in eos_list) | {vocab[t] for t in EOG_TEXTS if t in vocab}
     return TokenizerInfo(

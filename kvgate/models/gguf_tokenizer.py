@@ -1,0 +1,71 @@
+"""A GGUF's tokenizer, chat template and end-of-generation ids, from its metadata (`tokenizer.ggml.*`).
+
+`kvgate.models.gguf_loader` writes what this returns into the cache directory (`tokenizer.json` and
+`kvgate_tokenizer.json`), so later loads read it as a Hugging Face directory's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvgate.models.errors import ModelLoadError
+
+# llama.cpp's end-of-generation token texts (its EOG list); any present in the vocab stops generation.
+EOG_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<EOT>",
+    "<|eom_id|>",
+    "<｜end▁of▁sentence｜>",
+)
+
+
+def field(reader, key: str, default=None):
+    """A metadata value of a `gguf.GGUFReader`, or `default`."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def tokenizer_from_metadata(reader, path: Path) -> tuple[str, dict]:
+    from kvgate.tokenizer_build import build_bpe_tokenizer
+
+    model = field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelLoadError(
+            f"{path.name}: "
+            + (
+                "carries no tokenizer (no tokenizer.ggml.model)"
+                if model is None
+                else f"tokenizer type '{model}' is not supported yet"
+            )
+            + " (kvgate reads byte-level BPE, 'gpt2', from GGUF). Use "
+            "a complete GGUF, or the model's Hugging Face directory, which carries tokenizer.json."
+        )
+    tokens = list(field(reader, "tokenizer.ggml.tokens"))
+    token_types = list(field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = list(field(reader, "tokenizer.ggml.merges", []))
+    pre = field(reader, "tokenizer.ggml.pre", "default")
+    tok = build_bpe_tokenizer(tokens, merges, token_types, pre)
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    eog = set()
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        v = field(reader, f"tokenizer.ggml.{key}")
+        if v is not None:
+            eog.add(int(v))
+    index = {t: i for i, t in enumerate(tokens)}
+    eog.update(index[t] for t in EOG_TEXTS if t in index)
+    extra = {
+        "chat_template": field(reader, "tokenizer.chat_template"),
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "eog_token_ids": sorted(eog),
+        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "source": "gguf",
+    }
+    return tok.to_str(), extra
