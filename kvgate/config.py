@@ -179,10 +179,11 @@ ENGINE_FLAGS = [
         "--weights",
         str,
         "auto",
-        "auto | full | int8 | int4 | gguf | gguf-q8act: gguf holds a Q4_1 file's own blocks, full's numbers "
-        "(to float32 rounding) at 0.625 B per weight; gguf-q8act also rounds activations to 8-bit blocks for integer dot products "
+        "auto | full | int8 | int4 | gguf | gguf-q8act: gguf holds a GGUF file's own blocks of any type (Q4_1 "
+        "0.625 B per weight, Q4_K/Q4_0 0.75, Q8_0 1.125, Q5_x/Q6_K/others 1.5), full's numbers to float32 "
+        "rounding; gguf-q8act (Q4_1 files) also rounds activations to 8-bit blocks for integer dot products "
         "as llama.cpp does (faster; logits move ~1e-2); int8 / int4 re-quantize (CPU; faster at few rows, "
-        "slower at many); auto: gguf where every layer matrix is exact Q4_1 blocks on CPU, else full",
+        "slower at many); auto: gguf where every layer matrix is a GGUF file's blocks on CPU, else full",
     ),
     (
         "--decode-attention",

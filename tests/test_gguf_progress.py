@@ -30,7 +30,11 @@ def test_first_conversion_logs_its_size_and_time_and_a_cached_load_logs_nothing(
     gguf_loader.convert_to_cache(path)
     lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.models"]
     assert lines[0].startswith(f"converting tiny.gguf into the cache (first use only): {n} tensors, ")
-    assert lines[-1].startswith("converted tiny.gguf in ") and len(lines) == 2
+    assert lines[1].startswith("converted tiny.gguf in ") and len(lines) == 3
+    assert (
+        lines[2].startswith(f"cached tiny.gguf as {tmp_path / 'cache'}/gguf-")
+        and "MiB of float32" in lines[2]
+    )
     assert "\r" not in capsys.readouterr().err  # no bar when stderr is not a terminal
     caplog.clear()
     gguf_loader.convert_to_cache(path)

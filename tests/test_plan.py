@@ -130,7 +130,8 @@ def test_blocks_and_concurrency_by_hand(dtype_bytes, per_token):
     """blocks = floor((limit - weights - workspace - overhead) / (bytes_per_token x block_size)), and
     "max concurrent requests at N tokens each" = blocks // ceil(N / block_size).
     Broken by: rounding the block count up (the pool would exceed the limit), a pool that is not
-    blocks x block bytes, or concurrency counted in tokens rather than whole blocks."""
+    blocks x block bytes, or concurrency counted in tokens rather than whole blocks. The count is at most
+    --max-seqs (32 here), which 8192-token requests stay under."""
     plan = smollm2_plan("4GiB", dtype_bytes)
     room = 4 * GiB - SMOLLM2_VALUES * dtype_bytes - 300 * MiB - plan.workspace_bytes
     assert plan.kv_bytes_per_token == per_token
@@ -138,11 +139,12 @@ def test_blocks_and_concurrency_by_hand(dtype_bytes, per_token):
     assert plan.kv_pool_bytes == plan.kv_blocks * per_token * 16 <= room
     assert plan.kv_positions == plan.kv_blocks * 16
     for n in (1, 16, 17, 1024, 8192):
-        assert plan.max_concurrent(n) == plan.kv_blocks // math.ceil(n / 16)
-    d = plan.to_dict(1024)
-    assert d["max_concurrent_requests_at_context"] == plan.kv_blocks // 64
-    text = plan.describe(1024)
-    assert f"max concurrent requests at 1024 tokens each: {plan.kv_blocks // 64}" in text
+        assert plan.max_concurrent(n) == min(32, plan.kv_blocks // math.ceil(n / 16))
+    assert plan.max_concurrent(8192) == plan.kv_blocks // 512 < 32
+    d = plan.to_dict(8192)
+    assert d["max_concurrent_requests_at_context"] == plan.kv_blocks // 512
+    text = plan.describe(8192)
+    assert f"max concurrent requests at 8192 tokens each: {plan.kv_blocks // 512}" in text
     assert f"{per_token:,} B/token" in text
 
 

@@ -184,6 +184,7 @@ class MemoryPlan:
 
     def to_dict(self, context: int | None = None) -> dict:
         d = asdict(self)
+        d.pop("load_peak_bytes")  # a measurement of the process, not the plan (`kvgate plan` adds its own)
         d["kv_positions"] = self.kv_positions
         d["kv_blocks_at_start"] = {"free": self.kv_blocks, "cached": 0, "referenced": 0}
         d["max_step_tokens"] = self.limits.max_step_tokens
