@@ -79,10 +79,10 @@ def test_file_codes_accepts_only_values_its_codes_give_back_bit_for_bit():
     assert file_codes(w4, d4, m4)[0] == "q4f"
 
 
-def write_gguf(path, types: dict[str, str], weight_type: str = "Q4_K"):
+def write_gguf(path, types: dict[str, str], weight_type: str = "Q4_K", **kw):
     from tests.tiny_gguf import write_tiny_gguf
 
-    return write_tiny_gguf(path, tie=True, weight_type=weight_type, overrides=types, geometry=KQ_GEOMETRY)
+    return write_tiny_gguf(path, tie=True, weight_type=weight_type, overrides=types, geometry=KQ_GEOMETRY, **kw)
 
 
 def engine(path, **cfg):
@@ -104,27 +104,29 @@ Q4_K_M = {
 
 @needs_ext
 @pytest.mark.parametrize(
-    "types,weight_type,held",
+    "types,weight_type,held,arch",
     [
-        (Q4_K_M, "Q4_K", "6 q4f, 2 q8s"),
-        ({"token_embd.weight": "Q8_0"}, "Q4_0", "8 q4f"),
-        ({"token_embd.weight": "Q8_0"}, "Q5_1", "8 q8s"),
-        ({"token_embd.weight": "Q8_0"}, "Q8_0", "8 q8_0"),
+        (Q4_K_M, "Q4_K", "6 q4f, 2 q8s", "llama"),
+        (Q4_K_M, "Q4_K", "6 q4f, 2 q8s", "qwen2"),  # q/k/v biases, rows in HF order
+        ({"token_embd.weight": "Q8_0"}, "Q4_0", "8 q4f", "llama"),
+        ({"token_embd.weight": "Q8_0"}, "Q5_1", "8 q8s", "llama"),
+        ({"token_embd.weight": "Q8_0"}, "Q8_0", "8 q8_0", "llama"),
     ],
 )
 def test_auto_holds_any_block_type_as_the_files_blocks_with_full_weights_tokens(
-    tmp_path, monkeypatch, types, weight_type, held
+    tmp_path, monkeypatch, types, weight_type, held, arch
 ):
     """`--weights auto` holds a Q4_K_M-like file's layers as their blocks (q4f for Q4_K, q8s for the
     Q6_K parts and a qkv fused from both), Q4_0 as q4f, Q5_1 as q8s, Q8_0 as q8_0; says so in the plan;
     charges exactly the bytes the model holds; and its greedy tokens equal `--weights full`'s on the same
     file, batched and alone. Seen red: the converter's Q4_K mins with the wrong sign (auto fell back to
-    full), and the plan charging every matrix as Q4_1 tiles."""
+    full), the plan charging every matrix as Q4_1 tiles, and (llama) the scales of q and k left in the
+    file's permuted row order (auto fell back to full)."""
     from kvgate.request import GenerationRequest
     from kvgate.sampling import SamplingParams
 
     monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / f"tiny-{weight_type}.gguf", types, weight_type)
+    path = write_gguf(tmp_path / f"tiny-{weight_type}.gguf", types, weight_type, arch=arch, biases=arch == "qwen2")
     prompts = [[5, 6, 7, 8, 9], [40, 41] * 6, list(range(60, 90)), [3]]
     out = {}
     for fmt in ("full", "auto"):
