@@ -82,7 +82,9 @@ def test_file_codes_accepts_only_values_its_codes_give_back_bit_for_bit():
 def write_gguf(path, types: dict[str, str], weight_type: str = "Q4_K", **kw):
     from tests.tiny_gguf import write_tiny_gguf
 
-    return write_tiny_gguf(path, tie=True, weight_type=weight_type, overrides=types, geometry=KQ_GEOMETRY, **kw)
+    return write_tiny_gguf(
+        path, tie=True, weight_type=weight_type, overrides=types, geometry=KQ_GEOMETRY, **kw
+    )
 
 
 def engine(path, **cfg):
@@ -126,7 +128,9 @@ def test_auto_holds_any_block_type_as_the_files_blocks_with_full_weights_tokens(
     from kvgate.sampling import SamplingParams
 
     monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / f"tiny-{weight_type}.gguf", types, weight_type, arch=arch, biases=arch == "qwen2")
+    path = write_gguf(
+        tmp_path / f"tiny-{weight_type}.gguf", types, weight_type, arch=arch, biases=arch == "qwen2"
+    )
     prompts = [[5, 6, 7, 8, 9], [40, 41] * 6, list(range(60, 90)), [3]]
     out = {}
     for fmt in ("full", "auto"):

@@ -517,3 +517,22 @@ def test_a_replica_that_could_not_start_is_reported_by_its_own_reason():
     assert got.startswith("the model does not fit") and got.endswith("at least 746MiB.")
     other = replica_error(RuntimeError("Deploying application kvgate failed: Failed to update\nmore"))
     assert other.startswith("RuntimeError: Deploying application kvgate failed") and "log above" in other
+
+
+def test_the_ingress_health_says_degraded_while_fewer_replicas_than_asked_are_ready():
+    """--replicas 2 with one ready: 200 "degraded", replicas 2 (QA pass 7's F9: it said ok, 1 of 1,
+    as Serve listed only the live one). Red with `replicas` taken from Serve's list."""
+    from types import SimpleNamespace
+
+    from kvgate.cluster.ingress import cluster_health
+
+    def health(ready, listed, target):
+        engine = SimpleNamespace(
+            readiness=lambda: (ready, listed), target=target, stalled=lambda: "none ready"
+        )
+        request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(status="ok", engine=engine)))
+        return asyncio.run(cluster_health(request))
+
+    assert health(1, 1, 2) == {"status": "degraded", "replicas_ready": 1, "replicas": 2}
+    assert health(2, 2, 2) == {"status": "ok", "replicas_ready": 2, "replicas": 2}
+    assert health(0, 1, 2).status_code == 503

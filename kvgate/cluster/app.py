@@ -117,7 +117,7 @@ def build(opts: ClusterOptions):
     )
     engine = dataclasses.asdict(cfg)
     replicas = replica.bind(opts.model, engine, opts.step_delay)
-    return ingress.bind(replicas, settings, opts.router, opts.health_period)
+    return ingress.bind(replicas, settings, opts.router, opts.health_period, opts.replicas)
 
 
 def build_app(args: dict):

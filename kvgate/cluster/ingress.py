@@ -58,7 +58,9 @@ async def cluster_health(request: Request):
         return JSONResponse({"status": "shutting_down"}, status_code=503, headers={"Retry-After": "5"})
     cluster: ClusterEngine = state.engine
     ready, listed = cluster.readiness()
-    body = {"status": "ok" if ready else "unavailable", "replicas_ready": ready, "replicas": listed}
+    target = max(listed, getattr(cluster, "target", 0))  # --replicas, or what Serve lists past it
+    status = "unavailable" if not ready else "degraded" if ready < target else "ok"  # degraded still serves
+    body = {"status": status, "replicas_ready": ready, "replicas": target}
     if not ready:
         body["reason"] = cluster.stalled()
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
@@ -148,10 +150,13 @@ def build_ingress_app(cluster: ClusterEngine, settings: ServerSettings) -> FastA
 class KvgateIngress:
     """Serve deployment: one (or more) per cluster; each routes over every replica."""
 
-    def __init__(self, replicas, settings: dict, policy: str = "kvgate", health_period: float = 2.0):
+    def __init__(
+        self, replicas, settings: dict, policy: str = "kvgate", health_period: float = 2.0, target: int = 0
+    ):
         self.settings = dict(settings)
         key = (replicas.app_name, replicas.deployment_name)
         self.cluster = ClusterEngine(replicas, lambda: published(*key), policy, health_period)
+        self.cluster.target = target  # --replicas: /health says when fewer are ready
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         await self.cluster.connect()
