@@ -433,3 +433,27 @@ def test_scored_prompts_stay_inside_their_planned_workspace(probes):
     assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
     assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
     assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+
+
+@pytest.mark.slow
+def test_k_quant_blocks_steps_stay_inside_their_planned_workspace(probes, tmp_path):
+    """The exact probe on the default model re-quantized as llama.cpp's Q4_K_M (bench.kquant_model:
+    its layers held as q4f and q8s tiles, kvgate.models.block_formats): the model holds exactly the
+    planned weights, each matrix in its own format, and every step stays within the plan's formula
+    (the block kernels' decode sums and prompt panels are the Q4_1 kernel's sizes). (Charging every
+    matrix as Q4_1 tiles went red in tests/test_block_formats.py; not rerun through this probe.)"""
+    from bench.kquant_model import write
+    from kvgate.models import resolve_model_path
+    from tests.memory_probe import warm_conversion_cache
+
+    path = tmp_path / "smol-q4_k_m.gguf"
+    write(resolve_model_path("default"), path, "q4_k_m")
+    warm_conversion_cache(str(path))
+    r = run_probe(EXACT + ["--model", str(path), "--weights", "gguf"])
+    assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
+    assert r["model_weight_bytes"] == r["plan"]["weights_bytes"]
+    assert r["plan"]["weights_bytes"] < probes["exact"]["plan"]["weights_bytes"] / 2
+    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
+    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
+    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
+    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
