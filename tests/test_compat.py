@@ -243,3 +243,32 @@ def test_a_requests_refusal_and_departure_are_logged_under_its_id(base, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert any("request qa7-refused refused: context_length_exceeded" in m for m in lines), lines
     assert any("request qa7-gone" in m and "499" in m for m in lines), lines
+
+
+def test_an_unhandled_error_is_a_500_counted_as_such_carrying_its_request_id(caplog):
+    """A route that raises: the client gets a 500 whose X-Request-Id is its own, the log's line names
+    that id, and kvgate_requests_total counts a 500, not a 499 (the session's review: the 500 came from
+    outside the middleware, without the header, counted as a client that left). Red without the
+    middleware's except."""
+    import logging
+
+    from fastapi.testclient import TestClient
+    from prometheus_client import generate_latest
+
+    from kvgate.server.app import ServerSettings, create_app
+
+    app = create_app(ServerSettings(model_name="x"))
+
+    @app.get("/v1/boom")
+    async def boom():
+        raise RuntimeError("kaboom")
+
+    with caplog.at_level(logging.ERROR, logger="kvgate.server"):
+        r = TestClient(app, raise_server_exceptions=False).get(
+            "/v1/boom", headers={"X-Request-Id": "abc-123"}
+        )
+    assert r.status_code == 500 and r.headers.get_list("x-request-id") == ["abc-123"]
+    assert "X-Request-Id" in r.json()["error"]["message"]
+    assert any("request abc-123: unhandled error on /v1/boom" in m.getMessage() for m in caplog.records)
+    text = generate_latest(app.state.metrics.registry).decode()
+    assert 'kvgate_requests_total{endpoint="other",status="500"} 1.0' in text

@@ -402,3 +402,22 @@ def test_a_gguf_without_a_tokenizer_says_so_instead_of_naming_type_none(tmp_path
 
     with pytest.raises(ModelLoadError, match=r"x\.gguf: carries no tokenizer \(no tokenizer\.ggml\.model\)"):
         tokenizer_from_metadata(SimpleNamespace(fields={}), tmp_path / "x.gguf")
+
+
+def test_settling_an_older_versions_entry_never_removes_a_newer_ones(tmp_path):
+    """Two conversions of one path race and the older version's finishes last: the newer version's entry
+    stays, and a still older one goes (the review). Red with entries removed whatever their version."""
+    import json
+
+    from kvgate.models.gguf_cache import settle
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    mtime = src.stat().st_mtime_ns
+    newer, older, ours = (tmp_path / "cache" / f"gguf-{k}" for k in ("newer", "older", "ours"))
+    for entry, t in ((newer, mtime + 10**9), (older, mtime - 10**9)):
+        entry.mkdir(parents=True)
+        (entry / "source.json").write_text(json.dumps({"path": str(src.resolve()), "mtime_ns": t}))
+    ours.mkdir()
+    assert settle(ours, src) == [older]
+    assert newer.exists() and ours.exists() and not older.exists()

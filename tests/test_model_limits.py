@@ -39,6 +39,12 @@ def test_rope_parameters_give_the_base_and_a_scaled_kind_is_refused(tmp_path):
     yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
     with pytest.raises(ModelLoadError, match="rope_parameters .*yarn.* not implement"):
         load_model(str(_with_config(tmp_path / "b", rope_parameters=yarn)))
+    # the older key `type`, and a partial rotary factor, are not the default kind either (review)
+    for i, rope in enumerate(
+        ({"type": "yarn", "rope_theta": 1e6}, {"rope_theta": 1e6, "partial_rotary_factor": 0.5})
+    ):
+        with pytest.raises(ModelLoadError, match="rope_parameters .* not implement"):
+            load_model(str(_with_config(tmp_path / f"c{i}", rope_parameters=rope)))
 
 
 def test_a_checkpoint_missing_a_layer_tensor_is_refused_at_load_naming_it(tmp_path):

@@ -49,16 +49,6 @@ def typical_step(snap: EngineSnapshot) -> float | None:
     return sum(min(t, cap) for t in recent) / len(recent)
 
 
-def quick_step(snap: EngineSnapshot) -> float | None:
-    """Retry-After's step: the typical step, at most twice the recent ticks' lower quartile. A retry
-    that comes early costs one cheap 429; one told to wait too long waits in full (the openai SDK
-    sleeps up to 60 s), so a burst of slow ticks (a fresh server warming up on a busy machine) must not
-    set the hint: it said 40-60 s for rows free in 2.4-4.6 (QA pass 7's F1)."""
-    step = typical_step(snap)
-    recent = sorted(snap.recent_decode_periods)
-    return step if step is None or not recent else min(step, 2 * recent[len(recent) // 4])
-
-
 def measured_rows(snap: EngineSnapshot) -> float:
     """The rows the typical step was measured at: the recent decode ticks' mean (1 before any)."""
     rows = snap.recent_decode_rows
@@ -111,7 +101,7 @@ def retry_after(snap: EngineSnapshot) -> int:
     Retry-After in full)."""
     if not snap.rows:
         return 1
-    step = quick_step(snap) or DEFAULT_STEP_SECONDS
+    step = typical_step(snap) or DEFAULT_STEP_SECONDS
     soonest = min(r.steps_left for r in snap.rows)
     return int(min(60, max(1, round(decode_seconds(snap, step, soonest)))))
 

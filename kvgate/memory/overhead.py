@@ -59,8 +59,8 @@ def load_peak_warning(peak: int | None, limit: int, device: str) -> str | None:
     mib = 1 << 20
     return (
         f"loading peaked at {peak / mib:,.0f} MiB resident, above --memory-limit {limit / mib:,.0f} MiB: "
-        "the checkpoint is read and packed before the ledger's plan applies (a first start also converts a "
-        "GGUF). "
+        "the checkpoint is read and checked before the ledger's plan applies (a first start also converts "
+        "a GGUF; measured when the plan is made, before the model is built). "
         f"From here on the process stays within the plan; give a container at least {-(-peak // mib)} MiB."
     )
 

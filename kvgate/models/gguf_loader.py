@@ -75,9 +75,10 @@ def convert_to_cache(path: Path) -> Path:
         _convert(path, tmp)
         try:
             os.replace(tmp, target)
-            settle(target, path)  # records the source, removes its earlier versions' entries, logs
         except OSError:  # another process won the race; its copy is as good as ours
             shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            settle(target, path)  # records the source, removes its older versions' entries, logs
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -138,11 +138,12 @@ def _rope_theta(config: dict, path: Path) -> float:
     rope = config.get("rope_parameters")
     if rope is None:
         return float(config.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", "default") if isinstance(rope, dict) else None
-    if kind != "default" or "rope_theta" not in rope:
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+    extra = {k: v for k, v in (rope.items() if kind else ()) if k not in ("rope_type", "type", "rope_theta")}
+    if kind != "default" or "rope_theta" not in rope or any(v not in (None, 1, 1.0) for v in extra.values()):
         raise ModelLoadError(
             f"{path}: rope_parameters {rope} ask for RoPE other than the default kind with one base "
-            "(rope_type 'default' and a rope_theta), which kvgate does not implement yet; the output would "
+            "(rope_type 'default', a rope_theta, nothing else), which kvgate does not implement yet; the output would "
             "be silently wrong, so the model is refused. Use a model without RoPE scaling."
         )
     return float(rope["rope_theta"])

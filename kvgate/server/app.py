@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvgate.server.auth import REQUEST_ID, AuthAndCount
+from kvgate.server.auth import INTERNAL_ERROR, REQUEST_ID, AuthAndCount
 from kvgate.server.console import LiveStats, install_console
 from kvgate.server.context import ServerSettings
 from kvgate.server.cors import install_cors
@@ -75,8 +75,6 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("request %s: unhandled error on %s", REQUEST_ID.get(), request.url.path)
-        return APIError(
-            500, "internal server error; the details are in the server log", "internal_error"
-        ).response()
+        return APIError(500, INTERNAL_ERROR, "internal_error").response()
 
     return app

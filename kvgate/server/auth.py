@@ -16,9 +16,12 @@ import logging
 import uuid
 from contextvars import ContextVar
 
+from starlette.requests import ClientDisconnect
+
 from kvgate.server.errors import APIError
 
 log = logging.getLogger("kvgate.server")
+INTERNAL_ERROR = "internal server error; the details are in the server log under this response's X-Request-Id"
 REQUEST_ID: ContextVar[str] = ContextVar("kvgate_request_id", default="-")  # this request's, for log lines
 
 ENDPOINTS = {
@@ -78,6 +81,12 @@ class AuthAndCount:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except Exception as exc:  # here, not in the app's handler outside this middleware: so the 500 is
+            if status["code"] != 499 or isinstance(exc, ClientDisconnect):  # counted 500 and carries the id
+                raise  # (a response under way cannot be replaced; a client gone is its 499)
+            log.exception("request %s: unhandled error on %s", rid.decode(), path)
+            status["code"] = 500
+            await APIError(500, INTERNAL_ERROR, "internal_error").response()(scope, receive, send)
         finally:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
             if status["code"] == 499:
