@@ -206,3 +206,29 @@ def test_a_killed_replica_ends_its_streams_with_the_stable_error_and_traffic_mov
     finally:
         for s in pair:
             s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_drain_lets_streams_finish_and_answers_new_requests_503_shutting_down(cluster):
+    """What `kvgate cluster` does on SIGTERM before it deletes the application: a stream in flight ends
+    with its finish reason and usage, a new request and /health get 503 `shutting_down` with
+    Retry-After, and the drain reports none left (QA pass 7's F7: streams were cut with engine_error
+    and new requests got Serve's plain-text 404). Last in the module: the ingress stays shut. Red with
+    the drain not setting the status (the new request admitted)."""
+    from ray import serve
+
+    from tests.cluster_util import settle
+
+    settle(cluster)
+    stream = Stream(cluster, body(120))
+    time.sleep(0.5)
+    done = serve.get_app_handle("kvgate").drain.remote(30)
+    assert wait_until(lambda: httpx.get(cluster + "/health", timeout=5).status_code == 503, 10)
+    late = httpx.post(cluster + "/v1/completions", json=body(4, stream=False), timeout=30)
+    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+    assert late.headers["retry-after"]
+    assert done.result(timeout_s=60) == {"left": 0}
+    assert wait_until(stream.done, 10)
+    events = [json.loads(x[6:]) for x in stream.lines if x.startswith("data: {")]
+    assert stream.lines[-1] == "data: [DONE]" and not any("error" in e for e in events)
+    assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "length"

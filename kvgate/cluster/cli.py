@@ -56,6 +56,12 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--allow-unauthenticated", action="store_true")
     c.add_argument("--served-model-name", default=None)
     c.add_argument("--max-body-bytes", type=at_least(int, 1), default=4 << 20)
+    c.add_argument(
+        "--shutdown-grace",
+        type=at_least(float, 0),
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds the requests in flight get to finish (new ones get 503) before the stop",
+    )
     return c
 
 
@@ -125,9 +131,32 @@ def run_cluster(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    print("kvgate: stopping the cluster application", file=sys.stderr, flush=True)
+    print(
+        f"kvgate: draining: new requests get 503 shutting_down; up to {args.shutdown_grace:g}s for those in flight",
+        file=sys.stderr,
+        flush=True,
+    )
+    left = drain(args.shutdown_grace)
+    print(
+        f"kvgate: stopping the cluster application ({left} requests still in flight)",
+        file=sys.stderr,
+        flush=True,
+    )
     shutdown(local=not args.address)
     return 0
+
+
+def drain(grace: float):
+    """Have the ingress refuse new requests and wait up to `grace` seconds for those in flight, as `kvgate
+    serve` does on a signal (QA pass 7's F7: the cluster cut its streams with engine_error and answered
+    Serve's plain-text 404). Returns how many were left, or "?" when the ingress could not be asked."""
+    from ray import serve
+
+    try:
+        return serve.get_app_handle(APP_NAME).drain.remote(grace).result(timeout_s=grace + 15)["left"]
+    except Exception as exc:  # Serve already going down: stop anyway
+        print(f"kvgate: warning: the ingress did not drain ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return "?"
 
 
 KVGATE_ERRORS = r"(?:PlanError|DeviceError|ModelLoadError|ConfigError): ([^\n]+)"

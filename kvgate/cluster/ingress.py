@@ -15,6 +15,9 @@ changes three things:
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -163,4 +166,16 @@ class KvgateIngress:
         s = dict(self.settings)
         s["model_name"] = s.get("model_name") or self.cluster.model_name
         s["request_id_header"] = False  # Serve's proxy sets X-Request-Id (QA pass 7: it came twice)
-        return build_ingress_app(self.cluster, ServerSettings(**s))
+        self.kvgate_app = build_ingress_app(self.cluster, ServerSettings(**s))
+        return self.kvgate_app
+
+    async def drain(self, grace: float) -> dict:
+        """Refuse new requests (503 shutting_down with Retry-After, /health too, as `kvgate serve` does
+        on a signal) and wait up to `grace` seconds for the API requests in flight; returns how many
+        were left (`kvgate cluster` then deletes the application)."""
+        state = self.kvgate_app.state
+        state.status = "shutting_down"
+        deadline = time.monotonic() + grace
+        while getattr(state, "in_flight", 0) > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return {"left": getattr(state, "in_flight", 0)}

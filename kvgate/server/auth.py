@@ -73,6 +73,10 @@ class AuthAndCount:
                 )
                 return await err.response()(scope, receive, send)
         status = {"code": 499}
+        counted = path.startswith("/v1/") and "app" in scope  # the API requests in flight (a drain waits)
+        if counted:
+            state = scope["app"].state
+            state.in_flight = getattr(state, "in_flight", 0) + 1
 
         async def send_and_note(message):
             if message["type"] == "http.response.start":
@@ -88,6 +92,8 @@ class AuthAndCount:
             status["code"] = 500
             await APIError(500, INTERNAL_ERROR, "internal_error").response()(scope, receive, send)
         finally:
+            if counted:
+                state.in_flight -= 1
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
             if status["code"] == 499:
                 log.info("request %s %s: the client left before the answer (499)", rid.decode(), path)
