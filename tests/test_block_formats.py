@@ -12,6 +12,7 @@ import torch
 
 from kvgate.models import native
 from kvgate.models.block_formats import BlockLinear, block_bytes, block_pack16, file_codes
+from tests.test_q4_1 import engine, greedy
 
 ext = native.extension()
 needs_ext = pytest.mark.skipif(ext is None, reason="kvgate's C++ kernels did not build here")
@@ -92,14 +93,6 @@ def write_gguf(path, types: dict[str, str], weight_type: str = "Q4_K", **kw):
     )
 
 
-def engine(path, **cfg):
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-
-    cfg = {"kv_cache_bytes": 8 << 20, "memory_limit": "2GiB", "dtype": "float32", "device": "cpu", **cfg}
-    return Engine.from_model(str(path), EngineConfig(**cfg), overhead_bytes=0).start()
-
-
 # Q4_K_M's recipe on two layers: Q6_K for attn_v and ffn_down in the first, Q4_K elsewhere; the tied
 # embeddings Q8_0 (held by the Q8 head)
 Q4_K_M = {
@@ -129,14 +122,10 @@ def test_auto_holds_any_block_type_as_the_files_blocks_with_full_weights_tokens(
     file, batched and alone. Seen red: the converter's Q4_K mins with the wrong sign (auto fell back to
     full), the plan charging every matrix as Q4_1 tiles, and (llama) the scales of q and k left in the
     file's permuted row order (auto fell back to full)."""
-    from kvgate.request import GenerationRequest
-    from kvgate.sampling import SamplingParams
-
     monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(
         tmp_path / f"tiny-{weight_type}.gguf", types, weight_type, arch=arch, biases=arch == "qwen2"
     )
-    prompts = [[5, 6, 7, 8, 9], [40, 41] * 6, list(range(60, 90)), [3]]
     out = {}
     for fmt in ("full", "auto"):
         e = engine(path, weights=fmt)
@@ -146,9 +135,7 @@ def test_auto_holds_any_block_type_as_the_files_blocks_with_full_weights_tokens(
                 note = next(n for n in e.plan.notes if n.startswith("weights:"))
                 assert f"{held}: full's numbers" in note, note
                 assert e.plan.weights_bytes == e.model.weight_bytes
-            reqs = [GenerationRequest(p, SamplingParams(temperature=0), 16, ignore_eos=True) for p in prompts]
-            out[fmt] = [h.result(60).token_ids for h in [e.submit(r) for r in reqs]]
-            out[fmt + "-alone"] = [e.submit(r).result(60).token_ids for r in reqs]
+            out[fmt], out[fmt + "-alone"] = greedy(e, 16)
         finally:
             e.shutdown()
     assert out["auto"] == out["full"] == out["auto-alone"]

@@ -40,13 +40,30 @@ def model_and_pool(path, fmt: str, kv_dtype=torch.float32):
 
     loaded = load_model(str(path))
     model = LlamaModel(
-        loaded.spec, loaded.weights, torch.float32, "cpu", weights_format=fmt, paged_attention=True
-    )
+        loaded.spec, loaded.weights, torch.float32, "cpu", weights_format=fmt, paged_attention=True,
+        block_scales=loaded.block_scales,
+    )  # fmt: skip
     kv = KVPool(loaded.spec, 300, BS, kv_dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
     kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
     return model, kv
+
+
+def assert_stack_is_loop(model, kv) -> None:
+    """1 and 7 decode rows at contexts 3-40 (several blocks, partial last blocks): the stack's logits
+    and the K/V it writes equal the Python loop's exactly."""
+    from kvgate.core.step_inputs import DecodeInput
+
+    stack = model.decode_stack
+    rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
+    for decodes in ([rows[4]], rows):
+        with_stack = step(model, kv, decodes)
+        model.decode_stack = None
+        loop = step(model, kv, decodes)
+        model.decode_stack = stack
+        assert torch.equal(with_stack[0], loop[0])
+        assert all(torch.equal(a, b) for a, b in zip(with_stack[1], loop[1], strict=True))
 
 
 def step(model, kv, decodes, prefills=()):
@@ -69,19 +86,10 @@ def test_a_decode_only_step_is_the_python_loop_bit_for_bit(q4_smol_dir, fmt, kv_
     """1 and 7 decode rows at contexts 3-40 (several blocks, partial last blocks): the stack's logits
     and the K/V it writes equal the Python loop's exactly. Seen red: the stack returning x without the
     last layer's down projection added."""
-    from kvgate.core.step_inputs import DecodeInput
-
     model, kv = model_and_pool(q4_smol_dir, fmt, kv_dtype)
     stack = model.decode_stack
     assert stack is not None and stack.layers() == len(model.layers)
-    rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
-    for decodes in ([rows[4]], rows):
-        with_stack = step(model, kv, decodes)
-        model.decode_stack = None
-        loop = step(model, kv, decodes)
-        model.decode_stack = stack
-        assert torch.equal(with_stack[0], loop[0])
-        assert all(torch.equal(a, b) for a, b in zip(with_stack[1], loop[1], strict=True))
+    assert_stack_is_loop(model, kv)
 
 
 class Refuses:
@@ -217,32 +225,11 @@ def test_a_k_quant_models_stack_runs_its_block_tiles_op_by_op_as_the_loop(tmp_pa
     """A Q4_K_M-like GGUF (q4f and q8s tiles, `BlockLinear`): the stack takes its matrices as "block"
     kinds, op by op (the thread team takes Q4_1 only), and its logits and K/V equal the Python loop's
     bit for bit at 1 and 7 rows. Red with `_parts` refusing BlockLinear (no stack: the loop)."""
-    from kvgate.core.kv_cache import KVPool
-    from kvgate.core.step_inputs import DecodeInput
-    from kvgate.models import load_model
     from kvgate.models.block_formats import BlockLinear
-    from kvgate.models.llama import LlamaModel
-    from tests.test_block_formats import KQ_GEOMETRY, Q4_K_M, write_gguf
+    from tests.test_block_formats import Q4_K_M, write_gguf
 
     monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
-    loaded = load_model(str(write_gguf(tmp_path / "kq.gguf", Q4_K_M)))
-    model = LlamaModel(
-        loaded.spec, loaded.weights, torch.float32, "cpu", weights_format="gguf", paged_attention=True,
-        block_scales=loaded.block_scales,
-    )  # fmt: skip
+    model, kv = model_and_pool(write_gguf(tmp_path / "kq.gguf", Q4_K_M), "gguf")
     assert any(isinstance(lin, BlockLinear) for layer in model.layers for lin in layer)
-    stack = model.decode_stack
-    assert stack is not None and not stack.team()
-    kv = KVPool(loaded.spec, 300, BS, torch.float32, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
-    rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
-    assert KQ_GEOMETRY["hidden"] == loaded.spec.hidden_size
-    for decodes in ([rows[4]], rows):
-        with_stack = step(model, kv, decodes)
-        model.decode_stack = None
-        loop = step(model, kv, decodes)
-        model.decode_stack = stack
-        assert torch.equal(with_stack[0], loop[0])
-        assert all(torch.equal(a, b) for a, b in zip(with_stack[1], loop[1], strict=True))
+    assert model.decode_stack is not None and not model.decode_stack.team()
+    assert_stack_is_loop(model, kv)

@@ -222,6 +222,15 @@ def summary(r: dict) -> str:
     )
 
 
+def assert_steps_within_plan(r: dict) -> None:
+    """Every step's rise within the plan's formula at its composition, the serving rise within the
+    workspace, and the serving peak (less the loader's dead weight pages) within the plan."""
+    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
+    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
+    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
+    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+
+
 @pytest.mark.slow
 def test_serving_peak_within_plan(probes):
     """Production allocators, mixed load: the serving high-water mark and the load's transient peak stay
@@ -251,10 +260,7 @@ def test_every_step_stays_inside_its_planned_workspace(probes):
     full context, padded decode attention, layer activations, kernel scratch)."""
     r = probes["exact"]
     assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
-    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
-    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
-    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
-    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+    assert_steps_within_plan(r)
     kinds = {s["largest_transient"] for s in r["step_checks"]}
     assert {"logits", "decode_attention"} <= kinds, kinds
     assert any(s["prefill_tokens"] == 128 and s["context"] >= 256 for s in r["step_checks"])
@@ -370,10 +376,7 @@ def test_quantized_int4_steps_stay_inside_their_planned_workspace(probes):
     assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
     assert r["model_weight_bytes"] == r["plan"]["weights_bytes"]
     assert r["plan"]["weights_bytes"] < probes["exact"]["plan"]["weights_bytes"] / 2
-    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
-    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
-    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
-    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+    assert_steps_within_plan(r)
 
 
 @pytest.mark.slow
@@ -393,10 +396,7 @@ def test_gguf_blocks_steps_stay_inside_their_planned_workspace(probes, fmt, kv):
     assert r["model_weight_bytes"] == r["plan"]["weights_bytes"]
     assert r["plan"]["weights_bytes"] < probes["exact"]["plan"]["weights_bytes"] / 3
     assert r["plan"]["kv_bytes_per_token"] * (1 if kv == "float32" else 2) == 46_080  # auto: float16
-    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
-    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
-    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
-    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+    assert_steps_within_plan(r)
 
 
 @pytest.mark.slow
@@ -411,10 +411,7 @@ def test_speculating_steps_stay_inside_their_planned_workspace(probes):
     r = run_probe(args)
     assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
     assert r["spec_accepted_tokens"] > 0.3 * r["spec_draft_tokens"] > 0
-    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
-    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
-    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
-    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+    assert_steps_within_plan(r)
 
 
 @pytest.mark.slow
@@ -429,10 +426,7 @@ def test_scored_prompts_stay_inside_their_planned_workspace(probes):
     assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
     assert r["scored_tokens"] == 12 * 23
     assert r["max_logits_rows"] <= r["plan"]["limits"]["max_seqs"], summary(r)
-    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
-    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
-    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
-    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+    assert_steps_within_plan(r)
 
 
 @pytest.mark.slow
@@ -453,7 +447,4 @@ def test_k_quant_blocks_steps_stay_inside_their_planned_workspace(probes, tmp_pa
     assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
     assert r["model_weight_bytes"] == r["plan"]["weights_bytes"]
     assert r["plan"]["weights_bytes"] < probes["exact"]["plan"]["weights_bytes"] / 2
-    over = [s for s in r["step_checks"] if s["rise"] > s["bound"]]
-    assert not over, f"steps allocated more than planned: {over}; {summary(r)}"
-    assert r["serving_rise"] <= r["plan"]["workspace_bytes"], summary(r)
-    assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
+    assert_steps_within_plan(r)

@@ -108,6 +108,19 @@ def engine(path, **cfg):
     return Engine.from_model(str(path), EngineConfig(**cfg), overhead_bytes=0).start()
 
 
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41] * 6, list(range(60, 90)), [3]]
+
+
+def greedy(e, max_tokens: int, prompts=PROMPTS) -> tuple[list, list]:
+    """The engine's greedy tokens for `prompts`, submitted together and then one at a time."""
+    from kvgate.request import GenerationRequest
+    from kvgate.sampling import SamplingParams
+
+    reqs = [GenerationRequest(p, SamplingParams(temperature=0), max_tokens, ignore_eos=True) for p in prompts]
+    together = [h.result(60).token_ids for h in [e.submit(r) for r in reqs]]
+    return together, [e.submit(r).result(60).token_ids for r in reqs]
+
+
 def test_gguf_weights_give_full_weights_tokens_and_are_charged_exactly(q4_tiny_dir, tiny_dir):
     """The tiny Q4_1 model's greedy tokens with `--weights gguf` equal `--weights full` (4 prompts,
     batched and alone); the plan charges exactly what the model holds, 0.625 B per layer weight
@@ -118,15 +131,12 @@ def test_gguf_weights_give_full_weights_tokens_and_are_charged_exactly(q4_tiny_d
     from kvgate.request import GenerationRequest
     from kvgate.sampling import SamplingParams
 
-    prompts = [[5, 6, 7, 8, 9], [40, 41] * 6, list(range(60, 90)), [3]]
     out, plans = {}, {}
     for fmt in ("full", "gguf"):
         e = engine(q4_tiny_dir, weights=fmt, q8_head="off")
         try:
             plans[fmt] = (e.plan.weights_bytes, e.model.weight_bytes)
-            reqs = [GenerationRequest(p, SamplingParams(temperature=0), 24, ignore_eos=True) for p in prompts]
-            out[fmt] = [h.result(60).token_ids for h in [e.submit(r) for r in reqs]]
-            out[fmt + "-alone"] = [e.submit(r).result(60).token_ids for r in reqs]
+            out[fmt], out[fmt + "-alone"] = greedy(e, 24)
         finally:
             e.shutdown()
     assert out["gguf"] == out["full"] == out["gguf-alone"]

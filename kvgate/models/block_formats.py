@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvgate.models.q4_1 import Q41Linear, kernels, q4_1_blocks, q4_1_bytes
+from kvgate.models.q4_1 import Q41Linear, kernels, q4_1_blocks, q4_1_bytes, run_tiles
 from kvgate.models.q8_head import q8_blocks, q8_pack16
 
 if TYPE_CHECKING:
@@ -116,14 +116,37 @@ def fused_scales(
     return torch.cat([d for d, _ in parts]), torch.cat([m for _, m in parts])
 
 
+def fused_names(layer: int) -> list[tuple[str, ...]]:
+    """The checkpoint names of each layer matrix the model multiplies by, as it fuses them: qkv, o,
+    gate_up, down (`kvgate.memory.plan.matrices` order)."""
+    p = f"model.layers.{layer}."
+    return [
+        tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv"),
+        (p + "self_attn.o_proj.weight",),
+        (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        (p + "mlp.down_proj.weight",),
+    ]
+
+
+def recover(weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None):
+    """(format, what packing it needs) for a layer matrix that is a GGUF file's blocks, in the narrowest
+    format that holds it exactly: Q4_1 with fp16 scales (`q4_1_blocks`), else the codes `file_codes`
+    recovers with the file's scales, else Q8_0 from the values alone (`q8_blocks`); None if none."""
+    w = weight.float()
+    if (q4 := q4_1_blocks(w)) is not None:
+        return "q4_1", q4
+    if scales is not None and (got := file_codes(w, *scales)) is not None:
+        fmt, codes, d16, m16 = got  # q8_0 as the head's packer takes it: int8 codes, a d per 32
+        return fmt, (codes.to(torch.int8), d16[:, 0::2].contiguous()) if fmt == "q8_0" else (codes, d16, m16)
+    if w.shape[1] % QBLOCK == 0 and (q8 := q8_blocks(w)) is not None:
+        return "q8_0", q8
+    return None
+
+
 def matrix_format(weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> str | None:
     """The format `held` keeps a layer matrix in (q4_1, q4f, q8_0, q8s), or None (not a file's blocks)."""
-    w = weight.float()
-    if q4_1_blocks(w) is not None:
-        return "q4_1"
-    if scales is not None and (got := file_codes(w, *scales)) is not None:
-        return got[0]
-    return "q8_0" if w.shape[1] % QBLOCK == 0 and q8_blocks(w) is not None else None
+    got = recover(weight, scales)
+    return None if got is None else got[0]
 
 
 def layer_matrix_formats(loaded: LoadedModel) -> list[tuple[str | None, str]]:
@@ -132,13 +155,7 @@ def layer_matrix_formats(loaded: LoadedModel) -> list[tuple[str | None, str]]:
     (`kvgate.models.block_formats`), None where it is not a GGUF file's blocks."""
     out = []
     for i in range(loaded.spec.num_layers):
-        p = f"model.layers.{i}."
-        for names in (
-            tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv"),
-            (p + "self_attn.o_proj.weight",),
-            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            (p + "mlp.down_proj.weight",),
-        ):
+        for names in fused_names(i):
             w = torch.cat([loaded.weights[n].float() for n in names])
             fmt = matrix_format(w, fused_scales(loaded.block_scales, names))
             out.append((fmt, f"{'+'.join(n.split('.')[-2] for n in names)} of layer {i} {tuple(w.shape)}"))
@@ -165,11 +182,7 @@ class BlockLinear:
         self._ext = kernels()
 
     def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
-        y = self._ext.block_matmul(
-            x.float(), self.packed, self.out_features, -1 if decode_rows is None else decode_rows
-        )
-        y = y if y.dtype == x.dtype else y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return run_tiles(self._ext.block_matmul, self, x, decode_rows)
 
 
 def held(
@@ -177,14 +190,11 @@ def held(
 ) -> Q41Linear | BlockLinear:
     """A layer matrix as the file's own blocks, in the narrowest format that holds them exactly (the
     placement has checked that one does: `matrix_format`)."""
-    w = weight.float()
-    if q4_1_blocks(w) is not None:
-        return Q41Linear(w, bias)
-    got = file_codes(w, *scales) if scales is not None else None
-    if got is not None:
-        fmt, codes, d16, m16 = got
-        return BlockLinear(fmt, block_pack16(fmt, codes, d16, m16), w.shape[0], bias)
-    blocks = q8_blocks(w)
-    if blocks is None:
-        raise ValueError(f"a {tuple(w.shape)} matrix is not a GGUF file's blocks (see matrix_format)")
-    return BlockLinear("q8_0", q8_pack16(*blocks), w.shape[0], bias)
+    got = recover(weight, scales)
+    if got is None:
+        raise ValueError(f"a {tuple(weight.shape)} matrix is not a GGUF file's blocks (see matrix_format)")
+    fmt, parts = got
+    if fmt == "q4_1":
+        return Q41Linear(weight, bias, blocks=parts)
+    packed = q8_pack16(*parts) if fmt == "q8_0" else block_pack16(fmt, *parts)
+    return BlockLinear(fmt, packed, weight.shape[0], bias)

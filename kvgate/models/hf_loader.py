@@ -108,10 +108,11 @@ def load_hf_dir(path: Path, source: str | None = None) -> LoadedModel:
     weights = LazyWeights(index)  # read tensor by tensor as the engine builds its model
     if "lm_head.weight" not in weights and not spec.tie_word_embeddings:
         raise ModelLoadError(f"{path}: no lm_head.weight and tie_word_embeddings is false.")
-    missing = [n for n in required_tensors(spec) if n not in weights]
+    required = required_tensors(spec)
+    missing = [n for n in required if n not in weights]
     if missing:
         raise ModelLoadError(
-            f"{source or path}: {len(missing)} of the {len(required_tensors(spec))} tensors a "
+            f"{source or path}: {len(missing)} of the {len(required)} tensors a "
             f"{spec.num_layers}-layer model needs are missing, e.g. {', '.join(missing[:3])}; the file is "
             "incomplete or corrupt. Download it again and compare its size and checksum with the source."
         )

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
 from kvgate.models import decode_stack, huge_pages, native
-from kvgate.models.block_formats import BlockLinear, fused_scales
+from kvgate.models.block_formats import BlockLinear, fused_names, fused_scales
 from kvgate.models.block_formats import held as held_blocks
 from kvgate.models.linear import Linear, packs_weights, row_buckets
 from kvgate.models.paged_attention import gather_attention, length_mask
@@ -190,24 +190,24 @@ class LlamaModel:
             table = Q8DotTable if weights_format == "gguf-q8act" else Q8Table  # the head as the layers
             self.q8 = table(*(t.to(self.device) for t in blocks))
         self.embed = self.q8 if self.q8 is not None else w("model.embed_tokens.weight")
+
+        def fused(names: tuple[str, ...], bias: torch.Tensor | None = None):
+            parts = [mat(n) for n in names]  # read, fused and held one matrix at a time
+            return lin(parts[0] if len(parts) == 1 else torch.cat(parts), bias, names=names)
+
         self.layers = []
         for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            qkv_names = tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv")
-            qkv = torch.cat([mat(n) for n in qkv_names])
+            p, names = f"model.layers.{i}.", fused_names(i)  # qkv, o, gate_up, down
             biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
-            gate_up_names = (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            gate_up = torch.cat([mat(n) for n in gate_up_names])
-            o_name, down_name = p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"
             self.layers.append(
                 (
                     w(p + "input_layernorm.weight"),
-                    lin(qkv, qkv_bias, names=qkv_names),
-                    lin(mat(o_name), names=(o_name,)),
+                    fused(names[0], qkv_bias),
+                    fused(names[1]),
                     w(p + "post_attention_layernorm.weight"),
-                    lin(gate_up, names=gate_up_names),
-                    lin(mat(down_name), names=(down_name,)),
+                    fused(names[2]),
+                    fused(names[3]),
                 )
             )
         self.norm = w("model.norm.weight")

@@ -126,16 +126,21 @@ class Q41Linear:
 
     __slots__ = ("packed", "out_features", "bias", "nbytes", "_ext")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.packed = q4_1_pack16(*exact_blocks(weight))
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocks: tuple | None = None):
+        """`blocks`: `q4_1_blocks(weight)` where the caller has recovered them already."""
+        self.packed = q4_1_pack16(*(blocks if blocks is not None else exact_blocks(weight)))
         self.out_features = weight.shape[0]
         self.bias = bias
         self.nbytes = q4_1_bytes(*weight.shape) + (0 if bias is None else bias.numel() * bias.element_size())
         self._ext = kernels()
 
     def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
-        y = self._ext.q4_1_matmul(
-            x.float(), self.packed, self.out_features, -1 if decode_rows is None else decode_rows
-        )
-        y = y if y.dtype == x.dtype else y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return run_tiles(self._ext.q4_1_matmul, self, x, decode_rows)
+
+
+def run_tiles(kernel, lin, x: torch.Tensor, decode_rows: int | None) -> torch.Tensor:
+    """`kernel(x, tiles, N, decode_rows)` for a tiled matrix `lin` (packed, out_features, bias): float32
+    in, `x`'s dtype out, the bias added (Q41Linear's and block_formats.BlockLinear's call)."""
+    y = kernel(x.float(), lin.packed, lin.out_features, -1 if decode_rows is None else decode_rows)
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if lin.bias is None else y + lin.bias
