@@ -86,8 +86,19 @@ def test_fields_that_change_nothing_here_are_accepted_and_ignored(base):
         {"role": "assistant", "content": "Hello", "refusal": None, "reasoning_content": "thinking..."},
         {"role": "user", "content": "Hi"},
     ]
-    r = httpx.post(base + CHAT, json={**plain, **extras}, timeout=60)
+    r = httpx.post(base + CHAT, json={**plain, **extras, "prompt_cache_retention": "24h"}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
+    # QA pass 8's L3: values OpenAI refuses are refused by name (red with plain `str` fields: 200)
+    many = {str(i): "x" for i in range(17)}
+    for field, bad in (
+        ("reasoning_effort", "bogus"),
+        ("service_tier", "bogus"),
+        ("verbosity", "bogus"),
+        ("metadata", many),
+        ("prompt_cache_retention", "forever"),
+    ):
+        r = httpx.post(base + CHAT, json={**plain, field: bad}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), (field, r.text)
     assert httpx.post(base + CHAT, json={**plain, "messages": replay}, timeout=60).status_code == 200
 
 

@@ -215,6 +215,45 @@ def test_reasoning_settings_are_accepted_and_given_back_as_chats_reasoning_effor
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort"
 
 
+def test_truncation_auto_drops_the_oldest_items_until_the_conversation_fits(base):
+    """QA pass 8's M2: `truncation: "auto"` was accepted and ignored (a 400 context_length_exceeded, as
+    with "disabled"). Now the oldest items go, with the tool result their call leaves behind, until the
+    conversation fits; `instructions` stay. Seen red with the retry loop taken out (400)."""
+    turns = []
+    for i in range(6):  # ~1,000 byte tokens a turn: 6,000 against a 4,096-position context
+        turns.append({"role": "user", "content": f"turn {i} " + "word " * 200})
+        turns.append({"role": "assistant", "content": "ok"})
+    body = {"model": "tiny", "instructions": "be brief", "input": [*turns, {"role": "user", "content": "hi"}]}
+    body["max_output_tokens"] = 4
+    r = httpx.post(base + "/v1/responses", json={**body, "truncation": "disabled"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = httpx.post(base + "/v1/responses", json={**body, "truncation": "auto"}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["truncation"] == "auto" and out["usage"]["input_tokens"] + 4 <= 4096
+    assert out["usage"]["input_tokens"] > 3000  # only as much as it had to
+    # only the newest item left and still too long: the refusal, with the numbers
+    r = httpx.post(
+        base + "/v1/responses", json={**body, "input": "x " * 5000, "truncation": "auto"}, timeout=60
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
+def test_drop_oldest_keeps_instructions_and_leaves_no_orphan_tool_result():
+    from kvgate.server.responses_route import drop_oldest
+
+    msgs = [
+        {"role": "system"},
+        {"role": "assistant", "tool_calls": [{}]},
+        {"role": "tool"},
+        {"role": "user"},
+    ]
+    origin = ["instructions", "input.0", "input.1", "input.2"]
+    assert drop_oldest(msgs, origin) and origin == ["instructions", "input.2"]
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    assert not drop_oldest(msgs, origin)
+
+
 def test_responses_traffic_has_its_own_endpoint_label(base):
     """QA pass 6 (6B's F3): `/v1/responses` was counted as endpoint="other" in kvgate_requests_total,
     beside `/`, probes and typos. Seen red without "/v1/responses" in auth.ENDPOINTS. A kept response's
@@ -337,6 +376,9 @@ def test_output_text_logprobs_come_whole_and_with_each_delta(base):
     events = list(client(base).responses.create(**args, stream=True))
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in lps]
+    # top_logprobs without include asks for nothing, as OpenAI's (QA pass 8's L3; red: 4 entries)
+    del args["include"]
+    assert not client(base).responses.create(**args).output[0].content[0].logprobs
 
 
 def test_a_step_that_fails_mid_stream_ends_in_an_error_event_and_response_failed(make_engine):

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from kvgate.server.auth import api_path
 from tests.server_util import free_port, running_server
 from tests.test_bad_input import CATALOGUE, send
 
@@ -73,7 +74,7 @@ def _v1_routes(app) -> list[tuple[str, str]]:
     out = []
     for r in app.routes:
         path = getattr(r, "path", "")
-        if path.startswith("/v1/"):
+        if api_path(path):  # /v1/ and vLLM's root aliases (/tokenize, /detokenize, /tokenizer_info)
             for m in sorted(getattr(r, "methods", None) or ()):
                 if m != "HEAD":
                     out.append((m, path))
@@ -91,12 +92,17 @@ def test_every_v1_route_needs_the_key_and_health_metrics_stay_open(keyed):
         "/v1/detokenize",
         "/v1/resources",
         "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
     }
     bodies = {
         CHAT: {"messages": MSG, "max_tokens": 2},
         "/v1/completions": {"prompt": "hi", "max_tokens": 2},
         "/v1/tokenize": {"prompt": "hi"},
         "/v1/detokenize": {"tokens": [5, 6]},
+        "/tokenize": {"prompt": "hi"},
+        "/detokenize": {"tokens": [5, 6]},
         "/v1/responses": {"input": "hi", "max_output_tokens": 2},
     }
     wrong = [

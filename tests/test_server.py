@@ -341,6 +341,14 @@ def test_health_metrics_resources_tokenize(make_engine):
         assert httpx.post(base + "/v1/detokenize", json={"tokens": ids}).json()["prompt"] == "hello"
         bad = httpx.post(base + "/v1/detokenize", json={"tokens": [10**9]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        # vLLM's root aliases, as lm-eval's tokenizer_backend=auto probes them (QA pass 8's L1; red
+        # without routes.ROOT_ALIASES: 404)
+        info = httpx.get(base + "/tokenizer_info").json()
+        assert info["eos_token"] == engine.tokenizer.token_text(engine.tokenizer.info.eos_token_id)
+        assert info["chat_template"] and info["model_max_length"] == engine.max_model_len
+        probe = httpx.post(base + "/tokenize", json={"prompt": "hello", "add_special_tokens": False}).json()
+        assert probe["tokens"] == ids[-len(probe["tokens"]) :] and len(probe["tokens"]) >= 1
+        assert httpx.post(base + "/detokenize", json={"tokens": ids}).json()["prompt"] == "hello"
         httpx.post(base + CHAT, json={"messages": MSG, "max_tokens": 3})
         text = httpx.get(base + "/metrics").text
         for name in (

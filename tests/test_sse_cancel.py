@@ -40,3 +40,24 @@ def test_a_stream_closed_by_the_client_still_reports_its_cancelled_result():
 
     (res,) = asyncio.run(scenario())
     assert res.finish_reason == "cancelled" and res.completion_tokens == 1
+
+
+def test_the_role_chunk_waits_for_the_first_engine_event():
+    """The chat stream's first chunk (the role) is sent with the first token, after the prompt's
+    prefill, as vLLM sends it: `vllm bench serve` times TTFT from the first chunk with `choices`, and a
+    role chunk at admission read as TTFT ~0 (QA pass 8). Seen red with the role chunks sent before the
+    event loop, as they were."""
+
+    async def scenario():
+        h = RequestHandle(GenerationRequest([1, 2, 3], SamplingParams(), 8), lambda rid: None)
+        stream = sse_stream(ChunkMaker("chat", "id", 0, "m"), [h], False, lambda r: None)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        assert not first.done()  # nothing yet: the prompt is still being prefilled
+        h.events.put(Token(5, "x", time.monotonic()))
+        role = await asyncio.wait_for(first, 5)
+        assert '"role": "assistant"' in role
+        assert '"x"' in await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(scenario())

@@ -526,6 +526,57 @@ def test_a_format_the_engine_does_not_know_is_an_annotation_and_known_ones_hold(
         assert "@" in got["mail"]  # the tiny model writes noise, but the email format held
 
 
+def test_date_formats_hold_only_calendar_days(tiny_dir):
+    """QA pass 8's L2: the grammar engine's `date` allowed February 29 of every year (2015-02-29 came
+    back under strict json_schema, and jsonschema and pydantic refuse it). The patterns that replace it
+    are checked here against Python's calendar for every day of years 0000-9999 (year 0000 and second 60
+    left out: Python's date and datetime refuse them), and the engine holds them. Seen red with
+    `engine_schema` passing date formats through (2015-02-29 accepted)."""
+    import datetime
+    import re
+
+    import llguidance
+    from tokenizers import Tokenizer
+
+    from kvgate.structured.schema_prep import FORMAT_PATTERNS, engine_schema
+
+    day = re.compile(FORMAT_PATTERNS["date"])
+    for y in range(10000):
+        for m in range(1, 13):
+            for d in range(1, 32):
+                try:
+                    real = bool(datetime.date(y, m, d))
+                except ValueError:
+                    real = False
+                assert bool(day.match(f"{y:04d}-{m:02d}-{d:02d}")) == real, (y, m, d)
+    text = (tiny_dir / "tokenizer.json").read_text()
+    tk = Tokenizer.from_str(text)
+    lt = llguidance.LLTokenizer(text, n_vocab=tk.get_vocab_size(True), eos_token=None)
+
+    def holds(fmt: str, value: str) -> bool:
+        m = llguidance.LLMatcher(
+            lt,
+            llguidance.LLMatcher.grammar_from_json_schema(engine_schema({"type": "string", "format": fmt})),
+            log_level=0,
+        )
+        ids = tk.encode(json.dumps(value), add_special_tokens=False).ids
+        if m.validate_tokens(ids) != len(ids):
+            return False
+        m.consume_tokens(ids)
+        return m.is_accepting() and not m.is_error()
+
+    assert holds("date", "2016-02-29") and holds("date", "2000-02-29")
+    assert (
+        not holds("date", "2015-02-29")
+        and not holds("date", "1900-02-29")
+        and not holds("date", "0000-01-20")
+    )
+    assert holds("date-time", "2016-02-29T23:59:59.5+05:30") and not holds(
+        "date-time", "2015-02-29T01:02:03Z"
+    )
+    assert not holds("date-time", "2016-02-28T01:02:60Z")
+
+
 def test_descriptions_do_not_count_against_the_grammars_bound(base):
     """QA pass 6: the 32 KiB bound on a grammar's text counted the schema's descriptions and examples,
     so a simple schema with verbose docs (10 string properties, 56 KB of JSON) was a 400 blaming "the

@@ -35,7 +35,15 @@ ENDPOINTS = {
     "/v1/resources",
     "/health",
     "/metrics",
+    "/tokenize",  # vLLM's root aliases (routes.ROOT_ALIASES)
+    "/detokenize",
+    "/tokenizer_info",
 }
+ROOT_API = ("/tokenize", "/detokenize", "/tokenizer_info")  # API routes outside /v1/: the key applies
+
+
+def api_path(path: str) -> bool:
+    return path.startswith("/v1/") or path in ROOT_API
 
 
 def endpoint_of(path: str) -> str:
@@ -63,7 +71,7 @@ class AuthAndCount:
         if self.settings.request_id_header:
             send = with_request_id(send, rid)
         key = self.settings.api_key
-        if key and path.startswith("/v1/"):
+        if key and api_path(path):
             given = headers.get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, key.encode()):
@@ -73,7 +81,7 @@ class AuthAndCount:
                 )
                 return await err.response()(scope, receive, send)
         status = {"code": 499}
-        counted = path.startswith("/v1/") and "app" in scope  # the API requests in flight (a drain waits)
+        counted = api_path(path) and "app" in scope  # the API requests in flight (a drain waits)
         if counted:
             state = scope["app"].state
             state.in_flight = getattr(state, "in_flight", 0) + 1

@@ -3,7 +3,7 @@
 Every field is supported, accepted-and-ignored, or refused by name (the README's field table is the
 list). A field is accepted and ignored only when honouring it could not change this model's output:
 `reasoning_effort` and `verbosity` steer reasoning models (this one has no reasoning), `prompt_cache_key`
-is a routing hint (kvgate's prefix cache needs no key), `store`, `metadata`, `service_tier`, `user` and
+and `prompt_cache_retention` are caching hints (kvgate's prefix cache needs no key), `store`, `metadata`, `service_tier`, `user` and
 `safety_identifier` are bookkeeping, a replayed assistant message's `refusal` and `reasoning_content`
 are not part of what the model is shown, nor what the openai SDK's `.parse()`/`.stream()` helpers add
 (`parsed`, a call's `index` and `parsed_arguments`). Unknown fields and fields that would change the
@@ -19,9 +19,9 @@ by name, saying what to send instead, otherwise. `stream_options` needs `stream:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from kvgate.server.chat_template import TemplateFields
 from kvgate.server.errors import APIError, invalid, unsupported
@@ -38,6 +38,18 @@ def _null_in_schema(schema: dict, cls) -> None:
         if prop is not None and not f.is_required() and f.default is not None:
             keep = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
             schema["properties"][f.alias or name] = {"anyOf": [prop, {"type": "null"}], **keep}
+
+
+# OpenAI's values for the fields accepted and ignored (QA pass 8: "bogus" was accepted where OpenAI,
+# and vLLM for reasoning_effort, answer 400), shared with the Responses body
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+Verbosity = Literal["low", "medium", "high"]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+CacheRetention = Literal["in-memory", "24h"]
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
+    Field(max_length=16),
+]  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 
 
 class _Body(BaseModel):
@@ -146,13 +158,14 @@ class _Common(_Body):
     response_format: ResponseFormat | None = None
     best_of: int | None = None
     # accepted and ignored: they cannot change this model's output (see the module doc)
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
+    reasoning_effort: Effort | None = None
+    verbosity: Verbosity | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: CacheRetention | None = None
     safety_identifier: str | None = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    metadata: Metadata | None = None
+    service_tier: ServiceTier | None = None
 
 
 class ContentPart(_Body):

@@ -87,7 +87,7 @@ def to_chat(body: Any) -> tuple[dict, list[str]]:
             "type": fmt.type,
             **({"json_schema": spec} if fmt.type == "json_schema" else {}),
         }
-    if req.include or req.top_logprobs is not None:
+    if req.include:  # top_logprobs alone asks for nothing: OpenAI gives logprobs only when included
         chat["logprobs"] = True
         chat["top_logprobs"] = req.top_logprobs or 0
     return chat, origin

@@ -13,7 +13,15 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from kvgate.server.protocol import JSONSchemaFormat, _Body
+from kvgate.server.protocol import (
+    CacheRetention,
+    Effort,
+    JSONSchemaFormat,
+    Metadata,
+    ServiceTier,
+    Verbosity,
+    _Body,
+)
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -93,7 +101,7 @@ class TextFormat(JSONSchemaFormat):
 class TextOptions(_Body):
     model_config = _STRICT
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None  # accepted: a 135M model has one verbosity
+    verbosity: Verbosity | None = None  # accepted: a 135M model has one verbosity
 
 
 class ResponsesStreamOptions(_Body):
@@ -106,7 +114,7 @@ class Reasoning(_Body):
     reasoning, and this model has none (so there is no summary to give either)."""
 
     model_config = _STRICT
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Effort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # summary's older name
 
@@ -134,11 +142,12 @@ class ResponsesRequest(_Body):
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: Reasoning | None = None
     # accepted and given back: they change nothing that is generated
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    service_tier: str | None = None
+    prompt_cache_retention: CacheRetention | None = None
+    service_tier: ServiceTier | None = None
     store: bool | None = None  # false: not kept for previous_response_id / GET (the default keeps it)
     # refused unless null or false (`responses_input.NOT_DONE` says why)
     previous_response_id: str | None = None

@@ -19,6 +19,7 @@ from kvgate.server.context import check_model, ready_engine
 from kvgate.server.prepare import prepare_detokenize, prepare_tokenize
 from kvgate.server.responses_route import cancel_response, input_items, responses, stored_response
 from kvgate.server.serving import generate
+from kvgate.tokenizer import FALLBACK_TEMPLATE
 
 
 async def health(request: Request):
@@ -131,6 +132,26 @@ async def detokenize(request: Request):
     return await asyncio.to_thread(prepare_detokenize, raw, eng, state.settings)
 
 
+async def tokenizer_info(request: Request):
+    """vLLM's `GET /tokenizer_info`: the special tokens and chat template a client needs to tokenize as
+    the server does. lm-evaluation-harness's `tokenizer_backend=auto` probes it and `/tokenize` at the
+    root; without them it looked for the model on the Hugging Face hub (QA pass 8)."""
+    eng = ready_engine(request.app.state)
+    tok, info = eng.tokenizer, eng.tokenizer.info
+
+    def text(i):
+        return None if i is None else tok.token_text(i)
+
+    return {
+        "eos_token": text(info.eos_token_id),
+        "bos_token": text(info.bos_token_id),
+        "pad_token": None,
+        "chat_template": info.chat_template or FALLBACK_TEMPLATE,  # the one chat requests render with
+        "model_max_length": eng.max_model_len,
+        "add_bos_token": info.add_bos_token,
+    }
+
+
 async def chat_completions(request: Request):
     return await generate(request, P.ChatCompletionRequest)
 
@@ -156,8 +177,19 @@ ROUTES = [
 ]
 
 
+# vLLM serves these at the root too, and clients look for them there (lm-eval's remote tokenizer); the
+# same handlers as /v1/'s, behind the same API key (auth.API_PATHS), left out of the OpenAPI document
+ROOT_ALIASES = [
+    ("GET", "/tokenizer_info", tokenizer_info),
+    ("POST", "/tokenize", tokenize),
+    ("POST", "/detokenize", detokenize),
+]
+
+
 def install_routes(app: FastAPI) -> None:
     # Registered on the app itself (not an APIRouter): FastAPI 0.165 keeps an included router as one
     # opaque route, which would hide the paths from anything that lists `app.routes`.
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=method.split("|"))
+    for method, path, endpoint in ROOT_ALIASES:
+        app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)

@@ -1,6 +1,8 @@
 """Server-sent events for one generation: OpenAI's chunk stream over one or more engine handles.
 
-Order: a role chunk per choice (chat), then text chunks as tokens release text, a finish chunk per
+Order: a role chunk per choice (chat), sent with the first engine event (after the prompt's prefill, as
+vLLM sends it: benchmark clients such as `vllm bench serve` time TTFT from the first chunk with
+`choices`, and a role chunk at admission read as a TTFT of ~0, QA pass 8), then text chunks as tokens release text, a finish chunk per
 choice, an optional usage chunk, then `data: [DONE]` (what each chunk holds: `stream_shape.py`). A choice that fails inside the engine ends the
 stream with one error event (the stable 500 body) and `[DONE]`, and cancels the other choices. When the
 stream ends early for any reason (the client left), every handle still running is cancelled, and its
@@ -34,10 +36,13 @@ async def sse_stream(chunks: ChunkMaker, handles, include_usage: bool, on_result
     chunks (`StreamShaper`: logprobs, tool calls, echo, running usage); the default is plain text."""
     finished: dict[int, object] = {}
     shape = shaper or StreamShaper(chunks)
+    started = False
     try:
-        for c in shape.start(len(handles)):
-            yield event(c)
         async for i, ev in merged_events(handles):
+            if not started:
+                started = True
+                for c in shape.start(len(handles)):
+                    yield event(c)
             if isinstance(ev, Token):
                 for c in shape.token(i, ev):
                     yield event(c)

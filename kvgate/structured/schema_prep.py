@@ -4,7 +4,8 @@
   string. In JSON Schema (2020-12) `format` is an annotation unless a validator opts into asserting
   it, so this is what the schema means; pydantic writes `binary` for `bytes` and `password` for
   `SecretStr`, and those requests were 400s. The formats the engine knows (`date-time`, `email`,
-  `uuid`, ...) stay enforced. Which it knows is asked of the engine, once per distinct value.
+  `uuid`, ...) stay enforced. Which it knows is asked of the engine, once per distinct value. `date`
+  and `date-time` become patterns of real calendar days (the engine's allow February 29 every year).
 - The annotations that never change what is generated (`description`, `title`, `examples`, ...) are
   left out of the grammar's copy: they counted against its 32 KiB bound.
 - `keyword_paths`: where refused keywords sit (`properties.tags.uniqueItems`), for the 400.
@@ -42,6 +43,17 @@ SUBSCHEMAS = (
 
 
 ANNOTATIONS = ("description", "title", "examples", "$comment", "deprecated", "readOnly", "writeOnly")
+
+# `date` and `date-time` as calendar dates: the engine's own regexes allow February 29 in every year (QA
+# pass 8 saw 2015-02-29 under strict json_schema, which jsonschema's format checker and pydantic refuse).
+# Years 0001-9999 (RFC 3339 allows 0000, which Python's date and pydantic refuse) and seconds 00-59
+# (RFC 3339's leap second 60 is refused by Python's datetime): what every client can parse.
+_YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DAY = "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+DATE = f"(?:{_YEAR}-{_DAY}|{_LEAP}-02-29)"
+TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+FORMAT_PATTERNS = {"date": f"^{DATE}$", "date-time": f"^{DATE}[tT]{TIME}$"}
 
 
 # JSON Schema 2020-12's formats: the engine is asked once which of these it enforces; any other value
@@ -90,6 +102,9 @@ def engine_schema(schema):
     fmt = out.get("format")
     if isinstance(fmt, str) and not known_format(fmt):
         del out["format"]
+    elif fmt in FORMAT_PATTERNS and "pattern" not in out:  # the calendar's own days (FORMAT_PATTERNS)
+        del out["format"]
+        out["pattern"] = FORMAT_PATTERNS[fmt]
     for key in NAMED_SCHEMAS:
         if isinstance(out.get(key), dict):
             out[key] = {name: engine_schema(sub) for name, sub in out[key].items()}
