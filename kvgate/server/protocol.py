@@ -2,13 +2,11 @@
 
 Every field is supported, accepted-and-ignored, or refused by name (the README's field table is the
 list). A field is accepted and ignored only when honouring it could not change this model's output:
-`reasoning_effort` and `verbosity` steer reasoning models (this one has no reasoning), `prompt_cache_key`
-and `prompt_cache_retention` are caching hints (kvgate's prefix cache needs no key), `store`, `metadata`, `service_tier`, `user` and
-`safety_identifier` are bookkeeping, a replayed assistant message's `refusal` and `reasoning_content`
-are not part of what the model is shown, nor what the openai SDK's `.parse()`/`.stream()` helpers add
-(`parsed`, a call's `index` and `parsed_arguments`). Unknown fields and fields that would change the
-output if dropped are refused: a client must learn that kvgate did not honour them instead of
-silently getting a different answer. Types are strict for the same reason: "5" is not an integer, "yes" is not a boolean.
+reasoning hints (no reasoning here), caching hints (the prefix cache needs no key), bookkeeping (`store`,
+`metadata`, `service_tier`, `user`; values checked in `ignored_values`), a replayed assistant message's
+`refusal` and `reasoning_content`, and what the openai SDK's `.parse()`/`.stream()` helpers add. Unknown
+fields and fields that would change the output if dropped are refused: a client must learn that kvgate
+did not honour them. Types are strict for the same reason: "5" is not an integer.
 
 Null means "not given", as in OpenAI's schema (clients that serialize unset fields send null): a null
 for a field with a non-null default is that default (`"stream": null` is false), and OpenAI's fields
@@ -19,12 +17,13 @@ by name, saying what to send instead, otherwise. `stream_options` needs `stream:
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvgate.server.chat_template import TemplateFields
 from kvgate.server.errors import APIError, invalid, unsupported
+from kvgate.server.ignored_values import CacheRetention, Effort, Metadata, ServiceTier, Verbosity
 from kvgate.server.schema_errors import describe
 
 MAX_STOP = 8
@@ -38,18 +37,6 @@ def _null_in_schema(schema: dict, cls) -> None:
         if prop is not None and not f.is_required() and f.default is not None:
             keep = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
             schema["properties"][f.alias or name] = {"anyOf": [prop, {"type": "null"}], **keep}
-
-
-# OpenAI's values for the fields accepted and ignored (QA pass 8: "bogus" was accepted where OpenAI,
-# and vLLM for reasoning_effort, answer 400), shared with the Responses body
-Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
-Verbosity = Literal["low", "medium", "high"]
-ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
-CacheRetention = Literal["in-memory", "24h"]
-Metadata = Annotated[
-    dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
-    Field(max_length=16),
-]  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 
 
 class _Body(BaseModel):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvgate.sampling_params import MAX_TOP_LOGPROBS
 from kvgate.server import protocol as P
 from kvgate.server.errors import invalid, unsupported
 from kvgate.server.responses_protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
@@ -90,6 +91,10 @@ def to_chat(body: Any) -> tuple[dict, list[str]]:
     if req.include:  # top_logprobs alone asks for nothing: OpenAI gives logprobs only when included
         chat["logprobs"] = True
         chat["top_logprobs"] = req.top_logprobs or 0
+    elif req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid(
+            f"top_logprobs={req.top_logprobs} must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs"
+        )
     return chat, origin
 
 
