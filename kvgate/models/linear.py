@@ -2,7 +2,8 @@
 
 Measured on a 2-vCPU AVX2 machine with SmolLM2-135M shapes: oneDNN on a prepacked weight is 2.5-3x
 faster than `F.linear` (MKL sgemm) at 4-32 rows, ~1.7x at one row for the wide matrices, and a row's
-result is bit-identical whatever the number of rows beside it (checked for 1..64 rows).
+result is bit-identical whatever the number of rows beside it from 2 rows up (one row runs another
+kernel: `row_buckets` pads it to two).
 
 The catch, also measured: oneDNN keeps a kernel ("primitive") per distinct (weight shape, row count)
 it has run, ~0.5 MiB plus up to twice the output's size each, for the life of the process. Serving
@@ -32,9 +33,14 @@ def packs_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
     )
 
 
-def row_buckets(max_rows: int) -> list[int]:
-    """Powers of two below `max_rows`, then `max_rows` itself: a step never pads past its planned size."""
-    out, b = [], 1
+def row_buckets(max_rows: int, smallest: int = 2) -> list[int]:
+    """Powers of two from 2 below `max_rows`, then `max_rows` itself: a step never pads past its planned
+    size. One row is padded to two: oneDNN runs a one-row call on a kernel of its own whose sums over k
+    go in another order once k passes ~1024 (SmolLM2's down_proj, k = 1536: 5e-6 apart), so a decoding
+    row's numbers changed when a second row joined its step (QA pass 8); from 2 rows to 288 every row's
+    bits are the same, on every shape measured (tests/test_linear_rows.py). `smallest`: 4 for a plain
+    float32 weight (MKL's sgemm gives a row other bits at 1-3, 5-7 and 9-11 rows than at 4, 8 and 12+)."""
+    out, b = [], smallest
     while b < max_rows:
         out.append(b)
         b *= 2
@@ -73,16 +79,26 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         """`decode_rows` is accepted for the common call shape (`Q41Linear` uses it); every row here
-        is computed one way, whatever its kind."""
-        if not self.packed:
-            return F.linear(x, self.weight, self.bias)
+        is computed one way, whatever its kind. Rows are padded to the next of `buckets` (set on CPU:
+        `bucket_rows`), so a row's bits never depend on how many rows share the call."""
         rows = x.shape[0]
         i = bisect_left(self.buckets, rows)
-        if i == len(self.buckets) or self.buckets[i] == rows:  # exact (or past the last bucket)
-            return _run_packed(x, self.weight, self.bias)
-        padded = x.new_zeros((self.buckets[i], x.shape[1]))
-        padded[:rows] = x
-        return _run_packed(padded, self.weight, self.bias)[:rows]
+        if i < len(self.buckets) and self.buckets[i] != rows:
+            padded = x.new_zeros((self.buckets[i], x.shape[1]))
+            padded[:rows] = x
+            return self._run(padded)[:rows]
+        return self._run(x)  # exact (or past the last bucket, or no buckets: CUDA)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return _run_packed(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
+
+    def bucket_rows(self, max_rows: int) -> None:
+        """The row buckets of a CPU matmul of up to `max_rows` rows (none on CUDA)."""
+        if self.weight.device.type != "cpu":
+            self.buckets = []
+            return
+        plain_fp32 = not self.packed and self.weight.dtype == torch.float32
+        self.buckets = row_buckets(max_rows, 4 if plain_fp32 else 2)
 
 
 def warm_kernels(shapes: list[tuple[int, int, int]], dtype: torch.dtype) -> None:

@@ -50,7 +50,7 @@ from kvgate.config import ModelSpec
 from kvgate.models import decode_stack, huge_pages, native
 from kvgate.models.block_formats import BlockLinear, fused_names, fused_scales
 from kvgate.models.block_formats import held as held_blocks
-from kvgate.models.linear import Linear, packs_weights, row_buckets
+from kvgate.models.linear import Linear, packs_weights
 from kvgate.models.paged_attention import gather_attention, length_mask
 from kvgate.models.paged_attention import kernel as paged_kernel
 from kvgate.models.prefill_attention import run as run_prefill
@@ -254,9 +254,9 @@ class LlamaModel:
         for layer in self.layers:
             for lin in layer[1:3] + layer[4:]:  # qkv, o, gate_up, down
                 if isinstance(lin, Linear):
-                    lin.buckets = row_buckets(step_tokens)
+                    lin.bucket_rows(step_tokens)
         if isinstance(self.lm_head, Linear):
-            self.lm_head.buckets = row_buckets(logit_rows)
+            self.lm_head.bucket_rows(logit_rows)
 
     @property
     def weight_bytes(self) -> int:

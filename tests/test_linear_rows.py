@@ -1,0 +1,71 @@
+"""A full-weights matmul gives a row the same bits whatever the rows beside it (`kvgate.models.linear`).
+
+QA pass 8 found `--weights full` batch-dependent on CPU: oneDNN (packed float32) and the bfloat16
+matmul run a one-row call on a kernel of their own whose sums over k go in another order once k passes
+~1024 (SmolLM2's down_proj, k = 1536), and MKL's plain float32 sgemm gives a row other bits at 1-3, 5-7
+and 9-11 rows. A decoding row's logprobs then moved (by up to 2e-3 at temperature 0) when a second
+request joined its step. `Linear` now pads its rows to buckets that all agree (from 2 rows, or 4 for a
+plain float32 weight). Seen red: the kernel test with the smallest bucket 1 (a 1-row call 5e-6 apart
+at k = 1536), and the engine test with the old `Linear` (logprobs apart from the second token on).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgate.models.linear import Linear, packs_weights
+
+SHAPES = [(960, 576), (576, 1536), (1024, 2048), (2048, 4096)]  # SmolLM2's qkv and down; larger k
+
+
+@pytest.mark.parametrize(
+    "dtype,pack", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, False)]
+)
+def test_every_row_count_gives_a_row_the_same_bits(dtype, pack):
+    if pack and not packs_weights("cpu", dtype):
+        pytest.skip("this torch has no oneDNN packing")
+    g = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        lin = Linear((torch.randn(n, k, generator=g) * 0.05).to(dtype), None, pack)
+        lin.bucket_rows(48)
+        x = torch.randn(48, k, generator=g).to(dtype)
+        whole = lin(x)
+        for m in range(1, 48):
+            assert torch.equal(lin(x[:m]), whole[:m]), (n, k, m, dtype, pack)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_full_weights_decode_the_same_alone_and_batched(tmp_path, dtype):
+    """A tiny model with SmolLM2's 1536-wide MLP: greedy logprobs of a prompt alone equal those in a
+    batch of four, in float32 (packed) and bfloat16, both `--weights full` defaults."""
+    import threading
+
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from kvgate.request import GenerationRequest, Token
+    from kvgate.sampling import SamplingParams
+    from tests.tiny_model import GEOMETRY, make_tiny_hf_dir
+
+    d = make_tiny_hf_dir(tmp_path / "wide", geometry={**GEOMETRY, "inter": 1536})
+    cfg = EngineConfig(kv_cache_bytes=8 << 20, memory_limit="2GiB", dtype=dtype, device="cpu", weights="full")
+    e = Engine.from_model(str(d), cfg, overhead_bytes=0).start()
+    prompts = [[5, 6, 7, 8, 9], [40, 41] * 6, list(range(60, 90)), [3, 4]]
+
+    def run(p, out):
+        r = GenerationRequest(p, SamplingParams(temperature=0, logprobs=2), 12, ignore_eos=True)
+        out.extend((ev.token_id, repr(ev.logprobs)) for ev in e.submit(r) if isinstance(ev, Token))
+
+    try:
+        alone = [[] for _ in prompts]
+        for p, out in zip(prompts, alone):
+            run(p, out)
+        together = [[] for _ in prompts]
+        threads = [threading.Thread(target=run, args=(p, o)) for p, o in zip(prompts, together)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        e.shutdown()
+    assert together == alone
