@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K encoders in numpy, for writing k-quant GGUF files where no llama.cpp is at hand.
+"""Q4_K, Q5_K and Q6_K encoders in numpy, for writing k-quant GGUF files where no llama.cpp is at hand.
 
 `gguf.quants` decodes every k-quant but encodes none, and this machine cannot download a Q4_K_M model,
 so the tests and `bench/kquant_model.py` write their own. These are the plain min/max encoders (no
@@ -18,14 +18,13 @@ def _fp16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)
 
 
-def encode_q4_k(x: np.ndarray) -> np.ndarray:
-    """float [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 144] of Q4_K blocks:
-    per 32 values d * sc * q - dmin * m, q 0..15, sc and m 6-bit, d and dmin fp16 per 256."""
-    rows, cols = x.shape
+def _min_scale_blocks(x: np.ndarray, top: int):
+    """Q4_K's and Q5_K's shared part: per 256 values (d, dmin fp16, 12 bytes of 6-bit scales and mins)
+    and the codes q [n, 8, 32] in 0..top, with values d * sc * q - dmin * m per 32."""
     b = x.astype(np.float32).reshape(-1, 8, 32)
     lo = np.minimum(b.min(-1), 0.0)
     hi = b.max(-1)
-    scale = (hi - lo) / 15.0
+    scale = (hi - lo) / top
     d = _fp16(scale.max(-1) / 63.0)
     dmin = _fp16((-lo).max(-1) / 63.0)
     df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
@@ -33,15 +32,33 @@ def encode_q4_k(x: np.ndarray) -> np.ndarray:
     mn = np.clip(np.round(-lo / np.where(dminf > 0, dminf, 1)), 0, 63).astype(np.uint8)
     step = (df * sc)[..., None]
     q = np.round((b + (dminf * mn)[..., None]) / np.where(step > 0, step, 1))
-    q = np.clip(q, 0, 15).astype(np.uint8)
+    q = np.clip(q, 0, top).astype(np.uint8)
     scales = np.zeros((b.shape[0], 12), dtype=np.uint8)
     for i in range(4):
         scales[:, i] = sc[:, i] | ((sc[:, 4 + i] >> 4) << 6)
         scales[:, 4 + i] = mn[:, i] | ((mn[:, 4 + i] >> 4) << 6)
         scales[:, 8 + i] = (sc[:, 4 + i] & 15) | ((mn[:, 4 + i] & 15) << 4)
+    head = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales], 1)
+    return head, q
+
+
+def encode_q4_k(x: np.ndarray) -> np.ndarray:
+    """float [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 144] of Q4_K blocks:
+    per 32 values d * sc * q - dmin * m, q 0..15, sc and m 6-bit, d and dmin fp16 per 256."""
+    rows, cols = x.shape
+    head, q = _min_scale_blocks(x, 15)
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # pairs of sub-blocks: low, high nibbles
-    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], 1)
-    return out.reshape(rows, cols // QK * 144)
+    return np.concatenate([head, qs], 1).reshape(rows, cols // QK * 144)
+
+
+def encode_q5_k(x: np.ndarray) -> np.ndarray:
+    """float [rows, cols] -> uint8 [rows, cols / 256 * 176] of Q5_K blocks: Q4_K's with q 0..31, the
+    fifth bits in 32 bytes (byte l, bit s: sub-block s's value l) before the low nibbles."""
+    rows, cols = x.shape
+    head, q = _min_scale_blocks(x, 31)
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(-1, 128)
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)  # [n, 32]
+    return np.concatenate([head, qh, qs], 1).reshape(rows, cols // QK * 176)
 
 
 def encode_q6_k(x: np.ndarray) -> np.ndarray:
@@ -65,4 +82,4 @@ def encode_q6_k(x: np.ndarray) -> np.ndarray:
     return out.reshape(rows, cols // QK * 210)
 
 
-ENCODERS = {"Q4_K": encode_q4_k, "Q6_K": encode_q6_k}
+ENCODERS = {"Q4_K": encode_q4_k, "Q5_K": encode_q5_k, "Q6_K": encode_q6_k}

@@ -31,23 +31,31 @@ def blocks(fmt: str, n: int, k: int, seed: int = 0):
         mn = torch.randint(0, 64, (n, halves // 2), generator=g).float().repeat_interleave(2, 1)
         d, m = base * sc, -(base * 0.5).half().float() * mn
         c = torch.randint(0, 16, (n, k), generator=g).float()
+    elif fmt == "q5f":  # Q5_K: d * sc and -(dmin * m) per 32, codes 0..31 (Q5_0: m = -16 d)
+        sc = torch.randint(1, 64, (n, halves // 2), generator=g).float().repeat_interleave(2, 1)
+        mn = torch.randint(0, 64, (n, halves // 2), generator=g).float().repeat_interleave(2, 1)
+        d, m = base * sc, -(base * 0.25).half().float() * mn
+        c = torch.randint(0, 32, (n, k), generator=g).float()
     elif fmt == "q8_0":
         d, m = base, torch.zeros(n, halves)
         c = torch.randint(-127, 128, (n, k), generator=g).float()
-    else:  # q8s, Q6_K: d * sc per 16 (sc int8), codes -32..31; q8s-min, Q2_K: minus dmin * m per 16 too
+    else:  # q8d, Q6_K: d * sc per 16 (sc int8), codes -32..31; q8s-min, Q2_K: minus dmin * m per 16 too;
+        # q8s: int8 codes with an m per 16 (a fused matrix of mixed types)
         sc = torch.randint(-128, 128, (n, halves), generator=g).float()
         d, m = (torch.rand(n, halves, generator=g) * 1e-3).half().float() * sc, torch.zeros(n, halves)
-        if fmt == "q8s-min":
+        if fmt != "q8d":
             m = -(torch.rand(n, halves, generator=g) * 1e-3).half().float() * torch.randint(
                 0, 16, (n, halves), generator=g
             )
         c = torch.randint(-32, 32, (n, k), generator=g).float()
+        if fmt == "q8s":
+            c = torch.randint(-128, 128, (n, k), generator=g).float()
     w = torch.addcmul(m.repeat_interleave(16, 1), d.repeat_interleave(16, 1), c)
     return w, d, m
 
 
 @needs_ext
-@pytest.mark.parametrize("fmt", ["q4f", "q8_0", "q8s", "q8s-min"])
+@pytest.mark.parametrize("fmt", ["q4f", "q5f", "q8d", "q8_0", "q8s", "q8s-min"])
 def test_block_matmul_gives_the_exact_values_product_whatever_the_rows_beside(fmt):
     """Each format's tiles (37 outputs: a partial tile) times float32 rows: prompt rows and decode rows
     within float32 rounding of the float64 product of the exact values, and every row's bits the same
@@ -74,7 +82,9 @@ def test_block_matmul_gives_the_exact_values_product_whatever_the_rows_beside(fm
 
 def test_file_codes_accepts_only_values_its_codes_give_back_bit_for_bit():
     """A value one float32 step off, or scales that are not the matrix's, are not blocks; a Q6_K matrix
-    (scales per 16) is q8s, not q8_0. Seen red: the exactness check comparing within a tolerance."""
+    (scales per 16, no m) is q8d, not q8_0, and with an m per 16 it is q8s. Seen red: the exactness check
+    comparing within a tolerance."""
+    assert file_codes(*blocks("q8d", 16, 64))[0] == "q8d"
     w, d, m = blocks("q8s", 16, 64)
     assert file_codes(w, d, m)[0] == "q8s"
     nudged = w.clone()
@@ -106,10 +116,12 @@ Q4_K_M = {
 @pytest.mark.parametrize(
     "types,weight_type,held,arch",
     [
-        (Q4_K_M, "Q4_K", "6 q4f, 2 q8s", "llama"),
-        (Q4_K_M, "Q4_K", "6 q4f, 2 q8s", "qwen2"),  # q/k/v biases, rows in HF order
+        (Q4_K_M, "Q4_K", "6 q4f, 1 q8d, 1 q8s", "llama"),
+        (Q4_K_M, "Q4_K", "6 q4f, 1 q8d, 1 q8s", "qwen2"),  # q/k/v biases, rows in HF order
         ({"token_embd.weight": "Q8_0"}, "Q4_0", "8 q4f", "llama"),
-        ({"token_embd.weight": "Q8_0"}, "Q5_1", "8 q8s", "llama"),
+        ({"token_embd.weight": "Q8_0"}, "Q5_1", "8 q5f", "llama"),
+        ({"token_embd.weight": "Q8_0"}, "Q5_0", "8 q5f", "llama"),
+        (Q4_K_M, "Q5_K", "6 q5f, 1 q8d, 1 q8s", "llama"),  # Q5_K_M's recipe
         ({"token_embd.weight": "Q8_0"}, "Q8_0", "8 q8_0", "llama"),
     ],
 )
@@ -117,7 +129,7 @@ def test_auto_holds_any_block_type_as_the_files_blocks_with_full_weights_tokens(
     tmp_path, monkeypatch, types, weight_type, held, arch
 ):
     """`--weights auto` holds a Q4_K_M-like file's layers as their blocks (q4f for Q4_K, q8s for the
-    Q6_K parts and a qkv fused from both), Q4_0 as q4f, Q5_1 as q8s, Q8_0 as q8_0; says so in the plan;
+    Q6_K parts and a qkv fused from both), Q4_0 as q4f, Q5_0, Q5_1 and Q5_K as q5f, Q8_0 as q8_0; says so in the plan;
     charges exactly the bytes the model holds; and its greedy tokens equal `--weights full`'s on the same
     file, batched and alone. Seen red: the converter's Q4_K mins with the wrong sign (auto fell back to
     full), the plan charging every matrix as Q4_1 tiles, and (llama) the scales of q and k left in the
@@ -203,7 +215,9 @@ def test_every_types_scale_reader_gives_codes_that_rebuild_gguf_s_values(qtype):
     w = np.asarray(dequantize(data, GGMLQuantizationType[qtype]), dtype=np.float32).reshape(rows, cols)
     d, m = block_scales(qtype, data, rows, cols)
     got = file_codes(torch.from_numpy(w), torch.from_numpy(d), torch.from_numpy(m))
-    want = {"Q4_0": "q4f", "Q4_K": "q4f", "Q8_0": "q8_0"}.get(qtype, "q8s")
+    want = {"Q4_0": "q4f", "Q4_K": "q4f", "Q8_0": "q8_0", "Q5_0": "q5f", "Q5_1": "q5f", "Q5_K": "q5f"}
+    want |= {"Q6_K": "q8d", "Q3_K": "q8d"}
+    want = want.get(qtype, "q8s")
     if qtype == "Q4_1":  # random fp16 d and m: not the exact-fp16 recovery's blocks, held as q4f
         want = "q4f"
     assert got is not None and got[0] == want, (qtype, got and got[0])

@@ -7,12 +7,14 @@ scale, 18 bits, times a 6-bit code, 24 bits), so the float value the file decode
 `d * c + m`, and holding (c, d, m) holds those values exactly. The converter records each quantized
 matrix's d and m per 16 values (`kvgate.models.gguf_loader`, `block_scales.safetensors`); here the codes
 are recovered from the float values and accepted only if `fma(d, c, m)` gives back every value bit for
-bit. Three tile formats of 16 output rows hold them (kvgate/models/csrc/tile_matmul.cpp):
+bit. Five tile formats of 16 output rows hold them (kvgate/models/csrc/tile_matmul.cpp):
 - q4f: 4-bit codes with float32 d and m per 32 (Q4_K, Q4_0; 0.75 B a value): Q4_1's tiles with scales
   that are not fp16 values;
+- q5f: q4f's low 4 bits plus a plane of fifth bits (Q5_0, Q5_1, Q5_K; 0.875 B);
 - q8_0: int8 codes with a float32 d per 32 (Q8_0; 1.125 B), the LM head's tiles (`q8_head`);
-- q8s: int8 codes with float32 d and m per 16 (everything else, and a fused matrix whose parts differ,
-  such as Q4_K_M's qkv with a Q6_K v; 1.5 B).
+- q8d: int8 codes with a float32 d per 16 and no m (Q6_K, Q3_K; 1.25 B);
+- q8s: int8 codes with float32 d and m per 16 (Q2_K, and a fused matrix whose parts differ, such as
+  Q4_K_M's qkv with a Q6_K v; 1.5 B).
 A Q4_1 matrix whose scales are fp16 values stays `Q41Linear` (0.625 B, the fastest decode loop).
 The kernel computes them as `Q41Linear` does: decode rows per block as d * sum(c x) + m * sum(x), prompt
 rows on the exact widened weights, so a row's result never depends on the rows beside it.
@@ -34,12 +36,12 @@ if TYPE_CHECKING:
 QBLOCK = 32
 HALF = 16
 TILE = 16
-TILE_BYTES = {"q4f": 384, "q8_0": 576, "q8s": 768}  # a tile's bytes per block of 32 k
+TILE_BYTES = {"q4f": 384, "q5f": 448, "q8_0": 576, "q8d": 640, "q8s": 768}  # a tile's bytes per block of 32 k
 BLOCK_FORMATS = ("q4_1", *TILE_BYTES)  # every format a layer matrix can be held in
 
 
 def block_bytes(fmt: str, out_features: int, in_features: int) -> int:
-    """Bytes a layer matrix holds in `fmt` (q4_1, q4f, q8_0, q8s): its tiles, rows padded to 16."""
+    """Bytes a layer matrix holds in `fmt` (q4_1, q4f, q5f, q8_0, q8d, q8s): its tiles, rows padded to 16."""
     if fmt == "q4_1":
         return q4_1_bytes(out_features, in_features)
     return -(-out_features // TILE) * (in_features // QBLOCK) * TILE_BYTES[fmt]
@@ -64,8 +66,12 @@ def file_codes(
     pairs_equal = torch.equal(d16[:, 0::2], d16[:, 1::2]) and torch.equal(m16[:, 0::2], m16[:, 1::2])
     if pairs_equal and lo >= 0 and hi <= 15:
         fmt = "q4f"
+    elif pairs_equal and lo >= 0 and hi <= 31:
+        fmt = "q5f"
     elif pairs_equal and lo >= -128 and hi <= 127 and not m16.any():
         fmt = "q8_0"
+    elif lo >= -128 and hi <= 127 and not m16.any():
+        fmt = "q8d"
     elif lo >= -128 and hi <= 127:
         fmt = "q8s"
     else:
@@ -93,14 +99,21 @@ def block_pack16(fmt: str, codes: torch.Tensor, d16: torch.Tensor, m16: torch.Te
         return q8_pack16(codes.to(torch.int8), d16[:, 0::2].contiguous())
     codes, d16, m16 = _tiles(codes, TILE), _tiles(d16, TILE), _tiles(m16, TILE)
     t = codes.shape[0] // TILE
-    if fmt == "q4f":
-        v = codes.to(torch.uint8).view(t, TILE, nb, QBLOCK // 2, 2).permute(0, 2, 3, 1, 4)
-        nibbles = (v[..., 0] | (v[..., 1] << 4)).reshape(t, nb, TILE * QBLOCK // 2)
+    if fmt in ("q4f", "q5f"):
+        c = codes.to(torch.uint8)
+        v = (c & 15).view(t, TILE, nb, QBLOCK // 2, 2).permute(0, 2, 3, 1, 4)
+        parts = [(v[..., 0] | (v[..., 1] << 4)).reshape(t, nb, TILE * QBLOCK // 2)]
+        if fmt == "q5f":  # per k, a 16-bit mask of the outputs whose code has its fifth bit
+            fifth = (c >> 4).view(t, TILE, nb, QBLOCK).permute(0, 2, 3, 1).reshape(t, nb, QBLOCK, 2, 8)
+            mask = (fifth << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)  # little-endian
+            parts.append(mask.reshape(t, nb, 2 * QBLOCK))
         d, m = d16[:, 0::2].contiguous(), m16[:, 0::2].contiguous()
-        parts = [nibbles, _scale_bytes(d, t, nb, 1), _scale_bytes(m, t, nb, 1)]
-    elif fmt == "q8s":
+        parts += [_scale_bytes(d, t, nb, 1), _scale_bytes(m, t, nb, 1)]
+    elif fmt in ("q8d", "q8s"):  # int8 codes, d per half block (q8s: and m)
         c = codes.to(torch.int8).view(t, TILE, nb, QBLOCK).permute(0, 2, 3, 1).reshape(t, nb, TILE * QBLOCK)
-        parts = [c.view(torch.uint8), _scale_bytes(d16, t, nb, 2), _scale_bytes(m16, t, nb, 2)]
+        parts = [c.view(torch.uint8), _scale_bytes(d16, t, nb, 2)]
+        if fmt == "q8s":
+            parts.append(_scale_bytes(m16, t, nb, 2))
     else:
         raise ValueError(f"unknown block format {fmt!r}")
     return torch.cat(parts, dim=-1).contiguous()
@@ -144,7 +157,7 @@ def recover(weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | No
 
 
 def matrix_format(weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> str | None:
-    """The format `held` keeps a layer matrix in (q4_1, q4f, q8_0, q8s), or None (not a file's blocks)."""
+    """The format `held` keeps a layer matrix in (q4_1, q4f, q5f, q8_0, q8d, q8s), or None (not a file's blocks)."""
     got = recover(weight, scales)
     return None if got is None else got[0]
 

@@ -46,7 +46,7 @@ std::string set_q4_1_decode(const std::string& how);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_matmul", &q8_matmul, "float32 x times a Q8_0 table in tiles of 16 rows (q8_pack16) for N outputs");
   mod.def("block_matmul", &block_matmul,
-          "float32 x times a GGUF block matrix in tiles of 16 rows (block_pack16: Q4F, Q8_0 or Q8S tiles) for N "
+          "float32 x times a GGUF block matrix in tiles of 16 rows (block_pack16: Q4F, Q5F, Q8_0, Q8D or Q8S tiles) for N "
           "outputs; the first decode_rows rows (-1: all) as decode rows, the rest on the exact widened weights");
   mod.def("q4_1_matmul", &q4_1_matmul,
           "float32 x times Q4_1 weights in tiles of 16 rows (q4_1_pack16) for N outputs; rows from decode_rows "

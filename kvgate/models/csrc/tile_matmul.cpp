@@ -11,7 +11,15 @@
 //     from block_pack16 in kvgate/models/block_formats.py): Q4_1's codes, then the 16 outputs' d and m
 //     as float32 (bytes 256 and 320): uint8 [T, K/32, 384]. d * c is exact in float32 for every 4-bit
 //     GGUF type (Q4_K's d is an fp16 times a 6-bit scale: 17 bits, times a 4-bit code: 21).
-//   Q8S (every other GGUF block type: Q5_K, Q6_K, Q3_K, Q2_K, Q5_0, Q5_1; block_matmul): Q8_0's int8
+//   Q5F (a GGUF's Q5_0, Q5_1 and Q5_K layers; block_matmul): Q4_1's low 4 bits of each code, then each
+//     code's fifth bit as one 16-bit mask per k over the 16 outputs (bytes 256 + 2k, bit j: output j),
+//     then d and m as float32 (bytes 320 and 384): uint8 [T, K/32, 448], 0.875 B a weight where Q8S took
+//     1.5 (Q5_K's d is an fp16 times a 6-bit scale: 17 bits, times a 5-bit code: 22, exact).
+//   Q8D (a GGUF's Q6_K and Q3_K layers, w = d * c with d per 16 and no m; block_matmul): Q8_0's int8
+//     codes, then d per half block as float32 (bytes 512 and 576): uint8 [T, K/32, 640], 1.25 B a weight
+//     where Q8S took 1.5, and two FMAs fewer a block and row. (Planes of 6-bit codes, at 1 B, measured
+//     1.25-1.5x slower at 1-4 rows than Q8S: widening them costs more than the bytes they save.)
+//   Q8S (every other GGUF block type: Q2_K, and a fused matrix whose parts differ; block_matmul): Q8_0's int8
 //     codes, then d and m per half block of 16 k as float32, d(k < 16), d(k >= 16), m(k < 16),
 //     m(k >= 16), 16 outputs each (bytes 512, 576, 640, 704): uint8 [T, K/32, 768]. The k-quants' scales
 //     are per 16 values (Q6_K: an fp16 times an int8, 18 bits, times a 6-bit code: 24, still exact).
@@ -217,6 +225,77 @@ struct Q4F {
 #endif
 };
 
+#if defined(KVGATE_T_AVX2)
+// `v` in the lanes of outputs 8h .. 8h + 7 whose bit is set in byte `bits` (a bit plane's byte h), else 0
+inline __m256 bit_lanes(uint8_t bits, float v) {
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), lane), lane);
+  return _mm256_and_ps(_mm256_castsi256_ps(set), _mm256_set1_ps(v));
+}
+#endif
+
+// Q4F's layout with each code's fifth bit in a 16-bit mask per k (bytes 256 + 2k), d and m as float32
+// (bytes 320..383, 384..447): a block d * c + m with c in 0..31 (Q5_0: m = -16 d; Q5_1; Q5_K's d * sc and
+// dmin * m). The bit adds exactly 16 to the code's float, so every build widens to the same values.
+struct Q5F {
+  static constexpr int64_t BYTES = 448;
+  static constexpr bool HAS_M = true;
+  static constexpr bool HALVES = false;
+  static constexpr int CHAINS = 1;
+  static int high(const uint8_t* wb, int64_t k, int64_t j) {
+    uint16_t bits;
+    std::memcpy(&bits, wb + 256 + 2 * k, 2);
+    return (bits >> j) & 1;
+  }
+  static float code(const uint8_t* wb, int64_t k, int64_t j) { return Q41::code(wb, k, j) + float(16 * high(wb, k, j)); }
+  static float d(const uint8_t* wb, int64_t j, int = 0) { return float_at(wb + 320 + 4 * j); }
+  static float m(const uint8_t* wb, int64_t j, int = 0) { return float_at(wb + 384 + 4 * j); }
+#if defined(KVGATE_T_AVX512)
+  static void widen(const uint8_t* wb, int p, __m512& c0, __m512& c1) {
+    Q41::widen(wb, p, c0, c1);
+    uint16_t h0, h1;
+    std::memcpy(&h0, wb + 256 + 4 * p, 2);
+    std::memcpy(&h1, wb + 258 + 4 * p, 2);
+    const __m512 sixteen = _mm512_set1_ps(16.f);
+    c0 = _mm512_mask_add_ps(c0, static_cast<__mmask16>(h0), c0, sixteen);
+    c1 = _mm512_mask_add_ps(c1, static_cast<__mmask16>(h1), c1, sixteen);
+  }
+  static __m512 d16(const uint8_t* wb, int = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 320)); }
+  static __m512 m16(const uint8_t* wb, int = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 384)); }
+#endif
+#if defined(KVGATE_T_AVX2)
+  static void widen8(const uint8_t* wb, int p, int h, __m256& c0, __m256& c1) {
+    Q41::widen8(wb, p, h, c0, c1);
+    c0 = _mm256_add_ps(c0, bit_lanes(wb[256 + 4 * p + h], 16.f));
+    c1 = _mm256_add_ps(c1, bit_lanes(wb[258 + 4 * p + h], 16.f));
+  }
+  static __m256 d8(const uint8_t* wb, int h, int = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 320) + 8 * h); }
+  static __m256 m8(const uint8_t* wb, int h, int = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 384) + 8 * h); }
+#endif
+};
+
+// Q8_0's int8 codes with a float32 d per half block (bytes 512 + 64 kh) and no m: Q6_K's
+// d * sc * (q - 32) and Q3_K's d * sc * (q - 4), whose m is zero. Q8S without its m bytes and terms.
+struct Q8D {
+  static constexpr int64_t BYTES = 640;
+  static constexpr bool HAS_M = false;
+  static constexpr bool HALVES = true;
+  static constexpr int CHAINS = 2;  // one per half block
+  static float code(const uint8_t* wb, int64_t k, int64_t j) { return Q80::code(wb, k, j); }
+  static float d(const uint8_t* wb, int64_t j, int kh = 0) { return float_at(wb + 512 + 64 * kh + 4 * j); }
+  static float m(const uint8_t*, int64_t, int = 0) { return 0.f; }
+#if defined(KVGATE_T_AVX512)
+  static void widen(const uint8_t* wb, int p, __m512& c0, __m512& c1) { Q80::widen(wb, p, c0, c1); }
+  static __m512 d16(const uint8_t* wb, int kh = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 512 + 64 * kh)); }
+  static __m512 m16(const uint8_t*, int = 0) { return _mm512_setzero_ps(); }
+#endif
+#if defined(KVGATE_T_AVX2)
+  static void widen8(const uint8_t* wb, int p, int h, __m256& c0, __m256& c1) { Q80::widen8(wb, p, h, c0, c1); }
+  static __m256 d8(const uint8_t* wb, int h, int kh = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 512 + 64 * kh) + 8 * h); }
+  static __m256 m8(const uint8_t*, int, int = 0) { return _mm256_setzero_ps(); }
+#endif
+};
+
 // Q8_0's int8 codes with float32 d and m per half block (kh = 0: k < 16, 1: k >= 16): d at bytes
 // 512 + 64 kh, m at 640 + 64 kh, 16 outputs each. A half block's sum is one chain over its 16 k.
 struct Q8S {
@@ -319,11 +398,12 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(d, s[r][t][kh], acc[r][t]);
         }
-        for (int kh = 0; kh < 2; ++kh) {
-          const __m512 m = F::m16(wb, kh);
+        if constexpr (F::HAS_M)  // Q8D has none
+          for (int kh = 0; kh < 2; ++kh) {
+            const __m512 m = F::m16(wb, kh);
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(r * nb + b) * 2 + kh]), acc[r][t]);
-        }
+            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(r * nb + b) * 2 + kh]), acc[r][t]);
+          }
         continue;
       }
       const __m512 d = F::d16(wb);
@@ -392,11 +472,12 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
             const __m256 d = F::d8(wb, h, kh);
             for (int r = 0; r < R; ++r) acc[r][t][h] = _mm256_fmadd_ps(d, s[r][t][h][kh], acc[r][t][h]);
           }
-          for (int kh = 0; kh < 2; ++kh) {
-            const __m256 m = F::m8(wb, h, kh);
-            for (int r = 0; r < R; ++r)
-              acc[r][t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r * nb + b) * 2 + kh]), acc[r][t][h]);
-          }
+          if constexpr (F::HAS_M)
+            for (int kh = 0; kh < 2; ++kh) {
+              const __m256 m = F::m8(wb, h, kh);
+              for (int r = 0; r < R; ++r)
+                acc[r][t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r * nb + b) * 2 + kh]), acc[r][t][h]);
+            }
           continue;
         }
         const __m256 d = F::d8(wb, h);
@@ -442,7 +523,8 @@ void decode_tiles(const float* x, const float* xs, int64_t nb, const uint8_t* w,
           }
           if constexpr (F::HALVES) {
             for (int kh = 0; kh < 2; ++kh) acc = std::fma(F::d(wb, j, kh), s[kh], acc);
-            for (int kh = 0; kh < 2; ++kh) acc = std::fma(F::m(wb, j, kh), xs[(r * nb + b) * 2 + kh], acc);
+            if constexpr (F::HAS_M)
+              for (int kh = 0; kh < 2; ++kh) acc = std::fma(F::m(wb, j, kh), xs[(r * nb + b) * 2 + kh], acc);
             continue;
           }
           acc = std::fma(F::d(wb, j), F::CHAINS == 2 ? s[0] + s[1] : s[0], acc);
@@ -795,8 +877,10 @@ void block_rows(const float* xp, float* yp, int64_t M, int64_t Md, int64_t N, in
 
 torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows) {
   const int64_t bytes = packed.dim() == 3 ? packed.size(2) : -1;
-  TORCH_CHECK(bytes == Q4F::BYTES || bytes == Q80::BYTES || bytes == Q8S::BYTES, "block_matmul: tiles of ",
-              Q4F::BYTES, " (Q4F), ", Q80::BYTES, " (Q8_0) or ", Q8S::BYTES, " (Q8S) bytes a block, got ",
+  TORCH_CHECK(bytes == Q4F::BYTES || bytes == Q5F::BYTES || bytes == Q8D::BYTES || bytes == Q80::BYTES ||
+                  bytes == Q8S::BYTES,
+              "block_matmul: tiles of ", Q4F::BYTES, " (Q4F), ", Q5F::BYTES, " (Q5F), ", Q8D::BYTES, " (Q8D), ",
+              Q80::BYTES, " (Q8_0) or ", Q8S::BYTES, " (Q8S) bytes a block, got ",
               packed.sizes(), " (Q4_1's tiles go to q4_1_matmul)");
   check_tiles("block_matmul", "block_pack16", packed, N, bytes);
   const int64_t T = packed.size(0), nb = packed.size(1), K = nb * QBLOCK, M = x.size(0);
@@ -809,6 +893,10 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int
   float* yp = y.data_ptr<float>();
   if (bytes == Q4F::BYTES)
     block_rows<Q4F>(xp, yp, M, Md, N, nb, T, wp);
+  else if (bytes == Q5F::BYTES)
+    block_rows<Q5F>(xp, yp, M, Md, N, nb, T, wp);
+  else if (bytes == Q8D::BYTES)
+    block_rows<Q8D>(xp, yp, M, Md, N, nb, T, wp);
   else if (bytes == Q80::BYTES)
     block_rows<Q80>(xp, yp, M, Md, N, nb, T, wp);
   else
