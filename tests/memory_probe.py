@@ -294,19 +294,21 @@ def main(argv: list[str] | None = None) -> int:
     rows_seen = [0]
     real_execute, real_forward = runner.execute, runner.model_forward
 
+    plain_fp32 = not plan.limits.packed_weights and engine.dtype == torch.float32
+
     def bucket(n: int, most: int) -> int:
         from bisect import bisect_left
 
         from kvgate.models.linear import row_buckets
 
-        b = row_buckets(most)
+        b = row_buckets(most, 4 if plain_fp32 else 2)  # as Linear.bucket_rows
         return b[min(bisect_left(b, n), len(b) - 1)]
 
     def step_bound(shape: dict) -> dict:
         """The planner's own formula at this step's composition: what this step may allocate."""
         ctx = min(L, plan_mod.padded_len(max(shape["context"], 1), plan.block_size))
         rows = max(shape["rows"], shape["logits_rows"])
-        if plan.limits.packed_weights:  # packed matmuls pad their rows up to a bucket (models.linear)
+        if plan.limits.padded_rows:  # CPU matmuls pad their rows up to a bucket (models.linear)
             rows = max(rows, bucket(shape["logits_rows"], plan.limits.max_logit_rows))
             shape = {
                 **shape,
@@ -321,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             L,
             ctx if ctx < L else None,
             plan.limits.packed_weights,
+            plan.limits.padded_rows,
             plan.limits.weight_format,
             plan.limits.quant_act_bytes,
             q8_head=plan.limits.q8_head,

@@ -293,7 +293,13 @@ def test_engine_obeys_shrunk_step_limits(tiny_dir, tiny_spec, make_engine):
     )
     min_kv = P.MIN_KV_POSITIONS * full.kv_bytes_per_token
     small = W.StepLimits(
-        16, 1, W.attn_cap(1, 512), 512, packed_weights=kw["packed_weights"], flash_prefill=True
+        16,
+        1,
+        W.attn_cap(1, 512),
+        512,
+        packed_weights=kw["packed_weights"],
+        padded_rows=True,
+        flash_prefill=True,
     )
     lo = full.weights_bytes + min_kv + W.workspace_bytes(tiny_spec, 4, small)
     limit = lo + (full.weights_bytes + min_kv + full.workspace_bytes - lo) // 3

@@ -227,8 +227,10 @@ def test_truncation_auto_drops_the_oldest_items_until_the_conversation_fits(base
     body["max_output_tokens"] = 4
     r = httpx.post(base + "/v1/responses", json={**body, "truncation": "disabled"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    refused = _context_refusals(base)
     r = httpx.post(base + "/v1/responses", json={**body, "truncation": "auto"}, timeout=60)
     assert r.status_code == 200, r.text
+    assert _context_refusals(base) == refused  # the cut is counted, not tried (the review: 1 a drop)
     out = r.json()
     assert out["truncation"] == "auto" and out["usage"]["input_tokens"] + 4 <= 4096
     assert out["usage"]["input_tokens"] > 3000  # only as much as it had to
@@ -239,19 +241,29 @@ def test_truncation_auto_drops_the_oldest_items_until_the_conversation_fits(base
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
-def test_drop_oldest_keeps_instructions_and_leaves_no_orphan_tool_result():
-    from kvgate.server.responses_route import drop_oldest
+def _context_refusals(base: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    return sum(
+        float(x.split()[-1])
+        for x in text.splitlines()
+        if x.startswith("kvgate_rejections_total") and "context" in x
+    )
 
-    msgs = [
-        {"role": "system"},
-        {"role": "assistant", "tool_calls": [{}]},
-        {"role": "tool"},
-        {"role": "user"},
-    ]
+
+def test_truncation_keeps_instructions_system_items_and_no_orphan_tool_result():
+    """The review of QA pass 8's fix: a tool result whose call was dropped was sent alone (the usual
+    agent turn: user, call with long arguments, its result), and a system item went first."""
+    from kvgate.server.responses_truncation import without_oldest
+
+    msgs = [{"role": "system"}, {"role": "assistant", "tool_calls": [{}]}, {"role": "tool"}, {"role": "user"}]
     origin = ["instructions", "input.0", "input.1", "input.2"]
-    assert drop_oldest(msgs, origin) and origin == ["instructions", "input.2"]
-    assert [m["role"] for m in msgs] == ["system", "user"]
-    assert not drop_oldest(msgs, origin)
+    assert without_oldest(msgs, origin, 1) == ([msgs[0], msgs[3]], ["instructions", "input.2"])
+    assert without_oldest(msgs, origin, 2) == without_oldest(msgs, origin, 1)  # the result went with its call
+    assert without_oldest(msgs, origin, 3) is None  # the newest item stays
+    turn = [{"role": "user"}, {"role": "assistant", "tool_calls": [{}]}, {"role": "tool"}]
+    assert without_oldest(turn, ["input.0", "input.1", "input.2"], 2) is None  # never a result alone
+    dev = [{"role": "developer"}, {"role": "user"}, {"role": "user", "content": "new"}]
+    assert without_oldest(dev, ["input.0", "input.1", "input.2"], 1)[0] == [dev[0], dev[2]]
 
 
 def test_responses_traffic_has_its_own_endpoint_label(base):

@@ -40,6 +40,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
+BLOCK_FORMATS = ("q4f", "q5f", "q8d", "q8s")  # block_matmul's tiles (Q8_0's: q8_matmul above)
+
+
 def build_as(tmp_path, flags: set[str], expect: str) -> dict:
     """`outputs()` from a subprocess that builds the kernels as for a CPU listing only `flags` (its own
     cache entry: about two minutes once); `expect` is the ISA part of the compile flags it must get."""
@@ -68,7 +71,16 @@ def inputs() -> dict:
     wide = torch.randn(21, 96, generator=g)  # more rows: the AVX-512 paths' 8- and 12-row groups
     codes, d, m = q4_1_blocks(w4)
     c8, s8 = q8_blocks(w8)
+    from kvgate.models.block_formats import block_pack16, file_codes
+    from tests.test_block_formats import blocks
+
+    tiles = {}  # GGUF block formats (block_matmul): 37 outputs, a partial tile
+    for fmt in BLOCK_FORMATS:
+        got = file_codes(*blocks(fmt, 37, 256, seed=3))
+        tiles[fmt] = block_pack16(got[0], *got[1:])
     return {
+        "block_x": torch.randn(21, 256, generator=g),
+        "block": tiles,
         "x": x,
         "wide": wide,
         "q4": (q4_1_pack16(codes, d, m), 203),
@@ -106,6 +118,7 @@ def _outputs(ext) -> dict:
         "q4_1_matmul_wide": ext.q4_1_matmul(i["wide"], *i["q4"], 9),  # 9 decode rows, 12 prompt rows
         "q8_matmul_wide": ext.q8_matmul(i["wide"], *i["q8"]),
         "paged_attention": attention(),
+        **{f"block_{f}": ext.block_matmul(i["block_x"], t, 37, 9) for f, t in i["block"].items()},
         "draw": draw(ext),
         **(
             {"prefill_attention": prefill(ext)} if ext.prefill_attention_lanes() else {}
@@ -182,7 +195,16 @@ def test_the_scalar_build_computes_what_the_avx2_build_computes(tmp_path):
     scalar, avx2 = build_as(tmp_path, set(), ""), outputs(native.extension())
     for a, b in zip(scalar["q8_rows"], avx2["q8_rows"], strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
-    for name in ("q4_1_dot8", "q8_dot8", "q4_1_matmul", "q4_1_matmul_wide", "q8_matmul", "q8_matmul_wide"):
+    blocks = tuple(f"block_{f}" for f in BLOCK_FORMATS)
+    for name in (
+        "q4_1_dot8",
+        "q8_dot8",
+        "q4_1_matmul",
+        "q4_1_matmul_wide",
+        "q8_matmul",
+        "q8_matmul_wide",
+        *blocks,
+    ):
         a, b = scalar[name], avx2[name]
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
     for name in ("rms_norm",):
@@ -206,7 +228,8 @@ def test_the_avx512_paths_compute_what_the_avx2_build_computes(tmp_path):
     and Q8_0 tiles' 8-row decode groups and the vpermps lookup of the Q4_1 codes included. Seen red:
     the V pass's last 16 columns not stored; the 16-lane prefill attention dividing by `rcp14` instead
     of `div`; the Q4_1 tiles adding m * sum(x) before d * sum(c x) (each in the AVX-512 build,
-    restored)."""
+    restored). The GGUF block formats' tiles (q4f, q5f, q8d, q8s) are compared too (the review of
+    session 35: no test compared them across builds)."""
     if not {"avx512f", "avx512bw", "avx512vl"} <= native.cpu_flags():
         pytest.skip("this CPU lists no AVX-512 F/BW/VL: the AVX2 build is this process's own")
     avx2, wide = build_as(tmp_path, AVX2, "-mavx2 -mfma -mf16c"), outputs(native.extension())

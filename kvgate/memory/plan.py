@@ -256,6 +256,7 @@ def make_plan(
     pw = packed_weights
     wk = {
         "packed_weights": pw,
+        "padded_rows": not device.startswith("cuda"),
         "weight_format": weight_format,
         "quant_act_bytes": quant_act_bytes,
         "speculate": speculate,

@@ -27,6 +27,9 @@ class StepLimits:
     # Weights prepacked for oneDNN (kvgate.models.linear): no MKL sgemm packing buffers, but a padded
     # copy of a matmul's input; oneDNN's own kernel memory is warmed up into the measured overhead.
     packed_weights: bool = False
+    # CPU matmuls on float weights pad their rows to a bucket (kvgate.models.linear), packed or not, so a
+    # row's bits never depend on the rows beside it: a padded copy of the input, one call at a time.
+    padded_rows: bool = False
     # Weight-only quantized matrices (kvgate.models.quant, `--weights int8|int4`): each call casts
     # its input to the activation dtype and gets its output in it before the cast back.
     weight_format: str = "full"
@@ -246,9 +249,12 @@ def _gemm_scratch(gemms: list[tuple[int, int]], T: int, b: int, limits: StepLimi
             default=0,
         )
         gemms = [g for i, g in enumerate(gemms) if i == len(gemms) - 1 or not quantizable(fmt, g[1], g[0])]
+    pad = T * max(k for k, _ in gemms) * b if limits.packed_weights or limits.padded_rows else 0
     if limits.packed_weights:  # transient, one call at a time
-        return max(quant, T * max(k for k, _ in gemms) * b)
-    return quant + max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * 4  # MKL keeps its buffers
+        return max(quant, pad)
+    return (
+        max(quant, pad) + max(k * min(n, GEMM_PANEL_COLUMNS) for k, n in gemms) * 4
+    )  # MKL keeps its buffers
 
 
 def amx_prefill_bytes(rows: int, k: int, n: int) -> int:

@@ -6,9 +6,8 @@ a JSON chat completion becomes a `response` object, a chat stream becomes the Re
 stream. Errors keep kvgate's error body; their `param` is given in the Responses body's own names
 (`input.2.content`, `max_output_tokens`, `text.format`).
 
-`truncation: "auto"`: while the conversation does not fit the context (a `context_length_exceeded`
-refusal), its oldest item is dropped and the request tried again, as OpenAI does; `instructions` and the
-newest item are never dropped. A response is kept (`responses_store`) unless the request says `store: false`: `previous_response_id`
+`truncation: "auto"`: the oldest items are dropped until the conversation fits the context
+(`responses_truncation`). A response is kept (`responses_store`) unless the request says `store: false`: `previous_response_id`
 puts the kept conversation (its input items and output) before the new input, and `GET` / `DELETE
 /v1/responses/{id}` read and drop it. A param in an earlier turn's items is named
 `previous_response_id`; the client's own items keep their own indices.
@@ -30,6 +29,7 @@ from kvgate.server.errors import APIError, invalid
 from kvgate.server.responses_input import responses_message, responses_param, to_chat
 from kvgate.server.responses_output import ResponseEvents, new_id, response_body, skeleton
 from kvgate.server.responses_store import ResponseStore, page, shown
+from kvgate.server.responses_truncation import fit
 from kvgate.server.serving import generate
 
 _KEPT_HEADERS = ("retry-after", "retry-after-ms", "x-kvgate-budget-cap")
@@ -49,19 +49,13 @@ async def responses(request: Request) -> Response:
             e.message = _INDEX.sub(lambda m: _own_text(m, earlier), e.message)
         raise
     origin = [_own_index(o, earlier) for o in origin]
-    auto = isinstance(body, dict) and body.get("truncation") == "auto"
-    while True:
-        try:
-            answer = await generate(request, P.ChatCompletionRequest, raw=json.dumps(chat).encode())
-        except APIError as e:
-            if auto and e.code == CONTEXT and drop_oldest(chat["messages"], origin):
-                continue
-            e.param, e.message = responses_param(e.param, origin), responses_message(e.message)
-            raise
-        if not (auto and answer.status_code == 400 and _code(answer) == CONTEXT):
-            break
-        if not drop_oldest(chat["messages"], origin):
-            break
+    if isinstance(body, dict) and body.get("truncation") == "auto":
+        chat["messages"], origin = await fit(request, chat, origin)
+    try:
+        answer = await generate(request, P.ChatCompletionRequest, raw=json.dumps(chat).encode())
+    except APIError as e:
+        e.param, e.message = responses_param(e.param, origin), responses_message(e.message)
+        raise
     headers = {k: v for k, v in answer.headers.items() if k.lower() in _KEPT_HEADERS}
     if answer.status_code != 200:  # an error body (or 499, no body): its param in Responses names
         if not answer.body:
@@ -87,29 +81,6 @@ async def responses(request: Request) -> Response:
     response = response_body(json.loads(answer.body), skel)
     kept(response)
     return JSONResponse(response, headers=headers)
-
-
-CONTEXT = "context_length_exceeded"
-
-
-def drop_oldest(messages: list[dict], origin: list[str]) -> bool:
-    """`truncation: "auto"` (OpenAI's): drop the oldest conversation item (never `instructions`), and
-    the tool results it leaves without their call; False when only the newest item is left."""
-    items = [i for i, o in enumerate(origin) if o != "instructions"]
-    if len(items) <= 1:
-        return False
-    del messages[items[0]], origin[items[0]]
-    at = items[0]
-    while at < len(messages) - 1 and messages[at].get("role") == "tool":
-        del messages[at], origin[at]
-    return True
-
-
-def _code(answer: Response) -> str | None:
-    try:
-        return json.loads(answer.body)["error"]["code"]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 def continued(body, store: ResponseStore) -> tuple:
