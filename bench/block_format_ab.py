@@ -20,6 +20,7 @@ import time
 import torch
 
 from bench.cpu import cpu_line, machine_info
+from bench.q4_1_decode_ab import kernels
 
 
 def matrices(path: str, fmt: str) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -63,13 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     a = p.parse_args(argv)
-    from kvgate.models import native
-
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    ext = native.extension()
-    if ext is None:
-        raise SystemExit(f"kvgate's C++ kernels are not available: {native.unavailable()}")
+    ext = kernels(a.threads)
     mats = matrices(a.model, a.format)
     if not mats:
         raise SystemExit(f"no layer matrix of {a.model} is held as {a.format}")

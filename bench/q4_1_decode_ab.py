@@ -31,6 +31,18 @@ def layer_mats(model) -> list[tuple[object, int]]:
     ]
 
 
+def kernels(threads: int | None):
+    """kvgate's C++ kernels on `threads` torch threads (None: torch's own), or exit saying why not."""
+    from kvgate.models import native
+
+    if threads:
+        torch.set_num_threads(threads)
+    ext = native.extension()
+    if ext is None:
+        raise SystemExit(f"kvgate's C++ kernels are not available: {native.unavailable()}")
+    return ext
+
+
 def paired(ext, mats, rows: int, rounds: int) -> dict:
     xs = [torch.randn(rows, k) for _, k in mats]
     ms: dict[str, list[float]] = {"float": [], "int24": []}
@@ -61,13 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
-    from kvgate.models import native
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    ext = native.extension()
-    if ext is None:
-        raise SystemExit(f"kvgate's C++ kernels are not available: {native.unavailable()}")
+    ext = kernels(a.threads)
     e = Engine.from_model("default", EngineConfig(dtype="float32", memory_limit="2GiB", weights="gguf"))
     try:
         mats = layer_mats(e.model)

@@ -24,6 +24,7 @@ log = logging.getLogger("kvgate.server")
 INTERNAL_ERROR = "internal server error; the details are in the server log under this response's X-Request-Id"
 REQUEST_ID: ContextVar[str] = ContextVar("kvgate_request_id", default="-")  # this request's, for log lines
 
+ROOT_API = ("/tokenize", "/detokenize", "/tokenizer_info")  # API routes outside /v1/ (routes.ROOT_ALIASES)
 ENDPOINTS = {
     "/",
     "/v1/chat/completions",
@@ -35,14 +36,12 @@ ENDPOINTS = {
     "/v1/resources",
     "/health",
     "/metrics",
-    "/tokenize",  # vLLM's root aliases (routes.ROOT_ALIASES)
-    "/detokenize",
-    "/tokenizer_info",
+    *ROOT_API,
 }
-ROOT_API = ("/tokenize", "/detokenize", "/tokenizer_info")  # API routes outside /v1/: the key applies
 
 
 def api_path(path: str) -> bool:
+    """The API's paths: the key applies and a drain waits for them."""
     return path.startswith("/v1/") or path in ROOT_API
 
 

@@ -24,20 +24,25 @@ from kvgate.server.prepare import prepare_tokenize
 KEPT_ROLES = ("system", "developer")
 
 
-def without_oldest(messages: list[dict], origin: list[str], k: int) -> tuple[list[dict], list[str]] | None:
-    """The conversation without its `k` oldest droppable items and the tool results that then lead
-    it; None when nothing droppable would be left."""
-    droppable = [
+def droppable(messages: list[dict], origin: list[str]) -> list[int]:
+    """The indices of the items `truncation: "auto"` may drop, oldest first."""
+    return [
         i
         for i, (m, o) in enumerate(zip(messages, origin))
         if o != "instructions" and m.get("role") not in KEPT_ROLES
     ]
-    cut = set(droppable[:k])
+
+
+def without_oldest(messages: list[dict], origin: list[str], k: int) -> tuple[list[dict], list[str]] | None:
+    """The conversation without its `k` oldest droppable items and the tool results that then lead
+    it; None when nothing droppable would be left."""
+    drop = droppable(messages, origin)
+    cut = set(drop[:k])
     j = k
-    while j < len(droppable) and messages[droppable[j]].get("role") == "tool":  # its call was dropped
-        cut.add(droppable[j])
+    while j < len(drop) and messages[drop[j]].get("role") == "tool":  # its call was dropped
+        cut.add(drop[j])
         j += 1
-    if j >= len(droppable):
+    if j >= len(drop):
         return None
     keep = [i for i in range(len(messages)) if i not in cut]
     return [messages[i] for i in keep], [origin[i] for i in keep]
@@ -49,7 +54,6 @@ async def fit(request, chat: dict, origin: list[str]) -> tuple[list[dict], list[
     state = request.app.state
     engine = ready_engine(state)
     need = chat.get("max_completion_tokens") or 1
-    counted: dict[int, bool] = {}
 
     async def fits(k: int) -> bool | None:
         got = without_oldest(chat["messages"], origin, k)
@@ -61,24 +65,17 @@ async def fit(request, chat: dict, origin: list[str]) -> tuple[list[dict], list[
             count = (await asyncio.to_thread(prepare_tokenize, raw, engine, state.settings))["count"]
         except APIError:  # the request's own error: the whole request reports it
             return None
-        counted[k] = count + need <= engine.max_model_len
-        return counted[k]
+        return count + need <= engine.max_model_len
 
     if await fits(0) is not False:
         return chat["messages"], origin
-    lo, hi = (
-        1,
-        sum(
-            1
-            for m, o in zip(chat["messages"], origin)
-            if o != "instructions" and m.get("role") not in KEPT_ROLES
-        ),
-    )
+    n = len(droppable(chat["messages"], origin))
+    lo, hi = 1, n
     while lo < hi:  # the fewest k that fits, in [1, hi); hi: none does
         mid = (lo + hi) // 2
         if await fits(mid):
             hi = mid
         else:
             lo = mid + 1
-    got = without_oldest(chat["messages"], origin, lo) if counted.get(lo) else None
+    got = without_oldest(chat["messages"], origin, lo) if lo < n else None  # lo < n: lo fit
     return got if got is not None else (chat["messages"], origin)

@@ -178,7 +178,7 @@ ROUTES = [
 
 
 # vLLM serves these at the root too, and clients look for them there (lm-eval's remote tokenizer); the
-# same handlers as /v1/'s, behind the same API key (auth.API_PATHS), left out of the OpenAPI document
+# same handlers as /v1/'s, behind the same API key (auth.ROOT_API), left out of the OpenAPI document
 ROOT_ALIASES = [
     ("GET", "/tokenizer_info", tokenizer_info),
     ("POST", "/tokenize", tokenize),

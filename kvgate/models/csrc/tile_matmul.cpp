@@ -296,24 +296,16 @@ struct Q8D {
 #endif
 };
 
-// Q8_0's int8 codes with float32 d and m per half block (kh = 0: k < 16, 1: k >= 16): d at bytes
-// 512 + 64 kh, m at 640 + 64 kh, 16 outputs each. A half block's sum is one chain over its 16 k.
-struct Q8S {
+// Q8D with an m per half block after its d (kh = 0: k < 16, 1: k >= 16): m at bytes 640 + 64 kh, 16
+// outputs each. A half block's sum is one chain over its 16 k.
+struct Q8S : Q8D {
   static constexpr int64_t BYTES = 768;
   static constexpr bool HAS_M = true;
-  static constexpr bool HALVES = true;
-  static constexpr int CHAINS = 2;  // one per half block
-  static float code(const uint8_t* wb, int64_t k, int64_t j) { return Q80::code(wb, k, j); }
-  static float d(const uint8_t* wb, int64_t j, int kh = 0) { return float_at(wb + 512 + 64 * kh + 4 * j); }
   static float m(const uint8_t* wb, int64_t j, int kh = 0) { return float_at(wb + 640 + 64 * kh + 4 * j); }
 #if defined(KVGATE_T_AVX512)
-  static void widen(const uint8_t* wb, int p, __m512& c0, __m512& c1) { Q80::widen(wb, p, c0, c1); }
-  static __m512 d16(const uint8_t* wb, int kh = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 512 + 64 * kh)); }
   static __m512 m16(const uint8_t* wb, int kh = 0) { return _mm512_loadu_ps(reinterpret_cast<const float*>(wb + 640 + 64 * kh)); }
 #endif
 #if defined(KVGATE_T_AVX2)
-  static void widen8(const uint8_t* wb, int p, int h, __m256& c0, __m256& c1) { Q80::widen8(wb, p, h, c0, c1); }
-  static __m256 d8(const uint8_t* wb, int h, int kh = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 512 + 64 * kh) + 8 * h); }
   static __m256 m8(const uint8_t* wb, int h, int kh = 0) { return _mm256_loadu_ps(reinterpret_cast<const float*>(wb + 640 + 64 * kh) + 8 * h); }
 #endif
 };
