@@ -531,7 +531,8 @@ def test_date_formats_hold_only_calendar_days(tiny_dir):
     back under strict json_schema, and jsonschema and pydantic refuse it). The patterns that replace it
     are checked here against Python's calendar for every day of years 0000-9999 (year 0000 and second 60
     left out: Python's date and datetime refuse them), and the engine holds them. Seen red with
-    `engine_schema` passing date formats through (2015-02-29 accepted)."""
+    `engine_schema` passing date formats through (2015-02-29 accepted). A schema's own `pattern` holds
+    beside the calendar's (seen red when the calendar gave way to it: 2015-02-29 accepted again)."""
     import datetime
     import re
 
@@ -553,12 +554,9 @@ def test_date_formats_hold_only_calendar_days(tiny_dir):
     tk = Tokenizer.from_str(text)
     lt = llguidance.LLTokenizer(text, n_vocab=tk.get_vocab_size(True), eos_token=None)
 
-    def holds(fmt: str, value: str) -> bool:
-        m = llguidance.LLMatcher(
-            lt,
-            llguidance.LLMatcher.grammar_from_json_schema(engine_schema({"type": "string", "format": fmt})),
-            log_level=0,
-        )
+    def holds(fmt: str, value: str, **more) -> bool:
+        schema = engine_schema({"type": "string", "format": fmt, **more})
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(schema), log_level=0)
         ids = tk.encode(json.dumps(value), add_special_tokens=False).ids
         if m.validate_tokens(ids) != len(ids):
             return False
@@ -575,6 +573,8 @@ def test_date_formats_hold_only_calendar_days(tiny_dir):
         "date-time", "2015-02-29T01:02:03Z"
     )
     assert not holds("date-time", "2016-02-28T01:02:60Z")
+    assert holds("date", "2016-02-29", pattern="^20") and not holds("date", "1999-01-01", pattern="^20")
+    assert not holds("date", "2015-02-29", pattern="^20")
 
 
 def test_descriptions_do_not_count_against_the_grammars_bound(base):

@@ -1,7 +1,8 @@
 """The Responses API's answers, made from the chat completion that served the request.
 
 `response_body` turns a whole chat completion into a `response` object: the assistant's text as one
-`message` output item (omitted when the answer is only tool calls), each tool call as a
+`message` output item (omitted when the answer is only tool calls; an answer of no text and no calls
+is one empty message, as a client reading `output[0]` expects), each tool call as a
 `function_call` item, usage as `input_tokens` / `output_tokens`, and a `length` finish as status
 `incomplete` with `incomplete_details.reason = "max_output_tokens"`.
 
@@ -109,7 +110,7 @@ def response_body(chat: dict, skel: dict) -> dict:
     choice = chat["choices"][0]
     msg = choice["message"]
     output = []
-    if msg.get("content"):
+    if msg.get("content") or not msg.get("tool_calls"):
         output.append(message_item(msg["content"], (choice.get("logprobs") or {}).get("content")))
     for call in msg.get("tool_calls") or []:
         output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
@@ -183,8 +184,9 @@ class ResponseEvents:
             return [self.event("response.failed", response=self.response)]
         # the item being written when max_output_tokens cut the answer is done as "incomplete", as the
         # final response says (`finish`), so a client that builds its output from these events agrees
-        last = self.output[-1] if self.output and self.finish_reason == "length" else None
-        out = self._close_text("incomplete" if self.text is not None and self.text is last else "completed")
+        out = [] if self.output else self._open_text()  # no text and no call: one empty message
+        last = self.output[-1] if self.finish_reason == "length" else None
+        out += self._close_text("incomplete" if self.text is not None and self.text is last else "completed")
         for index in sorted(self.calls):
             out += self._close_call(index, "incomplete" if self.calls[index] is last else "completed")
         self.response = {**self.response, "output": self.output, "usage": usage(self.usage)}
@@ -199,21 +201,7 @@ class ResponseEvents:
         return {"item_id": item["id"], "output_index": self.output.index(item)}
 
     def _text(self, piece: str, logprobs: list) -> list[str]:
-        out = []
-        if self.text is None:
-            self.text = message_item("", None, status="in_progress")
-            self.text["content"] = []
-            self.output.append(self.text)
-            out.append(
-                self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.text)
-            )
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out.append(
-                self.event(
-                    "response.content_part.added", content_index=0, part=part, **self._where(self.text)
-                )
-            )
-            self.parts = []
+        out = self._open_text() if self.text is None else []
         self.parts.append(piece)
         self.logprobs += logprobs
         out.append(
@@ -226,6 +214,17 @@ class ResponseEvents:
             )
         )
         return out
+
+    def _open_text(self) -> list[str]:
+        self.text = message_item("", None, status="in_progress")
+        self.text["content"] = []
+        self.output.append(self.text)
+        self.parts = []
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.text),
+            self.event("response.content_part.added", content_index=0, part=part, **self._where(self.text)),
+        ]
 
     def _close_text(self, status: str = "completed") -> list[str]:
         item = self.text

@@ -5,7 +5,8 @@
   it, so this is what the schema means; pydantic writes `binary` for `bytes` and `password` for
   `SecretStr`, and those requests were 400s. The formats the engine knows (`date-time`, `email`,
   `uuid`, ...) stay enforced. Which it knows is asked of the engine, once per distinct value. `date`
-  and `date-time` become patterns of real calendar days (the engine's allow February 29 every year).
+  and `date-time` become patterns of real calendar days (the engine's allow February 29 every year),
+  held beside a schema's own `pattern` through `allOf`.
 - The annotations that never change what is generated (`description`, `title`, `examples`, ...) are
   left out of the grammar's copy: they counted against its 32 KiB bound.
 - `keyword_paths`: where refused keywords sit (`properties.tags.uniqueItems`), for the 400.
@@ -102,9 +103,12 @@ def engine_schema(schema):
     fmt = out.get("format")
     if isinstance(fmt, str) and not known_format(fmt):
         del out["format"]
-    elif fmt in FORMAT_PATTERNS and "pattern" not in out:  # the calendar's own days (FORMAT_PATTERNS)
+    elif fmt in FORMAT_PATTERNS:  # the calendar's own days (FORMAT_PATTERNS), and the schema's pattern
         del out["format"]
-        out["pattern"] = FORMAT_PATTERNS[fmt]
+        if "pattern" in out:
+            out["allOf"] = [*out.get("allOf", []), {"pattern": FORMAT_PATTERNS[fmt]}]
+        else:
+            out["pattern"] = FORMAT_PATTERNS[fmt]
     for key in NAMED_SCHEMAS:
         if isinstance(out.get(key), dict):
             out[key] = {name: engine_schema(sub) for name, sub in out[key].items()}
