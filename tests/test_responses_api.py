@@ -241,6 +241,41 @@ def test_truncation_auto_drops_the_oldest_items_until_the_conversation_fits(base
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
+def test_truncation_auto_also_fits_the_kv_pool(tmp_path):
+    """A conversation inside the context but larger than the whole KV pool got the 400
+    kv_budget_exceeded under `truncation: "auto"` (session 35's open end): the pool is a ceiling of the
+    same kind, so the oldest items go until it fits. Seen red with the pool check taken out of `fits`
+    (400 kv_budget_exceeded)."""
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+
+    d = make_tiny_hf_dir(tmp_path, geometry={"max_pos": 4096})
+    cfg = EngineConfig(kv_cache_bytes=1 << 19, memory_limit="2GiB", dtype="float32", device="cpu")
+    e = Engine.from_model(str(d), cfg, overhead_bytes=0).start()
+    try:
+        pool = e.sched_cfg.kv_positions
+        assert pool < 3000, pool  # the pool, not the 4,096-position context, is what binds here
+        with running_server(e) as (b, _app):
+            turns = []
+            for i in range(3):  # ~1,000 tokens a turn: 3,100 in all, inside the context
+                turns += [
+                    {"role": "user", "content": f"turn {i} " + "word " * 200},
+                    {"role": "assistant", "content": "ok"},
+                ]
+            body = {
+                "model": "tiny",
+                "input": [*turns, {"role": "user", "content": "hi"}],
+                "max_output_tokens": 4,
+            }
+            r = httpx.post(b + "/v1/responses", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "kv_budget_exceeded", r.text
+            r = httpx.post(b + "/v1/responses", json={**body, "truncation": "auto"}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["input_tokens"] + 4 <= pool
+    finally:
+        e.shutdown()
+
+
 def _context_refusals(base: str) -> float:
     text = httpx.get(base + "/metrics").text
     return sum(

@@ -1,7 +1,8 @@
 """`truncation: "auto"` on the Responses API: the oldest conversation items dropped until it fits.
 
 OpenAI's rule: when the input would overflow the model's context, items are dropped from the beginning
-of the conversation. Here the `instructions` and any system or developer message stay, a tool result
+of the conversation. kvgate's whole KV pool is a ceiling of the same kind (a request it can never hold
+is a 400 `kv_budget_exceeded`), so the conversation is cut to fit both. Here the `instructions` and any system or developer message stay, a tool result
 whose call was dropped goes with it (a result without its call is not a conversation a template can
 render), and at least one item must be left; otherwise the request goes on whole and gets the usual
 `context_length_exceeded` 400 with its numbers.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from kvgate.core.admission import group_blocks
 from kvgate.server.context import ready_engine
 from kvgate.server.errors import APIError
 from kvgate.server.prepare import prepare_tokenize
@@ -49,11 +51,12 @@ def without_oldest(messages: list[dict], origin: list[str], k: int) -> tuple[lis
 
 
 async def fit(request, chat: dict, origin: list[str]) -> tuple[list[dict], list[str]]:
-    """`chat`'s messages (and their origins) cut to the fewest dropped items that fit the context with
-    the output it asks for; unchanged when they fit, or when nothing droppable makes them fit."""
+    """`chat`'s messages (and their origins) cut to the fewest dropped items that fit the context and
+    the KV pool with the output it asks for; unchanged when they fit, or when nothing droppable makes them fit."""
     state = request.app.state
     engine = ready_engine(state)
-    need = chat.get("max_completion_tokens") or 1
+    cfg = engine.sched_cfg
+    need = chat.get("max_completion_tokens") or 1  # unset: capped to what is left, at least one token
 
     async def fits(k: int) -> bool | None:
         got = without_oldest(chat["messages"], origin, k)
@@ -65,7 +68,7 @@ async def fit(request, chat: dict, origin: list[str]) -> tuple[list[dict], list[
             count = (await asyncio.to_thread(prepare_tokenize, raw, engine, state.settings))["count"]
         except APIError:  # the request's own error: the whole request reports it
             return None
-        return count + need <= engine.max_model_len
+        return count + need <= cfg.max_model_len and group_blocks(cfg, count, need) <= cfg.total_blocks
 
     if await fits(0) is not False:
         return chat["messages"], origin
