@@ -37,3 +37,40 @@ def test_a_second_build_waits_for_the_first_to_finish(tmp_path):
         order.append("second in")
     t.join()
     assert order == ["first done", "second in"]
+
+
+def test_a_refused_build_is_remembered_until_the_tools_change(tmp_path, monkeypatch):
+    """A build the compiler refused ran again at every start (minutes each, session 35's open end); it
+    is now remembered per sources and tools. A build killed for memory is not, and other tools retry.
+    Seen red with `_failed_before` returning None (the second start built again)."""
+    import torch.utils.cpp_extension as cpp
+
+    calls = []
+
+    def refused(**_kw):
+        calls.append(1)
+        raise RuntimeError("tile_matmul.cpp:1:1: error: boom\nninja: build stopped")
+
+    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path / "kvgate_native_x")
+    monkeypatch.setattr(native, "_compiler_id", lambda: "g++@1 ninja@1")
+    monkeypatch.setattr(cpp, "load", refused)
+    monkeypatch.setattr(native, "_state", {})
+    assert native.extension() is None and len(calls) == 1
+    monkeypatch.setattr(native, "_state", {})  # the next start
+    assert native.extension() is None and len(calls) == 1, "the refused build ran again"
+    assert "failed here at" in native.unavailable() and "error: boom" in native.unavailable()
+    assert str(tmp_path / "kvgate_native_x" / native.FAILED) in native.unavailable()
+    monkeypatch.setattr(native, "_compiler_id", lambda: "g++@2 ninja@1")  # another compiler: tried again
+    monkeypatch.setattr(native, "_state", {})
+    assert native.extension() is None and len(calls) == 2
+
+    def killed(**_kw):
+        calls.append(1)
+        raise RuntimeError("g++: fatal error: Killed signal terminated program cc1plus")
+
+    (tmp_path / "kvgate_native_x" / native.FAILED).unlink()
+    monkeypatch.setattr(cpp, "load", killed)
+    for _start in range(2):  # a build killed for memory is tried again
+        monkeypatch.setattr(native, "_state", {})
+        native.extension()
+    assert len(calls) == 4

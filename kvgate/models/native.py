@@ -11,7 +11,10 @@ bits (tests/test_scalar_fallback.py builds both on an AVX-512 CPU and compares e
 bit, and the scalar build too: bit for bit but for RMSNorm and paged attention, within 1e-5).
 
 When the build is impossible (no compiler, no ninja, a failed compile) `extension()` returns None and
-`unavailable()` says why and what to install; every caller then keeps its plain PyTorch path.
+`unavailable()` says why and what to install; every caller then keeps its plain PyTorch path. A compile
+that the compiler refused is remembered in the cache directory (`build-failed.txt`), so later starts
+skip a build of minutes that would fail the same way; another compiler, other sources or deleting the
+file retries it. A compiler killed for memory or a full disk is not remembered.
 `python -m kvgate.models.native` builds (as `make setup` does) and prints the outcome.
 """
 
@@ -116,19 +119,18 @@ def extension():
         return _state["module"]
     module, why = None, None
     try:
+        _pip_ninja_on_path()
         module = _cached(cache_dir())
+        why = None if module is not None else _failed_before(cache_dir())
+        if why is not None:
+            log.warning(why)
+            _state["module"], _state["why"] = None, why
+            return None
         if module is not None:
             _apply_env_choices(module)
             _state["module"], _state["why"] = module, None
             return module
         from torch.utils.cpp_extension import load
-
-        try:  # the pip package's ninja, when the venv's bin is not on PATH
-            import ninja
-
-            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        except ImportError:
-            pass
 
         out = cache_dir()
         out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +150,7 @@ def extension():
     except Exception as exc:  # no compiler, no ninja, a failed build: the plain paths stay
         why = build_failure(exc)
         log.warning(why)
+        _remember_failure(cache_dir(), exc, why)
     if module is not None:
         _apply_env_choices(module)
     _state["module"], _state["why"] = module, why
@@ -173,6 +176,55 @@ def build_failure(exc: BaseException) -> str:
     return (
         f"kvgate's C++ kernels could not be built ({type(exc).__name__}: {detail}); the LM head, --weights "
         f"gguf, decode attention and the layer ops keep their plain PyTorch paths. {fix}."
+    )
+
+
+def _pip_ninja_on_path() -> None:
+    """The pip package's ninja, when the venv's bin is not on PATH."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+FAILED = "build-failed.txt"
+TRANSIENT = ("Killed signal", "No space left", "Cannot allocate memory", "KeyboardInterrupt")
+
+
+def _compiler_id() -> str | None:
+    """The compiler and ninja a build would use (their paths and modification times), or None when
+    either is missing: a remembered failure holds only for the very tools that failed."""
+    import shutil
+
+    tools = [shutil.which(t) for t in ("g++", "ninja")]
+    if None in tools:
+        return None
+    return " ".join(f"{os.path.realpath(t)}@{os.stat(t).st_mtime_ns}" for t in tools)
+
+
+def _remember_failure(out: Path, exc: BaseException, why: str) -> None:
+    tools = _compiler_id()
+    text = f"{type(exc).__name__}: {exc}"
+    if tools is None or any(t in text for t in TRANSIENT):  # missing tools fail at once; the rest may pass
+        return
+    with contextlib.suppress(OSError):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / FAILED).write_text(f"{tools}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}\n")
+
+
+def _failed_before(out: Path) -> str | None:
+    """What a remembered failed build of these sources with these tools said, or None."""
+    try:
+        tools, when, why = (out / FAILED).read_text().split("\n", 2)
+    except (OSError, ValueError):
+        return None
+    if tools != _compiler_id():
+        return None
+    return (
+        f"not building kvgate's C++ kernels: the build of these sources failed here at {when} with the "
+        f"same g++ and ninja. Delete {out / FAILED} to try again. That build said: {why.strip()}"
     )
 
 
