@@ -126,6 +126,50 @@ def test_the_grammar_commits_to_a_call_only_on_the_whole_opening(engine):
     assert TP.parse_output("<tool", cut=False) == ("<tool", []) and TP.parse_output("<tool") == ("", [])
 
 
+def test_calls_after_text_are_calls_held_to_their_schemas(engine):
+    """QA pass 9's HIGH: under `auto`, text and then a `<tool_call>` in the same turn (as Hermes models
+    write "Let me check." before a call, and as kvgate renders a replayed turn with both) came back as
+    content, markup and all, with finish_reason `stop` and arguments under no schema; LlamaIndex's
+    `chat_with_tools` found no call. Now the text is the content and the block a call, whole or
+    streamed, and the grammar holds such a call to its schema like any other; an answer may still hold
+    a proper prefix of the opening, never the whole of it. What `render` writes for a turn with both
+    parses back to them. Seen red with the old answer regex (any text not starting with the opening:
+    the unknown function and the bad arguments after text were accepted) and with the old parser
+    (the call came back as content)."""
+    from kvgate.structured.compiler import compiler_for
+
+    comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+    functions = [P.FunctionDef.model_validate(t["function"]) for t in TOOLS]
+    call = T._block("get_time", "{}")
+    weather = T._block("get_weather", '{"city": "Paris", "unit": "celsius", "days": 2}')
+
+    def whole(text: str, mode: str = "auto", parallel: bool = True) -> bool:
+        m = comp.matcher(T.grammar(T.ToolPlan(mode, functions, parallel), None))
+        ids = engine.tokenizer.encode(text)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    for text in ("Let me check.\n" + call, "Sure <b>now</b>\n\n" + call + "\n" + weather, "a <tool_cal b"):
+        assert whole(text), text
+    assert whole("I will call.\n" + call, parallel=False)
+    assert not whole("Let me check.\n" + T._block("rm_rf", "{}"))  # not one of the functions
+    assert not whole("Let me check.\n" + T._block("get_weather", '{"town": 1}'))  # not its schema
+    assert not whole("Hi <tool_call>\nSunny") and not whole("text\n" + call, "required")
+    content, calls = TP.parse_output("Let me check.\n\n" + call + "\n" + weather, cut=False)
+    assert content == "Let me check." and [c.name for c in calls] == ["get_time", "get_weather"]
+    p = TP.ToolCallParser()
+    events = [e for ch in "Let me check.\n" + call for e in p.push(ch)] + p.end(cut=False)
+    assert "".join(e[1] for e in events if e[0] == "content") == "Let me check."
+    assert [e[1].name for e in events if e[0] == "call"] == ["get_time"]
+    turn = {
+        "role": "assistant",
+        "content": "One moment.",
+        "tool_calls": [{"function": {"name": "get_time", "arguments": "{}"}}],
+    }
+    rendered = T.render([turn], None, native=False)[0][0]["content"]
+    content, calls = TP.parse_output(rendered, cut=False)
+    assert content == "One moment." and [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
+
+
 def test_only_the_models_own_end_makes_a_held_opening_an_answer():
     """A held-back proper prefix of `<tool_call>` is an answer only when the model ended the output
     (its end token, or the grammar complete); a stop string, max_tokens or a shutdown may have cut a

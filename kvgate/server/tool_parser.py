@@ -67,8 +67,8 @@ class ToolCallParser:
     """Incremental reader of generated text: `push(text)` -> events, `end()` -> the last events.
 
     Events: ("content", text), ("call", ParsedCall) when a call's name is known, ("args", index, text).
-    Arguments are released as they come, exactly their JSON text: the wrapper's end (`}`, a newline,
-    `</tool_call>`) never is. Output cut short (max_tokens) in a call gives that call with the
+    Calls may follow content (text, then `<tool_call>`). Arguments are released as they come, exactly
+    their JSON text: the wrapper's end (`}`, a newline, `</tool_call>`) never is. Output cut short (max_tokens) in a call gives that call with the
     arguments so far, `done` False, once its name is whole, and nothing before: no markup ever
     comes out as content.
     """
@@ -92,17 +92,20 @@ class ToolCallParser:
     def end(self, cut: bool = True) -> list[tuple]:
         """The output ended (`cut`: by max_tokens, maybe inside a call): a call whose name is whole but
         whose arguments never began comes out with empty arguments. Held-back text that could still
-        have become a call's opening (`<tool`) is an answer when the model ended it (an answer may be
-        a proper prefix of `<tool_call>`: see `grammar`) and is dropped when the output was cut; any
-        other held-back text is a call's markup and is dropped."""
+        have become a call's opening (`<tool`, at the start or after text) is an answer when the model
+        ended it (an answer may end in a proper prefix of `<tool_call>`: see `grammar`) and is dropped
+        when the output was cut; any other held-back text is a call's markup and is dropped."""
         events: list[tuple] = []
         if self.state == "head":
             name = self._name(self.buf)
             if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
                 self._open_call(events, name[0])
-        elif self.state == "start" and self.buf and not cut:
-            self.state = "content"
-            self._content(events)
+        elif self.state in ("start", "content") and self.buf:
+            # cut: a held opening may have been a call's, newlines before it were text
+            text = self.buf if not cut else self.buf[: len(self.buf) - len(self.buf.lstrip(SEP))]
+            if text and (not cut or self.state == "content"):
+                self.content.append(text)
+                events.append(("content", text))
         self.buf = ""
         return events
 
@@ -114,9 +117,21 @@ class ToolCallParser:
             self.state = "content"  # else: could still become a call
 
     def _content(self, events) -> None:
-        self.content.append(self.buf)
-        events.append(("content", self.buf))
-        self.buf = ""
+        """Text, up to a `<tool_call>` opening that follows it (its calls come next; the newlines
+        between are the separator `render` writes, not content); the end of the text that could still
+        become that separator and opening is held back."""
+        at = self.buf.find(OPEN)
+        if at >= 0:
+            text, self.buf, self.state = self.buf[:at].rstrip(SEP), self.buf[at + len(OPEN) :], "head"
+        else:
+            keep = next((n for n in range(len(OPEN) - 1, 0, -1) if self.buf.endswith(OPEN[:n])), 0)
+            cut = (
+                len(self.buf.rstrip(SEP)) if keep == 0 else len(self.buf[: len(self.buf) - keep].rstrip(SEP))
+            )
+            text, self.buf = self.buf[:cut], self.buf[cut:]
+        if text:
+            self.content.append(text)
+            events.append(("content", text))
 
     def _head(self, events) -> None:
         name = self._name(self.buf)

@@ -16,9 +16,11 @@ Generation: with `tool_choice` `auto` the grammar is `answer | calls`, with `req
 function `calls` only; `calls` is one block, or with `parallel_tool_calls` (the default) one or more,
 each after the first opened by newlines and `<tool_call>` together. Each block is `{"name": NAME,
 "arguments": ARGS}` with ARGS generated under that function's JSON schema (`%json`), so arguments
-always parse and validate. An answer may start with anything but `<tool_call>` itself; after the
-calls, a newline that `<tool_call>` does not follow starts a short remark that ends the output and is
-dropped (`grammar` says why neither side may commit on one character). `none` renders no tools and
+always parse and validate. An answer is any text in which `<tool_call>` does not occur; under `auto`
+the calls may also follow some text in the same turn (as Hermes models write "Let me check." before a
+call, and as kvgate renders a replayed turn with both), which is the message's content beside its
+`tool_calls`. After the calls, a newline that `<tool_call>` does not follow starts a short remark that
+ends the output and is dropped (`grammar` says why neither side may commit on one character). `none` renders no tools and
 uses no grammar.
 
 `ToolCallParser` (kvgate/server/tool_parser.py) reads the output incrementally (the same code for
@@ -166,32 +168,45 @@ def args_schema(f: P.FunctionDef) -> dict:
     return schema
 
 
-def not_starting_with(word: str) -> str:
-    """A regex (no lookahead: llguidance's lexer has none) for the non-empty texts that do not start
-    with `word`: those that part from it at some character, and its proper prefixes."""
-    esc = [re.escape(ch) for ch in word]
-    part = "|".join("".join(esc[:i]) + "[^" + esc[i] + "]" for i in range(len(word)))
-    prefixes = "|".join("".join(esc[:i]) for i in range(1, len(word)))
-    return f"({part})[\\s\\S]*|{prefixes}"
+def not_containing(word: str) -> str:
+    """A regex (no lookahead: llguidance's lexer has none) for the non-empty texts in which `word`
+    never occurs, for a word whose first character occurs nowhere else in it (`<tool_call>`): each
+    such character starts a piece, the character and a proper prefix of the rest, that ends where the
+    text parts from the word, at another first character, or at the text's end."""
+    first, rest = word[0], word[1:]
+    assert first not in rest, word
+    f = re.escape(first)
+    prefix = "(" + "|".join(re.escape(rest[:j]) for j in range(1, len(rest))) + ")?"
+    piece = f"{f}{prefix}"
+    parts = "|".join(f"{f}{re.escape(rest[:j])}[^{f}{re.escape(rest[j])}]" for j in range(len(rest)))
+    unit = f"[^{f}]|({piece})*({parts})"
+    return f"({unit})+({piece})*|({piece})+"
 
 
 def grammar(plan: ToolPlan, answer_rule: str | None) -> str:
     """llguidance Lark text: `answer_rule` (a rule body, or None for free text) or the calls.
 
-    Neither side commits on one character the model also writes in text: an answer may start with
-    anything but the whole `<tool_call>` (HTML, or the `<tool_response>` a small model echoes after
-    a tool's answer, are answers), and after a call a newline commits to another call only when
+    Neither side commits on one character the model also writes in text: an answer may hold anything
+    but the whole `<tool_call>` (HTML, or the `<tool_response>` a small model echoes after a tool's
+    answer, are answers), and a `<tool_call>` after some text opens calls whose arguments are held
+    to their schemas as everywhere (QA pass 9: it was free text, markup and all, returned as content
+    with finish_reason `stop`). After a call a newline commits to another call only when
     `<tool_call>` follows it; else the newline starts a remark of at most TAIL_CHARS that ends the
     output (the parser drops it). A separator that was one newline forced a model that meant
     "\n\nThe function returns ..." into a second call, which it copied from the first."""
     lines = []
-    if plan.mode == "auto":
+    more = " next*" if plan.parallel else ""
+    if plan.mode == "auto" and answer_rule:
         lines.append("start: answer | calls")
-        text = f"TEXT: /{not_starting_with(OPEN.rstrip())}/"
-        lines.append(f"answer: {answer_rule}" if answer_rule else f"answer: TEXT\n{text}")
+        lines.append(f"answer: {answer_rule}")
+    elif plan.mode == "auto":  # free text, calls, or text and then calls (LEAD holds the first opening)
+        lines.append("start: answer | calls | lead")
+        text = not_containing(OPEN.rstrip())
+        lines += ["answer: TEXT", f"TEXT: /{text}/"]
+        lines.append(f"lead: LEAD body{more} TAIL?")
+        lines.append(f"LEAD: /({text}){re.escape(OPEN.rstrip())}\\n/")
     else:
         lines.append("start: calls")
-    more = " next*" if plan.parallel else ""
     lines.append(f"calls: call{more} TAIL?")
     if plan.parallel:  # blank lines may part two calls, as they may end the calls
         lines.append(f"TAIL: /\\n+([^<\\n][\\s\\S]{{0,{TAIL_CHARS - 1}}})?/")
@@ -199,9 +214,10 @@ def grammar(plan: ToolPlan, answer_rule: str | None) -> str:
     else:
         lines.append(f"TAIL: /\\n[\\s\\S]{{0,{TAIL_CHARS}}}/")
     alts = " | ".join(f"fn_{i}" for i in range(len(plan.functions)))
-    lines.append(f"call: {json.dumps(OPEN)} ({alts}) {json.dumps(CLOSE)}")
+    lines.append(f"body: ({alts}) {json.dumps(CLOSE)}")
+    lines.append(f"call: {json.dumps(OPEN)} body")
     if plan.parallel:
-        lines.append(f"next: NEWLINES {json.dumps(OPEN)} ({alts}) {json.dumps(CLOSE)}")
+        lines.append(f"next: NEWLINES {json.dumps(OPEN)} body")
     for i, f in enumerate(plan.functions):
         head = '{"name": ' + json.dumps(f.name, ensure_ascii=False) + ARGS_AT
         lines.append(f"fn_{i}: {json.dumps(head)} %json {json.dumps(args_schema(f))}")
