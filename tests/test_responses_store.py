@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from kvgate.server.responses_store import ENTRY_BYTES, ResponseStore
+from kvgate.server.responses_store import ENTRY_BYTES, ITEM_BYTES, ResponseStore
 from tests.server_util import running_server
 from tests.test_responses_api import base, client  # noqa: F401 (a fixture)
 
@@ -93,7 +93,11 @@ def test_the_store_is_bounded_by_its_bytes_least_recently_used_out_first():
     store.get("resp_1")
     assert store.put(resp(3), [])
     assert store.get("resp_2") is None and store.get("resp_1") is not None and store.evicted == 1
-    assert store.bytes == sum(len(a) + len(b) + ENTRY_BYTES for a, b in store._items.values())  # what is held
+    held = sum(
+        len(a) + len(b) + ENTRY_BYTES + sum(ITEM_BYTES + 2 * len(i) for i in ids)
+        for a, b, ids in store._items.values()
+    )
+    assert store.bytes == held  # what is held
     assert store.get("resp_1")[1][0]["id"].startswith("msg_")  # an item sent without an id gets one
     assert store.summary() == {"limit_bytes": 3000, "bytes": store.bytes, "responses": 2, "evicted": 1}
     assert not store.put({"id": "big", "output": "y" * 3000}, [])  # larger than the store: not kept
@@ -184,3 +188,50 @@ def test_an_item_sent_with_type_null_is_listed_as_a_message():
 
     item = listed({"type": None, "role": "user", "content": "hi", "id": "msg_1"})
     assert item["type"] == "message" and item["content"] == [{"type": "input_text", "text": "hi"}]
+
+
+def test_item_references_are_the_kept_items_they_name(base):  # noqa: F811
+    """QA pass 9's HIGH: the AI SDK's OpenAI provider (store on, its default) sends an earlier turn's
+    assistant items as `{"type": "item_reference", "id": "msg_..."}`, and kvgate refused every second
+    turn. A reference now stands for the kept item it names, input or output, so the turn is served
+    as the same conversation sent whole; an id no kept response holds is a 400 naming the reference
+    and saying what to send; a deleted response's items go with it. Seen red with `referenced` taken
+    out (400 unsupported 'item_reference' items)."""
+    c = client(base)
+    first = c.responses.create(input=[{"role": "user", "content": "my name is Ada"}], **GREEDY)
+    said = first.output[0].id
+    asked = [{"type": "item_reference", "id": said}, {"role": "user", "content": "what is my name?"}]
+    ref = c.responses.create(
+        input=[{"role": "user", "content": "my name is Ada"}, *asked[:1], asked[1]], **GREEDY
+    )
+    whole = c.responses.create(
+        input=[{"role": "user", "content": "my name is Ada"}, first.output[0].model_dump(), asked[1]],
+        **GREEDY,
+    )
+    assert ref.usage.input_tokens == whole.usage.input_tokens and ref.output_text == whole.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(input=[{"type": "item_reference", "id": "msg_nope"}, asked[1]], **GREEDY)
+    assert (e.value.body["code"], e.value.body["param"]) == ("item_not_found", "input.0.id")
+    assert "Send the item itself instead" in e.value.body["message"]
+    for kept in (ref, whole, first):  # every response holding the item: then it is gone
+        httpx.delete(f"{base}/v1/responses/{kept.id}", timeout=10)
+    with pytest.raises(openai.BadRequestError):
+        c.responses.create(input=asked, **GREEDY)
+
+
+def test_the_sdks_parse_output_replays_as_input(base):  # noqa: F811
+    """QA pass 9's HIGH: `responses.parse()` adds `parsed` to output text parts and `parsed_arguments`
+    to function calls, and the documented loop `input.push(...response.output)` sent them back: a 400
+    naming another field. They are accepted and unused. Seen red without the two fields (400)."""
+    c = client(base)
+    item = {
+        "type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+        "content": [{"type": "output_text", "text": '{"a": 1}', "annotations": [], "parsed": {"a": 1}}],
+    }  # fmt: skip
+    call = {
+        "type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}',
+        "parsed_arguments": {"x": 1}, "id": "fc_1", "status": "completed",
+    }  # fmt: skip
+    out = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    got = c.responses.create(input=[{"role": "user", "content": "hi"}, item, call, out], **GREEDY)
+    assert got.status in ("completed", "incomplete")

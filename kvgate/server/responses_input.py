@@ -12,8 +12,9 @@ Input items, in order, become messages: a string is one user message; `{"role", 
 assistant's text, in one message, as the chat templates expect them); `function_call_output` items
 become `tool` messages. `instructions` is a system message before them all.
 
-`previous_response_id` is resolved before this (`responses_route.continued`: the stored conversation
-goes before `input`). Not done, refused by name (400 `unsupported_parameter`): `conversation` (the
+`previous_response_id` and `item_reference` items are resolved before this (`responses_route.continued`:
+the stored conversation goes before `input`; `responses_route.referenced`: a kept item in place of its
+reference). Not done, refused by name (400 `unsupported_parameter`): `conversation` (the
 Conversations API: send the whole conversation, or chain responses), `background`, hosted tools (web search,
 file search, ...), non-text input parts, and reasoning items (this model does not reason in them).
 """
@@ -26,7 +27,12 @@ from typing import Any
 from kvgate.sampling_params import MAX_TOP_LOGPROBS
 from kvgate.server import protocol as P
 from kvgate.server.errors import invalid, unsupported
-from kvgate.server.responses_protocol import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
+from kvgate.server.responses_protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    ItemReference,
+    ResponsesRequest,
+)
 
 NOT_DONE = {
     "conversation": "kvgate stores no conversations; send the whole conversation in input",
@@ -45,7 +51,7 @@ PASSED = (
     "seed",
     "parallel_tool_calls",
 )
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")
 ROLES = ("user", "assistant", "system", "developer")
 
 
@@ -145,6 +151,8 @@ def input_messages(items) -> tuple[list[dict], list[str]]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+        elif isinstance(item, ItemReference):  # the route puts kept items in their place first
+            raise invalid(f"input[{i}] is an item_reference that was not resolved", f"input.{i}.id")
         else:
             if item.role not in ROLES:
                 raise invalid(

@@ -38,6 +38,7 @@ class OutputText(_Body):
     text: str
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
+    parsed: Any = None  # the openai SDK's `responses.parse()` adds the parsed value; unused
 
 
 TextPart = InputText | OutputText
@@ -68,6 +69,7 @@ class FunctionCallItem(_Replayed):
     async_: bool | None = Field(None, alias="async")
     caller: Any = None
     namespace: str | None = None
+    parsed_arguments: Any = None  # `responses.parse()` adds the parsed arguments; unused
 
 
 class FunctionCallOutputItem(_Replayed):
@@ -76,7 +78,16 @@ class FunctionCallOutputItem(_Replayed):
     output: str | list[TextPart]
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ItemReference(_Body):
+    """A kept item named by its id, in place of the item itself (`responses_route.referenced` puts the
+    item there before the body is read)."""
+
+    model_config = _STRICT
+    type: Literal["item_reference"]
+    id: str
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ItemReference
 
 
 class FunctionTool(_Body):

@@ -31,6 +31,7 @@ from kvgate.server.responses_output import ResponseEvents, new_id, response_body
 from kvgate.server.responses_store import ResponseStore, page, shown
 from kvgate.server.responses_truncation import fit
 from kvgate.server.serving import generate
+from kvgate.units import fmt_bytes
 
 _KEPT_HEADERS = ("retry-after", "retry-after-ms", "x-kvgate-budget-cap")
 _INDEX = re.compile(r"input[\[.](\d+)\]?")
@@ -40,6 +41,7 @@ async def responses(request: Request) -> Response:
     settings, store = request.app.state.settings, request.app.state.responses
     raw = await read_body(request, settings.max_body_bytes)
     body = parse_json(raw)
+    body = referenced(body, store)
     body, conversation, earlier = continued(body, store)
     try:
         chat, origin = to_chat(body)
@@ -81,6 +83,38 @@ async def responses(request: Request) -> Response:
     response = response_body(json.loads(answer.body), skel)
     kept(response)
     return JSONResponse(response, headers=headers)
+
+
+def referenced(body, store: ResponseStore):
+    """The body with each `item_reference` input item replaced by the kept item it names (an input or
+    output item of a kept response); a 400 naming the reference when no such item is kept."""
+    items = body.get("input") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        return body
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            item_id = item.get("id")
+            found = store.item(item_id) if isinstance(item_id, str) else None
+            if found is None:
+                raise APIError(400, _unreferenced(item_id, store), "item_not_found", param=f"input.{i}.id")
+            item = found
+        out.append(item)
+    return {**body, "input": out}
+
+
+def _unreferenced(item_id, store: ResponseStore) -> str:
+    named = shown(item_id) if isinstance(item_id, str) else "(no id)"
+    if not store.on:
+        return (
+            f"item_reference {named} cannot be resolved: this server keeps no responses "
+            "(--responses-store 0). Send the item itself instead."
+        )
+    return (
+        f"item_reference {named} names no item this server keeps: items are kept with their response "
+        f"(unless it said store: false) while it stays in the {fmt_bytes(store.limit)} --responses-store "
+        f"({store.evicted} evicted so far; a restart keeps none). Send the item itself instead."
+    )
 
 
 def continued(body, store: ResponseStore) -> tuple:

@@ -4,7 +4,9 @@ OpenAI's Responses API keeps a response unless the request says `store: false`, 
 a conversation by naming the last response (`previous_response_id`) instead of sending it again. The
 store holds each response with the whole conversation that led to it, as compact JSON bytes: what it
 counts is what it holds. It is bounded by `--responses-store` bytes (0: off), the least recently used
-response going first, and says in `/v1/resources` how full it is and how many it has let go. It lives
+response going first, and says in `/v1/resources` how full it is and how many it has let go. Each kept
+item (input or output) is also found by its own id (`item`), for the `item_reference` input items
+clients send in place of an earlier turn's items (the AI SDK's OpenAI provider does by default). It lives
 in the server process's memory, outside the engine's ledger (which plans the model, the step workspace
 and the KV pool): size it with that in mind.
 """
@@ -23,7 +25,9 @@ DEFAULT_BYTES = 64 << 20
 class ResponseStore:
     def __init__(self, limit_bytes: int = DEFAULT_BYTES):
         self.limit = limit_bytes
-        self._items: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()  # id -> (response, conversation)
+        # id -> (response, conversation, the ids of the items in both)
+        self._items: OrderedDict[str, tuple[bytes, bytes, tuple[str, ...]]] = OrderedDict()
+        self._holder: dict[str, str] = {}  # item id -> the response last kept with it
         self.bytes = 0
         self.evicted = 0
 
@@ -35,18 +39,29 @@ class ResponseStore:
         """Keep `response` and the input items that led to it (earlier turns included); False when it
         is larger than the whole store (it is then not kept)."""
         rid = response["id"]
-        record = (_dump(response), _dump(with_ids(conversation)))
+        conversation = with_ids(conversation)
+        ids = tuple(i["id"] for i in conversation + _output(response) if isinstance(i, dict) and i.get("id"))
+        record = (_dump(response), _dump(conversation), ids)
         size = _size(record)
         if size > self.limit:
             return False
         self.delete(rid)
         while self.bytes + size > self.limit:
-            _, old = self._items.popitem(last=False)
-            self.bytes -= _size(old)
+            self._drop(next(iter(self._items)))
             self.evicted += 1
         self._items[rid] = record
+        self._holder.update(dict.fromkeys(ids, rid))
         self.bytes += size
         return True
+
+    def item(self, item_id: str) -> dict | None:
+        """The kept item (an input item or an output item of a kept response) with this id, or None."""
+        rid = self._holder.get(item_id)
+        got = self.get(rid) if rid is not None else None
+        if got is None:
+            return None
+        response, conversation = got
+        return next((i for i in conversation + _output(response) if i.get("id") == item_id), None)
 
     def get(self, rid: str) -> tuple[dict, list] | None:
         """(the response, the conversation that led to it), or None; a read counts as a use."""
@@ -65,11 +80,17 @@ class ResponseStore:
         return json.loads(record[0])
 
     def delete(self, rid: str) -> bool:
-        record = self._items.pop(rid, None)
-        if record is None:
+        if rid not in self._items:
             return False
-        self.bytes -= _size(record)
+        self._drop(rid)
         return True
+
+    def _drop(self, rid: str) -> None:
+        record = self._items.pop(rid)
+        self.bytes -= _size(record)
+        for item_id in record[2]:  # an item a later response also holds stays found there
+            if self._holder.get(item_id) == rid:
+                del self._holder[item_id]
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._items
@@ -93,6 +114,11 @@ class ResponseStore:
             f"whole {fmt_bytes(self.limit)} --responses-store, was deleted or evicted ({self.evicted} evicted "
             f"so far), or was made by another server (a restart keeps none).{then}"
         )
+
+
+def _output(response: dict) -> list:
+    out = response.get("output")
+    return out if isinstance(out, list) else []
 
 
 def shown(rid: str, most: int = 64) -> str:
@@ -148,10 +174,13 @@ def page(items: list, after: str | None, limit: int, order: str) -> dict | None:
 
 
 ENTRY_BYTES = 300  # an entry's own cost beside its JSON: the key, the tuple, two bytes objects, the dict slot
+ITEM_BYTES = (
+    200  # an item id's cost in the index: its string (twice: the tuple and the key) and the dict slot
+)
 
 
-def _size(record: tuple[bytes, bytes]) -> int:
-    return len(record[0]) + len(record[1]) + ENTRY_BYTES
+def _size(record: tuple[bytes, bytes, tuple[str, ...]]) -> int:
+    return len(record[0]) + len(record[1]) + ENTRY_BYTES + sum(ITEM_BYTES + 2 * len(i) for i in record[2])
 
 
 def _dump(value) -> bytes:
