@@ -621,6 +621,71 @@ def test_date_formats_hold_only_calendar_days(tiny_dir):
     assert not holds("date", "2015-02-29", pattern="^20")
 
 
+def test_zod_record_forms_compile_and_hold_what_they_mean(tiny_dir):
+    """QA pass 9's HIGH: zod 4 writes `z.record(z.string(), V)` as `propertyNames: {"type": "string"}`
+    (always true), which the engine refused, so every AI SDK or LangChain.js schema with a record field
+    was a 400, and so was every request offering a tool with one. Each zod form now compiles to what it
+    means: any keys; exactly the enum's keys; keys matching a pattern; a `z.never()` property absent.
+    jsonschema agrees with the grammar on every sample. Seen red with `_record_keys` taken out."""
+    import jsonschema
+    import llguidance
+    from tokenizers import Tokenizer
+
+    from kvgate.structured.schema_prep import engine_schema
+
+    text = (tiny_dir / "tokenizer.json").read_text()
+    tk = Tokenizer.from_str(text)
+    lt = llguidance.LLTokenizer(text, n_vocab=tk.get_vocab_size(True), eos_token=None)
+
+    def holds(schema: dict, value) -> bool:
+        m = llguidance.LLMatcher(
+            lt, llguidance.LLMatcher.grammar_from_json_schema(engine_schema(schema)), log_level=0
+        )
+        assert not m.is_error(), m.get_error()
+        ids = tk.encode(json.dumps(value), add_special_tokens=False).ids
+        if m.validate_tokens(ids) != len(ids):
+            return False
+        m.consume_tokens(ids)
+        return m.is_accepting() and not m.is_error()
+
+    num = {"type": "number"}
+    cases = [
+        (
+            {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": num},
+            [{"k": 1}, {}],
+            [{"k": "s"}],
+        ),
+        (
+            {
+                "type": "object",
+                "propertyNames": {"type": "string", "enum": ["a", "b"]},
+                "additionalProperties": num,
+                "required": ["a", "b"],
+            },
+            [{"a": 1, "b": 2}],
+            [{"a": 1}, {"a": 1, "c": 2}],
+        ),
+        (
+            {"type": "object", "propertyNames": {"pattern": "^x"}, "additionalProperties": num},
+            [{"xy": 1}],
+            [{"y": 1}],
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"n": {"not": {}}, "m": {"type": "string"}},
+                "additionalProperties": False,
+            },
+            [{"m": "s"}, {}],
+            [{"n": 1}],
+        ),
+    ]
+    for schema, good, bad in cases:
+        for value in good + bad:
+            valid = jsonschema.Draft202012Validator(schema).is_valid(value)
+            assert valid == (value in good) and holds(schema, value) == valid, (schema, value)
+
+
 def test_descriptions_do_not_count_against_the_grammars_bound(base):
     """QA pass 6: the 32 KiB bound on a grammar's text counted the schema's descriptions and examples,
     so a simple schema with verbose docs (10 string properties, 56 KB of JSON) was a 400 blaming "the

@@ -7,6 +7,12 @@
   `uuid`, ...) stay enforced. Which it knows is asked of the engine, once per distinct value. `date`
   and `date-time` become patterns of real calendar days (the engine's allow February 29 every year),
   held beside a schema's own `pattern` through `allOf`.
+- zod 4's record forms, which the engine does not take as written: `propertyNames: {"type":
+  "string"}` (always true: JSON keys are strings) is dropped; `propertyNames` with an `enum` or
+  `const` (`z.record(z.enum(...))`) becomes those keys as `properties` of the values' schema; with a
+  `pattern`, `patternProperties`; and a property whose schema is `{"not": {}}` or `false` (`z.never()`:
+  it may never appear) is left out of `properties` (QA pass 9: every AI SDK or LangChain.js schema
+  with a record field, and every request offering a tool with one, was a 400).
 - The annotations that never change what is generated (`description`, `title`, `examples`, ...) are
   left out of the grammar's copy: they counted against its 32 KiB bound.
 - `keyword_paths`: where refused keywords sit (`properties.tags.uniqueItems`), for the 400.
@@ -109,6 +115,7 @@ def engine_schema(schema):
             out["allOf"] = [*out.get("allOf", []), {"pattern": FORMAT_PATTERNS[fmt]}]
         else:
             out["pattern"] = FORMAT_PATTERNS[fmt]
+    _record_keys(out)
     for key in NAMED_SCHEMAS:
         if isinstance(out.get(key), dict):
             out[key] = {name: engine_schema(sub) for name, sub in out[key].items()}
@@ -119,6 +126,37 @@ def engine_schema(schema):
         elif isinstance(sub, dict):
             out[key] = engine_schema(sub)
     return out
+
+
+def _record_keys(out: dict) -> None:
+    """`propertyNames` in forms the engine takes, and never-present properties left out (the module's
+    doc); any other `propertyNames` stays, for the engine's refusal to name."""
+    names = out.get("propertyNames")
+    if isinstance(names, dict):
+        rule = {k: v for k, v in names.items() if k not in ANNOTATIONS}
+        plain = rule.get("type", "string") == "string" and set(rule) <= {"type", "enum", "const", "pattern"}
+        keys = rule["enum"] if "enum" in rule else [rule["const"]] if "const" in rule else None
+        value = out.get("additionalProperties", True)
+        props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+        if plain and keys is None and "pattern" not in rule:
+            del out["propertyNames"]
+        elif (
+            plain
+            and isinstance(keys, list)
+            and all(isinstance(k, str) for k in keys)
+            and "pattern" not in rule
+        ):
+            allowed = props if value is False else {k: props.get(k, value) for k in keys}
+            out["properties"] = {k: v for k, v in allowed.items() if k in keys}
+            out["additionalProperties"] = False
+            del out["propertyNames"]
+        elif plain and keys is None and not props and "patternProperties" not in out and value is not False:
+            out["patternProperties"] = {rule["pattern"]: value}
+            out["additionalProperties"] = False
+            del out["propertyNames"]
+    props = out.get("properties")
+    if isinstance(props, dict) and any(v is False or v == {"not": {}} for v in props.values()):
+        out["properties"] = {k: v for k, v in props.items() if not (v is False or v == {"not": {}})}
 
 
 def keyword_paths(schema, keywords: set[str], path: str = "") -> list[str]:
