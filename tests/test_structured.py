@@ -364,3 +364,40 @@ def test_32_grammar_rows_stay_within_the_memory_plan():
     assert r["serving_peak"] - r["weights_dead_rss"] <= r["plan_total"], summary(r)
     assert r["plan"]["workspace_breakdown"]["grammar"] > 0
     assert Path(__file__).exists()
+
+
+def test_string_length_bounds_fit_the_lexer_or_are_refused_up_front(tiny_engine, tiny_base):
+    """QA pass 9's HIGH: pydantic's `max_length=500` was admitted (200 and headers) and then failed
+    after ~230 characters, when the grammar's lexer ran out of its 1,024 states: an admitted request
+    that did not complete. A bound a grammar can hold now runs to its end, in multi-byte characters
+    too (the costliest per character); one it cannot hold is a 400 before admission naming the bound
+    and the numbers. Seen red with the old LEXER_STATES (500 does not fit), with STATES_PER_CHAR 4 (the
+    lexer ran out within the bound it let through), and with `check_lengths` taken out (maxLength
+    2,000 admitted)."""
+    from kvgate.structured.compiler import LEXER_STATES, STATES_PER_CHAR
+
+    most = (LEXER_STATES - 256) // STATES_PER_CHAR
+    assert most >= 500  # pydantic's common max_length=500 fits
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": most}}, "required": ["s"]}
+    grammar = grammar_of(tiny_engine, schema)
+    tk = tiny_engine.tokenizer
+    for text in ("word " * most, "日本語🙂é" * most):
+        m = grammar.matcher()
+        ids = tk.encode(json.dumps({"s": text[:most]}, ensure_ascii=False, separators=(", ", ": ")))
+        for t in ids:
+            m.compute_bitmask()
+            assert m.consume_token(t) and not m.is_error(), m.get_error()
+        assert m.is_accepting()
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    r = httpx.post(
+        tiny_base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 8}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    big = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 2000}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}
+    r = httpx.post(
+        tiny_base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 8}, timeout=60
+    )
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "unsupported_schema", r.text
+    assert "2,000 at properties.s" in err["message"] and f"{LEXER_STATES:,}" in err["message"]

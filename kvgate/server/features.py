@@ -20,8 +20,8 @@ from kvgate.sampling import MAX_TOP_LOGPROBS
 from kvgate.server import protocol as P
 from kvgate.server import tools as T
 from kvgate.server.errors import APIError, invalid, unsupported
-from kvgate.structured.compiler import Grammar, GrammarError, compiler_for
-from kvgate.structured.schema_prep import compiles, engine_schema, keyword_paths, unimplemented
+from kvgate.structured.compiler import Grammar, GrammarError, check_lengths, compiler_for
+from kvgate.structured.schema_prep import compiles, engine_schema, keyword_paths, length_bounds, unimplemented
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
 
@@ -62,7 +62,11 @@ def features_of(engine, req) -> Features:
     if f.tools is not None and f.logprobs is not None:
         raise unsupported("logprobs", "logprobs together with tools are not implemented")
     compiler = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+    schemas = [fn.parameters for fn in f.tools.functions] if f.tools is not None else []
+    if req.response_format is not None and req.response_format.json_schema is not None:
+        schemas.append(req.response_format.json_schema.schema_)
     try:
+        check_lengths([b for schema in schemas for b in length_bounds(schema)])
         f.grammar = compiler.check(text)
     except GrammarError as exc:
         raise _unenforceable(req, f.tools, str(exc)) from None

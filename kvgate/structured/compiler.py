@@ -11,8 +11,11 @@ Promises:
   lives with the row and only the worker thread advances it.
 - Memory is bounded and planned (`kvgate.memory.workspace`, term `grammar`): at most `cache_entries`
   cached templates plus one per running row, each under `GRAMMAR_BYTES` because the grammar text is at
-  most `MAX_GRAMMAR_CHARS` and the lexer at most `LEXER_STATES` states (llguidance: 1-2 KiB each;
-  measured 2 KiB). A row whose lexer needs more states fails with an error that says so.
+  most `MAX_GRAMMAR_CHARS` and the lexer at most `LEXER_STATES` states. A string's `minLength` /
+  `maxLength` costs lexer states in proportion (the lexer counts its characters), so `check_lengths`
+  refuses up front, with the numbers, a schema whose bounds would need more than the grammar's
+  states: a row never runs out of them mid-answer for that reason (QA pass 9: pydantic's
+  `max_length=500` failed an admitted request after ~230 characters at the old 1,024 states).
 
 NOTE: why llguidance and not xgrammar (bench/grammar_masks.py: AMD EPYC, 2 threads, vocab 49,152, a
 7-property schema; three runs on a shared, loaded machine). Median batched mask time per row-token:
@@ -36,10 +39,20 @@ import llguidance
 
 MAX_REASON = 400  # characters of the engine's error quoted in a 400
 MAX_GRAMMAR_CHARS = 32 << 10  # a schema or tool list beyond this is refused (it bounds a grammar's size)
-LEXER_STATES = 1024  # llguidance's lexer DFA states per grammar (built lazily while generating)
-# One compiled grammar at most: LEXER_STATES x 2 KiB (measured per state) + the compiled grammar,
-# measured at ~32 bytes per character of grammar text (12.5 MiB for a 400 KB enum schema)
-GRAMMAR_BYTES = LEXER_STATES * 2048 + MAX_GRAMMAR_CHARS * 32
+LEXER_STATES = 10240  # llguidance's lexer DFA states per grammar (built lazily while generating)
+# A state's bytes: string-length states measured 0.38-0.7 KiB each on SmolLM2's tokenizer (maxLength 900
+# to 8,000, ASCII and multi-byte text; session 36). A row's matcher shares its template's states (four
+# copies driven through a 2,000-character string grew the process as one did), so distinct grammars,
+# not rows, hold them, and what one grammar's rows write adds up; the plan charges each row one, as if
+# every row's grammar were its own.
+STATE_BYTES = 720
+# States a string's length bound can cost per character, over everything the rows of one grammar may
+# write: 4.2 measured for ASCII words alone, 14.1-14.5 for ASCII, 2-, 3- and 4-byte characters, escapes
+# and control characters through one template (the UTF-8 and escape steps within a counted character)
+STATES_PER_CHAR = 16
+# One compiled grammar at most: its lexer states + the compiled grammar, measured at ~32 bytes per
+# character of grammar text (12.5 MiB for a 400 KB enum schema)
+GRAMMAR_BYTES = LEXER_STATES * STATE_BYTES + MAX_GRAMMAR_CHARS * 32
 # llguidance's token trie: measured 19.4 MiB for SmolLM2's 49,152 tokens (~414 B/token)
 TOKENIZER_BYTES_PER_TOKEN = 512
 MATCHER_ROW_BYTES = 64 << 10  # one row's matcher: parser rows and a mask's scratch (measured < 1 KiB/token)
@@ -107,6 +120,23 @@ class GrammarCompiler:
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
             return t
+
+
+def check_lengths(bounds: list[tuple[str, int]]) -> None:
+    """Raise `GrammarError` when the string length bounds (path, characters) of a request's schemas
+    would need more lexer states than a grammar has (`LEXER_STATES`; the module's doc says why)."""
+    need = STATES_PER_CHAR * sum(n for _, n in bounds) + 256  # the rest of the grammar's lexemes
+    if need <= LEXER_STATES:
+        return
+    most = (LEXER_STATES - 256) // STATES_PER_CHAR
+    worst = sorted(bounds, key=lambda b: -b[1])[:3]
+    named = ", ".join(f"{n:,} at {p}" for p, n in worst)
+    raise GrammarError(
+        f"its string length bounds (minLength / maxLength: {named}; {sum(n for _, n in bounds):,} characters "
+        f"in all) would need about {need:,} lexer states while generating, and a grammar has {LEXER_STATES:,} "
+        f"(its planned memory). Lower them to {most:,} characters in all, or drop maxLength (max_tokens still "
+        "bounds the output)"
+    )
 
 
 def _reason(error: str) -> str:

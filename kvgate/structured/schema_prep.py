@@ -159,6 +159,26 @@ def _record_keys(out: dict) -> None:
         out["properties"] = {k: v for k, v in props.items() if not (v is False or v == {"not": {}})}
 
 
+def length_bounds(schema) -> list[tuple[str, int]]:
+    """(path, characters) for each distinct string length bound (the larger of `minLength` and
+    `maxLength`) in `schema`, the first path it is found at: what the grammar's lexer counts
+    (`compiler.check_lengths`). Strings of one bound share a lexeme (measured: ten fields of maxLength
+    100 cost one's states; ten of 100..109 cost ten's)."""
+    found: dict[int, str] = {}
+
+    def walk(node, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        bound = max((node[k] for k in ("minLength", "maxLength") if isinstance(node.get(k), int)), default=0)
+        if bound > 0:
+            found.setdefault(bound, path.rstrip(".") or "the root")
+        for sub, where in _children(node, path):
+            walk(sub, where)
+
+    walk(schema, "")
+    return [(p, n) for n, p in found.items()]
+
+
 def keyword_paths(schema, keywords: set[str], path: str = "") -> list[str]:
     """Dotted paths of the `keywords` used as keywords anywhere in `schema`."""
     if not isinstance(schema, dict):
