@@ -50,6 +50,9 @@ STATE_BYTES = 720
 # write: 4.2 measured for ASCII words alone, 14.1-14.5 for ASCII, 2-, 3- and 4-byte characters, escapes
 # and control characters through one template (the UTF-8 and escape steps within a counted character)
 STATES_PER_CHAR = 16
+# States kept for the grammar's other lexemes (keys, numbers, enums, the tool markup): the old whole
+# bound, which every schema without long strings fit
+OTHER_STATES = 1024
 # One compiled grammar at most: its lexer states + the compiled grammar, measured at ~32 bytes per
 # character of grammar text (12.5 MiB for a 400 KB enum schema)
 GRAMMAR_BYTES = LEXER_STATES * STATE_BYTES + MAX_GRAMMAR_CHARS * 32
@@ -125,10 +128,10 @@ class GrammarCompiler:
 def check_lengths(bounds: list[tuple[str, int]]) -> None:
     """Raise `GrammarError` when the string length bounds (path, characters) of a request's schemas
     would need more lexer states than a grammar has (`LEXER_STATES`; the module's doc says why)."""
-    need = STATES_PER_CHAR * sum(n for _, n in bounds) + 256  # the rest of the grammar's lexemes
+    need = STATES_PER_CHAR * sum(n for _, n in bounds) + OTHER_STATES
     if need <= LEXER_STATES:
         return
-    most = (LEXER_STATES - 256) // STATES_PER_CHAR
+    most = (LEXER_STATES - OTHER_STATES) // STATES_PER_CHAR
     worst = sorted(bounds, key=lambda b: -b[1])[:3]
     named = ", ".join(f"{n:,} at {p}" for p, n in worst)
     raise GrammarError(
