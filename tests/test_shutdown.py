@@ -59,7 +59,15 @@ def model_dir(tmp_path_factory):
 
 class Server:
     def __init__(
-        self, model_dir, log_path, *, grace: float, step_delay: float, max_seqs: int, kv_cache_bytes: int
+        self,
+        model_dir,
+        log_path,
+        *,
+        grace: float,
+        step_delay: float,
+        max_seqs: int,
+        kv_cache_bytes: int,
+        memory_limit: str = "1GiB",
     ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -80,7 +88,7 @@ class Server:
                 "--model",
                 str(model_dir),
                 "--memory-limit",
-                "1GiB",
+                memory_limit,
                 "--port",
                 str(self.port),
                 "--shutdown-grace",
@@ -262,4 +270,45 @@ def test_signal_drains_then_cancels_past_the_grace_and_exits_0(servers, sig):
         assert grace - 0.5 < elapsed < grace + 5, elapsed
         assert "Traceback" not in srv.output()
     finally:
+        srv.stop()
+
+
+def test_a_client_that_stopped_reading_does_not_hold_the_exit(tmp_path):
+    """QA pass 9's HIGH: a stream whose client stopped reading (its socket buffers full) kept the process
+    up after the drain for as long as the client kept the socket open (90 s and counting). Connections
+    now get FLUSH_SECONDS after the drain, then the process exits 0. Seen red without
+    `timeout_graceful_shutdown` (still running 20 s after the signal)."""
+    import socket
+
+    from kvgate.server.run import FLUSH_SECONDS
+
+    model = make_tiny_hf_dir(tmp_path / "long", geometry={"max_pos": 8192})
+    srv = Server(
+        model, tmp_path / "stalled.log", grace=1.0, step_delay=0.0, max_seqs=2,
+        kv_cache_bytes=8192 * TINY_KV_BYTES_PER_TOKEN, memory_limit="2GiB",
+    )  # fmt: skip
+    client = socket.socket()
+    try:
+        srv.wait_ready()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        client.connect(("127.0.0.1", srv.port))
+        body = json.dumps(
+            {
+                "messages": MSG,
+                "max_tokens": 8000,
+                "stream": True,
+                "ignore_eos": True,
+                "logprobs": True,
+                "top_logprobs": 20,
+            }
+        ).encode()
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        client.sendall(head.encode() + body)  # and never read: ~10 MB of events fill every buffer
+        time.sleep(4)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        rc = srv.proc.wait(1.0 + FLUSH_SECONDS + 15)
+        assert rc == 0 and time.monotonic() - t0 < 1.0 + FLUSH_SECONDS + 10, srv.output()
+    finally:
+        client.close()
         srv.stop()

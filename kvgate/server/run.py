@@ -62,6 +62,9 @@ def port_taken(host: str, port: int) -> str | None:
     return None
 
 
+FLUSH_SECONDS = 5  # after the drain: what clients still reading get to take their last events
+
+
 class GracefulServer(uvicorn.Server):
     def __init__(self, config, app, grace: float):
         super().__init__(config)
@@ -153,7 +156,14 @@ def serve(args) -> int:
     # measure the runtime overhead this process will have: change the two together
     threading.Thread(target=load, name="kvgate-load", daemon=True).start()
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=30,
+        # after the drain, connections get this long to take their last bytes: a client that stopped
+        # reading a stream (its socket buffers full) held the exit forever (QA pass 9)
+        timeout_graceful_shutdown=FLUSH_SECONDS,
     )
     server = GracefulServer(config, app, args.shutdown_grace)
     servers.append(server)
