@@ -328,3 +328,29 @@ def test_a_stream_that_fails_after_its_200_is_counted_by_how_it_ended(make_engin
         text = httpx.get(base + "/metrics").text
     assert metric(text, 'kvgate_request_finished_total{finish_reason="error"}') == 1.0
     assert metric(text, 'kvgate_request_finished_total{finish_reason="length"}') == 1.0
+
+
+def test_a_prompt_list_that_can_never_run_together_is_a_400_up_front(make_engine, monkeypatch):
+    """QA pass 9: a prompt list is one request, admitted and answered together. A million one-letter
+    prompts in a 4 MB body were each tokenized (420 MiB over the plan) before a 503; a list whose
+    prompts each fit the pool but not together waited for blocks its own first prompts held and got a
+    429 on every retry. Now more rows than --max-seqs is a 400 before any prompt is tokenized, and a
+    list past the whole pool a 400 kv_budget_exceeded with the numbers; a list that fits still runs.
+    Seen red without `check_prompt_count` (the prompts were tokenized) and without `check_group`
+    (a 429 after the queue wait)."""
+    e = make_engine(max_seqs=4, kv_cache_bytes=64 * 16 * TINY_KV_BYTES_PER_TOKEN, max_queue_wait=2.0)
+    with running_server(e) as (base, _):
+        encoded = []
+        real = e.tokenizer.encode
+        monkeypatch.setattr(e.tokenizer, "encode", lambda *a, **k: encoded.append(1) or real(*a, **k))
+        r = httpx.post(base + COMP, json={"prompt": ["a"] * 100_000, "max_tokens": 1}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "too_many_choices" and err["param"] == "prompt", r.text
+        assert "100,000 prompts" in err["message"] and "at most 4" in err["message"] and not encoded
+        # 3 prompts of 1 token, each with 400 tokens out: 26 blocks each, 78 together, 64 in the pool
+        r = httpx.post(base + COMP, json={"prompt": ["a", "b", "c"], "max_tokens": 400}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "kv_budget_exceeded", r.text
+        assert "3 prompts" in err["message"] and "64 blocks" in err["message"]
+        r = httpx.post(base + COMP, json={"prompt": ["a", "b"], "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text

@@ -162,6 +162,28 @@ def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, gi
     )
 
 
+def check_group(cfg: SchedulerConfig, requests: list, n: int) -> None:
+    """Raise the 400 for several prompts (one request: admitted together, answered together) whose
+    KV blocks together can never fit the pool, each at the least it could run with (an unset
+    max_tokens: one token). Each prompt alone is judged by `plan_entry`; a group past the pool waited
+    for blocks its own first prompts held, and answered 429 on every try (QA pass 9)."""
+    need = sum(group_blocks(cfg, len(r.prompt_ids), r.max_tokens or 1, n) for r in requests)
+    if len(requests) < 2 or need <= cfg.total_blocks:
+        return
+    bpt, bs = cfg.kv_bytes_per_token, cfg.block_size
+    raise Refusal(
+        "kv_budget_exceeded",
+        f"this request's {len(requests)} prompts are admitted together and together need {need} KV blocks "
+        f"({need * bs * bpt:,} bytes) for their prompts and max_tokens, but the whole KV pool is "
+        f"{cfg.total_blocks} blocks ({cfg.kv_positions} positions, {cfg.kv_positions * bpt:,} bytes). Send "
+        "fewer prompts a request, lower max_tokens, or start the server with a larger --memory-limit.",
+        400,
+        estimated_bytes=need * bs * bpt,
+        limit_bytes=cfg.kv_positions * bpt,
+        param="prompt",
+    )
+
+
 def unavailable_refusal(reason: str, retry_after: int) -> Refusal:
     return Refusal(
         "engine_unavailable",

@@ -13,13 +13,12 @@ Contract between threads:
 One step is three typed phases (nano-vllm's and vLLM v1's shape):
     schedule() -> SchedulerOutput;  ModelRunner.execute() -> ModelOutput;  update(ModelOutput)
 
-A watchdog needs no thread of its own: the worker records when a step starts, and `stalled()` (read
-by /health and by `submit`) reports a step running past the step timeout.
+A watchdog needs no thread of its own: the worker records when a step starts, and `stalled()` (read by
+/health and `submit`) reports a step running past the step timeout.
 
-NOTE: the worker is a thread, not a process. Every heavy op (matmul, attention) releases the GIL, so
-the HTTP event loop keeps running on the other core, and a thread needs no IPC or token copies between
-the scheduler and the server. On 2 cores a separate process would add a serialization hop per token
-and a second Python heap for no parallelism we do not already get.
+NOTE: the worker is a thread, not a process. Every heavy op (matmul, attention) releases the GIL, so the
+HTTP event loop keeps running on the other core, with no IPC or token copies. On 2 cores a process would
+add a serialization hop per token and a second Python heap for no parallelism we do not already get.
 """
 
 from __future__ import annotations
@@ -304,11 +303,12 @@ class Engine:
         return handles
 
     def submit_many(self, requests: list[GenerationRequest], n: int = 1) -> list[RequestHandle]:
-        """Several requests as one (`n` choices each, see `submit_choices`): all are validated before
-        any is submitted, and a refusal of one cancels those submitted before it, so a bad or refused
-        prompt leaves nothing running. Handles come prompt by prompt, choice by choice."""
+        """Several requests as one (`n` choices each, see `submit_choices`): all are validated, and must
+        fit the pool together (`admission.check_group`), before any is submitted; a refusal of one cancels
+        those submitted before it. Handles come prompt by prompt, choice by choice."""
         for r in requests:
             r.validate(self.tokenizer.vocab_size)
+        admission.check_group(self.sched_cfg, requests, n)
         handles: list[RequestHandle] = []
         try:
             for r in requests:

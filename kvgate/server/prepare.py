@@ -20,7 +20,7 @@ from kvgate.server import protocol as P
 from kvgate.server.bodies import parse_json
 from kvgate.server.chat_template import template_options
 from kvgate.server.context import ServerSettings, check_model
-from kvgate.server.errors import invalid
+from kvgate.server.errors import APIError, invalid
 from kvgate.server.features import Features, features_of, render_chat
 from kvgate.server.tools import CALL_REGION, plan_tools
 from kvgate.tokenizer import ChatTemplateError
@@ -71,6 +71,7 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
         P.check_completion(req)
     check_model(settings, req.model)
     feats = features_of(engine, req)
+    check_prompt_count(engine, req)
     prompts = prompt_ids(engine, req, feats)
     sampling = SamplingParams(
         temperature=settings.default_temperature if req.temperature is None else req.temperature,
@@ -158,6 +159,26 @@ def submit_all(engine, generations: list[GenerationRequest], n: int = 1) -> list
         return engine.submit_many(generations, n)
     except (RequestError, SamplingError) as exc:
         raise invalid(str(exc), param=exc.param) from None
+
+
+def check_prompt_count(engine, req) -> None:
+    """A list of prompts is one request whose answers come together, so all its rows run at once: more
+    than `--max-seqs` rows can never be admitted (refused before any prompt is tokenized: QA pass 9 sent
+    a 4 MB body of a million one-letter prompts, and tokenizing them took 420 MiB over the plan)."""
+    p = getattr(req, "prompt", None)
+    count = len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
+    choices = max(req.n or 1, getattr(req, "best_of", None) or 1)
+    rows = engine.sched_cfg.max_seqs
+    if count > 1 and count * choices > rows:
+        raise APIError(
+            400,
+            f"this request's {count:,} prompts x {choices} choice{'s' if choices > 1 else ''} run as "
+            f"{count * choices:,} batch rows at once (their answers come together), and this server runs "
+            f"at most {rows} (--max-seqs). Send at most {max(1, rows // choices)} prompts a request, or "
+            "several requests.",
+            "too_many_choices",
+            param="prompt",
+        )
 
 
 def prompt_ids(engine, req, feats: Features | None = None) -> list[list[int]]:
