@@ -74,25 +74,36 @@ def test_a_1_mib_request_does_not_stall_running_streams(make_engine):
 def test_a_refused_prompt_cancels_the_other_prompts_of_its_request_at_once(make_engine):
     """A two-prompt /v1/completions whose second prompt waits for KV and gets a 429: the first prompt,
     already running, is cancelled at the moment of the refusal, not left to run to max_tokens with no
-    reader. Seen red with the cancel removed from `admit_all` (the first prompt ran all 120 tokens).
+    reader. Seen red with the cancel removed from `admit_all` (the first prompt ran all its tokens).
 
     On a87aed9 `admit_all` cancelled once every admission had settled, which in each case we could
     build is the moment of the refusal (under FIFO a later prompt's refusal settles last); it now
     cancels on the first refusal without waiting for the rest. A prompt refused or invalid at
     submission cancels the ones before it (`Engine.submit_many`; tests/test_bad_input.py checks that an
     invalid second prompt lets nothing reach the engine)."""
-    e = make_engine(block_size=4, kv_cache_bytes=40 * 4 * TINY_KV_BYTES_PER_TOKEN, max_queue_wait=0.5)
-    set_step_hook(e, lambda so: time.sleep(0.01))
+    e = make_engine(block_size=4, kv_cache_bytes=40 * 4 * TINY_KV_BYTES_PER_TOKEN, max_queue_wait=0.3)
+    set_step_hook(e, lambda so: time.sleep(0.02))
     with running_server(e) as (base, _):
-        body = {"prompt": ["one two", "three four"], "max_tokens": 120, "ignore_eos": True}
+        # a blocker holds 20 of the 40 blocks for ~1.6 s; the two prompts (17 and 18 blocks) fit the pool
+        # together (admission.check_group) but only the first fits beside the blocker
+        blocker = threading.Thread(
+            target=lambda: httpx.post(
+                base + COMP, json={"prompt": "x", "max_tokens": 79, "ignore_eos": True}, timeout=30
+            )
+        )
+        blocker.start()
+        assert wait_until(lambda: e.snapshot().counters.admitted == 1, 5)
+        body = {"prompt": ["one two", "three four"], "max_tokens": 60, "ignore_eos": True}
         t0 = time.monotonic()
         r = httpx.post(base + COMP, json=body, timeout=30)
-        assert r.status_code == 429 and r.json()["error"]["code"] == "kv_memory_unavailable"
-        assert wait_until(lambda: e.snapshot().idle, 2)
         elapsed = time.monotonic() - t0
+        assert r.status_code == 429 and r.json()["error"]["code"] == "kv_memory_unavailable"
+        blocker.join(10)
+        assert wait_until(lambda: e.snapshot().idle, 5)
     c = e.snapshot().counters
-    assert c.admitted == 1 and c.aborted == 1 and c.rejected_kv_timeout == 1
-    assert c.generated_tokens < 100 and elapsed < 3  # stopped at the refusal (0.5 s), not after 120 tokens
+    assert c.admitted == 2 and c.aborted == 1 and c.rejected_kv_timeout == 1
+    # the first prompt stopped at the refusal (0.3 s: ~15 tokens), not after its 60; the blocker ran its 79
+    assert c.generated_tokens < 79 + 35 and elapsed < 1.5, (c.generated_tokens, elapsed)
 
 
 def test_streaming_multi_prompt_completions_interleave_choices_by_index(make_engine):
@@ -354,3 +365,38 @@ def test_a_prompt_list_that_can_never_run_together_is_a_400_up_front(make_engine
         assert "3 prompts" in err["message"] and "64 blocks" in err["message"]
         r = httpx.post(base + COMP, json={"prompt": ["a", "b"], "max_tokens": 8}, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
+def test_a_stream_whose_client_left_before_its_first_byte_stops_its_requests():
+    """QA pass 9's MEDIUM: a client gone between admission and the first byte made Starlette cancel the
+    body before the SSE generator's first step, so its cleanup never ran and the request generated to
+    max_tokens for nobody (4 of 16 timed tries), holding a row and its blocks. `HandledStream` stops
+    the requests however the response ends. Driven here at the ASGI level: the client's disconnect
+    comes while the response's start is still being sent. Seen red with a plain StreamingResponse
+    (no handle cancelled)."""
+    import asyncio
+
+    from kvgate.server.sse import HandledStream
+
+    class Handle:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+        async def aevents(self):
+            return
+            yield
+
+    async def body():
+        yield "data: x\n\n"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        await asyncio.Event().wait()  # the client is gone: the start never goes out
+
+    handles = [Handle(), Handle()]
+    asyncio.run(HandledStream(body(), handles, lambda res: None)({"type": "http"}, receive, send))
+    assert all(h.cancelled for h in handles)

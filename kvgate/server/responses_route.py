@@ -31,6 +31,7 @@ from kvgate.server.responses_output import ResponseEvents, new_id, response_body
 from kvgate.server.responses_store import ResponseStore, page, shown
 from kvgate.server.responses_truncation import fit
 from kvgate.server.serving import generate
+from kvgate.server.sse import HandledStream
 from kvgate.units import fmt_bytes
 
 _KEPT_HEADERS = ("retry-after", "retry-after-ms", "x-kvgate-budget-cap")
@@ -79,7 +80,7 @@ async def responses(request: Request) -> Response:
     if isinstance(answer, StreamingResponse):
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         events = _events(answer.body_iterator, ResponseEvents(skel, kept))
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return HandledStream(events, answer.handles, answer.on_result, headers=headers)
     response = response_body(json.loads(answer.body), skel)
     kept(response)
     return JSONResponse(response, headers=headers)

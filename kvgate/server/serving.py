@@ -20,7 +20,7 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvgate.core.admission import shutting_down_refusal
 from kvgate.request import Admitted, Finished, Refusal, Token
@@ -31,7 +31,7 @@ from kvgate.server.errors import APIError, from_refusal
 from kvgate.server.logprobs import decorate_body
 from kvgate.server.prepare import prepare_generation, submit_all
 from kvgate.server.responses import ChunkMaker, completion_body, usage
-from kvgate.server.sse import ENGINE_ERROR, observe_after_cancel, sse_stream
+from kvgate.server.sse import ENGINE_ERROR, HandledStream, observe_after_cancel, sse_stream
 from kvgate.server.stream_shape import StreamShaper
 from kvgate.server.tool_parser import model_ended, read_calls
 
@@ -81,7 +81,7 @@ async def generate(request: Request, cls, raw: bytes | None = None) -> Response:
         shaper = StreamShaper(chunks, prepared, eng.tokenizer, handles)
         stream = sse_stream(chunks, handles, prepared.include_usage, on_result, shaper)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return HandledStream(stream, handles, on_result, headers=headers)
     try:
         token_logprobs: list[list] = [[] for _ in handles]
         results = await until_disconnect(request, finish_all(handles, token_logprobs), handles)
