@@ -185,17 +185,17 @@ def test_the_typical_step_is_the_decode_tick_period_not_the_forward_alone(make_e
 
 
 def test_the_decode_walk_grows_each_step_with_the_rows_contexts_and_drops_ended_rows():
-    """Two rows (3 steps left at 100 positions, 5 at 200), 10 ms a step now, 0.1 ms a position:
-    ticks 0-2 read 300, 302, 304 positions (30.6 ms); ticks 3-4 only the second row's 203-204, far
-    fewer than now, so they average the floor of half a step (10 ms). With no position cost the walk
-    is steps x step. On a live SmolLM2 server a fixed step forecast 2.49 s where 3.29 s passed, two
-    rows 500-1,100 positions deep. Red with the growth term taken out (50 ms), or the ended row kept."""
+    """Two rows (3 steps left at 100 positions, 5 at 200), 50 ms a step now, 0.1 ms a position:
+    ticks 0-2 read 300, 302, 304 positions (150.6 ms); ticks 3-4 only the second row's 203-204, 96.5
+    fewer than now (2 x 40.35 ms). With no position cost the walk is steps x step. On a live SmolLM2
+    server a fixed step forecast 2.49 s where 3.29 s passed, two rows 500-1,100 positions deep. Red
+    with the growth term taken out (250 ms), or the ended row kept."""
     rows = (RowView(1, 3, 4, 90, 0, 10, 13), RowView(2, 5, 4, 150, 0, 50, 55))
     snap = snapshot(rows=rows, decode_position_seconds=1e-4)
-    assert forecast.decode_seconds(snap, 0.01, 3) == pytest.approx(0.0306)
-    assert forecast.decode_seconds(snap, 0.01, 5) == pytest.approx(0.0406)
+    assert forecast.decode_seconds(snap, 0.05, 3) == pytest.approx(0.1506)
+    assert forecast.decode_seconds(snap, 0.05, 5) == pytest.approx(0.2313)
     flat = snapshot(rows=rows)
-    assert forecast.decode_seconds(flat, 0.01, 5) == pytest.approx(0.05)
+    assert forecast.decode_seconds(flat, 0.05, 5) == pytest.approx(0.25)
     assert (
         forecast.retry_after(
             snapshot(
@@ -372,3 +372,14 @@ def test_a_few_slow_warm_up_ticks_do_not_set_a_minute_long_retry_after():
         rows=rows, recent_decode_periods=(0.013,) * 8, recent_decode_rows=(1,) * 8, decode_row_seconds=0.1
     )
     assert forecast.retry_after(busy) == 10  # 200 ticks at 4 rows, each at most 4 x 13 ms
+
+
+def test_a_cost_per_position_past_the_whole_step_is_held_to_the_step():
+    """QA pass 9's MEDIUM: the attention probe, timed on a busy host, read 700x the kernel's cost per
+    position, and a request was told to wait 156 s (Retry-After 60) for a row that ended in 8 s. The
+    positions a step reads now cost at most the step itself. Seen red without the bound (60 s)."""
+    row = RowView(1, 400, 4, 500, 0, 100, 600)
+    sane = snapshot(rows=(row,), recent_decode_periods=(0.012,), decode_position_seconds=2e-6)
+    wild = snapshot(rows=(row,), recent_decode_periods=(0.012,), decode_position_seconds=1.4e-3)
+    assert forecast.retry_after(sane) == 5  # 400 ticks of 12 ms, growing by ~0.4 ms
+    assert forecast.retry_after(wild) <= 2 * forecast.retry_after(sane)
