@@ -527,7 +527,8 @@ def test_bad_tool_requests_are_400s_naming_the_field(base):
 def test_a_refused_schema_names_the_tool_the_path_and_the_way_out(base):
     """QA pass 6: agents send 10-30 tools, and `a tool's parameters cannot be enforced: Unimplemented
     keys: ["uniqueItems"]` named neither the tool nor the property; pydantic writes uniqueItems for
-    every set[...] field. Seen red with the old message (no tool name, no path, no hint)."""
+    every set[...] field. Seen red with the old message (no tool name, no path, no hint), and with the
+    grammar's quoted source lines kept (QA pass 9)."""
     ok = {"type": "function", "function": {"name": "ok1", "parameters": {"type": "object"}}}
     tags = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
     bad = {"type": "function", "function": {"name": "bad_one", "parameters": tags}}
@@ -539,6 +540,8 @@ def test_a_refused_schema_names_the_tool_the_path_and_the_way_out(base):
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": tags}}
     err = httpx.post(base + CHAT, json={"messages": MSG, "response_format": rf}, timeout=60).json()["error"]
     assert err["param"] == "response_format" and "properties.tags.uniqueItems" in err["message"]
+    # QA pass 9: the grammar's own text (kvgate's Lark, cut mid-schema) is no part of the message
+    assert "start:" not in err["message"] and " | " not in err["message"], err["message"]
 
 
 def test_a_format_the_engine_does_not_know_is_an_annotation_and_known_ones_hold(base):

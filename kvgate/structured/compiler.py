@@ -125,6 +125,9 @@ class GrammarCompiler:
             return t
 
 
+SOURCE_LINE = re.compile(r"^\s*\d+\s*\|")  # `  8 | next: NEWLINES "<tool_call>..."`
+
+
 def check_lengths(bounds: list[tuple[str, int]]) -> None:
     """Raise `GrammarError` when the string length bounds (path, characters) of a request's schemas
     would need more lexer states than a grammar has (`LEXER_STATES`; the module's doc says why)."""
@@ -143,10 +146,14 @@ def check_lengths(bounds: list[tuple[str, int]]) -> None:
 
 
 def _reason(error: str) -> str:
-    """llguidance's error on one line: its lines joined, the caret lines that mark a position
-    dropped (a regex error's detail is on the lines after "regex parse error:"), Rust's `Some(x)`
+    """llguidance's error on one line: its lines joined, the caret lines that mark a position and the
+    quoted lines of the grammar's text (kvgate's Lark, cut mid-schema: QA pass 9) dropped (a regex error's detail is on the lines after "regex parse error:"), Rust's `Some(x)`
     written as x, and the way out for integer bounds it cannot turn into a grammar."""
-    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip().strip("^")]
+    lines = [
+        ln.strip()
+        for ln in error.strip().splitlines()
+        if ln.strip().strip("^") and not SOURCE_LINE.match(ln)  # the grammar's own text: kvgate's, not theirs
+    ]
     line = " ".join(lines) if lines else "the grammar engine refused it"
     if "failed to compile JSON schema:" in line:
         line = line.split("failed to compile JSON schema:", 1)[1].strip()
