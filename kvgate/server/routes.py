@@ -30,11 +30,13 @@ async def health(request: Request):
     if eng is None:
         body = {"status": "loading" if state.load_error is None else "failed", "reason": state.load_error}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
-    if not eng.alive:
+    if not eng.alive:  # no Retry-After: this process will not serve again; restart it
         return JSONResponse({"status": "dead", "reason": "the engine worker stopped"}, status_code=503)
     stall = eng.stalled()
-    if stall is not None:
-        return JSONResponse({"status": "stalled", "reason": stall}, status_code=503)
+    if stall is not None:  # a step past its timeout may still end (QA pass 9: no Retry-After was sent)
+        return JSONResponse(
+            {"status": "stalled", "reason": stall}, status_code=503, headers={"Retry-After": "5"}
+        )
     return {"status": "ok"}
 
 
