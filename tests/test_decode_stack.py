@@ -221,15 +221,52 @@ def test_what_the_team_does_not_take_runs_op_by_op(q4_smol_dir, monkeypatch):
     assert not decode_stack.build(model).team()
 
 
-def test_a_k_quant_models_stack_runs_its_block_tiles_op_by_op_as_the_loop(tmp_path, monkeypatch):
-    """A Q4_K_M-like GGUF (q4f and q8s tiles, `BlockLinear`): the stack takes its matrices as "block"
-    kinds, op by op (the thread team takes Q4_1 only), and its logits and K/V equal the Python loop's
-    bit for bit at 1 and 7 rows. Red with `_parts` refusing BlockLinear (no stack: the loop)."""
+@pytest.mark.parametrize(
+    "types,weight_type,threads",
+    [
+        ("q4_k_m", "Q4_K", 1),
+        ("q4_k_m", "Q4_K", 2),
+        ("q4_k_m", "Q5_K", 3),
+        ("q8_0", "Q8_0", 2),
+        ("q4_k_m", "Q4_1", 2),
+    ],
+)
+def test_a_k_quant_models_stack_runs_its_block_tiles_on_the_team_as_the_loop(
+    tmp_path, monkeypatch, types, weight_type, threads
+):
+    """A Q4_K_M-like GGUF (q4f, q8d and q8s tiles, `BlockLinear`), its Q5_K_M form (q5f), a Q8_0 file,
+    and Q4_1 layers beside the recipe's Q6_K ones (Q4_1 tiles and block tiles in one stack): the stack
+    takes their matrices on its thread team (Q4F on the 24-bit integer decode rows, the other formats on their float loop, one
+    parallel region for a mix), and its logits and K/V writes equal the op-by-op stack's and the Python
+    loop's bit for bit, with fewer rows than threads and more. Seen red with `_parts` refusing
+    BlockLinear (no stack: the loop), and with the team's float formats given Q4F's block sums (one a
+    block, where Q8S takes one a half block and Q5F its own: 4 of 5 cases red)."""
+    from kvgate.core.step_inputs import DecodeInput
     from kvgate.models.block_formats import BlockLinear
     from tests.test_block_formats import Q4_K_M, write_gguf
 
     monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
-    model, kv = model_and_pool(write_gguf(tmp_path / "kq.gguf", Q4_K_M), "gguf")
+    overrides = Q4_K_M if types == "q4_k_m" else {"token_embd.weight": "Q8_0"}
+    model, kv = model_and_pool(write_gguf(tmp_path / "kq.gguf", overrides, weight_type), "gguf")
     assert any(isinstance(lin, BlockLinear) for layer in model.layers for lin in layer)
-    assert model.decode_stack is not None and not model.decode_stack.team()
-    assert_stack_is_loop(model, kv)
+    stack = model.decode_stack
+    assert stack is not None and stack.team(), "a block-format stack should run on its thread team"
+    rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for decodes in ([rows[4]], rows[:2], rows):
+            ran = stack.team_steps()
+            team = step(model, kv, decodes)
+            assert stack.team_steps() == ran + 1, "the step did not run on the team"
+            stack.set_team(False)
+            ops = step(model, kv, decodes)
+            stack.set_team(True)
+            model.decode_stack = None
+            loop = step(model, kv, decodes)
+            model.decode_stack = stack
+            for other in (ops, loop):
+                assert torch.equal(team[0], other[0])
+                assert all(torch.equal(a, b) for a, b in zip(team[1], other[1], strict=True))
+    finally:
+        torch.set_num_threads(was)

@@ -137,3 +137,35 @@ def test_the_paired_ab_bench_times_both_loops_and_leaves_int24_on(ext):
     with pytest.raises(RuntimeError):  # a matrix given the wrong width: the float round's call refuses it
         paired(ext, [(mats[0][0], 96)], rows=1, rounds=1)
     assert ext.q4_1_decode().startswith("int24")
+
+
+@pytest.mark.parametrize("n,k", [(37, 256), (576, 1536)])
+def test_q4f_decode_rows_take_the_integer_products_too(ext, n, k):
+    """Q4F tiles (a GGUF's Q4_K and Q4_0 layers: Q4_1's codes with float32 d and m) run their decode
+    rows on the same 24-bit integer products: within 2e-6 of the float64 product of the exact weights
+    as the float loop is, other bits than the float loop's (so the integer loop is what ran), and each
+    row's bits the same alone as among 20 others. Seen red with block_matmul's Q4F decode rows left on
+    the float loop (equal to it), and with the d and m read at Q4_1's fp16 offsets (error ~1)."""
+    from kvgate.models.block_formats import block_pack16, file_codes
+    from tests.test_block_formats import blocks
+
+    w, d, m = blocks("q4f", n, k, seed=k)
+    got = file_codes(w, d, m)
+    assert got is not None and got[0] == "q4f"
+    packed = block_pack16("q4f", *got[1:])
+    x = hard_rows(21, k)
+    ref = x.double() @ w.double().T
+    scale = ref.abs().amax(dim=1, keepdim=True)
+    ext.set_q4_1_decode("float")
+    loop = ext.block_matmul(x, packed, n, -1)
+    ext.set_q4_1_decode("int24")
+    alone = torch.cat([ext.block_matmul(x[i : i + 1], packed, n, -1) for i in range(len(x))])
+    int24_err = ((alone.double() - ref).abs() / scale).max().item()
+    loop_err = ((loop.double() - ref).abs() / scale).max().item()
+    assert int24_err < 2e-6 and loop_err < 2e-6, (int24_err, loop_err)
+    assert not torch.equal(alone, loop), "Q4F's decode rows did not take the integer products"
+    for rows in (2, 3, 5, 8, 16, 21):
+        assert torch.equal(ext.block_matmul(x[:rows], packed, n, -1), alone[:rows]), rows
+    prompt = ext.block_matmul(x, packed, n, 0)  # prompt rows keep the float panels in either mode
+    ext.set_q4_1_decode("float")
+    assert torch.equal(ext.block_matmul(x, packed, n, 0), prompt)

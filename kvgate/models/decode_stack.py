@@ -2,8 +2,8 @@
 
 `build(model)` returns a `DecodeStack` for a model whose forward would call only kvgate's C++ kernels
 between the embedding and the final norm: CPU, float32, the C++ layer ops, the paged decode kernel,
-and every layer matmul a `Q41Linear` (`--weights gguf`), a `BlockLinear` (gguf's other block formats,
-op by op: the thread team takes Q4_1 tiles only) or a `Q41Dot8Linear` (`gguf-q8act`) without a bias.
+and every layer matmul a `Q41Linear` (`--weights gguf`), a `BlockLinear` (gguf's other block formats) or
+a `Q41Dot8Linear` (`gguf-q8act`) without a bias.
 Any other model gets None and keeps the Python loop.
 
 The forward uses the stack for steps whose tokens are all decode rows (a verify span's positions
@@ -38,7 +38,7 @@ def _parts(lin) -> tuple[object, int, str] | None:
         return lin.packed, lin.out_features, "q4_1_dot8"
     if isinstance(lin, Q41Linear):
         return lin.packed, lin.out_features, "q4_1"
-    if isinstance(lin, BlockLinear):  # op by op (run_ops): the thread team takes Q4_1 tiles only
+    if isinstance(lin, BlockLinear):
         return lin.packed, lin.out_features, "block"
     return None
 

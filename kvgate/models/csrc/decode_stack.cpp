@@ -14,9 +14,9 @@
 // holding a prompt chunk keeps the Python loop.
 //
 // `run` takes the thread team (`run_team`, one parallel region for all layers; see there) for stacks of
-// "q4_1" matrices under the int24 decode rows and for stacks of "q4_1_dot8" matrices (gguf-q8act), and
-// `run_ops` (one op after another, each with its own threads) otherwise: the float decode loop, or
-// set_team(false). Both give the same bits. Stack at context 300 (Zen 4, 2 vCPUs), op by op -> team:
+// "q4_1" and "block" matrices (Q4_1 and Q4F under the int24 decode rows, the other block formats on their
+// float loop), and for stacks of "q4_1_dot8" matrices (gguf-q8act), and `run_ops` (one op after another,
+// each with its own threads) otherwise: Q4_1 or Q4F under the float decode loop, or set_team(false). Both give the same bits. Stack at context 300 (Zen 4, 2 vCPUs), op by op -> team:
 // gguf 1 row 3.73 -> 2.93 ms; gguf-q8act 1 row 3.09 -> 2.30 ms, 16 rows 21.7 -> 18.7 ms.
 #include <torch/extension.h>
 
@@ -57,13 +57,19 @@ namespace kvgate_team {
 bool int24();
 void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, float* sc);
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
-           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes);
+           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes, bool q4f);
+void block_sums(int64_t bytes, const float* x, int64_t i0, int64_t i1, float* xs);
+void block_tiles(int64_t bytes, const float* x, const float* xs, int64_t M, int64_t N, int64_t nb, const uint8_t* w,
+                 float* y, int64_t t0, int64_t t1);
 }  // namespace kvgate_team
 
 namespace {
 
 constexpr int64_t QB = 32;           // values per Q4_1 block
 constexpr int64_t TILE_BLOCK = 320;  // q4_1_pack16: a tile's bytes per block (16 outputs' codes, d and m)
+constexpr int64_t Q4F_BLOCK = 384;   // block_pack16's Q4F (Q4_K, Q4_0): Q4_1's codes, float32 d and m
+// block_pack16's other formats' tile-blocks (tile_matmul.cpp): Q5F, Q8_0, Q8D, Q8S
+constexpr int64_t FLOAT_BLOCKS[] = {448, 576, 640, 768};
 
 // [begin, end) of n items for thread `tid` of `nt`: ceil(n / nt) each, the last ones short or empty
 inline std::pair<int64_t, int64_t> share(int64_t n, int64_t tid, int64_t nt) {
@@ -73,7 +79,8 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int64_t tid, int64_t nt) {
 
 // One weight matrix: Q4_1 tiles, for the float kernel (kind "q4_1", q4_1_pack16) or the 8-bit-activation
 // one ("q4_1_dot8", q4_1_pack8); or another GGUF block format's tiles ("block", block_pack16 in
-// kvgate/models/block_formats.py: run_ops only).
+// kvgate/models/block_formats.py). On the team, Q4_1 and Q4F tiles take the 24-bit integer decode rows
+// (`i24`), the other block formats their float loop on the float rows.
 struct Mat {
   torch::Tensor packed;
   int64_t out_features;
@@ -81,6 +88,8 @@ struct Mat {
   bool block = false;
   const uint8_t* w = nullptr;  // the tiles, [T, nb, per bytes]
   int64_t T = 0, nb = 0, per = 0;
+  int64_t bytes = 0;  // a tile-block's bytes (the format)
+  bool i24 = false;   // Q4_1 or Q4F: digits in, kvgate_team::tiles
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (dot8) return q4_1_dot8(x, packed, out_features);
@@ -126,7 +135,7 @@ class DecodeStack {
   torch::Tensor run(torch::Tensor x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                     const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& positions,
                     const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens) const {
-    if (team() && (dot8_ || kvgate_team::int24()) && k_cache.is_contiguous() && v_cache.is_contiguous() && x.is_contiguous() &&
+    if (team() && (dot8_ || !has_i24_ || kvgate_team::int24()) && k_cache.is_contiguous() && v_cache.is_contiguous() && x.is_contiguous() &&
         x.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() && cos_table.device().is_cpu() &&
         sin_table.device().is_cpu() && positions.device().is_cpu() && slots.device().is_cpu() &&
         tables.device().is_cpu() && lens.device().is_cpu() && distinct_slots(slots))
@@ -256,8 +265,9 @@ class DecodeStack {
       const auto split = share(R, tid, m);  // rows whose shared results this thread writes
       const int64_t r0 = mine.first, r1 = mine.second;
       if (every) std::copy(xp, xp + R * hid, b.x);
-      // this thread's tiles of M, then the first of the next matrix's asked for
-      auto mm = [&](const Mat& M, float* y, const Mat* next) {
+      // this thread's tiles of M against rows src (their digits or sums made by inputs_of), then the
+      // first of the next matrix's asked for
+      auto mm = [&](const Mat& M, const float* src, float* y, const Mat* next) {
         if (dot8_) {
           const kvgate_int8::Rounded rx{b.q8, b.sc, b.xs, R, M.nb * QB};
           const auto u = share(kvgate_int8::units(M.T, pairs), tid, m);
@@ -265,6 +275,11 @@ class DecodeStack {
           return;
         }
         const auto t = share(M.T, tid, m);
+        if (!M.i24) {  // a block format's float loop reads the rows themselves
+          if (t.first < t.second)
+            kvgate_team::block_tiles(M.bytes, src, b.xs, R, M.out_features, M.nb, M.w, y, t.first, t.second);
+          return;
+        }
         const uint8_t* nx = nullptr;
         int64_t nxb = 0;
         if (next) {
@@ -273,15 +288,17 @@ class DecodeStack {
           nxb = std::min<int64_t>(4, u.second - u.first) * next->per;
         }
         if (t.first < t.second)
-          kvgate_team::tiles(b.xd, b.sc, b.xs, R, M.out_features, M.nb, M.w, y, t.first, t.second, nx, nxb);
+          kvgate_team::tiles(b.xd, b.sc, b.xs, R, M.out_features, M.nb, M.w, y, t.first, t.second, nx, nxb, M.block);
       };
-      // this thread's rows of src (nbk blocks a row) as the next matmul's input; with rows split, the
-      // others' too before it runs
-      auto digits_of = [&](const float* src, int64_t nbk) {
+      // this thread's rows of src (nbk blocks a row) as matrix M's input; with rows split, the others'
+      // too before it runs (a float format's sums: xs, up to 2 a block, runs on into sc's floats)
+      auto inputs_of = [&](const float* src, int64_t nbk, const Mat& M) {
         if (dot8_)
           kvgate_int8::round_rows(src, r0, r1, nbk * QB, b.q8, b.sc, b.xs);
-        else
+        else if (M.i24)
           kvgate_team::prepare(src, r0 * nbk, r1 * nbk, b.xs, b.xd, b.sc);
+        else
+          kvgate_team::block_sums(M.bytes, src, r0 * nbk, r1 * nbk, b.xs);
         if (!every) {
 #pragma omp barrier
         }
@@ -293,8 +310,8 @@ class DecodeStack {
           if (li > 0) kvgate_rows::add(b.x + r * hid, op + r * hid, hid);  // the last layer's down output
           kvgate_rows::norm(b.x + r * hid, n1, hid, eps_, b.act + r * hid);
         }
-        digits_of(b.act, nbh);
-        mm(mt[0], qp, &mt[1]);
+        inputs_of(b.act, nbh, mt[0]);
+        mm(mt[0], b.act, qp, &mt[1]);
 #pragma omp barrier
         char *kl = kb + li * layer_bytes, *vl = vb + li * layer_bytes;
         for (int64_t r = split.first; r < split.second; ++r) {
@@ -304,19 +321,19 @@ class DecodeStack {
 #pragma omp barrier
         paged_attention_team(qp, NQ, D, pool, kl, vl, t64, tp, maxblk, lp, ap, R, H, KVH, D, bs, scale, pp,
                              scratch[tid].get());
-        digits_of(ap, nba);
-        mm(mt[1], op, &mt[2]);
+        inputs_of(ap, nba, mt[1]);
+        mm(mt[1], ap, op, &mt[2]);
 #pragma omp barrier
         for (int64_t r = r0; r < r1; ++r) {
           kvgate_rows::add(b.x + r * hid, op + r * hid, hid);
           kvgate_rows::norm(b.x + r * hid, n2, hid, eps_, b.act + r * hid);
         }
-        digits_of(b.act, nbh);
-        mm(mt[2], gp, &mt[3]);
+        inputs_of(b.act, nbh, mt[2]);
+        mm(mt[2], b.act, gp, &mt[3]);
 #pragma omp barrier
         for (int64_t r = r0; r < r1; ++r) kvgate_rows::silu_mul(gp + r * I2, I, b.act + r * I);
-        digits_of(b.act, nbi);
-        mm(mt[3], op, li + 1 < L ? &mats_[4 * (li + 1)] : nullptr);
+        inputs_of(b.act, nbi, mt[3]);
+        mm(mt[3], b.act, op, li + 1 < L ? &mats_[4 * (li + 1)] : nullptr);
 #pragma omp barrier
       }
       for (int64_t r = split.first; r < split.second; ++r) {
@@ -338,7 +355,8 @@ class DecodeStack {
     return std::adjacent_find(s.begin(), s.end()) == s.end();
   }
 
-  // Whether run_team can take this stack: every matrix "q4_1" or every one "q4_1_dot8", each layer's shapes the first layer's and
+  // Whether run_team can take this stack: every matrix "q4_1" or "block" (any mix: a k-quant file's), or every
+  // one "q4_1_dot8", each layer's shapes the first layer's and
   // chained (hidden -> qkv, heads x head_dim -> hidden, hidden -> 2 x inter, inter -> hidden), every
   // in-feature count a whole number of blocks, the norms contiguous float32. Fills the matrices' pointers.
   bool team_shapes() {
@@ -346,11 +364,18 @@ class DecodeStack {
     if (norms_.empty() || norms_.size() % 2 != 0 || mats_.size() != 2 * norms_.size()) return false;
     if (KVH <= 0 || H % KVH != 0 || D % 2 != 0) return false;  // run_ops' kernels say what is wrong
     dot8_ = mats_[0].dot8;
-    const int64_t block = dot8_ ? kvgate_int8::TILE_BLOCK : TILE_BLOCK, outs = dot8_ ? kvgate_int8::NT : 16;
+    const int64_t outs = dot8_ ? kvgate_int8::NT : 16;
     for (auto& m : mats_) {
-      if (m.block || m.dot8 != dot8_ || m.packed.dtype() != torch::kUInt8 || m.packed.dim() != 3 || !m.packed.is_contiguous() ||
-          !m.packed.device().is_cpu() || m.packed.size(2) != block || m.packed.size(0) != (m.out_features + outs - 1) / outs)
-        return false;  // not one kind's tiles of out_features outputs: run_ops' checks name the problem
+      if (m.dot8 != dot8_ || m.packed.dtype() != torch::kUInt8 || m.packed.dim() != 3 || !m.packed.is_contiguous() ||
+          !m.packed.device().is_cpu() || m.packed.size(0) != (m.out_features + outs - 1) / outs)
+        return false;  // not gguf-q8act's tiles everywhere or nowhere: run_ops' checks name the problem
+      m.bytes = m.packed.size(2);
+      const bool floats = std::find(std::begin(FLOAT_BLOCKS), std::end(FLOAT_BLOCKS), m.bytes) != std::end(FLOAT_BLOCKS);
+      if (dot8_ ? m.bytes != kvgate_int8::TILE_BLOCK
+                : m.block ? m.bytes != Q4F_BLOCK && !floats : m.bytes != TILE_BLOCK)
+        return false;
+      m.i24 = !dot8_ && (!m.block || m.bytes == Q4F_BLOCK);
+      has_i24_ = has_i24_ || m.i24;
       m.w = m.packed.data_ptr<uint8_t>();
       m.T = m.packed.size(0), m.nb = m.packed.size(1), m.per = m.packed.size(1) * m.packed.size(2);
     }
@@ -376,6 +401,7 @@ class DecodeStack {
   bool team_ok_ = false, team_on_ = true;
   mutable std::atomic<int64_t> team_steps_{0};
   bool dot8_ = false;  // the team's matrices are gguf-q8act's (q4_1_pack8 tiles, 8-bit activations)
+  bool has_i24_ = false;  // some matrix takes the 24-bit integer decode rows (Q4_1, Q4F): the team needs them on
 };
 
 }  // namespace

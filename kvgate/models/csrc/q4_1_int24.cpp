@@ -26,6 +26,10 @@
 // Prompt rows keep tile_matmul.cpp's float panels (there the widening is shared by many rows and the
 // float FMA is as fast as three byte products).
 //
+// Q4F tiles (block_pack16 in kvgate/models/block_formats.py: a GGUF's Q4_K and Q4_0 layers) take the same
+// loop: their codes are laid out as Q4_1's, and d and m are float32 (bytes 256 and 320, 384 a block)
+// where Q4_1's are fp16; d and m enter only the two FMAs per block above (`F32` picks the layout).
+//
 // Tiles are q4_1_pack16's (kvgate/models/q4_1.py): per block of 32 k, byte 16p + j holds output j's
 // codes for k = 2p (low nibble) and 2p + 1 (high); then the 16 outputs' d and m as fp16. A byte
 // permute of rows p = 4g..4g+3 gives output j's dword (p = 4g, 4g+1, 4g+2, 4g+3): its low nibbles are
@@ -58,15 +62,22 @@ namespace {
 
 constexpr int64_t QBLOCK = 32;
 constexpr int64_t TILE = 16;
-constexpr int64_t TBYTES = 320;  // a tile's bytes per block
+// A tile-block's bytes and where its scales sit: Q4_1's tiles (q4_1_pack16) hold d and m as fp16 at bytes
+// 256 and 288 (320 a block); Q4F's (block_pack16: Q4_K, Q4_0) the same codes with d and m as float32 at
+// bytes 256 and 320 (384 a block). `F32` picks the second.
+template <bool F32>
+constexpr int64_t TBYTES = F32 ? 384 : 320;
+template <bool F32>
+constexpr int64_t MOFF = F32 ? 320 : 288;
 constexpr int32_t M24 = 0x7F7F7F;
 constexpr int64_t AHEAD = 3;  // blocks ahead a tile is prefetched (tile_matmul.cpp's distance)
 constexpr int PF_NEAR = 1, PF_NEXT = 2;  // the prefetch mode's bits (tile_matmul.cpp's switches)
 
 // a tile block into L2: the next group's, tile_matmul.cpp's next-group prefetch under the same switches
+template <bool F32>
 inline void prefetch_next(const uint8_t* p) {
 #if defined(KVGATE_I24_AVX2)
-  for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
+  for (int64_t l = 0; l < TBYTES<F32>; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
 #else
   (void)p;
 #endif
@@ -90,6 +101,18 @@ inline float half_bits(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// output j's d (m: at MOFF) in a tile block, as float32
+template <bool F32>
+inline float scale_at(const uint8_t* p, int64_t j) {
+  if constexpr (F32) {
+    float v;
+    std::memcpy(&v, p + 4 * j, 4);
+    return v;
+  } else {
+    return half_bits(p + 2 * j);
+  }
 }
 
 // A block's scale, or false (sc set) for a block written as zero digits. The scale is the power of two
@@ -211,13 +234,22 @@ void digits_block(const float* x, int8_t* out, float& sc) {  // out: XDW * 4 byt
 
 // ---- R rows x NT tiles ----
 #if defined(KVGATE_I24_VNNI)
+template <bool F32>
 inline void prefetch_tile_block(const uint8_t* p) {
-  for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T0);
+  for (int64_t l = 0; l < TBYTES<F32>; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T0);
 }
 
-template <int R, int NT>
+// the 16 outputs' d (at byte 256) or m (at MOFF) of a tile block
+template <bool F32>
+inline __m512 scales16(const uint8_t* p) {
+  if constexpr (F32) return _mm512_loadu_ps(p);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <bool F32, int R, int NT>
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
            float* y, int64_t ldy, int pf, const uint8_t* nx, int64_t nx_bytes) {
+  constexpr int64_t TB = TBYTES<F32>;
   alignas(64) uint8_t ix[64];
   for (int n = 0; n < 16; ++n)
     for (int q = 0; q < 4; ++q) ix[4 * n + q] = static_cast<uint8_t>(16 * q + n);
@@ -228,10 +260,10 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if ((pf & PF_NEAR) && b + AHEAD < nb)
-      for (int t = 0; t < NT; ++t) prefetch_tile_block(w + t * tstride + (b + AHEAD) * TBYTES);
+      for (int t = 0; t < NT; ++t) prefetch_tile_block<F32>(w + t * tstride + (b + AHEAD) * TB);
     if (pf & PF_NEXT) {
       if (nx) prefetch_span(nx, nx_bytes, b, nb);
-      else for (int t = 0; t < NT; ++t) prefetch_next(w + (t + NT) * tstride + b * TBYTES);
+      else for (int t = 0; t < NT; ++t) prefetch_next<F32>(w + (t + NT) * tstride + b * TB);
     }
     __m512i i0[R][NT], i1[R][NT], i2[R][NT];
     for (int r = 0; r < R; ++r)
@@ -241,7 +273,7 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) {
         const __m512i v = _mm512_permutexvar_epi8(
-            idx, _mm512_loadu_si512(reinterpret_cast<const void*>(w + t * tstride + b * TBYTES + 64 * g)));
+            idx, _mm512_loadu_si512(reinterpret_cast<const void*>(w + t * tstride + b * TB + 64 * g)));
         const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -257,9 +289,8 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
     }
     const __m512 base = _mm512_set1_ps(65536.f);
     for (int t = 0; t < NT; ++t) {
-      const uint8_t* wb = w + t * tstride + b * TBYTES;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 288)));
+      const uint8_t* wb = w + t * tstride + b * TB;
+      const __m512 d = scales16<F32>(wb + 256), m = scales16<F32>(wb + MOFF<F32>);
       for (int r = 0; r < R; ++r) {
         const __m512i T = _mm512_add_epi32(_mm512_slli_epi32(i1[r][t], 8), i0[r][t]);
         const __m512 S = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2[r][t]), base, _mm512_cvtepi32_ps(T));
@@ -276,21 +307,29 @@ inline int group_tiles(int64_t rows) { return rows >= 4 ? 1 : rows >= 2 ? 2 : 4;
 #elif defined(KVGATE_I24_AVX2)
 // One tile as two halves of 8 outputs; per block the byte products add up in 16 bits (8 maddubs of at
 // most 2 x 15 x 128 each: 30,720, no overflow), then one madd widens them: the same integers.
-template <int R, int NT>
+// outputs 8h .. 8h + 7's d (at byte 256) or m (at MOFF) of a tile block
+template <bool F32>
+inline __m256 scales8(const uint8_t* p, int h) {
+  if constexpr (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+}
+
+template <bool F32, int R, int NT>
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
            float* y, int64_t ldy, int pf, const uint8_t* nx, int64_t nx_bytes) {
+  constexpr int64_t TB = TBYTES<F32>;
   static_assert(NT == 1, "the AVX2 kernel runs one tile at a time");
   const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256 base = _mm256_set1_ps(65536.f);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + b * TBYTES;
+    const uint8_t* wb = w + b * TB;
     if ((pf & PF_NEAR) && b + AHEAD < nb)
-      for (int64_t l = 0; l < TBYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + AHEAD * TBYTES + l), _MM_HINT_T0);
+      for (int64_t l = 0; l < TB; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + AHEAD * TB + l), _MM_HINT_T0);
     if (pf & PF_NEXT) {
       if (nx) prefetch_span(nx, nx_bytes, b, nb);
-      else prefetch_next(wb + tstride);
+      else prefetch_next<F32>(wb + tstride);
     }
     for (int h = 0; h < 2; ++h) {
       __m256i s[R][3];
@@ -311,8 +350,7 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
           }
         }
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 256 + 16 * h)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 288 + 16 * h)));
+      const __m256 d = scales8<F32>(wb + 256, h), m = scales8<F32>(wb + MOFF<F32>, h);
       for (int r = 0; r < R; ++r) {
         const __m256i i0 = _mm256_madd_epi16(s[r][0], ones), i1 = _mm256_madd_epi16(s[r][1], ones);
         const __m256i T = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i0);
@@ -332,7 +370,7 @@ constexpr int64_t MAX_GROUP = 2;
 inline int group_tiles(int64_t) { return 1; }
 #else
 // Without AVX2: the same integers and the same float operations, one output at a time.
-template <int R, int NT>
+template <bool F32, int R, int NT>
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
            float* y, int64_t ldy, int, const uint8_t*, int64_t) {
   for (int r = 0; r < R; ++r)
@@ -340,7 +378,7 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
       for (int64_t j = 0; j < TILE; ++j) {
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* wb = w + t * tstride + b * TBYTES;
+          const uint8_t* wb = w + t * tstride + b * TBYTES<F32>;
           const int8_t* xb = reinterpret_cast<const int8_t*>(xd + (r * nb + b) * XDW);
           int32_t I[3] = {0, 0, 0};
           for (int u = 0; u < QBLOCK; ++u) {  // digit byte u holds k = lane_k(u % 16) + 16 (u / 16)
@@ -350,8 +388,8 @@ void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t nb, cons
             for (int q = 0; q < 3; ++q) I[q] += c * xb[32 * q + u];
           }
           const float S = std::fma(static_cast<float>(I[2]), 65536.f, static_cast<float>(I[1] * 256 + I[0]));
-          acc = std::fma(half_bits(wb + 256 + 2 * j), S * sc[r * nb + b], acc);
-          acc = std::fma(half_bits(wb + 288 + 2 * j), xs[r * nb + b], acc);
+          acc = std::fma(scale_at<F32>(wb + 256, j), S * sc[r * nb + b], acc);
+          acc = std::fma(scale_at<F32>(wb + MOFF<F32>, j), xs[r * nb + b], acc);
         }
         y[r * ldy + TILE * t + j] = acc;
       }
@@ -360,29 +398,64 @@ constexpr int64_t MAX_GROUP = 1;
 inline int group_tiles(int64_t) { return 1; }
 #endif
 
-template <int R>
+template <bool F32, int R>
 void group(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
            int nt, float* y, int64_t ldy, int pf, const uint8_t* nx, int64_t nxb) {
   switch (nt) {
 #if defined(KVGATE_I24_VNNI)
-    case 4: tiles<R, 4>(xd, sc, xs, nb, w, tstride, y, ldy, pf, nx, nxb); break;
-    case 2: tiles<R, 2>(xd, sc, xs, nb, w, tstride, y, ldy, pf, nx, nxb); break;
+    case 4: tiles<F32, R, 4>(xd, sc, xs, nb, w, tstride, y, ldy, pf, nx, nxb); break;
+    case 2: tiles<F32, R, 2>(xd, sc, xs, nb, w, tstride, y, ldy, pf, nx, nxb); break;
 #endif
-    default: tiles<R, 1>(xd, sc, xs, nb, w, tstride, y, ldy, pf, nx, nxb); break;
+    default: tiles<F32, R, 1>(xd, sc, xs, nb, w, tstride, y, ldy, pf, nx, nxb); break;
   }
 }
 
+template <bool F32>
 void rows_group(const int32_t* xd, const float* sc, const float* xs, int64_t nb, const uint8_t* w, int64_t tstride,
                 int64_t rows, int nt, float* y, int64_t ldy, int pf, const uint8_t* nx = nullptr, int64_t nxb = 0) {
   switch (rows) {
 #if defined(KVGATE_I24_VNNI)
-    case 8: group<8>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
-    case 4: group<4>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
+    case 8: group<F32, 8>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
+    case 4: group<F32, 4>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
 #endif
 #if defined(KVGATE_I24_AVX2)
-    case 2: group<2>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
+    case 2: group<F32, 2>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
 #endif
-    default: group<1>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
+    default: group<F32, 1>(xd, sc, xs, nb, w, tstride, nt, y, ldy, pf, nx, nxb); break;
+  }
+}
+
+// decode_cols for one scale layout
+template <bool F32>
+void cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb, const uint8_t* w,
+          float* y, int64_t t0, int64_t t1, int pf_one, int pf_more, const uint8_t* nx, int64_t nx_bytes) {
+  const int64_t tstride = nb * TBYTES<F32>, full = N / TILE;
+  std::vector<float> spare;
+  for (int64_t c0 = t0; c0 < t1; c0 += 8) {
+    const int64_t c1 = std::min(c0 + 8, t1);
+    for (int64_t m = 0; m < M;) {
+      const int64_t avail = std::min(M - m, MAX_GROUP);
+      int64_t rows = 1;
+      while (rows * 2 <= avail) rows *= 2;
+      const int pf = rows == 1 ? pf_one : pf_more;
+      const int32_t* xdr = xd + m * nb * XDW;
+      const float *scr = sc + m * nb, *xsr = xs + m * nb;
+      int64_t t = c0;
+      const int64_t end = std::min(c1, full);
+      for (int nt = group_tiles(rows); nt >= 1; nt /= 2)
+        for (; t + nt <= end; t += nt) {
+          const bool last = nx && t + nt >= t1 && m + rows >= M;  // this thread's last group: the next matrix's first
+          rows_group<F32>(xdr, scr, xsr, nb, w + t * tstride, tstride, rows, nt, y + m * N + t * TILE, N, pf,
+                          last ? nx : nullptr, nx_bytes);
+        }
+      if (t < c1) {  // the last, partial tile (its padding outputs are zero codes and scales)
+        spare.resize(static_cast<size_t>(rows * TILE));
+        rows_group<F32>(xdr, scr, xsr, nb, w + t * tstride, tstride, rows, 1, spare.data(), TILE, pf);
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy(spare.data() + r * TILE, spare.data() + r * TILE + (N - t * TILE), y + (m + r) * N + t * TILE);
+      }
+      m += rows;
+    }
   }
 }
 
@@ -407,35 +480,11 @@ void digits(const float* x, int64_t i0, int64_t i1, int32_t* xd, float* sc) {
 // Decode rows [0, M) against tiles [t0, t1) (see the file's opening and q4_1_int24.h).
 void decode_cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
                  const uint8_t* w, float* y, int64_t t0, int64_t t1, int pf_one, int pf_more, const uint8_t* nx,
-                 int64_t nx_bytes) {
-  const int64_t tstride = nb * TBYTES, full = N / TILE;
-  std::vector<float> spare;
-  for (int64_t c0 = t0; c0 < t1; c0 += 8) {
-    const int64_t c1 = std::min(c0 + 8, t1);
-    for (int64_t m = 0; m < M;) {
-      const int64_t avail = std::min(M - m, MAX_GROUP);
-      int64_t rows = 1;
-      while (rows * 2 <= avail) rows *= 2;
-      const int pf = rows == 1 ? pf_one : pf_more;
-      const int32_t* xdr = xd + m * nb * XDW;
-      const float *scr = sc + m * nb, *xsr = xs + m * nb;
-      int64_t t = c0;
-      const int64_t end = std::min(c1, full);
-      for (int nt = group_tiles(rows); nt >= 1; nt /= 2)
-        for (; t + nt <= end; t += nt) {
-          const bool last = nx && t + nt >= t1 && m + rows >= M;  // this thread's last group: the next matrix's first
-          rows_group(xdr, scr, xsr, nb, w + t * tstride, tstride, rows, nt, y + m * N + t * TILE, N, pf,
-                     last ? nx : nullptr, nx_bytes);
-        }
-      if (t < c1) {  // the last, partial tile (its padding outputs are zero codes and scales)
-        spare.resize(static_cast<size_t>(rows * TILE));
-        rows_group(xdr, scr, xsr, nb, w + t * tstride, tstride, rows, 1, spare.data(), TILE, pf);
-        for (int64_t r = 0; r < rows; ++r)
-          std::copy(spare.data() + r * TILE, spare.data() + r * TILE + (N - t * TILE), y + (m + r) * N + t * TILE);
-      }
-      m += rows;
-    }
-  }
+                 int64_t nx_bytes, bool f32_scales) {
+  if (f32_scales)
+    cols<true>(xd, sc, xs, M, N, nb, w, y, t0, t1, pf_one, pf_more, nx, nx_bytes);
+  else
+    cols<false>(xd, sc, xs, M, N, nb, w, y, t0, t1, pf_one, pf_more, nx, nx_bytes);
 }
 
 }  // namespace kvgate_i24

@@ -28,8 +28,8 @@
 // their own widening per k and a horizontal sum.
 //
 // Two kinds of rows, each always computed the same way, whatever else is in the call:
-// - Q4_1 decode rows (the first `decode_rows` of x) run q4_1_int24.cpp's exact integer products on
-//   24-bit activation blocks by default (its opening says how and why); the float loop below is what
+// - Q4_1 and Q4F decode rows (the first `decode_rows` of x) run q4_1_int24.cpp's exact integer products
+//   on 24-bit activation blocks by default (its opening says how and why); the float loop below is what
 //   they ran before, kept behind set_q4_1_decode("float") for A/B runs and the tests that compare.
 // - decode rows (q8_matmul's every row; Q4_1's under set_q4_1_decode("float")): per output and block, one FMA
 //   chain s = sum_k c_k x_k over the block's k in order (Q8_0: two, over the even and the odd k, then
@@ -62,6 +62,7 @@
 #include <algorithm>
 #include <atomic>
 #include <tuple>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -747,6 +748,31 @@ void check_x(const char* fn, const torch::Tensor& x, int64_t K) {
               K, "], got ", x.sizes(), " ", x.dtype());
 }
 
+// blocks [i0, i1) of x: their float sums (a HALVES format: per half block) where format F has an m
+template <class F>
+void sums_of(const float* x, int64_t i0, int64_t i1, float* xs) {
+  if constexpr (F::HAS_M)
+    for (int64_t i = i0; i < i1; ++i)
+      if constexpr (F::HALVES) {
+        xs[2 * i] = half_sum(x + i * QBLOCK);
+        xs[2 * i + 1] = half_sum(x + i * QBLOCK + 16);
+      } else {
+        xs[i] = block_sum(x + i * QBLOCK);
+      }
+}
+
+// fn(F{}) for the block format whose tile-blocks are `bytes` long (block_pack16's; Q4_1 is not one)
+template <class Fn>
+void by_format(int64_t bytes, Fn&& fn) {
+  switch (bytes) {
+    case Q4F::BYTES: fn(Q4F{}); break;
+    case Q5F::BYTES: fn(Q5F{}); break;
+    case Q8D::BYTES: fn(Q8D{}); break;
+    case Q80::BYTES: fn(Q80{}); break;
+    default: fn(Q8S{}); break;
+  }
+}
+
 }  // namespace
 
 namespace kvgate_amx {  // amx_q4_1.cpp: prompt rows on AMX's bf16 tiles, where built and granted
@@ -767,9 +793,20 @@ void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, flo
 // decode rows [0, M) against tiles [t0, t1): q4_1_matmul's second pass on one thread's share; nx: the
 // span of the next matrix this thread reads first, asked for during its last group
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
-           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes) {
+           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes, bool q4f) {
   kvgate_i24::decode_cols(xd, sc, xs, M, N, nb, w, y, t0, t1, g_prefetch_one.load(std::memory_order_relaxed),
-                          g_prefetch_more.load(std::memory_order_relaxed), nx, nx_bytes);
+                          g_prefetch_more.load(std::memory_order_relaxed), nx, nx_bytes, q4f);
+}
+
+// block_matmul's decode rows in the same pieces, for a block format's float loop (not Q4F under int24,
+// which takes `prepare` and `tiles` above): the rows' block sums where the format has an m (xs: 2 a block
+// for Q8S), then its tiles [t0, t1) against float rows x
+void block_sums(int64_t bytes, const float* x, int64_t i0, int64_t i1, float* xs) {
+  by_format(bytes, [&](auto f) { sums_of<decltype(f)>(x, i0, i1, xs); });
+}
+void block_tiles(int64_t bytes, const float* x, const float* xs, int64_t M, int64_t N, int64_t nb, const uint8_t* w,
+                 float* y, int64_t t0, int64_t t1) {
+  by_format(bytes, [&](auto f) { decode_cols<decltype(f)>(x, xs, M, N, nb, w, y, t0, t1); });
 }
 
 }  // namespace kvgate_team
@@ -849,17 +886,26 @@ template <class F>
 void block_rows(const float* xp, float* yp, int64_t M, int64_t Md, int64_t N, int64_t nb, int64_t T,
                 const uint8_t* wp) {
   const int64_t K = nb * QBLOCK, per = sums_per_block<F>();
+  if constexpr (std::is_same_v<F, Q4F>) {
+    if (Md > 0 && g_decode_int24.load(std::memory_order_relaxed)) {  // Q4_1's integer decode rows, then panels
+      std::vector<float> xs(static_cast<size_t>(Md * nb)), sc(static_cast<size_t>(Md * nb));
+      std::vector<int32_t> xd(static_cast<size_t>(Md * nb * kvgate_i24::XDW));
+      at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) {
+        kvgate_team::prepare(xp, i0, i1, xs.data(), xd.data(), sc.data());
+      });
+      const int pf_one = g_prefetch_one.load(std::memory_order_relaxed);
+      const int pf_more = g_prefetch_more.load(std::memory_order_relaxed);
+      at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+        kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more,
+                                nullptr, 0, true);
+        prefill_cols<F>(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
+      });
+      return;
+    }
+  }
   std::vector<float> xs(F::HAS_M ? static_cast<size_t>(Md * nb * per) : 0);
   if constexpr (F::HAS_M)
-    at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i)
-        if constexpr (F::HALVES) {
-          xs[2 * i] = half_sum(xp + i * QBLOCK);
-          xs[2 * i + 1] = half_sum(xp + i * QBLOCK + 16);
-        } else {
-          xs[i] = block_sum(xp + i * QBLOCK);
-        }
-    });
+    at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) { sums_of<F>(xp, i0, i1, xs.data()); });
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     decode_cols<F>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
     prefill_cols<F>(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
@@ -883,15 +929,6 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = pc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (bytes == Q4F::BYTES)
-    block_rows<Q4F>(xp, yp, M, Md, N, nb, T, wp);
-  else if (bytes == Q5F::BYTES)
-    block_rows<Q5F>(xp, yp, M, Md, N, nb, T, wp);
-  else if (bytes == Q8D::BYTES)
-    block_rows<Q8D>(xp, yp, M, Md, N, nb, T, wp);
-  else if (bytes == Q80::BYTES)
-    block_rows<Q80>(xp, yp, M, Md, N, nb, T, wp);
-  else
-    block_rows<Q8S>(xp, yp, M, Md, N, nb, T, wp);
+  by_format(bytes, [&](auto f) { block_rows<decltype(f)>(xp, yp, M, Md, N, nb, T, wp); });
   return y;
 }
