@@ -451,3 +451,25 @@ def test_a_step_that_fails_mid_stream_ends_in_an_error_event_and_response_failed
     assert fired.is_set() and [ev.type for ev in events[-2:]] == ["error", "response.failed"]
     assert events[-2].code == "engine_error" and events[-1].response.error.code == "engine_error"
     assert events[-1].response.status == "failed"
+
+
+def test_a_wrong_tool_choice_is_told_the_responses_shape_and_allowed_tools_is_refused_by_name(base):
+    """QA pass 9 (LOW): a wrong `tool_choice` here was told to send the chat shape, which this endpoint
+    then refused, and `allowed_tools` (in the SDK's types, mapped by LangChain) got the same message.
+    Also `text.verbosity` is given back as sent. Seen red with the chat endpoint's message, without the
+    allowed_tools refusal, and without verbosity in the response."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "tools": tools}
+    chat_shape = {"type": "function", "function": {"name": "f"}}
+    err = httpx.post(base + "/v1/responses", json={**body, "tool_choice": chat_shape}, timeout=60).json()[
+        "error"
+    ]
+    assert (
+        err["param"] == "tool_choice"
+        and '{"type": "function", "name": "..."}' in err["message"].split("(")[0]
+    )
+    allowed = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "f"}]}
+    r = httpx.post(base + "/v1/responses", json={**body, "tool_choice": allowed}, timeout=60)
+    assert r.status_code == 400 and "allowed_tools" in r.json()["error"]["message"], r.text
+    r = httpx.post(base + "/v1/responses", json={**body, "text": {"verbosity": "low"}}, timeout=60)
+    assert r.status_code == 200 and r.json()["text"]["verbosity"] == "low", r.text

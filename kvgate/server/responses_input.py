@@ -26,7 +26,7 @@ from typing import Any
 
 from kvgate.sampling_params import MAX_TOP_LOGPROBS
 from kvgate.server import protocol as P
-from kvgate.server.errors import invalid, unsupported
+from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -52,6 +52,11 @@ PASSED = (
     "parallel_tool_calls",
 )
 ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")
+# what `tool_choice` takes here (the chat endpoint's 400 names the chat shape: QA pass 9)
+TOOL_CHOICE = (
+    '"none", "auto", "required", or {"type": "function", "name": "..."} (the Responses shape: '
+    '{"type": "function", "function": {"name": "..."}} is the chat endpoint\'s)'
+)
 ROLES = ("user", "assistant", "system", "developer")
 
 
@@ -60,7 +65,12 @@ def to_chat(body: Any) -> tuple[dict, list[str]]:
     (`instructions` or `input.i`, for `responses_param`); a 400 naming the Responses field where it
     asks for something kvgate does not do."""
     _refuse_what_is_not_done(body)
-    req = P.parse(ResponsesRequest, body)
+    try:
+        req = P.parse(ResponsesRequest, body)
+    except APIError as e:
+        if e.param == "tool_choice":
+            e.message = f"invalid field 'tool_choice': must be {TOOL_CHOICE}"
+        raise
     messages, origin = [], []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
@@ -112,6 +122,12 @@ def _refuse_what_is_not_done(body: Any) -> None:
     for name, why in NOT_DONE.items():
         if body.get(name) not in (None, False):
             raise unsupported(name, why)
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        raise unsupported(
+            "tool_choice",
+            "allowed_tools: kvgate offers the model every tool sent; send only the allowed ones",
+        )
     tools = body.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         kind = tool.get("type") if isinstance(tool, dict) else None

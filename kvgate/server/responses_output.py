@@ -26,7 +26,8 @@ def new_id(prefix: str) -> str:
 
 def skeleton(body: dict, rid: str, created: int, model: str) -> dict:
     """A response object's fields as the request set them, status in_progress, no output yet."""
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    fmt = text.get("format")
     return {
         "id": rid,
         "object": "response",
@@ -43,7 +44,10 @@ def skeleton(body: dict, rid: str, created: int, model: str) -> dict:
         "reasoning": {"effort": None, "summary": None, **(body.get("reasoning") or {})},
         "store": False,  # the route sets whether it keeps this one (--responses-store)
         "temperature": body.get("temperature"),
-        "text": {"format": fmt or {"type": "text"}},
+        "text": {
+            "format": fmt or {"type": "text"},
+            **({"verbosity": text["verbosity"]} if text.get("verbosity") else {}),
+        },
         "tool_choice": body.get("tool_choice", "auto"),
         "tools": body.get("tools") or [],
         "top_p": body.get("top_p"),
