@@ -401,3 +401,10 @@ def test_string_length_bounds_fit_the_lexer_or_are_refused_up_front(tiny_engine,
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "unsupported_schema", r.text
     assert "2,000 at properties.s" in err["message"] and f"{LEXER_STATES:,}" in err["message"]
+    # a pattern's counted repeats cost the same (seen red without COUNTS: admitted)
+    counted = {"type": "object", "properties": {"p": {"type": "string", "pattern": "^[a-z]{0,2000}$"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": counted}}
+    r = httpx.post(
+        tiny_base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 8}, timeout=60
+    )
+    assert r.status_code == 400 and "2,000 at properties.p" in r.json()["error"]["message"], r.text

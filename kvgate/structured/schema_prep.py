@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import llguidance
 
@@ -159,9 +160,12 @@ def _record_keys(out: dict) -> None:
         out["properties"] = {k: v for k, v in props.items() if not (v is False or v == {"not": {}})}
 
 
+COUNTS = re.compile(r"(?<!\\)\{(\d+)(?:,(\d+))?\}")  # a regex's {n} and {n,m} (not {n,}: no count)
+
+
 def length_bounds(schema) -> list[tuple[str, int]]:
     """(path, characters) for each distinct string length bound (the larger of `minLength` and
-    `maxLength`) in `schema`, the first path it is found at: what the grammar's lexer counts
+    `maxLength`, plus a `pattern`'s counted repeats) in `schema`, the first path it is found at: what the grammar's lexer counts
     (`compiler.check_lengths`). Strings of one bound share a lexeme (measured: ten fields of maxLength
     100 cost one's states; ten of 100..109 cost ten's)."""
     found: dict[int, str] = {}
@@ -170,6 +174,8 @@ def length_bounds(schema) -> list[tuple[str, int]]:
         if not isinstance(node, dict):
             return
         bound = max((node[k] for k in ("minLength", "maxLength") if isinstance(node.get(k), int)), default=0)
+        if isinstance(node.get("pattern"), str):  # a pattern's counted repeats are counted the same way
+            bound += sum(int(b or a) for a, b in COUNTS.findall(node["pattern"]))
         if bound > 0:
             found.setdefault(bound, path.rstrip(".") or "the root")
         for sub, where in _children(node, path):
