@@ -401,6 +401,18 @@ def test_string_length_bounds_fit_the_lexer_or_are_refused_up_front(tiny_engine,
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "unsupported_schema", r.text
     assert "2,000 at properties.s" in err["message"] and f"{LEXER_STATES:,}" in err["message"]
+    # strings of one maxLength but other minLengths are other lexemes (the review: twelve fields of
+    # minLength 280..291 under maxLength 300 were counted as one 300 and ran out mid-answer; seen red
+    # with the bounds keyed by their largest value)
+    fields = {f"f{i}": {"type": "string", "minLength": 280 + i, "maxLength": 300} for i in range(12)}
+    rf = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "object", "properties": fields}},
+    }
+    r = httpx.post(
+        tiny_base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 8}, timeout=60
+    )
+    assert r.status_code == 400 and "3,600 characters" in r.json()["error"]["message"], r.text
     # a pattern's counted repeats cost the same (seen red without COUNTS: admitted)
     counted = {"type": "object", "properties": {"p": {"type": "string", "pattern": "^[a-z]{0,2000}$"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": counted}}

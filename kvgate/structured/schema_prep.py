@@ -164,25 +164,28 @@ COUNTS = re.compile(r"(?<!\\)\{(\d+)(?:,(\d+))?\}")  # a regex's {n} and {n,m} (
 
 
 def length_bounds(schema) -> list[tuple[str, int]]:
-    """(path, characters) for each distinct string length bound (the larger of `minLength` and
-    `maxLength`, plus a `pattern`'s counted repeats) in `schema`, the first path it is found at: what the grammar's lexer counts
-    (`compiler.check_lengths`). Strings of one bound share a lexeme (measured: ten fields of maxLength
-    100 cost one's states; ten of 100..109 cost ten's)."""
-    found: dict[int, str] = {}
+    """(path, characters) for each distinct string lexeme that counts characters in `schema`: its
+    `minLength` / `maxLength` (the larger) plus its `pattern`'s counted repeats, the first path it is
+    found at (`compiler.check_lengths`). Strings of one lexeme share its states (measured: ten fields of
+    maxLength 100 cost one's; ten of 100..109 cost ten's; the review of session 36: minLength 280..291
+    under one maxLength 300 are twelve lexemes, not one)."""
+    found: dict[tuple, tuple[str, int]] = {}
 
     def walk(node, path: str) -> None:
         if not isinstance(node, dict):
             return
-        bound = max((node[k] for k in ("minLength", "maxLength") if isinstance(node.get(k), int)), default=0)
-        if isinstance(node.get("pattern"), str):  # a pattern's counted repeats are counted the same way
-            bound += sum(int(b or a) for a, b in COUNTS.findall(node["pattern"]))
+        lo, hi, pattern = node.get("minLength"), node.get("maxLength"), node.get("pattern")
+        bound = max((b for b in (lo, hi) if isinstance(b, int)), default=0)
+        if isinstance(pattern, str):  # a pattern's counted repeats are counted the same way
+            bound += sum(int(b or a) for a, b in COUNTS.findall(pattern))
         if bound > 0:
-            found.setdefault(bound, path.rstrip(".") or "the root")
+            key = (lo, hi, pattern if isinstance(pattern, str) else None, node.get("format"))
+            found.setdefault(key, (path.rstrip(".") or "the root", bound))
         for sub, where in _children(node, path):
             walk(sub, where)
 
     walk(schema, "")
-    return [(p, n) for n, p in found.items()]
+    return list(found.values())
 
 
 def keyword_paths(schema, keywords: set[str], path: str = "") -> list[str]:
