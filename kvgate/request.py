@@ -69,6 +69,9 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # false: special tokens the model writes stay in the text
     # (opening, closing) of output regions the stop strings do not apply in: tool calls (kvgate.stop)
     stop_exempt: tuple[str, str] | None = None
+    # a prompt of a list, its max_tokens unset: the KV blocks it may take at most (its share of the pool,
+    # since a list is admitted together: `admission.fit_group`); None: the whole pool
+    kv_share: int | None = None
 
     def validate(self, vocab_size: int) -> GenerationRequest:
         """Raise `RequestError` / `SamplingError` (both ValueErrors naming the field) or return self."""

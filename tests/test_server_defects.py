@@ -85,7 +85,7 @@ def test_a_refused_prompt_cancels_the_other_prompts_of_its_request_at_once(make_
     set_step_hook(e, lambda so: time.sleep(0.02))
     with running_server(e) as (base, _):
         # a blocker holds 20 of the 40 blocks for ~1.6 s; the two prompts (17 and 18 blocks) fit the pool
-        # together (admission.check_group) but only the first fits beside the blocker
+        # together (admission.fit_group) but only the first fits beside the blocker
         blocker = threading.Thread(
             target=lambda: httpx.post(
                 base + COMP, json={"prompt": "x", "max_tokens": 79, "ignore_eos": True}, timeout=30
@@ -349,8 +349,10 @@ def test_a_prompt_list_that_can_never_run_together_is_a_400_up_front(make_engine
     prompts each fit the pool but not together waited for blocks its own first prompts held and got a
     429 on every retry. Now more rows than --max-seqs is a 400 before any prompt is tokenized, and a
     list past the whole pool a 400 kv_budget_exceeded with the numbers; a list that fits still runs.
-    Seen red without `check_prompt_count` (the prompts were tokenized) and without `check_group`
-    (a 429 after the queue wait)."""
+    With max_tokens unset (the review of session 36), each prompt takes its share of the pool (capped
+    and reported), so the first cannot take the room the others wait for. Seen red without
+    `check_prompt_count` (the prompts were tokenized), without `fit_group`'s check (a 429 after the
+    queue wait), and without the shares (a 429 with max_tokens unset)."""
     e = make_engine(max_seqs=4, kv_cache_bytes=64 * 16 * TINY_KV_BYTES_PER_TOKEN, max_queue_wait=2.0)
     with running_server(e) as (base, _):
         encoded = []
@@ -367,6 +369,12 @@ def test_a_prompt_list_that_can_never_run_together_is_a_400_up_front(make_engine
         assert "3 prompts" in err["message"] and "64 blocks" in err["message"]
         r = httpx.post(base + COMP, json={"prompt": ["a", "b"], "max_tokens": 8}, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        # unset max_tokens: each would take 32 blocks (the 512-position context); at shares of 21, all fit
+        r = httpx.post(base + COMP, json={"prompt": ["a", "b", "c"], "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+        assert r.headers["x-kvgate-budget-cap"].startswith("requested=511; admitted=335")
+        r = httpx.post(base + COMP, json={"prompt": ["a", "b", "c", "d"]}, timeout=60)  # 4 x 17 at the least
+        assert r.status_code == 400 and "--min-cap-tokens" in r.json()["error"]["message"], r.text
 
 
 def test_a_stream_whose_client_left_before_its_first_byte_stops_its_requests():

@@ -23,7 +23,7 @@ from kvgate.cluster.dispatch import Dispatcher
 from kvgate.cluster.remote import RemoteCall
 from kvgate.cluster.routing import Demand, blocks_for, prefix_chain
 from kvgate.cluster.views import KeptCounters, ReplicaView, aggregate
-from kvgate.core.admission import check_group, plan_entry
+from kvgate.core.admission import fit_group, plan_entry
 from kvgate.request import RequestHandle
 from kvgate.tokenizer import TextTokenizer
 
@@ -117,7 +117,7 @@ class ClusterEngine:
         for r in requests:
             r.validate(vocab)
         cfg = self.sched_cfg
-        check_group(cfg, requests, n)  # admitted together on one replica: together they must fit its pool
+        requests = fit_group(cfg, requests, n)  # admitted together on one replica: they must fit its pool
         blocks = 0
         for r in requests:
             entry = plan_entry(cfg, RequestHandle(r, _ignore_cancel))  # raises the 400s

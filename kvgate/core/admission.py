@@ -21,12 +21,13 @@ Refusals, in the order a request meets them:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from kvgate.config import SchedulerConfig
 from kvgate.core.kv_cache import cacheable_blocks, choice_blocks, prompt_block_hashes
 from kvgate.core.prefill_rate import tokens_within
 from kvgate.core.rows import WaitEntry
-from kvgate.request import BudgetCap, Refusal, RequestHandle
+from kvgate.request import BudgetCap, GenerationRequest, Refusal, RequestHandle
 
 
 def group_blocks(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, hits: int = 0) -> int:
@@ -57,8 +58,9 @@ def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[Requ
         raise too_many_choices(n, cfg.max_seqs)
     cap = None
     requested = ceiling  # before any cap: what the caller asked for, or the context ceiling
-    if group_blocks(cfg, P, ceiling, n) > cfg.total_blocks:
-        best = max_choice_positions(cfg, P, n, cfg.total_blocks) - P
+    pool = cfg.total_blocks if explicit or req.kv_share is None else min(cfg.total_blocks, req.kv_share)
+    if group_blocks(cfg, P, ceiling, n) > pool:
+        best = max_choice_positions(cfg, P, n, pool) - P
         if explicit or best < 1:
             raise budget_refusal(cfg, P, ceiling if explicit else 1, n, given=explicit)
         cap = BudgetCap(ceiling, best, "kv_budget")
@@ -162,26 +164,43 @@ def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, gi
     )
 
 
-def check_group(cfg: SchedulerConfig, requests: list, n: int) -> None:
-    """Raise the 400 for several prompts (one request: admitted together, answered together) whose
-    KV blocks together can never fit the pool, each at the least it could run with (an unset
-    max_tokens: one token). Each prompt alone is judged by `plan_entry`; a group past the pool waited
-    for blocks its own first prompts held, and answered 429 on every try (QA pass 9)."""
-    need = sum(group_blocks(cfg, len(r.prompt_ids), r.max_tokens or 1, n) for r in requests)
-    if len(requests) < 2 or need <= cfg.total_blocks:
-        return
-    bpt, bs = cfg.kv_bytes_per_token, cfg.block_size
-    raise Refusal(
-        "kv_budget_exceeded",
-        f"this request's {len(requests)} prompts are admitted together and together need {need} KV blocks "
-        f"({need * bs * bpt:,} bytes) for their prompts and max_tokens, but the whole KV pool is "
-        f"{cfg.total_blocks} blocks ({cfg.kv_positions} positions, {cfg.kv_positions * bpt:,} bytes). Send "
-        "fewer prompts a request, lower max_tokens, or start the server with a larger --memory-limit.",
-        400,
-        estimated_bytes=need * bs * bpt,
-        limit_bytes=cfg.kv_positions * bpt,
-        param="prompt",
-    )
+def fit_group(cfg: SchedulerConfig, requests: list[GenerationRequest], n: int) -> list[GenerationRequest]:
+    """Several prompts as one request (admitted together, answered together): the 400 when their KV
+    blocks together can never fit the pool, each at the least it runs with (an explicit max_tokens; an
+    unset one at `min_cap_tokens`, as admission takes it); else the requests, each unset one given its
+    share of the pool (`kv_share`: its least and an equal part of what is left), so the first cannot
+    take the room the others wait for. Each prompt alone is judged by `plan_entry`. Before, a list
+    past the pool waited for blocks its own first prompts held, and answered 429 on every try (QA
+    pass 9; with max_tokens unset, the review of session 36)."""
+    if len(requests) < 2:
+        return requests
+
+    def least(r: GenerationRequest) -> int:
+        P = len(r.prompt_ids)
+        return group_blocks(cfg, P, r.max_tokens or max(1, min(cfg.min_cap_tokens, cfg.max_model_len - P)), n)
+
+    need = sum(least(r) for r in requests)
+    if need > cfg.total_blocks:
+        bpt, bs = cfg.kv_bytes_per_token, cfg.block_size
+        unset = (
+            " (an unset max_tokens counted at its least, --min-cap-tokens)"
+            if any(not r.max_tokens for r in requests)
+            else ""
+        )
+        raise Refusal(
+            "kv_budget_exceeded",
+            f"this request's {len(requests)} prompts are admitted together and together need {need} KV blocks "
+            f"({need * bs * bpt:,} bytes) for their prompts and max_tokens{unset}, but the whole KV pool is "
+            f"{cfg.total_blocks} blocks ({cfg.kv_positions} positions, {cfg.kv_positions * bpt:,} bytes). Send "
+            "fewer prompts a request, lower max_tokens, or give the server more KV memory.",
+            400,
+            estimated_bytes=need * bs * bpt,
+            limit_bytes=cfg.kv_positions * bpt,
+            param="prompt",
+        )
+    unset = [r for r in requests if not r.max_tokens]
+    extra = (cfg.total_blocks - need) // max(1, len(unset))
+    return [r if r.max_tokens else replace(r, kv_share=least(r) + extra) for r in requests]
 
 
 def unavailable_refusal(reason: str, retry_after: int) -> Refusal:

@@ -304,11 +304,11 @@ class Engine:
 
     def submit_many(self, requests: list[GenerationRequest], n: int = 1) -> list[RequestHandle]:
         """Several requests as one (`n` choices each, see `submit_choices`): all are validated, and must
-        fit the pool together (`admission.check_group`), before any is submitted; a refusal of one cancels
+        fit the pool together (`admission.fit_group`), before any is submitted; a refusal of one cancels
         those submitted before it. Handles come prompt by prompt, choice by choice."""
         for r in requests:
             r.validate(self.tokenizer.vocab_size)
-        admission.check_group(self.sched_cfg, requests, n)
+        requests = admission.fit_group(self.sched_cfg, requests, n)
         handles: list[RequestHandle] = []
         try:
             for r in requests:
