@@ -410,3 +410,49 @@ def test_a_stream_whose_client_left_before_its_first_byte_stops_its_requests():
     handles = [Handle(), Handle()]
     asyncio.run(HandledStream(body(), handles, lambda res: None)({"type": "http"}, receive, send))
     assert all(h.cancelled for h in handles)
+
+
+def test_a_responses_stream_left_before_the_chat_stream_began_stops_its_requests():
+    """The review of session 36: the Responses stream writes response.created and .in_progress before it
+    starts the chat stream it wraps; a client gone in between left the generation running, since the
+    outer stream had begun and the inner one (whose cleanup stops the requests) had not. The outer one
+    now asks the inner one. Seen red with `began` not passed (no handle cancelled)."""
+    import asyncio
+
+    from kvgate.server.sse import HandledStream
+
+    class Handle:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+        async def aevents(self):
+            return
+            yield
+
+    async def chat():
+        yield "data: x\n\n"
+
+    handles = [Handle()]
+    inner = HandledStream(chat(), handles, lambda res: None)
+
+    async def events():
+        yield "event: response.created\n\n"
+        async for piece in inner.body_iterator:
+            yield piece
+
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message["type"])
+        if message["type"] == "http.response.body" and message.get("body"):
+            await asyncio.Event().wait()  # the client is gone after the first event
+
+    outer = HandledStream(events(), handles, lambda res: None, began=lambda: inner.began)
+    asyncio.run(outer({"type": "http"}, receive, send))
+    assert handles[0].cancelled and "http.response.body" in sent

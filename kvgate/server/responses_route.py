@@ -80,7 +80,10 @@ async def responses(request: Request) -> Response:
     if isinstance(answer, StreamingResponse):
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         events = _events(answer.body_iterator, ResponseEvents(skel, kept))
-        return HandledStream(events, answer.handles, answer.on_result, headers=headers)
+        inner = answer  # the chat stream, begun only after response.created and .in_progress
+        return HandledStream(
+            events, answer.handles, answer.on_result, began=lambda: inner.began, headers=headers
+        )
     response = response_body(json.loads(answer.body), skel)
     kept(response)
     return JSONResponse(response, headers=headers)

@@ -81,8 +81,11 @@ class HandledStream(StreamingResponse):
     step, so `sse_stream`'s own cleanup never ran, and the requests generated to max_tokens for nobody,
     holding their rows and blocks (QA pass 9: 4 of 16 timed tries)."""
 
-    def __init__(self, content, handles, on_result, **kw):
+    def __init__(self, content, handles, on_result, began=None, **kw):
+        """`began`: whether the stream that cleans the handles up has begun, where that is another
+        (the Responses stream wraps the chat one, and writes two events before it starts it)."""
         self.handles, self.on_result, self.began = handles, on_result, False
+        self._began = began or (lambda: self.began)
 
         async def body():
             self.began = True
@@ -95,7 +98,7 @@ class HandledStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self.began:
+            if not self._began():
                 for h in self.handles:
                     h.cancel()
                 observe_after_cancel(self.handles, self.on_result)
