@@ -235,3 +235,17 @@ def test_the_sdks_parse_output_replays_as_input(base):  # noqa: F811
     out = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
     got = c.responses.create(input=[{"role": "user", "content": "hi"}, item, call, out], **GREEDY)
     assert got.status in ("completed", "incomplete")
+
+
+def test_an_item_stays_found_while_any_kept_response_holds_it():
+    """The review of session 36: the index pointed an item at the last response kept with it, and
+    dropped it when that one went, though an earlier kept response (a chained conversation keeps every
+    earlier item again) still held it. Seen red with one holder an item."""
+    store = ResponseStore(1 << 20)
+    item = {"type": "message", "role": "user", "content": "hi", "id": "msg_x"}
+    store.put({"id": "resp_a", "output": []}, [item])
+    store.put({"id": "resp_b", "output": []}, [item])
+    store.delete("resp_b")
+    assert store.item("msg_x") == item
+    store.delete("resp_a")
+    assert store.item("msg_x") is None and store._holders == {}

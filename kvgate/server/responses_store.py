@@ -27,7 +27,7 @@ class ResponseStore:
         self.limit = limit_bytes
         # id -> (response, conversation, the ids of the items in both)
         self._items: OrderedDict[str, tuple[bytes, bytes, tuple[str, ...]]] = OrderedDict()
-        self._holder: dict[str, str] = {}  # item id -> the response last kept with it
+        self._holders: dict[str, list[str]] = {}  # item id -> the kept responses holding it, oldest first
         self.bytes = 0
         self.evicted = 0
 
@@ -50,14 +50,15 @@ class ResponseStore:
             self._drop(next(iter(self._items)))
             self.evicted += 1
         self._items[rid] = record
-        self._holder.update(dict.fromkeys(ids, rid))
+        for item_id in ids:
+            self._holders.setdefault(item_id, []).append(rid)
         self.bytes += size
         return True
 
     def item(self, item_id: str) -> dict | None:
         """The kept item (an input item or an output item of a kept response) with this id, or None."""
-        rid = self._holder.get(item_id)
-        got = self.get(rid) if rid is not None else None
+        holders = self._holders.get(item_id)
+        got = self.get(holders[-1]) if holders else None
         if got is None:
             return None
         response, conversation = got
@@ -88,9 +89,11 @@ class ResponseStore:
     def _drop(self, rid: str) -> None:
         record = self._items.pop(rid)
         self.bytes -= _size(record)
-        for item_id in record[2]:  # an item a later response also holds stays found there
-            if self._holder.get(item_id) == rid:
-                del self._holder[item_id]
+        for item_id in record[2]:  # an item another kept response holds stays found there
+            holders = self._holders[item_id]
+            holders.remove(rid)
+            if not holders:
+                del self._holders[item_id]
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._items
@@ -174,9 +177,8 @@ def page(items: list, after: str | None, limit: int, order: str) -> dict | None:
 
 
 ENTRY_BYTES = 300  # an entry's own cost beside its JSON: the key, the tuple, two bytes objects, the dict slot
-ITEM_BYTES = (
-    200  # an item id's cost in the index: its string (twice: the tuple and the key) and the dict slot
-)
+# an item id's cost in the index: its string (the tuple's and the key), the dict slot and its holders' list
+ITEM_BYTES = 300
 
 
 def _size(record: tuple[bytes, bytes, tuple[str, ...]]) -> int:
