@@ -156,6 +156,9 @@ def test_calls_after_text_are_calls_held_to_their_schemas(engine):
     assert not whole("Hi <tool_call>\nSunny") and not whole("text\n" + call, "required")
     content, calls = TP.parse_output("Let me check.\n\n" + call + "\n" + weather, cut=False)
     assert content == "Let me check." and [c.name for c in calls] == ["get_time", "get_weather"]
+    # whitespace alone beside calls is no content (the review: " " came back beside them)
+    assert TP.parse_output(" \n" + call, cut=False)[0] is None
+    assert TP.parse_output("Sure. \n" + call, cut=False)[0] == "Sure."
     p = TP.ToolCallParser()
     events = [e for ch in "Let me check.\n" + call for e in p.push(ch)] + p.end(cut=False)
     assert "".join(e[1] for e in events if e[0] == "content") == "Let me check."

@@ -190,7 +190,16 @@ def _pip_ninja_on_path() -> None:
 
 
 FAILED = "build-failed.txt"
-TRANSIENT = ("Killed signal", "No space left", "Cannot allocate memory", "KeyboardInterrupt")
+# failures that installing or freeing something, or simply waiting, may cure: never remembered (a build
+# stopped with Ctrl-C, a header such as Python.h not installed yet, memory, disk)
+TRANSIENT = (
+    "Killed signal",
+    "No space left",
+    "Cannot allocate memory",
+    "KeyboardInterrupt",
+    "interrupted",
+    "No such file or directory",
+)
 
 
 def _compiler_id() -> str | None:
@@ -201,7 +210,8 @@ def _compiler_id() -> str | None:
     tools = [shutil.which(t) for t in ("g++", "ninja")]
     if None in tools:
         return None
-    return " ".join(f"{os.path.realpath(t)}@{os.stat(t).st_mtime_ns}" for t in tools)
+    found = " ".join(f"{os.path.realpath(t)}@{os.stat(t).st_mtime_ns}" for t in tools)
+    return f"{found} CXX={os.environ.get('CXX', '')}"  # torch's cpp_extension builds with $CXX when set
 
 
 def _remember_failure(out: Path, exc: BaseException, why: str) -> None:

@@ -101,8 +101,8 @@ class ToolCallParser:
             if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
                 self._open_call(events, name[0])
         elif self.state in ("start", "content") and self.buf:
-            # cut: a held opening may have been a call's, newlines before it were text
-            text = self.buf if not cut else self.buf[: len(self.buf) - len(self.buf.lstrip(SEP))]
+            # cut: a held opening may have been a call's, the whitespace before it was text
+            text = self.buf if not cut else self.buf[: len(self.buf) - len(self.buf.lstrip())]
             if text and (not cut or self.state == "content"):
                 self.content.append(text)
                 events.append(("content", text))
@@ -117,17 +117,15 @@ class ToolCallParser:
             self.state = "content"  # else: could still become a call
 
     def _content(self, events) -> None:
-        """Text, up to a `<tool_call>` opening that follows it (its calls come next; the newlines
-        between are the separator `render` writes, not content); the end of the text that could still
-        become that separator and opening is held back."""
+        """Text, up to a `<tool_call>` opening that follows it (its calls come next; the whitespace
+        between, `render`'s newline among it, is no content); the end of the text that could still
+        become that whitespace and opening is held back."""
         at = self.buf.find(OPEN)
         if at >= 0:
-            text, self.buf, self.state = self.buf[:at].rstrip(SEP), self.buf[at + len(OPEN) :], "head"
+            text, self.buf, self.state = self.buf[:at].rstrip(), self.buf[at + len(OPEN) :], "head"
         else:
             keep = next((n for n in range(len(OPEN) - 1, 0, -1) if self.buf.endswith(OPEN[:n])), 0)
-            cut = (
-                len(self.buf.rstrip(SEP)) if keep == 0 else len(self.buf[: len(self.buf) - keep].rstrip(SEP))
-            )
+            cut = len(self.buf.rstrip()) if keep == 0 else len(self.buf[: len(self.buf) - keep].rstrip())
             text, self.buf = self.buf[:cut], self.buf[cut:]
         if text:
             self.content.append(text)
