@@ -692,6 +692,39 @@ def test_zod_record_forms_compile_and_hold_what_they_mean(tiny_dir):
             assert valid == (value in good) and holds(schema, value) == valid, (schema, value)
 
 
+def test_a_format_the_engine_enforces_stands_for_a_pattern_it_cannot_take(tiny_dir):
+    """zod 4 writes `z.iso.duration()` as `format: duration` plus a pattern with look-aheads, which the
+    engine cannot compile: every schema with one was a 400. The pattern is dropped where the format
+    says it; a pattern without a known format still refuses (emoji). Seen red without the drop."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    from kvgate.structured.schema_prep import compiles, engine_schema
+
+    zod = r"^P(?:(\d+W)|(?!.*W)(?=\d|T\d)(\d+Y)?(\d+M)?(\d+D)?(T(?=\d)(\d+H)?(\d+M)?(\d+([.,]\d+)?S)?)?)$"
+    schema = engine_schema({"type": "string", "format": "duration", "pattern": zod})
+    assert compiles(schema)
+    text = (tiny_dir / "tokenizer.json").read_text()
+    tk = Tokenizer.from_str(text)
+    lt = llguidance.LLTokenizer(text, n_vocab=tk.get_vocab_size(True), eos_token=None)
+
+    def holds(value: str) -> bool:
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(schema), log_level=0)
+        ids = tk.encode(json.dumps(value), add_special_tokens=False).ids
+        if m.validate_tokens(ids) != len(ids):
+            return False
+        m.consume_tokens(ids)
+        return m.is_accepting() and not m.is_error()
+
+    assert holds("P3D") and holds("PT1H30M") and not holds("3D")
+    emoji = {
+        "type": "string",
+        "format": "emoji",
+        "pattern": r"^(?=[\s\S]*\p{Extended_Pictographic})\p{Extended_Pictographic}+$",
+    }
+    assert not compiles(engine_schema(emoji))
+
+
 def test_descriptions_do_not_count_against_the_grammars_bound(base):
     """QA pass 6: the 32 KiB bound on a grammar's text counted the schema's descriptions and examples,
     so a simple schema with verbose docs (10 string properties, 56 KB of JSON) was a 400 blaming "the

@@ -4,7 +4,9 @@
   string. In JSON Schema (2020-12) `format` is an annotation unless a validator opts into asserting
   it, so this is what the schema means; pydantic writes `binary` for `bytes` and `password` for
   `SecretStr`, and those requests were 400s. The formats the engine knows (`date-time`, `email`,
-  `uuid`, ...) stay enforced. Which it knows is asked of the engine, once per distinct value. `date`
+  `uuid`, ...) stay enforced, and a `pattern` beside one that the engine cannot take (zod 4 writes
+  look-aheads for `z.iso.duration()`) is dropped: the format holds. Which it knows is asked of the
+  engine, once per distinct value. `date`
   and `date-time` become patterns of real calendar days (the engine's allow February 29 every year),
   held beside a schema's own `pattern` through `allOf`.
 - zod 4's record forms, which the engine does not take as written: `propertyNames: {"type":
@@ -110,6 +112,10 @@ def engine_schema(schema):
     fmt = out.get("format")
     if isinstance(fmt, str) and not known_format(fmt):
         del out["format"]
+    elif (
+        isinstance(fmt, str) and isinstance(out.get("pattern"), str) and not _pattern_compiles(out["pattern"])
+    ):
+        del out["pattern"]  # the format says it (zod writes both: its duration pattern has look-aheads)
     elif fmt in FORMAT_PATTERNS:  # the calendar's own days (FORMAT_PATTERNS), and the schema's pattern
         del out["format"]
         if "pattern" in out:
@@ -209,6 +215,11 @@ def unimplemented(message: str) -> set[str]:
     except json.JSONDecodeError:
         return set()
     return {k for k in keys if isinstance(k, str)} if isinstance(keys, list) else set()
+
+
+@functools.lru_cache(maxsize=256)  # bounded: patterns are what clients send
+def _pattern_compiles(pattern: str) -> bool:
+    return compiles({"type": "string", "pattern": pattern})
 
 
 def compiles(schema: dict) -> bool:
