@@ -66,6 +66,24 @@ def assert_stack_is_loop(model, kv) -> None:
         assert all(torch.equal(a, b) for a, b in zip(with_stack[1], loop[1], strict=True))
 
 
+def assert_team_is_ops_and_loop(model, kv, decodes) -> None:
+    """One decode-only step ran on the stack's thread team, and its logits and K/V writes equal the
+    op-by-op stack's and the Python loop's exactly."""
+    stack = model.decode_stack
+    ran = stack.team_steps()
+    team = step(model, kv, decodes)
+    assert stack.team_steps() == ran + 1, "the step did not run on the team"
+    stack.set_team(False)
+    ops = step(model, kv, decodes)
+    stack.set_team(True)
+    model.decode_stack = None
+    loop = step(model, kv, decodes)
+    model.decode_stack = stack
+    for other in (ops, loop):
+        assert torch.equal(team[0], other[0])
+        assert all(torch.equal(a, b) for a, b in zip(team[1], other[1], strict=True))
+
+
 def step(model, kv, decodes, prefills=()):
     """One forward; the logits and the pools as it left them (the pools are restored afterwards)."""
     from kvgate.core.step_inputs import build_step
@@ -179,18 +197,7 @@ def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, fmt, kv_
             if isa is not None:
                 ext.set_int8_isa(isa)
             for decodes in ([rows[4]], [rows[7]], rows[:2], rows[6:9], rows):
-                ran = stack.team_steps()
-                team = step(model, kv, decodes)
-                assert stack.team_steps() == ran + 1, "the step did not run on the team"
-                stack.set_team(False)
-                ops = step(model, kv, decodes)
-                stack.set_team(True)
-                model.decode_stack = None
-                loop = step(model, kv, decodes)
-                model.decode_stack = stack
-                for other in (ops, loop):
-                    assert torch.equal(team[0], other[0])
-                    assert all(torch.equal(a, b) for a, b in zip(team[1], other[1], strict=True))
+                assert_team_is_ops_and_loop(model, kv, decodes)
     finally:
         torch.set_num_threads(was)
         if was_isa != "scalar":
@@ -256,17 +263,6 @@ def test_a_k_quant_models_stack_runs_its_block_tiles_on_the_team_as_the_loop(
     torch.set_num_threads(threads)
     try:
         for decodes in ([rows[4]], rows[:2], rows):
-            ran = stack.team_steps()
-            team = step(model, kv, decodes)
-            assert stack.team_steps() == ran + 1, "the step did not run on the team"
-            stack.set_team(False)
-            ops = step(model, kv, decodes)
-            stack.set_team(True)
-            model.decode_stack = None
-            loop = step(model, kv, decodes)
-            model.decode_stack = stack
-            for other in (ops, loop):
-                assert torch.equal(team[0], other[0])
-                assert all(torch.equal(a, b) for a, b in zip(team[1], other[1], strict=True))
+            assert_team_is_ops_and_loop(model, kv, decodes)
     finally:
         torch.set_num_threads(was)

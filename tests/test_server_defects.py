@@ -377,6 +377,19 @@ def test_a_prompt_list_that_can_never_run_together_is_a_400_up_front(make_engine
         assert r.status_code == 400 and "--min-cap-tokens" in r.json()["error"]["message"], r.text
 
 
+class _Handle:
+    """A request handle as HandledStream sees one: cancelled or not, and no events to count."""
+
+    cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+    async def aevents(self):
+        return
+        yield
+
+
 def test_a_stream_whose_client_left_before_its_first_byte_stops_its_requests():
     """QA pass 9's MEDIUM: a client gone between admission and the first byte made Starlette cancel the
     body before the SSE generator's first step, so its cleanup never ran and the request generated to
@@ -388,16 +401,6 @@ def test_a_stream_whose_client_left_before_its_first_byte_stops_its_requests():
 
     from kvgate.server.sse import HandledStream
 
-    class Handle:
-        cancelled = False
-
-        def cancel(self):
-            self.cancelled = True
-
-        async def aevents(self):
-            return
-            yield
-
     async def body():
         yield "data: x\n\n"
 
@@ -407,7 +410,7 @@ def test_a_stream_whose_client_left_before_its_first_byte_stops_its_requests():
     async def send(message):
         await asyncio.Event().wait()  # the client is gone: the start never goes out
 
-    handles = [Handle(), Handle()]
+    handles = [_Handle(), _Handle()]
     asyncio.run(HandledStream(body(), handles, lambda res: None)({"type": "http"}, receive, send))
     assert all(h.cancelled for h in handles)
 
@@ -421,20 +424,10 @@ def test_a_responses_stream_left_before_the_chat_stream_began_stops_its_requests
 
     from kvgate.server.sse import HandledStream
 
-    class Handle:
-        cancelled = False
-
-        def cancel(self):
-            self.cancelled = True
-
-        async def aevents(self):
-            return
-            yield
-
     async def chat():
         yield "data: x\n\n"
 
-    handles = [Handle()]
+    handles = [_Handle()]
     inner = HandledStream(chat(), handles, lambda res: None)
 
     async def events():

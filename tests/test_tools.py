@@ -576,6 +576,31 @@ def test_a_format_the_engine_does_not_know_is_an_annotation_and_known_ones_hold(
         assert "@" in got["mail"]  # the tiny model writes noise, but the email format held
 
 
+def json_holds(tiny_dir):
+    """`holds(schema, value)`: whether the grammar of `schema` (as `engine_schema` makes it for the
+    engine) accepts `value`'s JSON whole, on the tiny model's tokenizer."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    from kvgate.structured.schema_prep import engine_schema
+
+    text = (tiny_dir / "tokenizer.json").read_text()
+    tk = Tokenizer.from_str(text)
+    lt = llguidance.LLTokenizer(text, n_vocab=tk.get_vocab_size(True), eos_token=None)
+
+    def holds(schema: dict, value) -> bool:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(engine_schema(schema))
+        m = llguidance.LLMatcher(lt, grammar, log_level=0)
+        assert not m.is_error(), m.get_error()
+        ids = tk.encode(json.dumps(value), add_special_tokens=False).ids
+        if m.validate_tokens(ids) != len(ids):
+            return False
+        m.consume_tokens(ids)
+        return m.is_accepting() and not m.is_error()
+
+    return holds
+
+
 def test_date_formats_hold_only_calendar_days(tiny_dir):
     """QA pass 8's L2: the grammar engine's `date` allowed February 29 of every year (2015-02-29 came
     back under strict json_schema, and jsonschema and pydantic refuse it). The patterns that replace it
@@ -586,10 +611,7 @@ def test_date_formats_hold_only_calendar_days(tiny_dir):
     import datetime
     import re
 
-    import llguidance
-    from tokenizers import Tokenizer
-
-    from kvgate.structured.schema_prep import FORMAT_PATTERNS, engine_schema
+    from kvgate.structured.schema_prep import FORMAT_PATTERNS
 
     day = re.compile(FORMAT_PATTERNS["date"])
     for y in range(10000):
@@ -600,18 +622,10 @@ def test_date_formats_hold_only_calendar_days(tiny_dir):
                 except ValueError:
                     real = False
                 assert bool(day.match(f"{y:04d}-{m:02d}-{d:02d}")) == real, (y, m, d)
-    text = (tiny_dir / "tokenizer.json").read_text()
-    tk = Tokenizer.from_str(text)
-    lt = llguidance.LLTokenizer(text, n_vocab=tk.get_vocab_size(True), eos_token=None)
+    schema_holds = json_holds(tiny_dir)
 
     def holds(fmt: str, value: str, **more) -> bool:
-        schema = engine_schema({"type": "string", "format": fmt, **more})
-        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(schema), log_level=0)
-        ids = tk.encode(json.dumps(value), add_special_tokens=False).ids
-        if m.validate_tokens(ids) != len(ids):
-            return False
-        m.consume_tokens(ids)
-        return m.is_accepting() and not m.is_error()
+        return schema_holds({"type": "string", "format": fmt, **more}, value)
 
     assert holds("date", "2016-02-29") and holds("date", "2000-02-29")
     assert (
@@ -634,26 +648,8 @@ def test_zod_record_forms_compile_and_hold_what_they_mean(tiny_dir):
     means: any keys; exactly the enum's keys; keys matching a pattern; a `z.never()` property absent.
     jsonschema agrees with the grammar on every sample. Seen red with `_record_keys` taken out."""
     import jsonschema
-    import llguidance
-    from tokenizers import Tokenizer
 
-    from kvgate.structured.schema_prep import engine_schema
-
-    text = (tiny_dir / "tokenizer.json").read_text()
-    tk = Tokenizer.from_str(text)
-    lt = llguidance.LLTokenizer(text, n_vocab=tk.get_vocab_size(True), eos_token=None)
-
-    def holds(schema: dict, value) -> bool:
-        m = llguidance.LLMatcher(
-            lt, llguidance.LLMatcher.grammar_from_json_schema(engine_schema(schema)), log_level=0
-        )
-        assert not m.is_error(), m.get_error()
-        ids = tk.encode(json.dumps(value), add_special_tokens=False).ids
-        if m.validate_tokens(ids) != len(ids):
-            return False
-        m.consume_tokens(ids)
-        return m.is_accepting() and not m.is_error()
-
+    holds = json_holds(tiny_dir)
     num = {"type": "number"}
     cases = [
         (
@@ -696,25 +692,15 @@ def test_a_format_the_engine_enforces_stands_for_a_pattern_it_cannot_take(tiny_d
     """zod 4 writes `z.iso.duration()` as `format: duration` plus a pattern with look-aheads, which the
     engine cannot compile: every schema with one was a 400. The pattern is dropped where the format
     says it; a pattern without a known format still refuses (emoji). Seen red without the drop."""
-    import llguidance
-    from tokenizers import Tokenizer
-
     from kvgate.structured.schema_prep import compiles, engine_schema
 
     zod = r"^P(?:(\d+W)|(?!.*W)(?=\d|T\d)(\d+Y)?(\d+M)?(\d+D)?(T(?=\d)(\d+H)?(\d+M)?(\d+([.,]\d+)?S)?)?)$"
-    schema = engine_schema({"type": "string", "format": "duration", "pattern": zod})
-    assert compiles(schema)
-    text = (tiny_dir / "tokenizer.json").read_text()
-    tk = Tokenizer.from_str(text)
-    lt = llguidance.LLTokenizer(text, n_vocab=tk.get_vocab_size(True), eos_token=None)
+    duration = {"type": "string", "format": "duration", "pattern": zod}
+    assert compiles(engine_schema(duration))
+    schema_holds = json_holds(tiny_dir)
 
     def holds(value: str) -> bool:
-        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(schema), log_level=0)
-        ids = tk.encode(json.dumps(value), add_special_tokens=False).ids
-        if m.validate_tokens(ids) != len(ids):
-            return False
-        m.consume_tokens(ids)
-        return m.is_accepting() and not m.is_error()
+        return schema_holds(duration, value)
 
     assert holds("P3D") and holds("PT1H30M") and not holds("3D")
     emoji = {
