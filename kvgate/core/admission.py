@@ -179,18 +179,15 @@ def fit_group(cfg: SchedulerConfig, requests: list[GenerationRequest], n: int) -
         P = len(r.prompt_ids)
         return group_blocks(cfg, P, r.max_tokens or max(1, min(cfg.min_cap_tokens, cfg.max_model_len - P)), n)
 
-    need = sum(least(r) for r in requests)
+    leasts = [least(r) for r in requests]
+    need, unset = sum(leasts), sum(1 for r in requests if not r.max_tokens)
     if need > cfg.total_blocks:
         bpt, bs = cfg.kv_bytes_per_token, cfg.block_size
-        unset = (
-            " (an unset max_tokens counted at its least, --min-cap-tokens)"
-            if any(not r.max_tokens for r in requests)
-            else ""
-        )
+        counted = " (an unset max_tokens counted at its least, --min-cap-tokens)" if unset else ""
         raise Refusal(
             "kv_budget_exceeded",
             f"this request's {len(requests)} prompts are admitted together and together need {need} KV blocks "
-            f"({need * bs * bpt:,} bytes) for their prompts and max_tokens{unset}, but the whole KV pool is "
+            f"({need * bs * bpt:,} bytes) for their prompts and max_tokens{counted}, but the whole KV pool is "
             f"{cfg.total_blocks} blocks ({cfg.kv_positions} positions, {cfg.kv_positions * bpt:,} bytes). Send "
             "fewer prompts a request, lower max_tokens, or give the server more KV memory.",
             400,
@@ -198,9 +195,10 @@ def fit_group(cfg: SchedulerConfig, requests: list[GenerationRequest], n: int) -
             limit_bytes=cfg.kv_positions * bpt,
             param="prompt",
         )
-    unset = [r for r in requests if not r.max_tokens]
-    extra = (cfg.total_blocks - need) // max(1, len(unset))
-    return [r if r.max_tokens else replace(r, kv_share=least(r) + extra) for r in requests]
+    extra = (cfg.total_blocks - need) // max(1, unset)
+    return [
+        r if r.max_tokens else replace(r, kv_share=b + extra) for r, b in zip(requests, leasts, strict=True)
+    ]
 
 
 def unavailable_refusal(reason: str, retry_after: int) -> Refusal:

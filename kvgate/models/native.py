@@ -117,22 +117,22 @@ def extension():
     """The compiled module (built on first use, then loaded from the cache), or None."""
     if "module" in _state:
         return _state["module"]
-    module, why = None, None
+    module, why, out = None, None, None
     try:
         _pip_ninja_on_path()
-        module = _cached(cache_dir())
-        why = None if module is not None else _failed_before(cache_dir())
-        if why is not None:
-            log.warning(why)
-            _state["module"], _state["why"] = None, why
-            return None
+        out = cache_dir()  # hashes every source: once
+        module = _cached(out)
         if module is not None:
             _apply_env_choices(module)
             _state["module"], _state["why"] = module, None
             return module
+        why = _failed_before(out)
+        if why is not None:
+            log.warning(why)
+            _state["module"], _state["why"] = None, why
+            return None
         from torch.utils.cpp_extension import load
 
-        out = cache_dir()
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with _build_lock(out):
@@ -150,7 +150,8 @@ def extension():
     except Exception as exc:  # no compiler, no ninja, a failed build: the plain paths stay
         why = build_failure(exc)
         log.warning(why)
-        _remember_failure(cache_dir(), exc, why)
+        if out is not None:
+            _remember_failure(out, exc, why)
     if module is not None:
         _apply_env_choices(module)
     _state["module"], _state["why"] = module, why

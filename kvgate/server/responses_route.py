@@ -80,9 +80,9 @@ async def responses(request: Request) -> Response:
     if isinstance(answer, StreamingResponse):
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         events = _events(answer.body_iterator, ResponseEvents(skel, kept))
-        inner = answer  # the chat stream, begun only after response.created and .in_progress
+        # the chat stream (answer) begins only after response.created and .in_progress
         return HandledStream(
-            events, answer.handles, answer.on_result, began=lambda: inner.began, headers=headers
+            events, answer.handles, answer.on_result, began=lambda: answer.began, headers=headers
         )
     response = response_body(json.loads(answer.body), skel)
     kept(response)
@@ -95,16 +95,18 @@ def referenced(body, store: ResponseStore):
     items = body.get("input") if isinstance(body, dict) else None
     if not isinstance(items, list):
         return body
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, dict) and item.get("type") == "item_reference":
-            item_id = item.get("id")
-            found = store.item(item_id) if isinstance(item_id, str) else None
-            if found is None:
-                raise APIError(400, _unreferenced(item_id, store), "item_not_found", param=f"input.{i}.id")
-            item = found
-        out.append(item)
-    return {**body, "input": out}
+    refs = {
+        i: item.get("id")
+        for i, item in enumerate(items)
+        if isinstance(item, dict) and item.get("type") == "item_reference"
+    }
+    if not refs:
+        return body
+    kept = store.items({r for r in refs.values() if isinstance(r, str)})  # each holder decoded once
+    for i, item_id in refs.items():
+        if kept.get(item_id) is None:
+            raise APIError(400, _unreferenced(item_id, store), "item_not_found", param=f"input.{i}.id")
+    return {**body, "input": [kept[refs[i]] if i in refs else item for i, item in enumerate(items)]}
 
 
 def _unreferenced(item_id, store: ResponseStore) -> str:

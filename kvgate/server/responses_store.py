@@ -57,12 +57,21 @@ class ResponseStore:
 
     def item(self, item_id: str) -> dict | None:
         """The kept item (an input item or an output item of a kept response) with this id, or None."""
-        holders = self._holders.get(item_id)
-        got = self.get(holders[-1]) if holders else None
-        if got is None:
-            return None
-        response, conversation = got
-        return next((i for i in conversation + _output(response) if i.get("id") == item_id), None)
+        return self.items({item_id}).get(item_id)
+
+    def items(self, item_ids: set[str]) -> dict[str, dict]:
+        """The kept items with these ids, by id (those not kept left out): each holding response's
+        record decoded once, however many of the ids it holds (a turn names every earlier one)."""
+        by_holder: dict[str, set[str]] = {}
+        for item_id in item_ids:
+            holders = self._holders.get(item_id)
+            if holders:
+                by_holder.setdefault(holders[-1], set()).add(item_id)
+        found: dict[str, dict] = {}
+        for rid, wanted in by_holder.items():
+            response, conversation = self.get(rid)
+            found.update((i["id"], i) for i in conversation + _output(response) if i.get("id") in wanted)
+        return found
 
     def get(self, rid: str) -> tuple[dict, list] | None:
         """(the response, the conversation that led to it), or None; a read counts as a use."""

@@ -2,9 +2,9 @@
 
 OpenAI's rule: when the input would overflow the model's context, items are dropped from the beginning
 of the conversation. kvgate's whole KV pool is a ceiling of the same kind (a request it can never hold
-is a 400 `kv_budget_exceeded`), so the conversation is cut to fit both. Here the `instructions` and any system or developer message stay, a tool result
-whose call was dropped goes with it (a result without its call is not a conversation a template can
-render), and at least one item must be left; otherwise the request goes on whole and gets the usual
+is a 400 `kv_budget_exceeded`), so the conversation is cut to fit both. Here the `instructions` and any
+system or developer message stay, a tool result whose call was dropped goes with it (a result without
+its call is not a conversation a template can render), and at least one item must be left; otherwise the request goes on whole and gets the usual
 `context_length_exceeded` 400 with its numbers.
 
 The cut is found by a binary search over how many of the oldest items go, each candidate counted by
@@ -52,7 +52,8 @@ def without_oldest(messages: list[dict], origin: list[str], k: int) -> tuple[lis
 
 async def fit(request, chat: dict, origin: list[str]) -> tuple[list[dict], list[str]]:
     """`chat`'s messages (and their origins) cut to the fewest dropped items that fit the context and
-    the KV pool with the output it asks for; unchanged when they fit, or when nothing droppable makes them fit."""
+    the KV pool with the output it asks for; unchanged when they fit, or when nothing droppable makes
+    them fit."""
     state = request.app.state
     engine = ready_engine(state)
     cfg = engine.sched_cfg

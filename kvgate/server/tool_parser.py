@@ -68,9 +68,9 @@ class ToolCallParser:
 
     Events: ("content", text), ("call", ParsedCall) when a call's name is known, ("args", index, text).
     Calls may follow content (text, then `<tool_call>`). Arguments are released as they come, exactly
-    their JSON text: the wrapper's end (`}`, a newline, `</tool_call>`) never is. Output cut short (max_tokens) in a call gives that call with the
-    arguments so far, `done` False, once its name is whole, and nothing before: no markup ever
-    comes out as content.
+    their JSON text: the wrapper's end (`}`, a newline, `</tool_call>`) never is. Output cut short
+    (max_tokens) in a call gives that call with the arguments so far, `done` False, once its name is
+    whole, and nothing before: no markup ever comes out as content.
     """
 
     buf: str = ""
@@ -125,7 +125,7 @@ class ToolCallParser:
             text, self.buf, self.state = self.buf[:at].rstrip(), self.buf[at + len(OPEN) :], "head"
         else:
             keep = next((n for n in range(len(OPEN) - 1, 0, -1) if self.buf.endswith(OPEN[:n])), 0)
-            cut = len(self.buf.rstrip()) if keep == 0 else len(self.buf[: len(self.buf) - keep].rstrip())
+            cut = len(self.buf[: len(self.buf) - keep].rstrip())
             text, self.buf = self.buf[:cut], self.buf[cut:]
         if text:
             self.content.append(text)

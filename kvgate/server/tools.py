@@ -20,8 +20,8 @@ always parse and validate. An answer is any text in which `<tool_call>` does not
 the calls may also follow some text in the same turn (as Hermes models write "Let me check." before a
 call, and as kvgate renders a replayed turn with both), which is the message's content beside its
 `tool_calls`. After the calls, a newline that `<tool_call>` does not follow starts a short remark that
-ends the output and is dropped (`grammar` says why neither side may commit on one character). `none` renders no tools and
-uses no grammar.
+ends the output and is dropped (`grammar` says why neither side may commit on one character). `none`
+renders no tools and uses no grammar.
 
 `ToolCallParser` (kvgate/server/tool_parser.py) reads the output incrementally (the same code for
 streams and whole responses): it releases content, each call's start (id, name) and its arguments as they are generated, holding back

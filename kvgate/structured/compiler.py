@@ -147,8 +147,9 @@ def check_lengths(bounds: list[tuple[str, int]]) -> None:
 
 def _reason(error: str) -> str:
     """llguidance's error on one line: its lines joined, the caret lines that mark a position and the
-    quoted lines of the grammar's text (kvgate's Lark, cut mid-schema: QA pass 9) dropped (a regex error's detail is on the lines after "regex parse error:"), Rust's `Some(x)`
-    written as x, and the way out for integer bounds it cannot turn into a grammar."""
+    quoted lines of the grammar's text (kvgate's Lark, cut mid-schema: QA pass 9) dropped (a regex
+    error's detail is on the lines after "regex parse error:"), Rust's `Some(x)` written as x, and the
+    way out for integer bounds it cannot turn into a grammar."""
     lines = [
         ln.strip()
         for ln in error.strip().splitlines()

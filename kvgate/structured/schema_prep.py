@@ -138,32 +138,34 @@ def engine_schema(schema):
 def _record_keys(out: dict) -> None:
     """`propertyNames` in forms the engine takes, and never-present properties left out (the module's
     doc); any other `propertyNames` stays, for the engine's refusal to name."""
-    names = out.get("propertyNames")
-    if isinstance(names, dict):
-        rule = {k: v for k, v in names.items() if k not in ANNOTATIONS}
-        plain = rule.get("type", "string") == "string" and set(rule) <= {"type", "enum", "const", "pattern"}
-        keys = rule["enum"] if "enum" in rule else [rule["const"]] if "const" in rule else None
-        value = out.get("additionalProperties", True)
-        props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
-        if plain and keys is None and "pattern" not in rule:
-            del out["propertyNames"]
-        elif (
-            plain
-            and isinstance(keys, list)
-            and all(isinstance(k, str) for k in keys)
-            and "pattern" not in rule
-        ):
-            allowed = props if value is False else {k: props.get(k, value) for k in keys}
-            out["properties"] = {k: v for k, v in allowed.items() if k in keys}
-            out["additionalProperties"] = False
-            del out["propertyNames"]
-        elif plain and keys is None and not props and "patternProperties" not in out and value is not False:
-            out["patternProperties"] = {rule["pattern"]: value}
-            out["additionalProperties"] = False
-            del out["propertyNames"]
+    if isinstance(out.get("propertyNames"), dict):
+        _property_names(out, {k: v for k, v in out["propertyNames"].items() if k not in ANNOTATIONS})
     props = out.get("properties")
     if isinstance(props, dict) and any(v is False or v == {"not": {}} for v in props.values()):
         out["properties"] = {k: v for k, v in props.items() if not (v is False or v == {"not": {}})}
+
+
+def _property_names(out: dict, rule: dict) -> None:
+    """`out`'s `propertyNames` (`rule`, less its annotations) as the keys it allows, where it is a string
+    rule of no kind, of an `enum` / `const` of keys, or of a `pattern`."""
+    if rule.get("type", "string") != "string" or not set(rule) <= {"type", "enum", "const", "pattern"}:
+        return
+    keys = rule["enum"] if "enum" in rule else [rule["const"]] if "const" in rule else None
+    pattern = rule.get("pattern")
+    value = out.get("additionalProperties", True)
+    props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+    if keys is None and pattern is None:  # any string: always true
+        del out["propertyNames"]
+        return
+    if pattern is None and isinstance(keys, list) and all(isinstance(k, str) for k in keys):
+        allowed = props if value is False else {k: props.get(k, value) for k in keys}
+        out["properties"] = {k: v for k, v in allowed.items() if k in keys}
+    elif keys is None and not props and "patternProperties" not in out and value is not False:
+        out["patternProperties"] = {pattern: value}
+    else:
+        return
+    out["additionalProperties"] = False
+    del out["propertyNames"]
 
 
 COUNTS = re.compile(r"(?<!\\)\{(\d+)(?:,(\d+))?\}")  # a regex's {n} and {n,m} (not {n,}: no count)
