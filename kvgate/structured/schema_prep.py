@@ -112,16 +112,15 @@ def engine_schema(schema):
     fmt = out.get("format")
     if isinstance(fmt, str) and not known_format(fmt):
         del out["format"]
-    elif (
-        isinstance(fmt, str) and isinstance(out.get("pattern"), str) and not _pattern_compiles(out["pattern"])
-    ):
-        del out["pattern"]  # the format says it (zod writes both: its duration pattern has look-aheads)
-    elif fmt in FORMAT_PATTERNS:  # the calendar's own days (FORMAT_PATTERNS), and the schema's pattern
-        del out["format"]
-        if "pattern" in out:
-            out["allOf"] = [*out.get("allOf", []), {"pattern": FORMAT_PATTERNS[fmt]}]
-        else:
-            out["pattern"] = FORMAT_PATTERNS[fmt]
+    elif isinstance(fmt, str):
+        if isinstance(out.get("pattern"), str) and not _pattern_compiles(out["pattern"]):
+            del out["pattern"]  # the format says it (zod writes both: its duration pattern has look-aheads)
+        if fmt in FORMAT_PATTERNS:  # the calendar's own days (FORMAT_PATTERNS), and the schema's pattern
+            del out["format"]
+            if "pattern" in out:
+                out["allOf"] = [*out.get("allOf", []), {"pattern": FORMAT_PATTERNS[fmt]}]
+            else:
+                out["pattern"] = FORMAT_PATTERNS[fmt]
     _record_keys(out)
     for key in NAMED_SCHEMAS:
         if isinstance(out.get(key), dict):
