@@ -213,6 +213,10 @@ def test_item_references_are_the_kept_items_they_name(base):  # noqa: F811
         c.responses.create(input=[{"type": "item_reference", "id": "msg_nope"}, asked[1]], **GREEDY)
     assert (e.value.body["code"], e.value.body["param"]) == ("item_not_found", "input.0.id")
     assert "Send the item itself instead" in e.value.body["message"]
+    r = httpx.post(
+        f"{base}/v1/responses", json={**GREEDY, "input": [{"type": "item_reference", "id": {}}]}, timeout=60
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.id", r.text  # schemathesis: a 500
     for kept in (ref, whole, first):  # every response holding the item: then it is gone
         httpx.delete(f"{base}/v1/responses/{kept.id}", timeout=10)
     with pytest.raises(openai.BadRequestError):

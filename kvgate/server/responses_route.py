@@ -104,7 +104,7 @@ def referenced(body, store: ResponseStore):
         return body
     kept = store.items({r for r in refs.values() if isinstance(r, str)})  # each holder decoded once
     for i, item_id in refs.items():
-        if kept.get(item_id) is None:
+        if not isinstance(item_id, str) or item_id not in kept:  # an id of any other type names nothing
             raise APIError(400, _unreferenced(item_id, store), "item_not_found", param=f"input.{i}.id")
     return {**body, "input": [kept[refs[i]] if i in refs else item for i, item in enumerate(items)]}
 
