@@ -13,7 +13,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from kvgate.flag_types import at_least, more_than
+from kvgate.flag_types import at_least, auto_or, byte_size, more_than
 from kvgate.units import parse_bytes
 
 
@@ -81,6 +81,7 @@ class EngineConfig:
     step_timeout: float | None = None
     prefix_cache: str = "on"  # on | off: share the KV of prompt prefixes already computed
     cuda_graphs: str = "auto"  # auto | on | full | off: steps replayed from captured CUDA graphs (CUDA only)
+    logprobs_memory: int | None = None  # bytes requests' logprobs may hold (core.logprob_budget); None = auto
     extra: dict = field(default_factory=dict)
 
 
@@ -106,6 +107,7 @@ class SchedulerConfig:
     speculate: int = 0  # draft tokens a greedy row may verify per step (kvgate.core.speculate)
     decode_position_seconds: float = 0.0  # a decode step's growth per row context position (measured)
     cache_root: bytes = b""  # the model's identity: the root of every prompt-block hash
+    logprobs_memory: int = 32 << 20  # the logprobs budget (kvgate.core.logprob_budget)
 
     @property
     def kv_positions(self) -> int:
@@ -229,6 +231,14 @@ ENGINE_FLAGS = [
         "bucket; full: also steps with prompt chunks, each layer's glue replayed and attention eager between "
         "(not yet run on a GPU); their memory is in the plan (auto: on for a CUDA device, off on a CPU)",
     ),
+    (
+        "--logprobs-memory",
+        auto_or(byte_size),
+        "auto",
+        "memory the requests' log-probabilities may hold at once, reserved at admission (a plan term on CPU), "
+        "~0.7 KB a token at top_logprobs 20; a request that can never fit is a 400, one that cannot fit now "
+        "waits (auto: 1/16 of the memory limit, at most 32MiB)",
+    ),
 ]
 
 
@@ -293,4 +303,5 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         step_timeout=a.step_timeout,
         prefix_cache=a.prefix_cache,
         cuda_graphs=a.cuda_graphs,
+        logprobs_memory=a.logprobs_memory,
     )

@@ -46,6 +46,16 @@ def more_than(kind: type, low):
 PORT = at_least(int, 1, 65535)
 
 
+def auto_or(kind):
+    """`kind`, or None for the word auto."""
+
+    def convert(text):
+        return None if text == "auto" else kind(text)
+
+    convert.__name__ = getattr(kind, "__name__", "value")
+    return convert
+
+
 def byte_size(text: str) -> int:
     """A size such as 64MiB, 2GB or 1000000 (0 allowed), as bytes."""
     from kvgate.units import SizeError, parse_bytes

@@ -72,6 +72,11 @@ class GenerationRequest:
     # a prompt of a list, its max_tokens unset: the KV blocks it may take at most (its share of the pool,
     # since a list is admitted together: `admission.fit_group`); None: the whole pool
     kv_share: int | None = None
+    logprobs_share: int | None = None  # the same for its logprobs' bytes (kvgate.core.logprob_budget)
+    # who keeps the logprobs after the row ends (kvgate.core.logprob_budget): None, the engine's events
+    # only (their reservation ends with the row); an int, the caller, until it closes the handle, with
+    # this many bytes a position of its own on top (the server: 0, or the dicts a Responses body builds)
+    held: int | None = None
 
     def validate(self, vocab_size: int) -> GenerationRequest:
         """Raise `RequestError` / `SamplingError` (both ValueErrors naming the field) or return self."""
@@ -239,14 +244,17 @@ def _wake(fut: asyncio.Future) -> None:
 
 
 class RequestHandle:
-    def __init__(self, request: GenerationRequest, send_cancel):
-        """`send_cancel(request_id)` delivers a cancel command to the engine's worker."""
+    def __init__(self, request: GenerationRequest, send_cancel, send_release=None):
+        """`send_cancel(request_id)` delivers a cancel command to the engine's worker; `send_release`
+        (request_id) gives its logprobs reservation back (`close`)."""
         self.id = next(_ids)
         self.request = request
         self.events = Channel()
         self.submitted_at = time.monotonic()
         self.cancelled = False
+        self.closed = False
         self._send_cancel = send_cancel
+        self._send_release = send_release
         self.admission: Admitted | Refusal | None = None
         self.final: Result | None = None
 
@@ -255,6 +263,16 @@ class RequestHandle:
         if not self.cancelled:
             self.cancelled = True
             self._send_cancel(self.id)
+
+    def close(self) -> None:
+        """The caller is done with this request's output: a request that reserved its logprobs until
+        then (`GenerationRequest.held`) gives them back. Safe to call any time, twice."""
+        if not self.closed:
+            self.closed = True
+            r = self.request
+            asked = r.sampling.logprobs is not None or r.prompt_logprobs is not None
+            if asked and r.held is not None and self._send_release is not None:
+                self._send_release(self.id)
 
     # Synchronous consumers -------------------------------------------------------------------
     def wait_admitted(self, timeout: float | None = None) -> Admitted:

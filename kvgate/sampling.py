@@ -238,11 +238,10 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     OpenAI and vLLM give them, so tokens a grammar forbids fill the list at -inf (-9999.0 in JSON) when
     fewer than k are allowed (QA pass 6: clients that index top_logprobs[k] broke on shorter lists)."""
     lp = torch.log_softmax(logits.float(), -1)
-    top: list[tuple[int, float]] = []
-    if k:
-        vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
-        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-    return TokenLogprobs(token, float(lp[token]), top)
+    if not k:
+        return TokenLogprobs.packed(token, float(lp[token]), [], [])
+    vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
+    return TokenLogprobs.packed(token, float(lp[token]), ids.tolist(), vals.tolist())
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
@@ -250,14 +249,13 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     prompt's rows, one log-softmax for the group."""
     lp = torch.log_softmax(logits.float(), -1)
     got = lp.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
-    tops: list[list[tuple[int, float]]] = [[] for _ in targets]
-    if k:
-        vals, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-        tops = [
-            [(i, v) for i, v in zip(ri, rv, strict=True) if math.isfinite(v)]
-            for ri, rv in zip(ids.tolist(), vals.tolist(), strict=True)
-        ]
-    return [TokenLogprobs(t, g, top) for t, g, top in zip(targets, got, tops, strict=True)]
+    if not k:
+        return [TokenLogprobs.packed(t, g, [], []) for t, g in zip(targets, got, strict=True)]
+    vals, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    return [
+        TokenLogprobs(t, g, [(i, v) for i, v in zip(ri, rv, strict=True) if math.isfinite(v)])
+        for t, g, ri, rv in zip(targets, got, ids.tolist(), vals.tolist(), strict=True)
+    ]
 
 
 _executor = None

@@ -103,15 +103,17 @@ def test_console_in_headless_chromium(make_engine, tmp_path):
             "weights",
             "overhead",
             "workspace",
+            "logprobs",
             "kv-referenced",
             "kv-cached",
             "kv-free",
             "unreserved",
         ]
-        assert (got["weights"], got["overhead"], got["workspace"]) == (
+        assert (got["weights"], got["overhead"], got["workspace"], got["logprobs"]) == (
             roles["weights"],
             roles["overhead"],
             roles["workspace"],
+            roles["logprobs"],
         )
         assert got["kv-referenced"] == got["kv-cached"] == 0
         assert got["kv-free"] == roles["kv_cache"] == BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN

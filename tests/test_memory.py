@@ -105,6 +105,7 @@ def test_by_role_sums():
         "workspace": 300,
         "overhead": 0,
         "cuda_graphs": 70,
+        "logprobs": 0,
     }
     assert sum(led.by_role().values()) == led.reserved == 1870
 

@@ -127,13 +127,14 @@ def test_weights_smollm2_by_hand():
 
 @pytest.mark.parametrize("dtype_bytes, per_token", [(2, 23_040), (4, 46_080)])
 def test_blocks_and_concurrency_by_hand(dtype_bytes, per_token):
-    """blocks = floor((limit - weights - workspace - overhead) / (bytes_per_token x block_size)), and
+    """blocks = floor((limit - weights - workspace - overhead - logprobs) / (bytes_per_token x block_size)), and
     "max concurrent requests at N tokens each" = blocks // ceil(N / block_size).
     Broken by: rounding the block count up (the pool would exceed the limit), a pool that is not
     blocks x block bytes, or concurrency counted in tokens rather than whole blocks. The count is at most
     --max-seqs (32 here), which 8192-token requests stay under."""
     plan = smollm2_plan("4GiB", dtype_bytes)
-    room = 4 * GiB - SMOLLM2_VALUES * dtype_bytes - 300 * MiB - plan.workspace_bytes
+    assert plan.logprobs_bytes == 32 * MiB  # --logprobs-memory auto: a 16th of the limit, at most 32 MiB
+    room = 4 * GiB - SMOLLM2_VALUES * dtype_bytes - 300 * MiB - 32 * MiB - plan.workspace_bytes
     assert plan.kv_bytes_per_token == per_token
     assert plan.kv_blocks == room // (per_token * 16)
     assert plan.kv_pool_bytes == plan.kv_blocks * per_token * 16 <= room
@@ -244,7 +245,8 @@ def test_small_pool_plans_attention_for_the_pool_not_the_context():
     """When the pool holds fewer positions than the context, attention is planned for the pool (no
     row can outgrow it) and the plan says so; the planned context is never below what the pool holds.
     Broken by: planning for a context shorter than the pool (under-count)."""
-    plan = smollm2_plan("1GiB", 4, overhead=400 * MiB)  # 436 before issue 13's grammar term (~40 MiB)
+    # 436 before issue 13's grammar term (~40 MiB), 400 before the logprobs memory (32 MiB at 1 GiB)
+    plan = smollm2_plan("1GiB", 4, overhead=368 * MiB)
     assert plan.limits.attn_context is not None
     assert plan.kv_positions <= plan.limits.context < 8192
     assert any("attention is planned for rows of at most" in n for n in plan.notes)

@@ -67,6 +67,10 @@ class RemoteHandle:
     def cancel(self) -> None:
         self.call.cancel()
 
+    def close(self) -> None:
+        """Nothing here: the replica closes its own handle once its stream has ended (its ledger holds the
+        logprobs; the ingress's copies are in the ingress's process, outside every replica's plan)."""
+
 
 class RemoteCall:
     """One submission (every prompt and choice of one HTTP request), served by one replica."""

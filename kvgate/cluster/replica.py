@@ -183,6 +183,8 @@ class KvgateReplica:
             if len(finished) < len(handles):  # the caller left (or this replica is stopping)
                 for h in handles:
                     h.cancel()
+            for h in handles:  # every event is sent: their logprobs are the ingress's now
+                h.close()
 
 
 async def _batches(handles):

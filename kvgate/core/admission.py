@@ -24,6 +24,7 @@ import math
 from dataclasses import replace
 
 from kvgate.config import SchedulerConfig
+from kvgate.core import logprob_budget
 from kvgate.core.kv_cache import cacheable_blocks, choice_blocks, prompt_block_hashes
 from kvgate.core.prefill_rate import tokens_within
 from kvgate.core.rows import WaitEntry
@@ -65,6 +66,13 @@ def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[Requ
             raise budget_refusal(cfg, P, ceiling if explicit else 1, n, given=explicit)
         cap = BudgetCap(ceiling, best, "kv_budget")
         ceiling = best
+    share = cfg.logprobs_memory if explicit or req.logprobs_share is None else req.logprobs_share
+    lp = logprob_budget.never_fits(req, ceiling, explicit, n, min(cfg.logprobs_memory, share))
+    if isinstance(lp, Refusal):
+        raise lp
+    if lp is not None:
+        cap = BudgetCap(requested, lp.admitted_max_tokens, lp.reason)
+        ceiling = lp.admitted_max_tokens
     hashes = (
         prompt_block_hashes(req.prompt_ids, cfg.block_size, cfg.cache_root)
         if cfg.prefix_cache or n > 1
@@ -175,11 +183,10 @@ def fit_group(cfg: SchedulerConfig, requests: list[GenerationRequest], n: int) -
     if len(requests) < 2:
         return requests
 
-    def least(r: GenerationRequest) -> int:
-        P = len(r.prompt_ids)
-        return group_blocks(cfg, P, r.max_tokens or max(1, min(cfg.min_cap_tokens, cfg.max_model_len - P)), n)
+    def least_tokens(r: GenerationRequest) -> int:
+        return r.max_tokens or max(1, min(cfg.min_cap_tokens, cfg.max_model_len - len(r.prompt_ids)))
 
-    leasts = [least(r) for r in requests]
+    leasts = [group_blocks(cfg, len(r.prompt_ids), least_tokens(r), n) for r in requests]
     need, unset = sum(leasts), sum(1 for r in requests if not r.max_tokens)
     if need > cfg.total_blocks:
         bpt, bs = cfg.kv_bytes_per_token, cfg.block_size
@@ -195,9 +202,14 @@ def fit_group(cfg: SchedulerConfig, requests: list[GenerationRequest], n: int) -
             limit_bytes=cfg.kv_positions * bpt,
             param="prompt",
         )
+    lp = [logprob_budget.group_bytes(r, least_tokens(r), n) for r in requests]
+    if sum(lp) > cfg.logprobs_memory:
+        raise logprob_budget.group_refusal(sum(lp), cfg.logprobs_memory, len(requests), unset > 0)
     extra = (cfg.total_blocks - need) // max(1, unset)
+    lp_extra = (cfg.logprobs_memory - sum(lp)) // max(1, unset)
     return [
-        r if r.max_tokens else replace(r, kv_share=b + extra) for r, b in zip(requests, leasts, strict=True)
+        r if r.max_tokens else replace(r, kv_share=b + extra, logprobs_share=m + lp_extra)
+        for r, b, m in zip(requests, leasts, lp, strict=True)
     ]
 
 

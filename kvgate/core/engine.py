@@ -34,7 +34,7 @@ from kvgate.config import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, EngineConfig,
 from kvgate.core import admission
 from kvgate.core.core_share import governor_for
 from kvgate.core.gate import SHUTTING_DOWN, AdmissionGate
-from kvgate.core.inbox import Cancel, CancelAll, Drain, Inbox, Stop
+from kvgate.core.inbox import Cancel, CancelAll, Drain, Inbox, Release, Stop
 from kvgate.core.kv_cache import KVPool
 from kvgate.core.omp_pool import release_calling_thread_pool
 from kvgate.core.placement import plan_for
@@ -120,6 +120,8 @@ class Engine:
         if p.graph_bytes:
             self.graph_reservation = self.ledger.reserve("cuda_graphs", p.graph_bytes, "CUDA decode graphs")
         self.ledger.reserve("kv_cache", p.kv_pool_bytes, "KV pool")
+        lp = p.logprobs_bytes if self.device.type == "cpu" else 0  # host memory: not in a GPU's ledger
+        self.ledger.reserve("logprobs", lp, "requests' log-probabilities", lifetime="session")
         self.kv_dtype = place.kv_dtype or self.dtype
         # with graphs, one block past the plan's: where padding rows write (charged with the graphs)
         pad = 1 if place.cuda_graphs else 0  # step pieces come only with the decode graphs
@@ -140,6 +142,7 @@ class Engine:
             speculate=p.limits.speculate,
             decode_position_seconds=place.decode_position_seconds,
             cache_root=f"{spec.architecture}|{spec.name}|{p.dtype}|{self.kv_dtype}|{loaded.source}".encode(),
+            logprobs_memory=p.logprobs_bytes,
         )
         self.inbox = Inbox()
         self.runner = ModelRunner(
@@ -218,21 +221,16 @@ class Engine:
                     f"--cuda-graphs {setting}: capturing the decode graphs failed ({why}). "
                     "--cuda-graphs auto runs eager steps instead, and off never captures."
                 ) from exc
-            self._give_back_graph_memory()
+            r = self.graph_reservation  # the ledger keeps only the pad block of the graphs' charge
+            r.release()
+            pad = p.graph_breakdown["pad_block"]
+            self.graph_reservation = self.ledger.reserve("cuda_graphs", pad, "the KV pool's pad block")
             self.graphs_note = f"off: capture failed ({why}); decode steps run eagerly"
             log.warning("decode graphs %s", self.graphs_note)
             return
         self.runner.graphs = graphs
         self.graphs_note = f"{line} (charged {charged / (1 << 20):.1f} MiB)"
         log.info(self.graphs_note)
-
-    def _give_back_graph_memory(self) -> None:
-        """After a fallback to eager steps: the ledger keeps only the pad block of the graphs' charge."""
-        r = self.graph_reservation
-        if r is not None and not r.released:
-            r.release()
-            pad = self.plan.graph_breakdown["pad_block"]
-            self.graph_reservation = self.ledger.reserve("cuda_graphs", pad, "the KV pool's pad block")
 
     @classmethod
     def from_model(cls, model: str, cfg: EngineConfig | None = None, **kw) -> Engine:
@@ -278,7 +276,7 @@ class Engine:
         """Refusals that need no waiting (never fits, closed, queue full, TTFT budget) raise `Refusal`
         here; invalid fields raise `RequestError` / `SamplingError`."""
         request = request.validate(self.tokenizer.vocab_size).as_kept(self.sched_cfg.speculate)
-        handle = RequestHandle(request, self._send_cancel)
+        handle = RequestHandle(request, self._send_cancel, self._send_release)
         self.gate.submit(handle)
         return handle
 
@@ -291,14 +289,14 @@ class Engine:
         if n > self.sched_cfg.max_seqs:  # before n handles are built: n (or best_of) may be any integer
             raise admission.too_many_choices(n, self.sched_cfg.max_seqs, self.cfg.max_seqs)
         request = request.validate(self.tokenizer.vocab_size).as_kept(self.sched_cfg.speculate)
-        handles = [RequestHandle(request, self._send_cancel)]
+        handles = [RequestHandle(request, self._send_cancel, self._send_release)]
         for i in range(1, n):
             seed = request.sampling.seed
             sampling = replace(request.sampling, seed=None if seed is None else (seed + i) % (1 << 63))
             # the first choice scores the prompt (a scored prompt's positions are shared, and its scores
             # reported with every choice): the others do not score their own tail again
             other = replace(request, sampling=sampling, prompt_logprobs=None)
-            handles.append(RequestHandle(other, self._send_cancel))
+            handles.append(RequestHandle(other, self._send_cancel, self._send_release))
         self.gate.submit(handles[0], handles[1:])
         return handles
 
@@ -326,6 +324,9 @@ class Engine:
 
     def _send_cancel(self, request_id: int) -> None:
         self.inbox.put(Cancel(request_id))
+
+    def _send_release(self, request_id: int) -> None:
+        self.inbox.put(Release(request_id))
 
     def generate(self, request: GenerationRequest, timeout: float | None = None):
         return self.submit(request).result(timeout)
@@ -368,12 +369,10 @@ class Engine:
         if getattr(self, "_released", False):
             return
         self._released = True
-        if self.runner.graphs is not None:
-            self.runner.graphs.release()
-            self.runner.graphs = None
-        if self.pieces is not None:
-            self.pieces.release()
-            self.pieces = None
+        for captured in (self.runner.graphs, self.pieces):
+            if captured is not None:
+                captured.release()
+        self.runner.graphs = self.pieces = None
         self.kv = None
         self.model = None
         for r in self.ledger._live[:]:

@@ -1,7 +1,7 @@
 """The only way into the engine from another thread: commands, and the admission gate that guards them.
 
 Callers never touch the worker's queue, rows or blocks. They put commands here (`Submit`, `Cancel`,
-`Drain`, `CancelAll`, `Stop`) and the worker takes them all at the top of each tick. The inbox owns
+`Release`, `Drain`, `CancelAll`, `Stop`) and the worker takes them all at the top of each tick. The inbox owns
 exactly three things of its own, all under its one lock (which the admission gate also holds while
 it decides):
 - `queued`: choices accepted and not yet out of the queue (the worker calls `left_queue` when a
@@ -34,6 +34,13 @@ class Cancel:
 
 
 @dataclass(slots=True)
+class Release:
+    """A caller closed its handle: the request's logprobs reservation comes back (`RequestHandle.close`)."""
+
+    request_id: int
+
+
+@dataclass(slots=True)
 class Drain:
     """Stop admitting: refuse every queued request now (503); running rows go on."""
 
@@ -48,7 +55,7 @@ class Stop:
     """Leave the worker loop."""
 
 
-Command = Submit | Cancel | Drain | CancelAll | Stop
+Command = Submit | Cancel | Release | Drain | CancelAll | Stop
 
 
 class Inbox:

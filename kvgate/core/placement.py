@@ -344,6 +344,7 @@ def plan_for(
         amx_prefill=amx,
         cuda_graphs=graphs,
         step_pieces=pieces,
+        logprobs_bytes=cfg.logprobs_memory,
     )
     plan.prefix_cache = cfg.prefix_cache != "off"  # the printed plan says where cached blocks live
     plan.load_peak_bytes = process_peak_rss_bytes()  # read and checked, nothing built: plan's and serve's

@@ -23,8 +23,8 @@ import logging
 import time
 
 from kvgate.config import SchedulerConfig
-from kvgate.core import admission, forecast
-from kvgate.core.inbox import Cancel, CancelAll, Command, Drain, Submit
+from kvgate.core import admission, forecast, logprob_budget
+from kvgate.core.inbox import Cancel, CancelAll, Command, Drain, Release, Submit
 from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.outputs import SchedulerOutput
 from kvgate.core.predicted import PredictionDrafts
@@ -60,6 +60,8 @@ class Scheduler:
                     s.waiting.append(cmd.entry)
             elif isinstance(cmd, Cancel):
                 self.cancel(cmd.request_id)
+            elif isinstance(cmd, Release):
+                s.logprobs.give_back(cmd.request_id)
             elif isinstance(cmd, Drain):
                 self.drain()
             elif isinstance(cmd, CancelAll):
@@ -131,6 +133,10 @@ class Scheduler:
                     return  # the head blocks the line (strict FIFO)
                 cap = BudgetCap(head.requested, fits, "kv_free_now")
                 mt = fits
+            handles = [head.handle, *head.followers]
+            logprobs = [logprob_budget.request_bytes(h.request, mt) for h in handles]  # bytes each
+            if sum(logprobs) > s.logprobs.free:
+                return  # the head waits for logprobs memory (strict FIFO)
             s.waiting.popleft()
             try:
                 rows = self._allocate_rows(head, mt, cap, hits)
@@ -142,6 +148,8 @@ class Scheduler:
                 s.counters.failed += n
                 s.leave_queue(head, Refused(admission.engine_error_refusal()))
                 continue
+            for h, nbytes in zip(handles, logprobs, strict=True):
+                s.logprobs.take(h, nbytes)
             c = s.counters
             c.prefix_cache_queries_tokens += P if kv.prefix_cache and not scores else 0
             c.prefix_cache_hits_tokens += len(hits) * bs
@@ -232,7 +240,20 @@ class Scheduler:
             s.counters.rejected_kv_timeout += w.choices
             free, rows = s.kv.available_blocks, len(s.running)
             refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, retry, ahead)
+            if not ahead and self._logprobs_held_back(w, free, rows):
+                need, lp = self._logprobs_need(w), s.logprobs
+                waited = self.cfg.max_queue_wait
+                refusal = logprob_budget.timeout_refusal(need, lp.free, lp.limit, waited, retry)
             s.leave_queue(w, Refused(refusal))
+
+    def _logprobs_need(self, w: WaitEntry) -> int:
+        return sum(logprob_budget.request_bytes(h.request, w.max_tokens) for h in [w.handle, *w.followers])
+
+    def _logprobs_held_back(self, w: WaitEntry, free_blocks: int, rows: int) -> bool:
+        """The queue's head had the rows and KV blocks it needs, not the logprobs memory."""
+        kv_fits = admission.group_blocks(self.cfg, w.prompt_len, w.max_tokens, w.choices) <= free_blocks
+        rows_fit = rows + w.choices <= self.cfg.max_seqs
+        return kv_fits and rows_fit and self._logprobs_need(w) > self.state.logprobs.free
 
     def _trim(self) -> None:
         """`--max-queue` bounds the choices that wait: the gate let through as many as the free rows

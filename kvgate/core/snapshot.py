@@ -101,6 +101,8 @@ class EngineSnapshot:
     decode_row_seconds: float = 0.0  # what a decode tick gains per row (kvgate.core.state.row_slope)
     decode_position_seconds: float = 0.0  # a decode step's growth per row context position (measured)
     cached_hashes: frozenset = frozenset()  # prompt-block hashes the prefix cache holds
+    logprobs_bytes_held: int = 0  # reserved for requests' log-probabilities (kvgate.core.logprob_budget)
+    logprobs_bytes_peak: int = 0
 
     @property
     def running(self) -> int:

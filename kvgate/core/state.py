@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvgate.core.inbox import Inbox
 from kvgate.core.kv_cache import KVCacheManager, choice_blocks
+from kvgate.core.logprob_budget import LogprobBudget
 from kvgate.core.prefill_rate import PrefillFit
 from kvgate.core.rows import Row, WaitEntry
 from kvgate.core.snapshot import Counters, EngineSnapshot, RowView, WaiterView
@@ -102,8 +103,9 @@ def row_slope(by_rows: dict) -> float:
 
 
 class EngineState:
-    def __init__(self, kv: KVCacheManager, inbox: Inbox, prefill_chunk: int):
+    def __init__(self, kv: KVCacheManager, inbox: Inbox, prefill_chunk: int, logprobs_memory: int = 64 << 20):
         self.kv = kv
+        self.logprobs = LogprobBudget(logprobs_memory)  # bytes the rows' logprobs hold (logprob_budget)
         self.inbox = inbox
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[WaitEntry] = deque()
@@ -152,6 +154,8 @@ class EngineState:
         if self.running.pop(row.id, None) is None:
             return  # already finished: its blocks went back then
         self.kv.free(row.id)
+        if row.handle.request.held is None:  # nobody keeps its logprobs past its last event
+            self.logprobs.give_back(row.id)
         self.counters.kv_blocks_held = self.kv.referenced_blocks
         if row.id in self.prefill_rr:
             self.prefill_rr.remove(row.id)
@@ -246,6 +250,8 @@ class EngineState:
             prefill_token_time_best=t.prefill_token_best,
             slowest_step=t.slowest,
             recent_steps=tuple(t.recent),
+            logprobs_bytes_held=self.logprobs.held,
+            logprobs_bytes_peak=self.logprobs.peak,
             recent_decode_steps=tuple(t.recent_decode),
             recent_decode_periods=tuple(t.recent_decode_periods),
             recent_decode_rows=tuple(t.recent_decode_rows),

@@ -29,6 +29,11 @@ def describe_plan(plan, context: int | None = None) -> str:
         f"    of which grammar {fmt_bytes(plan.workspace_breakdown.get('grammar', 0)):>10}  (structured output: "
         f"token trie, compiled-grammar cache and one per row, masks)",
     ]
+    if plan.logprobs_bytes:
+        lines.append(
+            f"  logprobs         {fmt_bytes(plan.logprobs_bytes):>12}  (--logprobs-memory: reserved per request "
+            "at admission, ~0.7 KB a token at top_logprobs 20)"
+        )
     if plan.graph_bytes:
         g = plan.graph_breakdown
         lines.append(
@@ -67,3 +72,16 @@ def describe_plan(plan, context: int | None = None) -> str:
     ]
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def no_fit(terms: list[tuple[str, int]], limit: int, source: str, drift: int, packed_head: bool) -> str:
+    """The error of a model that does not fit its limit: the plan's fixed terms (a zero one left out)
+    summed against it, and the least limit that fits (`drift`: what a measured overhead may move)."""
+    need = sum(n for _, n in terms)
+    said = " + ".join(f"{name} {fmt_bytes(n)}" for name, n in terms if n)
+    return (
+        f"the model does not fit in the memory limit: {said} = {fmt_bytes(need)} > limit {fmt_bytes(limit)} "
+        f"({source}). Raise --memory-limit to at least {-(-(need + drift) // (1 << 20))}MiB, pick a smaller "
+        "--dtype, or lower --max-model-len"
+        + (" (or --pack-weights off, which drops the packed LM head copy)." if packed_head else ".")
+    )

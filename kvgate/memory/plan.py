@@ -1,4 +1,4 @@
-"""The startup memory plan: limit -> weights + step workspace + runtime overhead + KV pool.
+"""The startup memory plan: limit -> weights + step workspace + runtime overhead (+ logprobs) + KV pool.
 
 All arithmetic a user must be able to check lives here, and the engine executes exactly what the plan
 says: the step limits it derives (prefill chunk, max rows, attention token cap) are the limits the
@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from kvgate.config import ModelSpec
+from kvgate.memory.describe import no_fit
 from kvgate.memory.graphs import graph_bytes, graph_shapes
 from kvgate.memory.overhead import overhead_drift, runtime_overhead_bytes
 from kvgate.memory.workspace import (
@@ -31,6 +32,7 @@ from kvgate.units import SizeError, fmt_bytes, parse_bytes
 # "auto" on CPU: a quarter of MemAvailable at startup (the KV pool is zero-filled, so that is real)
 AUTO_CPU_SHARE = 0.25
 AUTO_CUDA_SHARE = 0.9  # "auto" on CUDA: 90% of the free device memory at startup
+AUTO_LOGPROBS = 32 << 20  # --logprobs-memory auto: a 16th of the limit, at most this
 MIN_KV_POSITIONS = 512  # a model is refused at load unless one request of this many positions fits
 
 
@@ -127,11 +129,8 @@ def weight_bytes(
     if weight_format != "full":  # the layer matrices; the head stays in the model dtype
         mats = [m for m in matrices(spec) if quantizable(weight_format, *m)]
         params -= sum(n * k for n, k in mats)
-        qbytes = (
-            sum(matrix_bytes)
-            if matrix_bytes is not None
-            else sum(quantized_matrix_bytes(weight_format, n, k, scale_bytes) for n, k in mats)
-        )
+        held = matrix_bytes or [quantized_matrix_bytes(weight_format, n, k, scale_bytes) for n, k in mats]
+        qbytes = sum(held)
     if q8_head:
         params -= spec.vocab_size * h
         qbytes += (q8_dot_bytes if weight_format == "gguf-q8act" else q8_bytes)(spec.vocab_size, h)
@@ -141,8 +140,7 @@ def weight_bytes(
 
 
 def matrices(spec: ModelSpec) -> list[tuple[int, int]]:
-    """(out_features, in_features) of every layer matrix the model multiplies by (the head aside),
-    as `kvgate.models.llama` fuses them: qkv, o, gate/up, down per layer."""
+    """(out, in) features of each layer matrix as `kvgate.models.llama` fuses them: qkv, o, gate/up, down."""
     h, q, kv, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
     return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * spec.num_layers
 
@@ -171,6 +169,7 @@ class MemoryPlan:
     # the process's resident peak when the plan was made: the model read and checked, nothing built yet
     # (set by kvgate.core.placement; `kvgate plan` and serve report this one number)
     load_peak_bytes: int | None = None
+    logprobs_bytes: int = 0  # --logprobs-memory (kvgate.core.logprob_budget); charged on a CPU only
 
     @property
     def kv_positions(self) -> int:
@@ -223,6 +222,7 @@ def make_plan(
     amx_prefill: bool = False,
     cuda_graphs: bool = False,
     step_pieces: bool = False,
+    logprobs_bytes: int | None = None,
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
@@ -268,7 +268,9 @@ def make_plan(
     requested = StepLimits(
         prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, **wk
     )
-    fixed = weights + overhead
+    charged = device.startswith("cpu")  # logprobs memory is host memory: a GPU's limit does not hold it
+    lp = min(AUTO_LOGPROBS, limit // 16) if logprobs_bytes is None else logprobs_bytes
+    fixed = weights + overhead + lp * charged
 
     def sized(lim: StepLimits, ctx: int) -> StepLimits:
         """`lim` with its attention sized for rows of at most `ctx` positions."""
@@ -292,23 +294,18 @@ def make_plan(
 
     least = sized(StepLimits(min(16, prefill_chunk), 1, 0, max_model_len, **wk), min_ctx)
     smallest = workspace_bytes(spec, dtype_bytes, least, bs) + sum(graphs(least).values())
+    if logprobs_bytes is None and charged and fixed + min_kv + smallest > limit:  # auto gives way first
+        lp = max(0, limit - weights - overhead - min_kv - smallest)
+        fixed = weights + overhead + lp
+        notes.append(f"logprobs memory {fmt_bytes(lp)}: what the limit leaves (--logprobs-memory auto)")
     if fixed + min_kv + smallest > limit:
-        need = fixed + min_kv + smallest
-        raise PlanError(
-            f"the model does not fit in the memory limit: weights {fmt_bytes(weights)} + runtime overhead "
-            f"{fmt_bytes(overhead)} + smallest step workspace {fmt_bytes(smallest)}"
-            + (" (with the CUDA decode graphs; --cuda-graphs off drops them)" if cuda_graphs else "")
-            + " + KV for one "
-            f"{min_ctx}-token request {fmt_bytes(min_kv)} = {fmt_bytes(need)} > limit {fmt_bytes(limit)} "
-            f"({source}). Raise --memory-limit to at least {-(-(need + overhead_drift(device)) // (1 << 20))}MiB, "
-            "pick a smaller "
-            "--dtype, or lower --max-model-len"
-            + (
-                " (or --pack-weights off, which drops the packed LM head copy)."
-                if pw and spec.tie_word_embeddings
-                else "."
-            )
-        )
+        cuda = " (with the CUDA decode graphs; --cuda-graphs off drops them)" if cuda_graphs else ""
+        terms = [("weights", weights), ("runtime overhead", overhead), ("logprobs memory", lp * charged)]
+        terms += [
+            (f"smallest step workspace{cuda}", smallest),
+            (f"KV for one {min_ctx}-token request", min_kv),
+        ]
+        raise PlanError(no_fit(terms, limit, source, overhead_drift(device), pw and spec.tie_word_embeddings))
     # Shrink the step until its workspace leaves room for at least one min_ctx-token request: each time
     # halve whichever of the prefill chunk and the rows frees more (the larger consumer). Halving the
     # chunk first, always, took it to 16 tokens (slow prefill) where the rows' logits were the bulk:
@@ -396,4 +393,5 @@ def make_plan(
         graph_bytes=sum(graph_parts.values()),
         graph_breakdown=graph_parts if cuda_graphs else None,
         graph_shapes=len(graph_shapes(limits, bs)) if cuda_graphs else 0,
+        logprobs_bytes=lp,
     )

@@ -20,6 +20,7 @@ from kvgate.server.console import LiveStats, install_console
 from kvgate.server.context import ServerSettings
 from kvgate.server.cors import install_cors
 from kvgate.server.errors import APIError
+from kvgate.server.held import CloseHeld
 from kvgate.server.metrics import Metrics
 from kvgate.server.openapi import install_openapi
 from kvgate.server.responses_store import ResponseStore
@@ -44,6 +45,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     install_console(app)
     install_routes(app)
     app.router.redirect_slashes = False  # "/v1/responses/" is a JSON 404, not a bare 307
+    app.add_middleware(CloseHeld)  # inside the key check: closes what a handler submitted (server.held)
     app.add_middleware(AuthAndCount, settings=settings, metrics=metrics)
     install_cors(app, settings.cors_origins)  # after: the outermost, so a preflight needs no key
 

@@ -43,7 +43,7 @@ def token_text(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def _lp(v: float) -> float:
+def json_logprob(v: float) -> float:
     return v if math.isfinite(v) else FLOOR
 
 
@@ -51,10 +51,10 @@ def chat_entry(tok, lp: TokenLogprobs) -> dict:
     raw = tok.token_bytes(lp.token_id)
     return {
         "token": token_text(raw),
-        "logprob": _lp(lp.logprob),
+        "logprob": json_logprob(lp.logprob),
         "bytes": list(raw),
         "top_logprobs": [
-            {"token": token_text(b := tok.token_bytes(i)), "logprob": _lp(v), "bytes": list(b)}
+            {"token": token_text(b := tok.token_bytes(i)), "logprob": json_logprob(v), "bytes": list(b)}
             for i, v in lp.top
         ],
     }
@@ -66,9 +66,9 @@ def chat_logprobs(tok, lps: list[TokenLogprobs]) -> dict:
 
 def completion_top(tok, lp: TokenLogprobs) -> dict[str, float]:
     """The top k by logprob, then the chosen token when it is not among them."""
-    top = {token_text(tok.token_bytes(i)): _lp(v) for i, v in lp.top}
+    top = {token_text(tok.token_bytes(i)): json_logprob(v) for i, v in lp.top}
     if all(i != lp.token_id for i, _ in lp.top):
-        top.setdefault(token_text(tok.token_bytes(lp.token_id)), _lp(lp.logprob))
+        top.setdefault(token_text(tok.token_bytes(lp.token_id)), json_logprob(lp.logprob))
     return top
 
 
@@ -85,7 +85,7 @@ def completion_logprobs(
 def _entries(tok, lps: list[TokenLogprobs]) -> dict:
     return {
         "tokens": [token_text(tok.token_bytes(lp.token_id)) for lp in lps],
-        "token_logprobs": [_lp(lp.logprob) for lp in lps],
+        "token_logprobs": [json_logprob(lp.logprob) for lp in lps],
         "top_logprobs": [completion_top(tok, lp) for lp in lps],
     }
 
@@ -154,11 +154,17 @@ def echoed_logprobs(
 
 
 def decorate_body(
-    body: dict, prepared, tok, token_logprobs: list[list[TokenLogprobs]], scores: list | None = None
+    body: dict,
+    prepared,
+    tok,
+    token_logprobs: list[list[TokenLogprobs]],
+    scores: list | None = None,
+    defer=None,
 ) -> None:
     """Add logprobs and echo to each choice of a finished (non-streaming) body (its tool calls were read
     before: `tools.read_calls`); `scores`: each prompt's scored tokens (echo with logprobs), whose
-    entries come before the output's."""
+    entries come before the output's. `defer(i, choice, lps, echoed_prefix)`, when given, is called
+    instead of building choice i's logprobs (`kvgate.server.logprob_body` writes them as they are sent)."""
     f = prepared.features
     for i, choice in enumerate(body["choices"]):
         prefix = echo_text(prepared, tok, i) if f.echo else ""
@@ -166,7 +172,9 @@ def decorate_body(
             choice["text"] = prefix + choice["text"]
         if f.logprobs is not None:
             lps = token_logprobs[i]
-            if prepared.kind == "chat":
+            if defer is not None:
+                defer(i, choice, lps, prefix)
+            elif prepared.kind == "chat":
                 choice["logprobs"] = chat_logprobs(tok, lps)
             elif scores is not None:
                 k = i // prepared.n

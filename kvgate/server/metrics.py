@@ -104,6 +104,21 @@ class _EngineCollector:
         )
         yield gauge("kv_bytes_per_token", "KV bytes per token position", plan.kv_bytes_per_token)
         yield gauge("memory_limit_bytes", "The ledger's memory limit", engine.ledger.limit)
+        budget = getattr(getattr(engine, "sched_cfg", None), "logprobs_memory", None)
+        if budget is not None:
+            yield gauge(
+                "logprobs_memory_bytes", "Bytes requests' logprobs may hold (--logprobs-memory)", budget
+            )
+        yield gauge(
+            "logprobs_memory_held_bytes",
+            "Bytes reserved for requests' logprobs, from admission until the response is sent",
+            snap.logprobs_bytes_held,
+        )
+        yield gauge(
+            "logprobs_memory_peak_bytes",
+            "Most logprobs bytes ever reserved at once",
+            snap.logprobs_bytes_peak,
+        )
         reserved = GaugeMetricFamily(
             "kvgate_memory_reserved_bytes", "Ledger reservations by role", labels=["role"]
         )

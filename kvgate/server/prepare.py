@@ -22,6 +22,7 @@ from kvgate.server.chat_template import template_options
 from kvgate.server.context import ServerSettings, check_model
 from kvgate.server.errors import APIError, invalid
 from kvgate.server.features import Features, features_of, render_chat
+from kvgate.server.logprob_body import dict_hold_bytes
 from kvgate.server.tools import CALL_REGION, plan_tools
 from kvgate.tokenizer import ChatTemplateError
 
@@ -64,7 +65,8 @@ class Prepared:
         return bool(opts and opts.include_usage)
 
 
-def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Prepared:
+def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole: bool = False) -> Prepared:
+    """`whole`: the caller builds its own body from this one's dicts (`dict_hold_bytes` a position)."""
     req = P.parse(cls, parse_json(raw))
     P.check_common(req)
     if isinstance(req, P.CompletionRequest):
@@ -114,6 +116,8 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings) -> Pre
             prediction_ids=predicted,
             skip_special_tokens=req.skip_special_tokens,
             stop_exempt=CALL_REGION if feats.tools is not None else None,
+            # the server keeps a response's logprobs until it is sent (kvgate.server.held)
+            held=dict_hold_bytes(feats.logprobs) if whole else 0,
         )
         for ids in prompts
     ]

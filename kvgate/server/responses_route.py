@@ -55,7 +55,7 @@ async def responses(request: Request) -> Response:
     if isinstance(body, dict) and body.get("truncation") == "auto":
         chat["messages"], origin = await fit(request, chat, origin)
     try:
-        answer = await generate(request, P.ChatCompletionRequest, raw=json.dumps(chat).encode())
+        answer = await generate(request, P.ChatCompletionRequest, raw=json.dumps(chat).encode(), whole=True)
     except APIError as e:
         e.param, e.message = responses_param(e.param, origin), responses_message(e.message)
         raise

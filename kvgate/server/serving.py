@@ -28,6 +28,8 @@ from kvgate.server.auth import REQUEST_ID
 from kvgate.server.bodies import read_body
 from kvgate.server.context import ready_engine, refused
 from kvgate.server.errors import APIError, from_refusal
+from kvgate.server.held import hold
+from kvgate.server.logprob_body import choice_writer, logprob_response
 from kvgate.server.logprobs import decorate_body
 from kvgate.server.prepare import prepare_generation, submit_all
 from kvgate.server.responses import ChunkMaker, completion_body, usage
@@ -42,14 +44,15 @@ class ClientGone(Exception):
     pass
 
 
-async def generate(request: Request, cls, raw: bytes | None = None) -> Response:
-    """`raw`: the body, when the caller has read (and rewritten) it: `/v1/responses`."""
+async def generate(request: Request, cls, raw: bytes | None = None, whole: bool = False) -> Response:
+    """`raw`: the body, when the caller has read (and rewritten) it; `whole`: the caller reads a
+    non-streamed answer as one JSON body and builds its own from it (both: `/v1/responses`)."""
     state = request.app.state
     settings = state.settings
     eng = ready_engine(state)
     if raw is None:
         raw = await read_body(request, settings.max_body_bytes)
-    prepared = await asyncio.to_thread(prepare_generation, raw, cls, eng, settings)
+    prepared = await asyncio.to_thread(prepare_generation, raw, cls, eng, settings, whole)
     try:
         handles = await submitted(eng, prepared.generations, prepared.candidates)
     except Refusal as r:
@@ -119,8 +122,17 @@ async def generate(request: Request, cls, raw: bytes | None = None) -> Response:
     if prepared.features.tools is not None:
         for choice, res in zip(body["choices"], results, strict=True):
             read_calls(choice, model_ended(res))
-    await asyncio.to_thread(decorate_body, body, prepared, eng.tokenizer, token_logprobs, scores)
-    return JSONResponse(body, headers=headers)
+    tok = eng.tokenizer
+    if prepared.features.logprobs is None or whole:
+        await asyncio.to_thread(decorate_body, body, prepared, tok, token_logprobs, scores)
+        return JSONResponse(body, headers=headers)
+    writers = {}  # each choice's logprobs, written while the body is sent (kvgate.server.logprob_body)
+
+    def defer(i, choice, lps, prefix):
+        writers[i] = choice_writer(prepared, tok, i, choice, lps, scores, prefix)
+
+    await asyncio.to_thread(decorate_body, body, prepared, tok, token_logprobs, scores, defer)
+    return logprob_response(body, writers, headers)
 
 
 def prompt_only(res):
@@ -147,16 +159,19 @@ async def submitted(eng, generations, n: int = 1, submit=submit_all) -> list:
     it is done: nobody will read it."""
     fut = asyncio.get_running_loop().run_in_executor(None, submit, eng, generations, n)
     try:
-        return await asyncio.shield(fut)
+        handles = await asyncio.shield(fut)
     except asyncio.CancelledError:
         fut.add_done_callback(_cancel_submitted)
         raise
+    hold(handles)  # their logprobs are kept until the response is sent (kvgate.server.held)
+    return handles
 
 
 def _cancel_submitted(fut) -> None:
     if not fut.cancelled() and fut.exception() is None:
         for h in fut.result():
             h.cancel()
+            h.close()
 
 
 async def admit_all(handles) -> list[Admitted]:

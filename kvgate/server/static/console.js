@@ -8,7 +8,7 @@
 const $ = (id) => document.getElementById(id);
 const SVG = "http://www.w3.org/2000/svg";
 const SVG_TAGS = new Set(["rect", "title", "path", "circle"]);
-const KNOWN_ROLES = new Set(["weights", "overhead", "workspace", "kv_cache", "cuda_graphs"]);
+const KNOWN_ROLES = new Set(["weights", "overhead", "workspace", "logprobs", "kv_cache", "cuda_graphs"]);
 const KEY_STORE = "kvgate-api-key";
 const state = { key: sessionStorage.getItem(KEY_STORE) || "", needKey: false, model: null, history: [], abort: null };
 
@@ -123,6 +123,8 @@ function segments(r) {
     { key: "weights", label: "weights", bytes: roles.weights ?? 0 },
     { key: "overhead", label: "runtime overhead", bytes: roles.overhead ?? 0 },
     { key: "workspace", label: "step workspace", bytes: roles.workspace ?? 0 },
+    // --logprobs-memory: what requests' log-probabilities may hold (host memory: a CPU's ledger only)
+    ...(roles.logprobs ? [{ key: "logprobs", label: "logprobs memory", bytes: roles.logprobs }] : []),
     // CUDA decode graphs (--cuda-graphs): their pool, static buffers and pad block; none on a CPU
     ...(roles.cuda_graphs ? [{ key: "cuda-graphs", label: "CUDA graphs", bytes: roles.cuda_graphs }] : []),
     { key: "kv-referenced", label: `KV referenced · ${exact(referenced)} blocks`, bytes: referenced * perBlock },

@@ -1,0 +1,250 @@
+"""Logprobs memory is planned: reserved per request at admission, given back when the response is sent.
+
+Before session 37 a whole answer's logprobs (~20 KB a token at top_logprobs 20) were outside the plan.
+Each test names what breaks it; each was seen red by making that break.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import random
+import time
+import tracemalloc
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from kvgate.core import logprob_budget as B
+from kvgate.request import Admitted, GenerationRequest, Refusal
+from kvgate.sampling import prompt_logprobs, token_logprobs
+from kvgate.sampling_params import SamplingParams, TokenLogprobs
+
+
+def lp_request(max_tokens, k=20, held=0, prompt=(5, 6, 7, 8), **kw) -> GenerationRequest:
+    sp = SamplingParams(temperature=0.0, logprobs=k)
+    return GenerationRequest(list(prompt), sp, max_tokens, ignore_eos=True, held=held, **kw)
+
+
+# ---- the constants hold what a position keeps ---------------------------------------------------------
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_a_positions_logprobs_fit_their_reservation(k):
+    """A generated or scored position's `TokenLogprobs`, kept in a list as the server keeps them, take
+    at most `position_bytes(k)` (tracemalloc). Red with TOP_BYTES 4 at k = 20 (the old list of tuples,
+    ~2.5 KB a position, is red at any constant that lets 64 MiB hold an answer)."""
+    logits = torch.randn(8, 49152) * 3
+    tracemalloc.start()
+    kept = [token_logprobs(logits[i % 8], 1000 + i, k) for i in range(1000)]
+    kept += prompt_logprobs(logits, list(range(30000, 30008)), k) * 1
+    used, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(kept) == 1008
+    assert used / len(kept) <= B.position_bytes(k), (used / len(kept), B.position_bytes(k))
+    assert used / len(kept) > B.position_bytes(k) * 0.6  # the constants are not a blanket over-charge
+
+
+def test_packed_logprobs_keep_their_values():
+    """The packed arrays give back the ids and float32 logprobs exactly, and -inf stays -inf. Red with
+    float32 storage of a float64 value (a test value) or ids past 2**31 wrapping."""
+    lp = TokenLogprobs(3, -0.25, [(7, -0.1), (49151, float("-inf"))])
+    assert lp.top == [(7, -0.1), (49151, float("-inf"))]
+    assert lp == TokenLogprobs(3, -0.25, [(7, -0.1), (49151, float("-inf"))])
+    assert TokenLogprobs(3, -0.25, []).top == [] and TokenLogprobs(3, -0.25, [])  # an empty top is truthy
+
+
+# ---- admission -------------------------------------------------------------------------------------------
+def test_a_request_that_can_never_fit_is_a_400_naming_the_numbers(make_engine):
+    """Red without the check in `admission.plan_entry` (it waited, then got a 429)."""
+    e = make_engine(logprobs_memory=64 << 10)
+    with pytest.raises(Refusal) as err:
+        e.submit(lp_request(200, k=20))
+    r = err.value
+    assert (r.status, r.code, r.param) == (400, "logprobs_budget_exceeded", "max_tokens")
+    need = 200 * B.position_bytes(20)
+    assert r.estimated_bytes == need and r.limit_bytes == 64 << 10
+    best = (64 << 10) // B.position_bytes(20)
+    assert f"at most {best}" in r.message and "--logprobs-memory" in r.message
+    assert e.submit(lp_request(best, k=20)).result(30).finish_reason == "length"  # the advice fits
+
+
+def test_an_unset_max_tokens_is_capped_to_the_logprobs_memory_and_says_so(make_engine):
+    """Red with the cap's line in `plan_entry` removed (a 400 for a request that set nothing)."""
+    e = make_engine(logprobs_memory=64 << 10, max_model_len=512)
+    h = e.submit(lp_request(None, k=20))
+    adm = h.wait_admitted(30)
+    best = (64 << 10) // B.position_bytes(20)
+    assert adm.max_tokens == best and adm.budget_cap.reason == "logprobs_budget"
+    assert h.result(60).completion_tokens == best
+
+
+def test_a_held_reservation_lasts_until_the_handle_closes(make_engine):
+    """Two requests that fit the budget one at a time: the second waits while the first's logprobs are
+    held, past the first's row end, until its caller closes the handle; then it is admitted. A request
+    whose logprobs the engine alone keeps (held None) gives them back at its row's end. Red with
+    `give_back` at every row's end (the second admitted before the close), and with the Release command
+    ignored (the second never admitted)."""
+    per = 16 * B.position_bytes(20)
+    e = make_engine(logprobs_memory=per + per // 2)
+    a = e.submit(lp_request(16))
+    a.wait_admitted(30)
+    b = e.submit(lp_request(16))
+    assert a.result(30).finish_reason == "length"
+    time.sleep(0.3)
+    assert e.snapshot().logprobs_bytes_held == per
+    with pytest.raises(TimeoutError):
+        b.wait_admitted(0.2)  # still waiting: a's logprobs are still held
+    a.close()
+    assert isinstance(b.wait_admitted(5), Admitted)
+    b.result(30)
+    b.close()
+    c = e.submit(lp_request(16, held=None))  # the engine's own: back at the row's end
+    c.result(30)
+    deadline = time.monotonic() + 5
+    while e.snapshot().logprobs_bytes_held and time.monotonic() < deadline:
+        time.sleep(0.02)
+    snap = e.snapshot()
+    assert snap.logprobs_bytes_held == 0 and snap.logprobs_bytes_peak == per
+
+
+def test_a_waiter_held_back_by_logprobs_memory_gets_a_429_that_says_so(make_engine):
+    """Red with the KV message kept (it said KV blocks did not free up, with the pool all free)."""
+    per = 16 * B.position_bytes(20)
+    e = make_engine(logprobs_memory=per + per // 2, max_queue_wait=0.3)
+    a = e.submit(lp_request(16))
+    a.result(30)
+    b = e.submit(lp_request(16))
+    with pytest.raises(Refusal) as err:
+        b.wait_admitted(10)
+    assert (err.value.status, err.value.code) == (429, "logprobs_memory_unavailable")
+    assert "--logprobs-memory" in err.value.message and err.value.retry_after >= 1
+    a.close()
+
+
+def test_a_closed_handle_reserves_nothing(make_engine):
+    """A handle closed before its admission (its client left while it queued) holds nothing once
+    admitted. Red without the `closed` check in `LogprobBudget.take`."""
+    budget = B.LogprobBudget(1000)
+    h = SimpleNamespace(id=7, closed=True)
+    budget.take(h, 500)
+    assert budget.held == 0
+    h.closed = False
+    budget.take(h, 500)
+    budget.give_back(7)
+    budget.give_back(7)  # twice: once
+    assert budget.held == 0 and budget.peak == 500
+
+
+def test_a_list_of_prompts_that_can_never_fit_together_is_a_400(make_engine):
+    """Prompts of one request are admitted and answered together: their logprobs together past the
+    budget would wait for each other until a 429. Red without the check in `admission.fit_group`."""
+    per = 16 * B.position_bytes(20)
+    e = make_engine(logprobs_memory=per + per // 2)
+    with pytest.raises(Refusal) as err:
+        e.submit_many([lp_request(16), lp_request(16, prompt=(9, 10, 11))])
+    assert (err.value.status, err.value.code, err.value.param) == (400, "logprobs_budget_exceeded", "prompt")
+
+
+# ---- the body written while it is sent is the body ----------------------------------------------------
+def _tok():
+    from kvgate.models.hf_loader import TokenizerInfo
+    from kvgate.tokenizer import TextTokenizer
+    from tests.tiny_model import build_tokenizer
+
+    return TextTokenizer(TokenizerInfo(build_tokenizer().to_str(), None, 0, 2, [2], False))
+
+
+def _random_lps(rng, vocab, n, k) -> list[TokenLogprobs]:
+    out = []
+    for _ in range(n):
+        top = [(rng.randrange(vocab), -rng.random() * 9) for _ in range(k)]
+        if k and rng.random() < 0.2:
+            top[-1] = (top[-1][0], float("-inf"))  # a token the grammar forbids
+        out.append(TokenLogprobs(rng.randrange(vocab), math.log(rng.random() + 1e-9), top))
+    return out
+
+
+@pytest.mark.parametrize("kind, echo", [("chat", False), ("completion", False), ("completion", True)])
+def test_the_written_body_is_byte_for_byte_the_json_body(kind, echo):
+    """`logprob_body.logprob_response` sends exactly what `JSONResponse` sends for the dicts
+    `decorate_body` builds, for n = 2 choices of 150 tokens (three slices each), non-ASCII and
+    partial-character tokens, -inf, and an echoed scored prompt. Red with a slice's separator dropped,
+    and with the echoed prompt's lead values left out."""
+    from fastapi.responses import JSONResponse
+
+    from kvgate.server import logprob_body as LB
+    from kvgate.server.features import Features
+    from kvgate.server.logprobs import decorate_body
+
+    tok, rng = _tok(), random.Random(3)
+    vocab = tok.vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(40)]
+    gens = [SimpleNamespace(prompt_ids=prompt)]
+    f = Features(logprobs=3, echo=echo)
+    prepared = SimpleNamespace(
+        kind=kind, n=2, features=f, generations=gens, request=SimpleNamespace(prompt=prompt)
+    )
+    lps = [_random_lps(rng, vocab, 150, 3) for _ in range(2)]
+    scores = [_random_lps(rng, vocab, len(prompt) - 1, 3)] if echo else None
+    texts = [tok.decode([lp.token_id for lp in c]) for c in lps]
+    body = {
+        "id": "x",
+        "choices": [
+            {"index": i, "text": t, "logprobs": None, "finish_reason": "length"} for i, t in enumerate(texts)
+        ],
+    }
+    body["usage"] = {"prompt_tokens": 40, "completion_tokens": 300, "note": "ünïcode"}
+    whole = copy.deepcopy(body)
+    decorate_body(whole, prepared, tok, lps, scores)
+    expected = JSONResponse(whole).body
+
+    writers = {}
+    decorate_body(
+        body,
+        prepared,
+        tok,
+        lps,
+        scores,
+        lambda i, ch, lp, pre: writers.__setitem__(
+            i, LB.choice_writer(prepared, tok, i, ch, lp, scores, pre)
+        ),
+    )
+    response = LB.logprob_response(body, writers, {})
+
+    async def sent() -> bytes:
+        return b"".join([part async for part in response.body_iterator])
+
+    assert asyncio.run(sent()) == expected
+
+
+# ---- over HTTP ---------------------------------------------------------------------------------------------
+def test_a_served_answer_holds_its_logprobs_until_it_is_sent(make_engine):
+    """A non-streamed and a streamed chat answer with top_logprobs 20 over HTTP: both complete, and once
+    each response is read the engine holds no logprobs bytes; the too-large one is a 400 before any
+    header. Red with `hold` left out of `serving.submitted` (the bytes stay held after the response),
+    and with the middleware not closing (the same)."""
+    from tests.server_util import running_server
+
+    e = make_engine(logprobs_memory=64 << 10)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+    body.update(logprobs=True, top_logprobs=20, temperature=0, ignore_eos=True)
+    with running_server(e) as (base, _app):
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        assert len(content) == 20 and all(len(c["top_logprobs"]) == 20 for c in content)
+        with httpx.stream(
+            "POST", base + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+        ) as s:
+            assert (
+                s.status_code == 200 and sum(1 for line in s.iter_lines() if line.startswith("data: {")) >= 20
+            )
+        deadline = time.monotonic() + 5
+        while e.snapshot().logprobs_bytes_held and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert e.snapshot().logprobs_bytes_held == 0
+        assert e.snapshot().logprobs_bytes_peak >= 20 * B.position_bytes(20)
+        big = httpx.post(base + "/v1/chat/completions", json={**body, "max_tokens": 150}, timeout=60)
+        assert big.status_code == 400 and big.json()["error"]["code"] == "logprobs_budget_exceeded"
