@@ -205,6 +205,7 @@ def as_served(work) -> None:
     import uvicorn
 
     from kvgate.server.app import ServerSettings, create_app
+    from kvgate.server.slow_clients import guarded_http_protocol
 
     app = create_app(ServerSettings())
     failed: list[BaseException] = []
@@ -217,7 +218,7 @@ def as_served(work) -> None:
 
     loading = threading.Thread(target=load, name="kvgate-load", daemon=True)
     loading.start()  # as serve: the load starts before uvicorn's config and loop
-    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, http=guarded_http_protocol())
 
     async def run() -> None:
         config.load()

@@ -11,6 +11,7 @@ import httpx
 import uvicorn
 
 from kvgate.server.app import ServerSettings, create_app
+from kvgate.server.slow_clients import guarded_http_protocol
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:
@@ -30,11 +31,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(engine, **settings):
+def running_server(engine, http=None, **settings):
+    """`http`: uvicorn's protocol class; by default the one `kvgate serve` runs (request deadlines)."""
     settings.setdefault("model_name", "tiny")
     app = create_app(ServerSettings(**settings), engine)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    http = http or guarded_http_protocol()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -19,6 +19,7 @@ import uvicorn
 from kvgate.memory.overhead import load_peak_warning
 from kvgate.server.app import ServerSettings, create_app
 from kvgate.server.cors import cors_origins
+from kvgate.server.slow_clients import guarded_http_protocol
 
 log = logging.getLogger("kvgate.serve")
 
@@ -161,6 +162,9 @@ def serve(args) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_keep_alive=30,
+        # a request head must arrive within 30 s and a body not stall 30 s (408): uvicorn's own
+        # timeout is only between requests, so a slowloris held every connection it opened
+        http=guarded_http_protocol(),
         # after the drain, connections get this long to take their last bytes: a client that stopped
         # reading a stream (its socket buffers full) held the exit forever (QA pass 9)
         timeout_graceful_shutdown=FLUSH_SECONDS,
