@@ -201,3 +201,34 @@ def test_kvgate_serve_runs_the_deadlines(tiny_dir, tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_uvicorn_whose_state_moved_serves_on_without_deadlines(tiny_dir, monkeypatch, caplog):
+    """The deadlines read uvicorn's protocol state, which is not public API: where a release moves it,
+    requests are still served (the deadlines off, a warning logged once) instead of every connection
+    failing. Seen red without the guard in `data_received` (the request's connection was dropped)."""
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from kvgate.server import slow_clients
+
+    def moved(self):
+        raise AttributeError("'H11Protocol' object has no attribute 'conn'")
+
+    monkeypatch.setattr(slow_clients._H11Deadlines, "_phase", moved)
+    monkeypatch.setattr(slow_clients, "_off", [])
+    cfg = EngineConfig(kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
+    engine = Engine.from_model(str(tiny_dir), cfg, overhead_bytes=0).start()
+    try:
+        proto = guarded_http_protocol(DEADLINE, DEADLINE, kind="h11")
+        with (
+            caplog.at_level("WARNING", logger="kvgate.serve"),
+            running_server(engine, http=proto) as (base, _),
+        ):
+            for _ in range(2):
+                r = httpx.post(
+                    base + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}
+                )
+                assert r.status_code == 200, r.text
+        assert sum("request deadlines off" in m for m in caplog.messages) == 1
+    finally:
+        engine.shutdown()

@@ -38,6 +38,21 @@ REQUEST_BODY_IDLE_SECONDS = 30.0  # nginx's client_body_timeout (between two rea
 LATE_SECONDS = 1.0  # a timer this late means the loop was busy: look again before blaming the client
 
 log = logging.getLogger("kvgate.serve")
+_off: list = []  # holds the error once the deadlines could not read uvicorn's state (then they stay off)
+
+
+def _switch_off(exc: Exception) -> None:
+    """The deadlines read uvicorn's protocol state (its parser's and its cycle's attributes), which is not
+    public API: if a uvicorn release moves it, serving goes on without them, logged once."""
+    if not _off:
+        _off.append(exc)
+        log.warning(
+            "request deadlines off: uvicorn's HTTP protocol state is not what kvgate.server.slow_clients "
+            "reads (%s: %s); slow clients are not timed out. Install the uvicorn version kvgate is tested "
+            "with, or report it.",
+            type(exc).__name__,
+            exc,
+        )
 
 
 class _RequestDeadlines:
@@ -55,8 +70,15 @@ class _RequestDeadlines:
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.transport.is_closing():
+        if self.transport.is_closing() or _off:
             return
+        try:
+            self._kv_data()
+        except Exception as exc:  # uvicorn's internals moved: serve on without deadlines, and say so
+            _switch_off(exc)
+            self._kv_cancel()
+
+    def _kv_data(self) -> None:
         phase = self._phase()
         if phase == "body":  # any byte of the body restarts its idle clock
             self._kv_arm(self.body_idle_seconds)
@@ -71,6 +93,8 @@ class _RequestDeadlines:
 
     def _kv_arm(self, seconds: float) -> None:
         self._kv_cancel()
+        if _off:
+            return
         self._kv_due = self.loop.time() + seconds
         self._kv_timer = self.loop.call_later(seconds, self._kv_expired)
 
@@ -81,7 +105,15 @@ class _RequestDeadlines:
 
     def _kv_expired(self) -> None:
         self._kv_timer = None
-        if self.transport.is_closing() or self.transport.get_protocol() is not self:  # closed, or upgraded
+        try:
+            self._kv_judge()
+        except Exception as exc:
+            _switch_off(exc)
+
+    def _kv_judge(self) -> None:
+        if (
+            _off or self.transport.is_closing() or self.transport.get_protocol() is not self
+        ):  # closed, or upgraded
             return
         phase, cycle = self._phase(), self.cycle
         pending = cycle is not None and not cycle.response_complete  # an answer not (all) sent yet
@@ -163,7 +195,10 @@ class _HttpToolsDeadlines(_RequestDeadlines, HttpToolsProtocol or H11Protocol): 
 class _H11Deadlines(_RequestDeadlines, H11Protocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        next_event = self.conn.next_event
+        next_event = getattr(getattr(self, "conn", None), "next_event", None)
+        if next_event is None:
+            _switch_off(AttributeError("H11Protocol.conn.next_event"))
+            return
 
         def counted():  # h11 has no callback for body bytes: count them as uvicorn takes them
             event = next_event()
