@@ -29,7 +29,7 @@ import pytest
 
 from kvgate.core.testing import set_step_hook
 from kvgate.server.slow_clients import HttpToolsProtocol, guarded_http_protocol
-from tests.server_util import free_port, running_server
+from tests.server_util import free_port, running_server, wait_until
 
 DEADLINE = 1.0
 KINDS = ["h11"] + (["httptools"] if HttpToolsProtocol is not None else [])
@@ -112,6 +112,33 @@ def test_a_body_shorter_than_its_content_length_gets_a_408(server):
     err = timeout_error(got)
     assert (err["body_bytes_received"], err["content_length"]) == (10, 100), err
     assert "10 bytes of the 100 bytes" in err["message"] and took < DEADLINE + 2, (err, took)
+
+
+def test_a_client_gone_mid_body_is_a_quiet_499(server, caplog):
+    """A client that leaves while its body comes in (or whose body stalled past the deadline) is a 499
+    in the request counts and one info line, not two ERROR tracebacks (the app's 500 handler, then
+    uvicorn's "Exception in ASGI application"). Seen red without the ClientDisconnect handler."""
+    base = server[0]
+    count = lambda: _requests_total(base, "/v1/completions", "499")  # noqa: E731
+    before = count()
+    with caplog.at_level("INFO"):
+        with connect(base) as s:
+            s.sendall(HEAD + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"prompt":')
+            time.sleep(0.2)
+        assert wait_until(lambda: count() == before + 1, 5)
+    errors = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def _requests_total(base: str, endpoint: str, code: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if (
+            line.startswith("kvgate_requests_total{")
+            and f'endpoint="{endpoint}"' in line
+            and f'status="{code}"' in line
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def test_a_slow_but_steady_body_and_a_keep_alive_gap_are_fine(server):

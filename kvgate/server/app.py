@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvgate.server.auth import INTERNAL_ERROR, REQUEST_ID, AuthAndCount
 from kvgate.server.console import LiveStats, install_console
@@ -73,6 +74,10 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
             )
             return err.response(headers=exc.headers)
         return APIError(exc.status_code, str(exc.detail), "http_error").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect):  # left while its body came in:
+        return Response(status_code=499)  # counted and logged as any 499 (auth), no traceback
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
