@@ -11,6 +11,7 @@ log lines a request causes (its refusal, its failure, its client leaving) name i
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import uuid
@@ -21,6 +22,9 @@ from starlette.requests import ClientDisconnect
 from kvgate.server.errors import APIError
 
 log = logging.getLogger("kvgate.server")
+# after a shutdown's drain, what clients still reading get to take their last events (`kvgate serve`
+# passes it to uvicorn, which then cancels what is left)
+FLUSH_SECONDS = 5
 INTERNAL_ERROR = "internal server error; the details are in the server log under this response's X-Request-Id"
 REQUEST_ID: ContextVar[str] = ContextVar("kvgate_request_id", default="-")  # this request's, for log lines
 
@@ -92,6 +96,17 @@ class AuthAndCount:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except asyncio.CancelledError:
+            if (
+                getattr(scope.get("app"), "state", None) is None
+                or scope["app"].state.status != "shutting_down"
+            ):
+                raise
+            # uvicorn cancels what is left after the shutdown's flush (kvgate.server.run.FLUSH_SECONDS) and
+            # would log each as "Exception in ASGI application": one line says what happened instead
+            log.warning(
+                "request %s %s: cut off at shutdown, after the %gs flush", rid.decode(), path, FLUSH_SECONDS
+            )
         except Exception as exc:  # here, not in the app's handler outside this middleware: so the 500 is
             if status["code"] != 499 or isinstance(exc, ClientDisconnect):  # counted 500 and carries the id
                 raise  # (a response under way cannot be replaced; a client gone is its 499)

@@ -18,6 +18,7 @@ import uvicorn
 
 from kvgate.memory.overhead import load_peak_warning
 from kvgate.server.app import ServerSettings, create_app
+from kvgate.server.auth import FLUSH_SECONDS
 from kvgate.server.cors import cors_origins
 from kvgate.server.slow_clients import guarded_http_protocol
 
@@ -61,9 +62,6 @@ def port_taken(host: str, port: int) -> str | None:
                 f"(`ss -ltnp 'sport = :{port}'` names it). Stop it, or pass another --port."
             )
     return None
-
-
-FLUSH_SECONDS = 5  # after the drain: what clients still reading get to take their last events
 
 
 class GracefulServer(uvicorn.Server):
