@@ -123,6 +123,15 @@ def test_a_waiter_held_back_by_logprobs_memory_gets_a_429_that_says_so(make_engi
     a.close()
 
 
+def test_a_scored_prompt_past_the_budget_is_a_400_even_with_max_tokens_unset():
+    """Only the prompt scored (no output logprobs) and the prompt alone past the budget: the 400, not a
+    cap of max_tokens. Red with `best_tokens` giving any number of tokens there (a cap of 2**62)."""
+    req = GenerationRequest(list(range(3, 203)), SamplingParams(), None, prompt_logprobs=5, held=0)
+    got = B.never_fits(req, 100, False, 1, 1000)
+    assert isinstance(got, Refusal) and (got.status, got.param) == (400, "logprobs")
+    assert B.never_fits(req, 100, False, 1, 199 * B.position_bytes(5)) is None
+
+
 def test_a_closed_handle_reserves_nothing(make_engine):
     """A handle closed before its admission (its client left while it queued) holds nothing once
     admitted. Red without the `closed` check in `LogprobBudget.take`."""

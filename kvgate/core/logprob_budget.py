@@ -51,8 +51,10 @@ def group_bytes(req: GenerationRequest, max_tokens: int, n: int = 1) -> int:
 
 def best_tokens(req: GenerationRequest, budget: int, n: int) -> int:
     """The most output tokens each of `n` choices can have within `budget` bytes (may be < 1)."""
-    per = n * position_bytes(req.sampling.logprobs, req.held)
-    return (budget - request_bytes(req, 0)) // per if per else 1 << 62
+    per, room = n * position_bytes(req.sampling.logprobs, req.held), budget - request_bytes(req, 0)
+    if not per:  # only the prompt is scored: any number of tokens, or none when the prompt is too much
+        return 1 << 62 if room >= 0 else 0
+    return room // per
 
 
 def never_fits(
