@@ -28,12 +28,13 @@ class StopMatcher:
     def is_stop_token(self, token_id: int) -> bool:
         return token_id in self.stop_ids
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Feed new text; return (text safe to emit now, whether a stop string completed)."""
+    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """Feed new text; return (text safe to emit now, whether a stop string completed). `final`: no
+        more text will come (a stop held back as maybe part of an exempt region's opening counts now)."""
         if not self.stops:
             return text, False
         if self.exempt is not None:
-            return self._push_regions(text)
+            return self._push_regions(text, final)
         pending = self.held + text
         cut = min((i for i in (pending.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
@@ -50,8 +51,10 @@ class StopMatcher:
     def _longest_partial(self, text: str) -> int:
         return max((_partial(text, s) for s in self.stops), default=0)
 
-    def _push_regions(self, text: str) -> tuple[str, bool]:
-        """`push` with the exempt regions: a stop string counts where it starts outside them."""
+    def _push_regions(self, text: str, final: bool) -> tuple[str, bool]:
+        """`push` with the exempt regions: a stop string counts where it starts outside them. One that
+        starts in what may still become an opening (`<` of `<tool_call>`, the rest not yet written) waits
+        for the next text: a stop `<` cut calls whose opening came in several tokens."""
         opening, closing = self.exempt
         pending, self.held, out = self.held + text, "", []
         while pending:
@@ -66,11 +69,13 @@ class StopMatcher:
                 pending, self.inside = pending[end + len(closing) :], False
                 continue
             at = pending.find(opening)
-            hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0 and (at < 0 or i < at)]
+            if at < 0:  # where an opening may be starting (the end, when none can)
+                at = len(pending) - (0 if final else _partial(pending, opening))
+            hits = [i for i in (pending.find(s) for s in self.stops) if 0 <= i < at]
             if hits:
                 out.append(pending[: min(hits)])
                 return "".join(out), True
-            if at < 0:
+            if not pending.startswith(opening, at):
                 keep = max(self._longest_partial(pending), _partial(pending, opening))
                 out.append(pending[: len(pending) - keep])
                 self.held = pending[len(pending) - keep :]

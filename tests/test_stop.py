@@ -17,7 +17,10 @@ def feed(matcher: StopMatcher, chunks: list[str]) -> tuple[list[str], bool]:
         out.append(text)
         if stopped:
             return out, True
-    out.append(matcher.flush())
+    text, stopped = matcher.push("", final=True)  # the row's end, as `EngineState.finish` pushes it
+    if stopped:
+        return [*out, text], True
+    out.append(text + matcher.flush())
     return out, False
 
 
@@ -151,9 +154,13 @@ def test_streamed_output_equals_the_text_up_to_the_first_stop_and_holds_back_min
     assert (released, stopped) == expected_output(chunks, stops)
 
 
-def outside_regions(text: str, stops: list[str], opening: str, closing: str) -> int | None:
+def outside_regions(
+    text: str, stops: list[str], opening: str, closing: str, more: bool = False
+) -> int | None:
     """The earliest start of a stop string that lies outside every opening...closing region (a
-    region runs from its opening's first character to its closing's last; an unclosed one to the end)."""
+    region runs from its opening's first character to its closing's last; an unclosed one to the end).
+    `more`: text may still follow, so an end outside every region that may begin an opening counts as
+    one (what starts there is not decided yet)."""
     regions, i = [], 0
     while (a := text.find(opening, i)) >= 0:
         e = text.find(closing, a + len(opening))
@@ -161,6 +168,11 @@ def outside_regions(text: str, stops: list[str], opening: str, closing: str) -> 
         if e < 0:
             break
         i = e + len(closing)
+    if more and (not regions or regions[-1][1] < len(text)):
+        start = max(regions[-1][1] if regions else 0, len(text) - len(opening) + 1)
+        tail = next((j for j in range(start, len(text)) if opening.startswith(text[j:])), None)
+        if tail is not None:
+            regions.append((tail, len(text)))
     starts = [j for s in stops if s for j in range(len(text)) if text.startswith(s, j)]
     free = [j for j in starts if not any(a <= j < b for a, b in regions)]
     return min(free) if free else None
@@ -175,19 +187,37 @@ def test_stop_strings_do_not_apply_inside_exempt_regions(chunks, stops):
     """With `exempt` (a tool call's `<tool_call>` ... `</tool_call>`: QA pass 6 saw a stop string cut
     a call's JSON, and agents ran the broken call), the output is the text up to the first stop string
     that starts outside every region, at the first chunk where one is complete, whatever the chunks.
-    Markers of two characters make regions, partial markers and overlaps common. Seen red with the
-    region check dropped (a stop inside a region cut) and with the opening's start counted inside
-    the text before it."""
+    Markers of two characters make regions, partial markers and overlaps common. A stop that starts in
+    what may still become an opening waits until the text says (or the output ends). Seen red with the
+    region check dropped (a stop inside a region cut), with the opening's start counted inside the
+    text before it, and (session 37) with a stop in a partial opening counted at once."""
     pieces, stopped = feed(StopMatcher(set(), stops, exempt=("<<", ">>")), chunks)
     released = "".join(pieces)
     cut = None
     for n in range(1, len(chunks) + 1):  # the first chunk boundary where a free stop is complete
         so_far = "".join(chunks[:n])
-        cut = outside_regions(so_far, stops, "<<", ">>")
+        cut = outside_regions(so_far, stops, "<<", ">>", more=True)
         if cut is not None:
             break
     full = "".join(chunks)
+    if cut is None:  # the end: what may have begun an opening is decided now
+        cut = outside_regions(full, stops, "<<", ">>")
     assert (released, stopped) == ((full[:cut], True) if cut is not None else (full, False))
+
+
+def test_a_stop_that_begins_a_tool_calls_opening_leaves_the_call_whole():
+    """`stop: ["<"]` (or "<t") with tools: the opening `<tool_call>` written over several tokens is not cut
+    at its first character; the same "<" beginning anything else still stops there, and a "<" the
+    output ends with stops too. Red (session 37's fix undone): the call was cut at "<"."""
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    for stops in (["<"], ["<t"], ["<tool_call"]):
+        m = StopMatcher(set(), stops, exempt=("<tool_call>", "</tool_call>"))
+        out, stopped = feed(m, ["Sure. ", "<", "tool", "_call>", call[11:20], call[20:]])
+        assert ("".join(out), stopped) == ("Sure. " + call, False), stops
+    m = StopMatcher(set(), ["<"], exempt=("<tool_call>", "</tool_call>"))
+    assert feed(m, ["a ", "<", "b>"]) == (["a ", "", ""], True)
+    m = StopMatcher(set(), ["<"], exempt=("<tool_call>", "</tool_call>"))
+    assert "".join(feed(m, ["a ", "<"])[0]) == "a " and m.held == ""
 
 
 def test_a_stop_inside_a_tool_call_leaves_the_call_whole():

@@ -166,7 +166,7 @@ class EngineState:
         tail = ""
         if flush:
             try:
-                emit, hit = row.stop.push(row.detok.flush())
+                emit, hit = row.stop.push(row.detok.flush(), final=True)
                 if hit:  # the stop string completed in the held-back tail: it ended the output
                     tail, reason, stop_reason = emit, "stop", "string"
                 else:
