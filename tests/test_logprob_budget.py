@@ -110,16 +110,25 @@ def test_a_held_reservation_lasts_until_the_handle_closes(make_engine):
 
 
 def test_a_waiter_held_back_by_logprobs_memory_gets_a_429_that_says_so(make_engine):
-    """Red with the KV message kept (it said KV blocks did not free up, with the pool all free)."""
+    """The head and a plain request behind it (strict FIFO) are both told the logprobs memory held the
+    line up. Red with the KV message kept (it said KV blocks did not free up, with the pool all free),
+    and, for the one behind, without `head_logprobs` (QA pass 10: "the first of them still does not
+    fit", code kv_memory_unavailable)."""
     per = 16 * B.position_bytes(20)
     e = make_engine(logprobs_memory=per + per // 2, max_queue_wait=0.3)
     a = e.submit(lp_request(16))
     a.result(30)
     b = e.submit(lp_request(16))
+    c = e.submit(GenerationRequest([5, 6], SamplingParams(temperature=0.0), 4, held=0))
     with pytest.raises(Refusal) as err:
         b.wait_admitted(10)
     assert (err.value.status, err.value.code) == (429, "logprobs_memory_unavailable")
     assert "--logprobs-memory" in err.value.message and err.value.retry_after >= 1
+    with pytest.raises(Refusal) as behind:
+        c.wait_admitted(10)
+    assert (behind.value.status, behind.value.code) == (429, "logprobs_memory_unavailable")
+    assert "waited behind 1 earlier request" in behind.value.message
+    assert "waits for logprobs memory" in behind.value.message
     a.close()
 
 
@@ -144,6 +153,39 @@ def test_a_closed_handle_reserves_nothing(make_engine):
     budget.give_back(7)
     budget.give_back(7)  # twice: once
     assert budget.held == 0 and budget.peak == 500
+
+
+def test_a_list_refused_part_way_gives_back_what_its_first_prompts_took(make_engine, monkeypatch):
+    """`submit_many` refuses a later prompt (here: past the context) after the first was queued and
+    admitted: the first is cancelled and closed, its logprobs back (review of session 37: held for good,
+    10 of 10 tries where checking the long second prompt outlasted the first's admission; here the
+    check waits for it). Red without the close in `Engine.submit_many`."""
+    from kvgate.core import admission
+
+    e = make_engine(logprobs_memory=1 << 20)
+    L, real = e.max_model_len, admission.plan_entry
+
+    def after_the_first_is_admitted(cfg, handle, followers=()):
+        if len(handle.request.prompt_ids) > 10:
+            assert wait_until_true(lambda: e.snapshot().logprobs_bytes_held > 0)
+        return real(cfg, handle, followers)
+
+    monkeypatch.setattr(admission, "plan_entry", after_the_first_is_admitted)
+    with pytest.raises(Refusal) as err:
+        e.submit_many([lp_request(32), lp_request(32, prompt=[5] * (L - 10))])
+    assert err.value.code == "context_length_exceeded"
+    assert wait_for_no_logprobs(e), e.snapshot().logprobs_bytes_held
+
+
+def wait_until_true(pred, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pred()
+
+
+def wait_for_no_logprobs(e, seconds: float = 5.0) -> bool:
+    return wait_until_true(lambda: e.snapshot().logprobs_bytes_held == 0, seconds)
 
 
 def test_a_list_of_prompts_that_can_never_fit_together_is_a_400(make_engine):
@@ -257,3 +299,31 @@ def test_a_served_answer_holds_its_logprobs_until_it_is_sent(make_engine):
         assert e.snapshot().logprobs_bytes_peak >= 20 * B.position_bytes(20)
         big = httpx.post(base + "/v1/chat/completions", json={**body, "max_tokens": 150}, timeout=60)
         assert big.status_code == 400 and big.json()["error"]["code"] == "logprobs_budget_exceeded"
+
+
+def test_the_advice_names_the_field_the_client_sent(make_engine):
+    """A budget 400 says which max_tokens to lower in the client's own name: max_completion_tokens on chat,
+    max_output_tokens on /v1/responses (QA pass 10: "Lower max_tokens" to a Responses client). Red
+    without the renaming in `errors.from_refusal`."""
+    from tests.server_util import running_server
+
+    e = make_engine(logprobs_memory=64 << 10)
+    msgs = [{"role": "user", "content": "hi"}]
+    with running_server(e) as (base, _app):
+        chat = {"model": "tiny", "messages": msgs, "logprobs": True, "top_logprobs": 20}
+        r = httpx.post(base + "/v1/chat/completions", json={**chat, "max_completion_tokens": 150}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "max_completion_tokens", err
+        assert (
+            "Lower max_completion_tokens to at most" in err["message"] and "max_tokens " not in err["message"]
+        )
+        resp = {
+            "model": "tiny",
+            "input": "hi",
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": 20,
+        }
+        r = httpx.post(base + "/v1/responses", json={**resp, "max_output_tokens": 150}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "max_output_tokens", err
+        assert "Lower max_output_tokens to at most" in err["message"], err

@@ -259,3 +259,38 @@ def test_a_uvicorn_whose_state_moved_serves_on_without_deadlines(tiny_dir, monke
         assert sum("request deadlines off" in m for m in caplog.messages) == 1
     finally:
         engine.shutdown()
+
+
+def test_a_response_nobody_reads_is_cut_and_its_logprobs_come_back(tmp_path):
+    """A client that asks for a long stream with top_logprobs 20 and reads nothing: once the buffers are
+    full and nothing drains for `send_stall_seconds` (here 1 s), the connection is cut, the row is
+    cancelled and its logprobs reservation comes back (QA pass 10: held 90 s after the row ended, until
+    the client read). Seen red with `send_stall_seconds` never firing (the bytes stayed held)."""
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from tests.tiny_model import TINY_KV_BYTES_PER_TOKEN, make_tiny_hf_dir
+
+    model = make_tiny_hf_dir(tmp_path / "long", geometry={"max_pos": 8192})
+    cfg = EngineConfig(
+        kv_cache_bytes=8192 * TINY_KV_BYTES_PER_TOKEN, memory_limit="2GiB", dtype="float32", device="cpu"
+    )
+    engine = Engine.from_model(str(model), cfg, overhead_bytes=0).start()
+    body = json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8000, "stream": True}
+        | {"ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+    ).encode()
+    try:
+        proto = guarded_http_protocol(30, 30, send_stall_seconds=1.0)
+        with running_server(engine, http=proto) as (base, _):
+            s = connect(base)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            s.sendall(head.encode() + body)  # and never read
+            assert wait_until(lambda: engine.snapshot().logprobs_bytes_held > 0, 10)
+            cut = wait_until(
+                lambda: engine.snapshot().logprobs_bytes_held == 0 and engine.snapshot().running == 0, 60
+            )
+            assert cut, (engine.snapshot().logprobs_bytes_held, engine.snapshot().running)
+            s.close()
+    finally:
+        engine.shutdown()

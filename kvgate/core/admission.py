@@ -267,10 +267,17 @@ def queue_trim_refusal(cfg: SchedulerConfig, w: WaitEntry, waiting: int, retry_a
 
 
 def kv_timeout_refusal(
-    cfg: SchedulerConfig, w: WaitEntry, free_blocks: int, rows: int, retry: int, ahead: int = 0
+    cfg: SchedulerConfig,
+    w: WaitEntry,
+    free_blocks: int,
+    rows: int,
+    retry: int,
+    ahead: int = 0,
+    head_logprobs: bool = False,
 ) -> Refusal:
     """`free_blocks`: what admission could hand out (free plus evictable cached blocks); `ahead`:
-    requests still waiting in front of `w` (strict FIFO: the head blocks everyone behind it)."""
+    requests still waiting in front of `w` (strict FIFO: the head blocks everyone behind it);
+    `head_logprobs`: the queue's head waits for logprobs memory, not KV."""
     P = w.prompt_len
     need = group_blocks(cfg, P, w.max_tokens, w.choices)
     fits_alone = need <= free_blocks and rows + w.choices <= cfg.max_seqs
@@ -278,10 +285,12 @@ def kv_timeout_refusal(
     code = "kv_memory_unavailable"
     if ahead and fits_alone:
         earlier = "1 earlier request" if ahead == 1 else f"{ahead} earlier requests"
+        short = "waits for logprobs memory (--logprobs-memory)" if head_logprobs else "still does not fit"
         why = (
             f"it would fit now ({need} of {free_blocks} free KV blocks) but waited behind {earlier}, "
-            "served first come first served, and the first of them still does not fit"
+            f"served first come first served, and the first of them {short}"
         )
+        code = "logprobs_memory_unavailable" if head_logprobs else code
     elif need <= free_blocks and rows + w.choices > cfg.max_seqs:
         why = f"all {cfg.max_seqs} batch rows (--max-seqs) stayed busy"
         code = "batch_rows_unavailable"  # KV was free: not a request the server had no memory for

@@ -314,6 +314,7 @@ class Engine:
         except BaseException:
             for h in handles:
                 h.cancel()
+                h.close()  # nobody will: the caller never gets these handles
             raise
         return handles
 

@@ -235,12 +235,13 @@ class Scheduler:
         if not late:
             return
         retry = forecast.retry_after(s.snapshot())
+        free, rows = s.kv.available_blocks, len(s.running)
+        head_logprobs = self._logprobs_held_back(s.waiting[0], free, rows)  # what holds the line up
         for ahead, w in late:
             s.waiting.remove(w)
             s.counters.rejected_kv_timeout += w.choices
-            free, rows = s.kv.available_blocks, len(s.running)
-            refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, retry, ahead)
-            if not ahead and self._logprobs_held_back(w, free, rows):
+            refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, retry, ahead, head_logprobs)
+            if not ahead and head_logprobs:
                 need, lp = self._logprobs_need(w), s.logprobs
                 waited = self.cfg.max_queue_wait
                 refusal = logprob_budget.timeout_refusal(need, lp.free, lp.limit, waited, retry)

@@ -6,6 +6,8 @@ paths or stack traces; those go to the server log.
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 from kvgate.request import Refusal
@@ -58,7 +60,9 @@ def from_refusal(r: Refusal, field_names: dict[str, str] | None = None) -> APIEr
     if r.retry_after is not None:
         extra["retry_after_seconds"] = r.retry_after
     param = (field_names or {}).get(r.param, r.param) if r.param else None
-    return APIError(r.status, r.message, r.code, param=param, retry_after=r.retry_after, **extra)
+    sent = (field_names or {}).get("max_tokens", "max_tokens")  # the advice names the field as sent
+    message = re.sub(r"\bmax_tokens\b", sent, r.message) if sent != "max_tokens" else r.message
+    return APIError(r.status, message, r.code, param=param, retry_after=r.retry_after, **extra)
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

@@ -60,7 +60,10 @@ def features_of(engine, req) -> Features:
     else:
         return f
     if f.tools is not None and f.logprobs is not None:
-        raise unsupported("logprobs", "logprobs together with tools are not implemented")
+        raise unsupported(
+            "logprobs",
+            "logprobs together with tools are not implemented; send the request without one of them",
+        )
     compiler = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
     schemas = [fn.parameters for fn in f.tools.functions] if f.tools is not None else []
     if req.response_format is not None and req.response_format.json_schema is not None:
@@ -132,7 +135,10 @@ def _logprobs(req, chat: bool) -> int | None:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
         return (top or 0) if lp else None
     if top is not None:
-        raise unsupported("top_logprobs", "the completions endpoint takes logprobs as an integer")
+        raise unsupported(
+            "top_logprobs",
+            "the completions endpoint takes logprobs as an integer (logprobs: 5 for the top 5)",
+        )
     if lp is None or lp is False:
         return None
     if isinstance(lp, bool) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS:

@@ -278,7 +278,7 @@ def _subclasses(cls) -> list[type]:
 
 def check_completion(req: CompletionRequest) -> None:
     if req.suffix:
-        raise unsupported("suffix", "fill-in-the-middle is not implemented")
+        raise unsupported("suffix", "fill-in-the-middle is not implemented; send the prompt without a suffix")
 
 
 def check_common(req: _Common) -> None:
@@ -331,7 +331,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         extra = sorted(m.model_extra or {})
         if extra:
-            raise unsupported(f"messages.{i}.{extra[0]}", "unknown message field")
+            raise unsupported(f"messages.{i}.{extra[0]}", "unknown message field; remove it")
         _check_replayed(m, i)
         if m.role not in ROLES:
             raise invalid(

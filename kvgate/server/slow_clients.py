@@ -7,7 +7,11 @@ clients used them all up (slowloris). As nginx's client_header_timeout and clien
 
 - the request head (request line and headers) must be complete `head_seconds` after the connection
   opened or the head's first byte came (a client trickling header bytes does not reset the clock);
-- while the body is incomplete, `body_idle_seconds` without a byte of it end the request.
+- while the body is incomplete, `body_idle_seconds` without a byte of it end the request;
+- a response its client takes nothing of for `send_stall_seconds` (the socket's buffers full all that
+  time) is cut (nginx's send_timeout): what the server keeps for it until it is sent, a whole answer's
+  logprobs among them (reserved, kvgate.core.logprob_budget), goes back (QA pass 10: 5.6 MB held for
+  as long as a client that read nothing kept its socket open).
 
 A timed-out head or body gets a 408 (JSON, kvgate's error shape, `Connection: close`); a connection
 that sent nothing is closed without a response, as uvicorn's keep-alive timeout does. The clocks stop
@@ -35,6 +39,7 @@ except ImportError:  # no httptools: uvicorn's "auto" is h11
 
 REQUEST_HEAD_SECONDS = 30.0  # nginx's client_header_timeout is 60 s; uvicorn's keep-alive here is 30 s
 REQUEST_BODY_IDLE_SECONDS = 30.0  # nginx's client_body_timeout (between two reads) is 60 s
+RESPONSE_STALL_SECONDS = 60.0  # nginx's send_timeout: a client that takes nothing of its response this long
 LATE_SECONDS = 1.0  # a timer this late means the loop was busy: look again before blaming the client
 
 log = logging.getLogger("kvgate.serve")
@@ -60,6 +65,7 @@ class _RequestDeadlines:
 
     head_seconds = REQUEST_HEAD_SECONDS
     body_idle_seconds = REQUEST_BODY_IDLE_SECONDS
+    send_stall_seconds = RESPONSE_STALL_SECONDS
     _kv_timer = None
     _kv_due = 0.0
     _kv_body_bytes = 0  # of the request whose body is being received
@@ -89,7 +95,38 @@ class _RequestDeadlines:
 
     def connection_lost(self, exc) -> None:
         self._kv_cancel()
+        self._kv_unstall()
         super().connection_lost(exc)
+
+    # ---- a response its client stopped reading ----------------------------------------------------
+    def pause_writing(self) -> None:
+        """The transport's buffer is full: the client reads nothing. Past `send_stall_seconds` of that
+        the connection is cut, so a response nobody takes does not hold its memory (the server keeps a
+        whole logprobs body's values until it is sent: their reservation, kvgate.core.logprob_budget)."""
+        super().pause_writing()
+        if not _off and getattr(self, "_kv_stall", None) is None:
+            self._kv_stall = self.loop.call_later(self.send_stall_seconds, self._kv_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._kv_unstall()
+
+    def _kv_unstall(self) -> None:
+        if getattr(self, "_kv_stall", None) is not None:
+            self._kv_stall.cancel()
+            self._kv_stall = None
+
+    def _kv_stalled(self) -> None:
+        self._kv_stall = None
+        try:
+            if self.flow.write_paused and not self.transport.is_closing():
+                client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+                log.info(
+                    "%s: closed: it read nothing of its response for %g s", client, self.send_stall_seconds
+                )
+                self.transport.abort()  # its buffer will never drain: close() would wait for it
+        except Exception as exc:
+            _switch_off(exc)
 
     def _kv_arm(self, seconds: float) -> None:
         self._kv_cancel()
@@ -223,7 +260,10 @@ class _H11Deadlines(_RequestDeadlines, H11Protocol):
 
 
 def guarded_http_protocol(
-    head_seconds: float | None = None, body_idle_seconds: float | None = None, kind: str = "auto"
+    head_seconds: float | None = None,
+    body_idle_seconds: float | None = None,
+    kind: str = "auto",
+    send_stall_seconds: float | None = None,
 ):
     """uvicorn's HTTP/1.1 protocol class with the request deadlines, for `uvicorn.Config(http=...)`:
     `kind` "auto" is what uvicorn's `http="auto"` picks (httptools if installed, else h11); tests pass
@@ -238,4 +278,6 @@ def guarded_http_protocol(
         fields["head_seconds"] = head_seconds
     if body_idle_seconds is not None:
         fields["body_idle_seconds"] = body_idle_seconds
+    if send_stall_seconds is not None:
+        fields["send_stall_seconds"] = send_stall_seconds
     return type(base.__name__.lstrip("_"), (base,), fields) if fields else base
