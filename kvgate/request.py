@@ -73,6 +73,9 @@ class GenerationRequest:
     # since a list is admitted together: `admission.fit_group`); None: the whole pool
     kv_share: int | None = None
     logprobs_share: int | None = None  # the same for its logprobs' bytes (kvgate.core.logprob_budget)
+    # the logprobs bytes to reserve at admission in place of what its own tokens need: a held prompt
+    # list's first prompt carries the whole list's, the others none (`admission.fit_group`); None: its own
+    logprobs_bytes: int | None = None
     # who keeps the logprobs after the row ends (kvgate.core.logprob_budget): None, the engine's events
     # only (their reservation ends with the row); an int, the caller, until it closes the handle, with
     # this many bytes a position of its own on top (the server: 0, or the dicts a Responses body builds)

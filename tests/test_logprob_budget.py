@@ -110,7 +110,7 @@ def test_a_held_reservation_lasts_until_the_handle_closes(make_engine):
 
 
 def test_a_waiter_held_back_by_logprobs_memory_gets_a_429_that_says_so(make_engine):
-    """The head and a plain request behind it (strict FIFO) are both told the logprobs memory held the
+    """The head and a logprobs request behind it (FIFO) are both told the logprobs memory held the
     line up. Red with the KV message kept (it said KV blocks did not free up, with the pool all free),
     and, for the one behind, without `head_logprobs` (QA pass 10: "the first of them still does not
     fit", code kv_memory_unavailable)."""
@@ -119,7 +119,7 @@ def test_a_waiter_held_back_by_logprobs_memory_gets_a_429_that_says_so(make_engi
     a = e.submit(lp_request(16))
     a.result(30)
     b = e.submit(lp_request(16))
-    c = e.submit(GenerationRequest([5, 6], SamplingParams(temperature=0.0), 4, held=0))
+    c = e.submit(lp_request(2, prompt=(5, 6)))  # needs logprobs too: waits behind b (FIFO)
     with pytest.raises(Refusal) as err:
         b.wait_admitted(10)
     assert (err.value.status, err.value.code) == (429, "logprobs_memory_unavailable")
@@ -186,6 +186,46 @@ def wait_until_true(pred, seconds: float = 5.0) -> bool:
 
 def wait_for_no_logprobs(e, seconds: float = 5.0) -> bool:
     return wait_until_true(lambda: e.snapshot().logprobs_bytes_held == 0, seconds)
+
+
+def test_two_lists_queued_in_turns_do_not_wait_on_each_other(make_engine):
+    """Two held prompt lists queued x1 y1 x2 y2, the budget short of both: each list's first prompt
+    reserves the whole list, and a later prompt (which needs none) passes a head that waits for
+    logprobs memory alone, so both lists finish at once. Before: x2 waited for y1's bytes, y1's for y2,
+    behind x2 (review of session 37): a 429 at --max-queue-wait. Red without the first prompt's
+    reservation of its list, and without the pass (each: the 429)."""
+    from kvgate.core import admission
+
+    per = 16 * B.position_bytes(20)
+    e = make_engine(logprobs_memory=2 * per + per // 2, max_queue_wait=3.0)
+    x = admission.fit_group(e.sched_cfg, [lp_request(16), lp_request(16, prompt=(9, 10))], 1)
+    y = admission.fit_group(e.sched_cfg, [lp_request(16, prompt=(11, 12)), lp_request(16, prompt=(13,))], 1)
+    handles = [e.submit(r) for r in (x[0], y[0], x[1], y[1])]
+    t0 = time.monotonic()
+    for pair in (handles[0::2], handles[1::2]):  # a list's answer is sent when all its prompts are done
+        for h in pair:
+            assert h.result(10).finish_reason == "length"
+        for h in pair:
+            h.close()
+    assert time.monotonic() - t0 < 2.5
+    assert wait_for_no_logprobs(e)
+
+
+def test_a_request_without_logprobs_passes_a_head_that_waits_for_them(make_engine):
+    """QA pass 10: a plain request queued behind one that waits for logprobs memory waited with it (up to
+    --max-queue-wait). It needs none of it: admitted at once. Red without the pass in `_admit`."""
+    per = 16 * B.position_bytes(20)
+    e = make_engine(logprobs_memory=per + per // 2, max_queue_wait=5.0)
+    a = e.submit(lp_request(16))
+    a.result(10)
+    b = e.submit(lp_request(16))  # waits: a's logprobs are held until a is closed
+    c = e.submit(GenerationRequest([5, 6], SamplingParams(temperature=0.0), 4, held=0))
+    t0 = time.monotonic()
+    assert c.result(10).finish_reason in ("length", "stop") and time.monotonic() - t0 < 2.0
+    with pytest.raises(TimeoutError):
+        b.wait_admitted(0.1)
+    a.close()
+    assert isinstance(b.wait_admitted(5), Admitted)
 
 
 def test_a_list_of_prompts_that_can_never_fit_together_is_a_400(make_engine):

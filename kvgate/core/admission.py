@@ -207,10 +207,16 @@ def fit_group(cfg: SchedulerConfig, requests: list[GenerationRequest], n: int) -
         raise logprob_budget.group_refusal(sum(lp), cfg.logprobs_memory, len(requests), unset > 0)
     extra = (cfg.total_blocks - need) // max(1, unset)
     lp_extra = (cfg.logprobs_memory - sum(lp)) // max(1, unset)
-    return [
+    out = [
         r if r.max_tokens else replace(r, kv_share=b + extra, logprobs_share=m + lp_extra)
         for r, b, m in zip(requests, leasts, lp, strict=True)
     ]
+    # Prompts held until the whole answer is sent hold each other's logprobs: the first reserves all of
+    # them (each at its most), so two lists queued in turns (x1 y1 x2 y2) cannot wait on each other
+    whole = sum(m + (0 if r.max_tokens else lp_extra) for r, m in zip(requests, lp, strict=True))
+    if whole and any(r.held is not None for r in requests):
+        out = [replace(r, logprobs_bytes=whole if i == 0 else 0) for i, r in enumerate(out)]
+    return out
 
 
 def unavailable_refusal(reason: str, retry_after: int) -> Refusal:

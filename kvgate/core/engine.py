@@ -293,17 +293,17 @@ class Engine:
         for i in range(1, n):
             seed = request.sampling.seed
             sampling = replace(request.sampling, seed=None if seed is None else (seed + i) % (1 << 63))
-            # the first choice scores the prompt (a scored prompt's positions are shared, and its scores
-            # reported with every choice): the others do not score their own tail again
-            other = replace(request, sampling=sampling, prompt_logprobs=None)
+            # the first choice scores the prompt (its positions are shared, its scores reported with every
+            # choice) and carries what its list reserves: the others neither score nor reserve it again
+            lp = request.logprobs_bytes and 0
+            other = replace(request, sampling=sampling, prompt_logprobs=None, logprobs_bytes=lp)
             handles.append(RequestHandle(other, self._send_cancel, self._send_release))
         self.gate.submit(handles[0], handles[1:])
         return handles
 
     def submit_many(self, requests: list[GenerationRequest], n: int = 1) -> list[RequestHandle]:
-        """Several requests as one (`n` choices each, see `submit_choices`): all are validated, and must
-        fit the pool together (`admission.fit_group`), before any is submitted; a refusal of one cancels
-        those submitted before it. Handles come prompt by prompt, choice by choice."""
+        """Several requests as one (`n` choices each, see `submit_choices`), validated and fitted together
+        (`admission.fit_group`) first; a refusal of one cancels and closes those submitted before it."""
         for r in requests:
             r.validate(self.tokenizer.vocab_size)
         requests = admission.fit_group(self.sched_cfg, requests, n)

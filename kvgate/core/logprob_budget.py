@@ -42,6 +42,11 @@ def request_bytes(req: GenerationRequest, max_tokens: int) -> int:
     return out
 
 
+def reserved_bytes(req: GenerationRequest, max_tokens: int) -> int:
+    """What admitting this choice reserves: its own need, or what its list arranged (`logprobs_bytes`)."""
+    return request_bytes(req, max_tokens) if req.logprobs_bytes is None else req.logprobs_bytes
+
+
 def group_bytes(req: GenerationRequest, max_tokens: int, n: int = 1) -> int:
     """`n` choices of `req`: the first scores the prompt (if asked), each holds its output's logprobs."""
     return request_bytes(req, max_tokens) + (n - 1) * max_tokens * position_bytes(

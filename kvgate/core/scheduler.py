@@ -10,7 +10,10 @@ Why these choices:
 - Rows are a dict keyed by request id, never a positional list: a row leaving the batch cannot hand
   its sampler, stop matcher or reply channel to a neighbour.
 - Strict FIFO: a head that does not fit blocks the line. Skipping ahead would let a stream of small
-  requests starve a large one; there is no measured reason to allow it.
+  requests starve a large one; there is no measured reason to allow it. One exception: a head that
+  has its rows and KV but waits for logprobs memory (`kvgate.core.logprob_budget`) lets requests that
+  need none go first. Logprobs come back only when responses are sent, and a prompt list's later
+  prompts (which need none: the first reserved them) may be what that response waits for.
 - A request holds `ceil((prompt + max_tokens) / block_size)` blocks from admission to its end, so a
   running row can never run out of KV and no preemption exists.
 - A failure while admitting one request (building its sampler, detokenizer...) ends that request
@@ -120,8 +123,9 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput) -> None:
         s, cfg, kv = self.state, self.cfg, self.state.kv
         bs = cfg.block_size
-        while s.waiting and len(s.running) + s.waiting[0].choices <= cfg.max_seqs:
-            head = s.waiting[0]
+        i = 0  # waiters before i wait for logprobs memory alone: those that need none may go first
+        while i < len(s.waiting) and len(s.running) + s.waiting[i].choices <= cfg.max_seqs:
+            head = s.waiting[i]
             P, n = head.prompt_len, head.choices
             scores = head.handle.request.prompt_logprobs is not None  # every position computed: no hits
             hits = [] if scores else kv.lookup(head.hashes[: cacheable_blocks(P, bs)])
@@ -134,10 +138,11 @@ class Scheduler:
                 cap = BudgetCap(head.requested, fits, "kv_free_now")
                 mt = fits
             handles = [head.handle, *head.followers]
-            logprobs = [logprob_budget.request_bytes(h.request, mt) for h in handles]  # bytes each
-            if sum(logprobs) > s.logprobs.free:
-                return  # the head waits for logprobs memory (strict FIFO)
-            s.waiting.popleft()
+            logprobs = [logprob_budget.reserved_bytes(h.request, mt) for h in handles]  # bytes each
+            if sum(logprobs) and (i or sum(logprobs) > s.logprobs.free):
+                i += 1  # waits for logprobs memory, in FIFO order with the others that do
+                continue
+            del s.waiting[i]
             try:
                 rows = self._allocate_rows(head, mt, cap, hits)
             except Exception:
@@ -248,7 +253,7 @@ class Scheduler:
             s.leave_queue(w, Refused(refusal))
 
     def _logprobs_need(self, w: WaitEntry) -> int:
-        return sum(logprob_budget.request_bytes(h.request, w.max_tokens) for h in [w.handle, *w.followers])
+        return sum(logprob_budget.reserved_bytes(h.request, w.max_tokens) for h in [w.handle, *w.followers])
 
     def _logprobs_held_back(self, w: WaitEntry, free_blocks: int, rows: int) -> bool:
         """The queue's head had the rows and KV blocks it needs, not the logprobs memory."""

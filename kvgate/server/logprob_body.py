@@ -25,14 +25,16 @@ from kvgate.server import logprobs as L
 
 SLICE = 64  # tokens written per step
 # a Responses body is built from the chat body's dicts (json.loads of its text, then its own dicts and
-# text): per position, measured 405 + 386 B a top entry for one copy of the chat entry's dicts
-# (tracemalloc, SmolLM2's vocabulary), held twice over at its peak; rounded up
-DICT_BYTES, DICT_TOP_BYTES = 448, 400
+# text; a stream's events keep theirs for the final event): per position, 405 + 386 B a top entry for
+# one copy of the chat entry's dicts (tracemalloc, SmolLM2's vocabulary), rounded up; held at most
+# 3 times over (the review measured 16.5 KB a position whole and 24.9 KB streamed at top 20, where
+# one copy is 8.4 KB), reserved as 4
+DICT_BYTES, DICT_TOP_BYTES, DICT_COPIES = 448, 400, 4
 
 
 def dict_hold_bytes(k: int | None) -> int:
     """What a caller that builds dicts from a position's logprobs holds a position (`held`)."""
-    return 0 if k is None else 2 * (DICT_BYTES + DICT_TOP_BYTES * k)
+    return 0 if k is None else DICT_COPIES * (DICT_BYTES + DICT_TOP_BYTES * k)
 
 
 def dumps(value) -> str:
