@@ -427,3 +427,19 @@ def test_max_concurrent_is_bounded_by_max_seqs_and_the_models_context():
     assert "at 512 tokens each" in short.describe(1024) and "the model's context is 512" in short.describe(
         1024
     )
+
+
+def test_the_logprobs_memory_is_a_term_that_auto_gives_way_and_an_explicit_one_is_named():
+    """--logprobs-memory auto (a 16th of the limit, at most 32 MiB) comes out of the pool; where the limit
+    leaves less, auto shrinks to what is left, and says so; an explicit size that does not fit is named
+    in the error with its advice. Red with auto's shrink removed
+    (the tight plan refused), and with the term left out of `fixed` (the pool as large as without it)."""
+    roomy, without = smollm2_plan("2GiB"), smollm2_plan("2GiB", logprobs_bytes=0)
+    assert roomy.logprobs_bytes == 32 * MiB
+    assert without.kv_pool_bytes - roomy.kv_pool_bytes >= 32 * MiB - roomy.kv_bytes_per_token * 16
+    tight_limit = SMOLLM2_VALUES * 2 + 300 * MiB + 120 * MiB
+    tight = smollm2_plan(str(tight_limit), max_model_len=1024)
+    assert 0 <= tight.logprobs_bytes < tight_limit // 16
+    assert any("what the limit leaves (--logprobs-memory auto)" in n for n in tight.notes)
+    with pytest.raises(P.PlanError, match=r"logprobs memory 1\.5 GiB .* or --logprobs-memory"):
+        smollm2_plan("2GiB", logprobs_bytes=3 << 29, max_model_len=1024)

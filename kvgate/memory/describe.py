@@ -83,5 +83,6 @@ def no_fit(terms: list[tuple[str, int]], limit: int, source: str, drift: int, pa
         f"the model does not fit in the memory limit: {said} = {fmt_bytes(need)} > limit {fmt_bytes(limit)} "
         f"({source}). Raise --memory-limit to at least {-(-(need + drift) // (1 << 20))}MiB, pick a smaller "
         "--dtype, or lower --max-model-len"
+        + (" or --logprobs-memory" if dict(terms).get("logprobs memory") else "")
         + (" (or --pack-weights off, which drops the packed LM head copy)." if packed_head else ".")
     )
