@@ -142,7 +142,7 @@ class RemoteCall:
         h = self.handles[i]
         if isinstance(ev, Token):
             h.token_times.append(now)
-            return Token(ev.token_id, ev.text, now)
+            return Token(ev.token_id, ev.text, now, ev.logprobs)  # its logprobs too (they were dropped)
         self._finished.add(i)
         res = ev.result
         times = h.token_times if len(h.token_times) == len(res.token_times) else [now] * len(res.token_times)
