@@ -42,6 +42,7 @@ from kvgate.cluster.views import view_of
 from kvgate.request import Finished, Refusal, RequestError
 from kvgate.sampling import SamplingError
 from kvgate.server.serving import admit_all, submitted
+from kvgate.structured.compiler import bound
 
 log = logging.getLogger("kvgate.cluster")
 
@@ -209,5 +210,6 @@ async def _batches(handles):
 
 
 def _submit_many(eng, requests: list, n: int) -> list:
-    """`Engine.submit_many` as is: the replica reports an invalid field itself (a 400 at the ingress)."""
-    return eng.submit_many(requests, n)
+    """`Engine.submit_many` as is: the replica reports an invalid field itself (a 400 at the ingress).
+    A grammar comes as its text and is compiled here, by this replica's compiler (cached)."""
+    return eng.submit_many([bound(eng, r) for r in requests], n)

@@ -33,7 +33,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llguidance
 
@@ -72,13 +72,26 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class Grammar:
-    """What a request carries: the grammar's text and the compiler that will build its matcher."""
+    """What a request carries: the grammar's text and the compiler that will build its matcher. Pickled
+    (a request sent to a cluster replica) it is its text alone: the compiler holds native objects, and
+    the replica binds the text to its own (`bound`)."""
 
     text: str
-    compiler: GrammarCompiler
+    compiler: GrammarCompiler | None
 
     def matcher(self) -> llguidance.LLMatcher:
+        if self.compiler is None:
+            raise GrammarError("this grammar came without its compiler: bind it first (compiler.bound)")
         return self.compiler.matcher(self.text)
+
+    def __reduce__(self):
+        return (Grammar, (self.text, None))
+
+    def __copy__(self):  # immutable: a copy (not a pickle) keeps its compiler
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 class GrammarCompiler:
@@ -181,3 +194,14 @@ def compiler_for(tokenizer, n_vocab: int, max_seqs: int) -> GrammarCompiler:
             )
             _compilers[tokenizer] = c
         return c
+
+
+def bound(engine, request):
+    """`request` with its grammar (if any) compiled by `engine`'s own compiler: a request that came
+    pickled from a cluster's ingress carries the grammar's text alone (QA pass 10: structured output and
+    tools through the cluster were a 500, "cannot pickle 'builtins.LLTokenizer' object")."""
+    g = request.sampling.grammar
+    if g is None or g.compiler is not None:
+        return request
+    compiler = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+    return replace(request, sampling=replace(request.sampling, grammar=compiler.check(g.text)))
