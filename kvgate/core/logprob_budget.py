@@ -12,8 +12,11 @@ memory), and a request asking for logprobs reserves, per choice,
 
 (plus `held` bytes a position where its caller builds more from them) before it is admitted, as its KV
 blocks are: a request that can never fit is a 400 naming the numbers (an unset max_tokens is capped
-and the cap reported), one that cannot fit now waits in the FIFO like any other and gets a 429 after
---max-queue-wait. Only the worker thread touches `LogprobBudget`; a close reaches it as a command.
+and the cap reported), one that cannot fit now waits in the FIFO and gets a 429 after --max-queue-wait.
+Requests that need no logprobs memory may pass a head that waits for it alone, and a held prompt
+list's first prompt reserves the whole list (`logprobs_bytes`): a list's later prompts are what its
+response waits for (`kvgate.core.scheduler`). Only the worker thread touches `LogprobBudget`; a close
+reaches it as a command.
 """
 
 from __future__ import annotations
