@@ -145,6 +145,21 @@ def test_a_request_that_fits_no_replica_gets_the_400_with_the_numbers(cluster):
     )
 
 
+@pytest.mark.timeout(60)
+def test_n_choices_that_fit_no_replica_get_the_400_with_the_numbers(cluster):
+    """n past --max-seqs (8 here), and n choices that together never fit a replica's pool though one
+    would: the single server's 400s, not a 429 to retry for ever (QA of session 37). Seen red with
+    `ClusterEngine.submit_many` judging one choice: n=8 x 60 tokens, 429 kv_memory_unavailable)."""
+    for n, max_tokens, code in ((9, 8, "too_many_choices"), (8, 60, "kv_budget_exceeded")):
+        r = httpx.post(
+            cluster + "/v1/completions", json={**body(max_tokens, stream=False), "n": n}, timeout=30
+        )
+        err = r.json()["error"]
+        assert (r.status_code, err["code"]) == (400, code), err
+        assert err["param"] == ("n" if code == "too_many_choices" else "max_tokens"), err
+    assert f"{n} choices" in err["message"] and err["positions_limit"] == 448
+
+
 @pytest.mark.timeout(120)
 def test_a_full_replica_sends_the_next_request_to_the_other_with_no_429(cluster):
     """A holds one long request (all 28 blocks, 1 row); B two shorter ones (2 rows). Serve's

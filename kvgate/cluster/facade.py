@@ -23,7 +23,7 @@ from kvgate.cluster.dispatch import Dispatcher
 from kvgate.cluster.remote import RemoteCall
 from kvgate.cluster.routing import Demand, blocks_for, prefix_chain
 from kvgate.cluster.views import KeptCounters, ReplicaView, aggregate
-from kvgate.core.admission import fit_group, plan_entry
+from kvgate.core.admission import fit_group, plan_entry, too_many_choices
 from kvgate.request import RequestHandle
 from kvgate.tokenizer import TextTokenizer
 
@@ -117,10 +117,14 @@ class ClusterEngine:
         for r in requests:
             r.validate(vocab)
         cfg = self.sched_cfg
+        if n > cfg.max_seqs:  # never on one replica: a 400, as the engine says it
+            raise too_many_choices(n, cfg.max_seqs)
         requests = fit_group(cfg, requests, n)  # admitted together on one replica: they must fit its pool
         blocks = 0
         for r in requests:
-            entry = plan_entry(cfg, RequestHandle(r, _ignore_cancel))  # raises the 400s
+            # raises the 400s, for all n choices together (alone, n choices past the pool got a 429)
+            handles = [RequestHandle(r, _ignore_cancel) for _ in range(n)]
+            entry = plan_entry(cfg, handles[0], handles[1:])
             P = len(r.prompt_ids)
             least = entry.max_tokens if entry.explicit else min(entry.max_tokens, max(1, cfg.min_cap_tokens))
             blocks += n * blocks_for(P + least, cfg.block_size)
