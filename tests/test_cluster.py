@@ -86,6 +86,19 @@ def test_logprobs_through_the_cluster_are_reserved_and_given_back(cluster):
         return -1.0
 
     assert wait_until(lambda: held() == 0.0, 15), held()
+    # the budget is both replicas' (each 1/16 of its limit, at most 32 MiB), as the held bytes are summed
+    budget = [
+        ln
+        for ln in httpx.get(cluster + "/metrics").text.splitlines()
+        if ln.startswith("kvgate_logprobs_memory_bytes ")
+    ]
+    resources = httpx.get(cluster + "/v1/resources", timeout=10).json()
+    assert budget and float(budget[0].split()[1]) == 2 * min(
+        32 << 20, resources["ledger"]["limit_bytes"] // 2 // 16
+    ), (
+        budget,
+        resources["ledger"]["limit_bytes"],
+    )
     peak = [
         ln
         for ln in httpx.get(cluster + "/metrics").text.splitlines()

@@ -106,6 +106,12 @@ class ClusterEngine:
         return self._last
 
     @property
+    def logprobs_memory(self) -> int:
+        """The replicas' logprobs budgets together (each its own --logprobs-memory), as their held bytes
+        are summed (`aggregate`)."""
+        return self.sched_cfg.logprobs_memory * len(self.dispatcher.ready_views())
+
+    @property
     def ledger(self) -> ClusterLedger:
         return ClusterLedger(self.dispatcher.ready_views())
 

@@ -104,7 +104,10 @@ class _EngineCollector:
         )
         yield gauge("kv_bytes_per_token", "KV bytes per token position", plan.kv_bytes_per_token)
         yield gauge("memory_limit_bytes", "The ledger's memory limit", engine.ledger.limit)
-        budget = getattr(getattr(engine, "sched_cfg", None), "logprobs_memory", None)
+        # a cluster's ingress: every ready replica's budget (their held bytes are summed too)
+        budget = getattr(engine, "logprobs_memory", None) or getattr(
+            engine.sched_cfg, "logprobs_memory", None
+        )
         if budget is not None:
             yield gauge(
                 "logprobs_memory_bytes", "Bytes requests' logprobs may hold (--logprobs-memory)", budget
