@@ -40,7 +40,7 @@ class TokenLogprobs:
     The top k are held as two packed arrays (ids as 32-bit ints, logprobs as doubles: exact for the
     float32 values the sampler gives), ~0.5 KB a position at k = 20 where a list of (id, logprob)
     tuples took ~2.5 KB (tracemalloc). A whole answer's positions are held until its body is sent, and
-    `logprob_bytes` reserves them at admission (`kvgate.core.logprob_budget`)."""
+    `position_bytes` reserves them at admission (`kvgate.core.logprob_budget`)."""
 
     __slots__ = ("token_id", "logprob", "_ids", "_lps")
 

@@ -103,7 +103,7 @@ def row_slope(by_rows: dict) -> float:
 
 
 class EngineState:
-    def __init__(self, kv: KVCacheManager, inbox: Inbox, prefill_chunk: int, logprobs_memory: int = 64 << 20):
+    def __init__(self, kv: KVCacheManager, inbox: Inbox, prefill_chunk: int, logprobs_memory: int = 32 << 20):
         self.kv = kv
         self.logprobs = LogprobBudget(logprobs_memory)  # bytes the rows' logprobs hold (logprob_budget)
         self.inbox = inbox

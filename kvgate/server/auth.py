@@ -97,13 +97,10 @@ class AuthAndCount:
         try:
             await self.app(scope, receive, send_and_note)
         except asyncio.CancelledError:
-            if (
-                getattr(scope.get("app"), "state", None) is None
-                or scope["app"].state.status != "shutting_down"
-            ):
+            if getattr(getattr(scope.get("app"), "state", None), "status", None) != "shutting_down":
                 raise
-            # uvicorn cancels what is left after the shutdown's flush (kvgate.server.run.FLUSH_SECONDS) and
-            # would log each as "Exception in ASGI application": one line says what happened instead
+            # uvicorn cancels what is left after the shutdown's flush (FLUSH_SECONDS) and would log each
+            # as "Exception in ASGI application": one line says what happened instead
             log.warning(
                 "request %s %s: cut off at shutdown, after the %gs flush", rid.decode(), path, FLUSH_SECONDS
             )

@@ -67,6 +67,7 @@ class _RequestDeadlines:
     body_idle_seconds = REQUEST_BODY_IDLE_SECONDS
     send_stall_seconds = RESPONSE_STALL_SECONDS
     _kv_timer = None
+    _kv_stall = None  # the send-stall timer, while the transport's buffer is full
     _kv_due = 0.0
     _kv_body_bytes = 0  # of the request whose body is being received
 
@@ -104,7 +105,7 @@ class _RequestDeadlines:
         the connection is cut, so a response nobody takes does not hold its memory (the server keeps a
         whole logprobs body's values until it is sent: their reservation, kvgate.core.logprob_budget)."""
         super().pause_writing()
-        if not _off and getattr(self, "_kv_stall", None) is None:
+        if not _off and self._kv_stall is None:
             self._kv_stall = self.loop.call_later(self.send_stall_seconds, self._kv_stalled)
 
     def resume_writing(self) -> None:
@@ -112,7 +113,7 @@ class _RequestDeadlines:
         self._kv_unstall()
 
     def _kv_unstall(self) -> None:
-        if getattr(self, "_kv_stall", None) is not None:
+        if self._kv_stall is not None:
             self._kv_stall.cancel()
             self._kv_stall = None
 
@@ -120,13 +121,16 @@ class _RequestDeadlines:
         self._kv_stall = None
         try:
             if self.flow.write_paused and not self.transport.is_closing():
-                client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+                client = self._kv_client()
                 log.info(
                     "%s: closed: it read nothing of its response for %g s", client, self.send_stall_seconds
                 )
                 self.transport.abort()  # its buffer will never drain: close() would wait for it
         except Exception as exc:
             _switch_off(exc)
+
+    def _kv_client(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
     def _kv_arm(self, seconds: float) -> None:
         self._kv_cancel()
@@ -192,7 +196,7 @@ class _RequestDeadlines:
         )
         err = {"message": message, "type": "invalid_request_error", "code": "request_timeout"}
         body = json.dumps({"error": {**err, "timeout_seconds": seconds, **extra}}).encode()
-        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        client = self._kv_client()
         log.info("%s: 408: %s", client, what)  # info: a slowloris is many
         self.transport.write(
             b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
