@@ -88,15 +88,21 @@ def _served_plan(model_dir) -> dict:
 
 def test_plan_overhead_and_pool_match_serve(tiny_dir):
     """`kvgate plan` (planning for serve, the default) and a started `kvgate serve` with the same flags
-    agree on the runtime overhead to within serve's own start-to-start noise, and so on the pool; the
-    JSON says which process was planned for. Red as the module docstring says (plan 10-16 MiB under)."""
+    agree on the measured runtime overhead to within serve's own start-to-start noise; the plan adds its
+    drift allowance on top, so the server gets at least the plan's pool and at most the drift's worth more;
+    the JSON says which process was planned for. Red as the module docstring says (plan 10-16 MiB under).
+    It compared the plan's overhead with the drift included against serve's, with a tolerance the
+    drift alone nearly used up (+7.7 MiB on a Zen 4 where the two measured 0.3 MiB apart): CI failed
+    at +9.4 MiB, a measured gap of +1.4."""
     served = _served_plan(tiny_dir)
     plan = _plan(tiny_dir)
     assert plan["planned_for"] == "serve"
-    gap = plan["overhead_bytes"] - served["overhead_bytes"]
-    assert abs(gap) <= TOLERANCE, f"plan overhead {gap / MiB:+.1f} MiB off serve's"
+    drift = plan["overhead_drift_bytes"]  # plan adds it on purpose, so that a server gets at least its pool
+    gap = plan["overhead_bytes"] - drift - served["overhead_bytes"]
+    assert abs(gap) <= TOLERANCE, f"plan's measured overhead {gap / MiB:+.1f} MiB off serve's"
     block = served["kv_bytes_per_token"] * served["block_size"]
-    assert abs(plan["kv_blocks"] - served["kv_blocks"]) <= TOLERANCE // block + 1
+    assert plan["kv_blocks"] <= served["kv_blocks"], "the server got a smaller pool than the plan promised"
+    assert served["kv_blocks"] - plan["kv_blocks"] <= (drift + TOLERANCE) // block + 1
 
 
 def test_plan_for_generate_measures_the_smaller_process(tiny_dir):
