@@ -82,6 +82,7 @@ class EngineConfig:
     prefix_cache: str = "on"  # on | off: share the KV of prompt prefixes already computed
     cuda_graphs: str = "auto"  # auto | on | full | off: steps replayed from captured CUDA graphs (CUDA only)
     logprobs_memory: int | None = None  # bytes requests' logprobs may hold (core.logprob_budget); None = auto
+    max_grammars: int | None = None  # distinct grammars kept at once (structured.compiler); None = auto
     extra: dict = field(default_factory=dict)
 
 
@@ -239,6 +240,14 @@ ENGINE_FLAGS = [
         "~0.7 KB a token at top_logprobs 20; a request that can never fit is a 400, one that cannot fit now "
         "waits (auto: 1/16 of the memory limit, at most 32MiB)",
     ),
+    (
+        "--max-grammars",
+        auto_or(at_least(int, 0)),
+        "auto",
+        "structured-output grammars (distinct JSON schemas or tool lists) kept at once, running or cached, "
+        "each planned at 8.4 MiB: requests with the same schema share one; a new one waits while every "
+        "grammar runs another; 0 turns structured output off and frees the memory (auto: 4)",
+    ),
 ]
 
 
@@ -304,4 +313,5 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         prefix_cache=a.prefix_cache,
         cuda_graphs=a.cuda_graphs,
         logprobs_memory=a.logprobs_memory,
+        max_grammars=a.max_grammars,
     )

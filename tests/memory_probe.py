@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--grammar-rows", type=int, default=0, help="rows that generate under a JSON schema, each its own"
     )
+    ap.add_argument("--max-grammars", type=int, default=None, help="--max-grammars (default: auto)")
     ap.add_argument(
         "--score-rows", type=int, default=0, help="rows that also score their prompt (prompt_logprobs=5)"
     )
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         weights=a.weights,
         kv_dtype=a.kv_dtype,
         speculate=a.speculate,
+        max_grammars=a.max_grammars,
     )
     t0 = time.monotonic()
     engine = Engine.from_model(a.model, cfg)
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from kvgate.structured.compiler import compiler_for
 
-        comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+        comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.grammars)
         for i in range(a.grammar_rows):  # distinct schemas that cannot end within a few tokens
             schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "minLength": 64}}}
             schema["required"] = [f"k{i}"]

@@ -112,7 +112,7 @@ def test_a_held_reservation_lasts_until_the_handle_closes(make_engine):
 def test_a_waiter_held_back_by_logprobs_memory_gets_a_429_that_says_so(make_engine):
     """The head and a logprobs request behind it (FIFO) are both told the logprobs memory held the
     line up. Red with the KV message kept (it said KV blocks did not free up, with the pool all free),
-    and, for the one behind, without `head_logprobs` (QA pass 10: "the first of them still does not
+    and, for the one behind, without `head_waits` (QA pass 10: "the first of them still does not
     fit", code kv_memory_unavailable)."""
     per = 16 * B.position_bytes(20)
     e = make_engine(logprobs_memory=per + per // 2, max_queue_wait=0.3)

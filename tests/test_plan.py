@@ -222,7 +222,7 @@ def test_tight_limit_shrinks_the_step_and_says_so():
     full = smollm2_plan("4GiB", 4, max_model_len=1024)
     fixed = full.weights_bytes + full.overhead_bytes
     min_kv = P.MIN_KV_POSITIONS * full.kv_bytes_per_token
-    limit = fixed + min_kv + full.workspace_bytes // 2
+    limit = fixed + min_kv + full.workspace_bytes * 3 // 4  # // 2 before the grammar slots (session 38)
     plan = smollm2_plan(str(limit), 4, max_model_len=1024)
     assert plan.limits.prefill_chunk < 256 or plan.limits.max_seqs < 32
     assert any("step limits shrunk" in n for n in plan.notes)
@@ -234,11 +234,11 @@ def test_the_shrink_halves_the_larger_consumer_first():
     """With --speculate 4 every row brings 5 logits rows, so at 800 MiB the rows' logits are the bulk
     of the step: the rows are halved and the prefill chunk keeps its 256 tokens, and the note names
     only what changed. Session 30's QA saw chunk 256 -> 16 (prefill 16x slower) with rows 32 -> 16
-    anyway, as the loop always halved the chunk first. Red with that order back."""
-    plan = smollm2_plan("800MiB", 2, max_model_len=8192, speculate=4)  # bf16, 300 MiB overhead
-    # rows 32 -> 8 since session 36's grammar term (8 MiB a grammar and row, was 3): 16 before
-    assert (plan.limits.prefill_chunk, plan.limits.max_seqs) == (256, 8)
-    assert any(n == "step limits shrunk to fit the limit: max rows 32 -> 8" for n in plan.notes), plan.notes
+    anyway, as the loop always halved the chunk first. Red with that order back (session 38: chunk 16)."""
+    # at 700 MiB since session 38's grammar slots (4 kept, not one per row: 800 MiB no longer shrinks)
+    plan = smollm2_plan("700MiB", 2, max_model_len=8192, speculate=4)  # bf16, 300 MiB overhead
+    assert (plan.limits.prefill_chunk, plan.limits.max_seqs) == (256, 4)
+    assert any(n == "step limits shrunk to fit the limit: max rows 32 -> 4" for n in plan.notes), plan.notes
 
 
 def test_small_pool_plans_attention_for_the_pool_not_the_context():

@@ -30,7 +30,7 @@ MSG = [{"role": "user", "content": "Give me JSON."}]
 
 
 def grammar_of(engine, schema: dict):
-    comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+    comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.grammars)
     return comp.check("start: %json " + json.dumps({**schema, "x-guidance": JSON_STYLE}))
 
 
@@ -291,7 +291,7 @@ def test_the_engines_refusal_is_quoted_whole_on_one_line(tiny_base):
 
 def test_a_schema_is_compiled_once_then_served_from_the_cache(tiny_engine, tiny_base):
     """Seen red with the cache lookup removed from GrammarCompiler._template (compiles went up by 2)."""
-    comp = compiler_for(tiny_engine.tokenizer, tiny_engine.spec.vocab_size, tiny_engine.plan.limits.max_seqs)
+    comp = compiler_for(tiny_engine.tokenizer, tiny_engine.spec.vocab_size, tiny_engine.plan.limits.grammars)
     schema = {**PERSON, "title": "cache-probe"}
     body = {"messages": MSG, "max_tokens": 60, "response_format": fmt(schema)}
     assert httpx.post(tiny_base + CHAT, json=body, timeout=60).status_code == 200
@@ -348,13 +348,13 @@ def test_openai_parse_returns_a_parsed_pydantic_object():
 @pytest.mark.slow
 def test_32_grammar_rows_stay_within_the_memory_plan():
     """The memory probe (tests/memory_probe.py) with 32 rows, each generating under its own JSON
-    schema (32 compiled grammars, the token trie, 32 matchers and masks): the serving peak stays
+    schema (--max-grammars 32: 32 compiled grammars, the token trie, 32 matchers and masks): the serving peak stays
     within weights + KV + workspace + overhead (measured: 1862 MiB peak against a 2047 MiB plan).
     Not sabotaged by hand (a probe takes ~80 s): with the term at 0 the KV pool would take its room,
     so this checks the total, and test_the_memory_plan_shows_the_grammar_workspace checks the term."""
     from tests.test_memory import COMMON, run_probe, summary
 
-    args = COMMON + ["--max-seqs", "32", "--grammar-rows", "32", "--long-decode", "2"]
+    args = COMMON + ["--max-seqs", "32", "--grammar-rows", "32", "--max-grammars", "32", "--long-decode", "2"]
     args += ["--row-prompt", "8", "--decode", "6", "--max-model-len", "512", "--memory-limit", "2GiB"]
     r = run_probe(args)
     if not r["can_reset_hwm"]:

@@ -103,7 +103,7 @@ def test_the_grammar_commits_to_a_call_only_on_the_whole_opening(engine):
     (`call ("\\n" call)*`)."""
     from kvgate.structured.compiler import compiler_for
 
-    comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+    comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.grammars)
     functions = [P.FunctionDef.model_validate(t["function"]) for t in TOOLS]
     call = T._block("get_time", "{}")
 
@@ -138,7 +138,7 @@ def test_calls_after_text_are_calls_held_to_their_schemas(engine):
     (the call came back as content)."""
     from kvgate.structured.compiler import compiler_for
 
-    comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+    comp = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.grammars)
     functions = [P.FunctionDef.model_validate(t["function"]) for t in TOOLS]
     call = T._block("get_time", "{}")
     weather = T._block("get_weather", '{"city": "Paris", "unit": "celsius", "days": 2}')

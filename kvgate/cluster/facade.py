@@ -112,6 +112,12 @@ class ClusterEngine:
         return self.sched_cfg.logprobs_memory * len(self.dispatcher.ready_views())
 
     @property
+    def grammar_slots(self) -> int:
+        """The replicas' grammar slots together (each its own --max-grammars), as their kept grammars
+        are summed."""
+        return self.plan.limits.grammars * len(self.dispatcher.ready_views())
+
+    @property
     def ledger(self) -> ClusterLedger:
         return ClusterLedger(self.dispatcher.ready_views())
 

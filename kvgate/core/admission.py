@@ -24,7 +24,7 @@ import math
 from dataclasses import replace
 
 from kvgate.config import SchedulerConfig
-from kvgate.core import logprob_budget
+from kvgate.core import logprob_budget, side_waits
 from kvgate.core.kv_cache import cacheable_blocks, choice_blocks, prompt_block_hashes
 from kvgate.core.prefill_rate import tokens_within
 from kvgate.core.rows import WaitEntry
@@ -279,11 +279,11 @@ def kv_timeout_refusal(
     rows: int,
     retry: int,
     ahead: int = 0,
-    head_logprobs: bool = False,
+    head_waits: str | None = None,
 ) -> Refusal:
     """`free_blocks`: what admission could hand out (free plus evictable cached blocks); `ahead`:
     requests still waiting in front of `w` (strict FIFO: the head blocks everyone behind it);
-    `head_logprobs`: the queue's head waits for logprobs memory, not KV."""
+    `head_waits`: what the queue's head waits for instead of KV, "logprobs" or "grammar" memory."""
     P = w.prompt_len
     need = group_blocks(cfg, P, w.max_tokens, w.choices)
     fits_alone = need <= free_blocks and rows + w.choices <= cfg.max_seqs
@@ -291,12 +291,12 @@ def kv_timeout_refusal(
     code = "kv_memory_unavailable"
     if ahead and fits_alone:
         earlier = "1 earlier request" if ahead == 1 else f"{ahead} earlier requests"
-        short = "waits for logprobs memory (--logprobs-memory)" if head_logprobs else "still does not fit"
+        short = side_waits.HEAD_WAITS.get(head_waits, "still does not fit")
         why = (
             f"it would fit now ({need} of {free_blocks} free KV blocks) but waited behind {earlier}, "
             f"served first come first served, and the first of them {short}"
         )
-        code = "logprobs_memory_unavailable" if head_logprobs else code
+        code = f"{head_waits}_memory_unavailable" if head_waits else code
     elif need <= free_blocks and rows + w.choices > cfg.max_seqs:
         why = f"all {cfg.max_seqs} batch rows (--max-seqs) stayed busy"
         code = "batch_rows_unavailable"  # KV was free: not a request the server had no memory for

@@ -14,6 +14,7 @@ from kvgate.core.speculate import DraftGate, NgramIndex
 from kvgate.request import BudgetCap, RequestHandle
 from kvgate.sampling import Sampler
 from kvgate.stop import StopMatcher
+from kvgate.structured.compiler import Grammar
 from kvgate.tokenizer import IncrementalDetokenizer
 
 
@@ -66,6 +67,8 @@ class Row:
     prediction: PredictionDrafts | None = None  # drafts from the client's `prediction` (with ngrams)
     # a scored prompt's log-probabilities so far (`GenerationRequest.prompt_logprobs`), else None
     prompt_logprobs: list | None = None
+    # the grammar whose slot this row pins (kvgate.core.side_waits), given back when the row ends
+    grammar_pin: Grammar | None = None
 
     @property
     def id(self) -> int:

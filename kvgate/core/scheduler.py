@@ -11,9 +11,10 @@ Why these choices:
   its sampler, stop matcher or reply channel to a neighbour.
 - Strict FIFO: a head that does not fit blocks the line. Skipping ahead would let a stream of small
   requests starve a large one; there is no measured reason to allow it. One exception: a head that
-  has its rows and KV but waits for logprobs memory (`kvgate.core.logprob_budget`) lets requests that
-  need none go first. Logprobs come back only when responses are sent, and a prompt list's later
-  prompts (which need none: the first reserved them) may be what that response waits for.
+  has its rows and KV but waits for logprobs memory or a grammar slot (`kvgate.core.side_waits`) lets
+  requests that need neither go first. Logprobs come back only when responses are sent, and a prompt
+  list's later prompts (which need none: the first reserved them) may be what that response waits
+  for; a plain request, or one whose schema already runs, should not wait for other schemas to end.
 - A request holds `ceil((prompt + max_tokens) / block_size)` blocks from admission to its end, so a
   running row can never run out of KV and no preemption exists.
 - A failure while admitting one request (building its sampler, detokenizer...) ends that request
@@ -26,7 +27,7 @@ import logging
 import time
 
 from kvgate.config import SchedulerConfig
-from kvgate.core import admission, forecast, logprob_budget
+from kvgate.core import admission, forecast, logprob_budget, side_waits
 from kvgate.core.inbox import Cancel, CancelAll, Command, Drain, Release, Submit
 from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.outputs import SchedulerOutput
@@ -142,11 +143,19 @@ class Scheduler:
             if sum(logprobs) and (i or sum(logprobs) > s.logprobs.free):
                 i += 1  # waits for logprobs memory, in FIFO order with the others that do
                 continue
+            g = side_waits.grammar_of(head)  # a slot for its grammar, unless one keeps it already
+            if g is not None and not g.compiler.acquire(g.text, n, new_slot=not i):
+                i += 1  # waits for a grammar slot, as for logprobs memory
+                continue
             del s.waiting[i]
             try:
                 rows = self._allocate_rows(head, mt, cap, hits)
+                for row in rows:
+                    row.grammar_pin = g
             except Exception:
                 log.exception("admitting request %d failed", head.id)
+                if g is not None:
+                    g.compiler.release(g.text, n)
                 for h in [head.handle, *head.followers]:
                     kv.free(h.id)
                 s.counters.kv_blocks_held = kv.referenced_blocks
@@ -241,25 +250,31 @@ class Scheduler:
             return
         retry = forecast.retry_after(s.snapshot())
         free, rows = s.kv.available_blocks, len(s.running)
-        head_logprobs = self._logprobs_held_back(s.waiting[0], free, rows)  # what holds the line up
+        head_waits = self._head_waits(s.waiting[0], free, rows)  # what holds the line up besides KV
+        waited = self.cfg.max_queue_wait
         for ahead, w in late:
             s.waiting.remove(w)
             s.counters.rejected_kv_timeout += w.choices
-            refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, retry, ahead, head_logprobs)
-            if not ahead and head_logprobs:
+            refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, retry, ahead, head_waits)
+            if not ahead and head_waits == "logprobs":
                 need, lp = self._logprobs_need(w), s.logprobs
-                waited = self.cfg.max_queue_wait
                 refusal = logprob_budget.timeout_refusal(need, lp.free, lp.limit, waited, retry)
+            elif not ahead and head_waits == "grammar":
+                refusal = side_waits.grammar_timeout_refusal(side_waits.grammar_of(w), waited, retry)
             s.leave_queue(w, Refused(refusal))
 
     def _logprobs_need(self, w: WaitEntry) -> int:
         return sum(logprob_budget.reserved_bytes(h.request, w.max_tokens) for h in [w.handle, *w.followers])
 
-    def _logprobs_held_back(self, w: WaitEntry, free_blocks: int, rows: int) -> bool:
-        """The queue's head had the rows and KV blocks it needs, not the logprobs memory."""
+    def _head_waits(self, w: WaitEntry, free_blocks: int, rows: int) -> str | None:
+        """What the queue's head waits for when it has the rows and KV blocks it needs: "logprobs"
+        memory or a "grammar" slot (kvgate.core.side_waits); None when it waits for KV or rows."""
         kv_fits = admission.group_blocks(self.cfg, w.prompt_len, w.max_tokens, w.choices) <= free_blocks
-        rows_fit = rows + w.choices <= self.cfg.max_seqs
-        return kv_fits and rows_fit and self._logprobs_need(w) > self.state.logprobs.free
+        if not kv_fits or rows + w.choices > self.cfg.max_seqs:
+            return None
+        if self._logprobs_need(w) > self.state.logprobs.free:
+            return "logprobs"
+        return "grammar" if side_waits.grammar_waits(w) else None
 
     def _trim(self) -> None:
         """`--max-queue` bounds the choices that wait: the gate let through as many as the free rows

@@ -103,6 +103,8 @@ class EngineSnapshot:
     cached_hashes: frozenset = frozenset()  # prompt-block hashes the prefix cache holds
     logprobs_bytes_held: int = 0  # reserved for requests' log-probabilities (kvgate.core.logprob_budget)
     logprobs_bytes_peak: int = 0
+    grammars_kept: int = 0  # distinct grammars the compiler keeps (--max-grammars slots in use)
+    grammars_running: int = 0  # of those, pinned by running rows (kvgate.structured.compiler)
 
     @property
     def running(self) -> int:

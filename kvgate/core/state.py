@@ -26,6 +26,7 @@ from kvgate.core.prefill_rate import PrefillFit
 from kvgate.core.rows import Row, WaitEntry
 from kvgate.core.snapshot import Counters, EngineSnapshot, RowView, WaiterView
 from kvgate.request import Finished, RequestHandle, Result
+from kvgate.structured.compiler import kept_for
 
 _COUNTER_FIELDS = operator.attrgetter(*Counters.__slots__)  # a snapshot's copy of the counts, one C call
 
@@ -106,6 +107,7 @@ class EngineState:
     def __init__(self, kv: KVCacheManager, inbox: Inbox, prefill_chunk: int, logprobs_memory: int = 32 << 20):
         self.kv = kv
         self.logprobs = LogprobBudget(logprobs_memory)  # bytes the rows' logprobs hold (logprob_budget)
+        self.tokenizer = None  # set by the core: its grammar compiler's slots go into the snapshot
         self.inbox = inbox
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[WaitEntry] = deque()
@@ -154,6 +156,9 @@ class EngineState:
         if self.running.pop(row.id, None) is None:
             return  # already finished: its blocks went back then
         self.kv.free(row.id)
+        if row.grammar_pin is not None:
+            row.grammar_pin.compiler.release(row.grammar_pin.text)
+            row.grammar_pin = None
         if row.handle.request.held is None:  # nobody keeps its logprobs past its last event
             self.logprobs.give_back(row.id)
         self.counters.kv_blocks_held = self.kv.referenced_blocks
@@ -214,6 +219,7 @@ class EngineState:
         kv = self.kv
         chunk = self.prefill_chunk
         t = self.times
+        kept = kept_for(self.tokenizer)
         return EngineSnapshot(
             version=self._version,
             published_at=time.monotonic(),
@@ -252,6 +258,8 @@ class EngineState:
             recent_steps=tuple(t.recent),
             logprobs_bytes_held=self.logprobs.held,
             logprobs_bytes_peak=self.logprobs.peak,
+            grammars_kept=kept[0],
+            grammars_running=kept[1],
             recent_decode_steps=tuple(t.recent_decode),
             recent_decode_periods=tuple(t.recent_decode_periods),
             recent_decode_rows=tuple(t.recent_decode_rows),

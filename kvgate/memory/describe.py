@@ -27,7 +27,12 @@ def describe_plan(plan, context: int | None = None) -> str:
         + (f", {L.speculate} draft tokens per row" if L.speculate else "")
         + ")",
         f"    of which grammar {fmt_bytes(plan.workspace_breakdown.get('grammar', 0)):>10}  (structured output: "
-        f"token trie, compiled-grammar cache and one per row, masks)",
+        + (
+            f"token trie, {L.grammars} grammar{'s' if L.grammars != 1 else ''} kept at once (--max-grammars; "
+            "requests with one schema share one) and one being compiled, row masks)"
+            if L.grammars
+            else "off, --max-grammars 0)"
+        ),
     ]
     if plan.logprobs_bytes:
         lines.append(

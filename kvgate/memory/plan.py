@@ -27,6 +27,7 @@ from kvgate.memory.workspace import (
 )
 from kvgate.models.q8_head import q8_bytes, q8_dot_bytes
 from kvgate.models.quant import quantizable, quantized_matrix_bytes
+from kvgate.structured.compiler import AUTO_SLOTS
 from kvgate.units import SizeError, fmt_bytes, parse_bytes
 
 # "auto" on CPU: a quarter of MemAvailable at startup (the KV pool is zero-filled, so that is real)
@@ -223,6 +224,7 @@ def make_plan(
     cuda_graphs: bool = False,
     step_pieces: bool = False,
     logprobs_bytes: int | None = None,
+    grammars: int | None = None,
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
@@ -264,6 +266,7 @@ def make_plan(
         "flash_prefill": not device.startswith("cuda"),
         "kv_bytes": kv_dtype_bytes or dtype_bytes,
         "amx_prefill": amx_prefill,
+        "grammars": AUTO_SLOTS if grammars is None else grammars,  # --max-grammars
     }
     requested = StepLimits(
         prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, **wk

@@ -48,6 +48,9 @@ class StepLimits:
     # --weights gguf's prompt rows on AMX bf16 tiles (kvgate/models/csrc/amx_q4_1.cpp): each call also
     # holds its prompt rows as three bf16 parts and block sums, and the matrix's codes widened to bf16.
     amx_prefill: bool = False
+    # Distinct structured-output grammars kept at once, cached or running (`--max-grammars`,
+    # kvgate.structured.compiler); 0 = structured output off, and no grammar memory at all.
+    grammars: int = 4
 
     @property
     def context(self) -> int:
@@ -168,13 +171,17 @@ def step_workspace(
         # a row with repetition/presence/frequency penalties: a bool seen-mask and float32 counts over
         # the vocabulary (zero pages until written: a row reaches this after touching most of the vocab)
         "penalty_state": S * V * 5,
-        # structured output (kvgate.structured): the grammar engine's token trie, the compiled grammars
-        # (the cache, sized from max_seqs, plus one per row whose grammar left it), each row's matcher
-        # and packed mask, and one row's unpacked mask
-        "grammar": V * grammar.TOKENIZER_BYTES_PER_TOKEN
-        + (grammar.cache_entries(S) + S) * grammar.GRAMMAR_BYTES
-        + S * (4 * ((V + 31) // 32) + grammar.MATCHER_ROW_BYTES)
-        + V,
+        # structured output (kvgate.structured): the grammar engine's token trie, the grammars kept (a
+        # slot each, shared by all the rows of one grammar) and one compile in hand, each row's matcher
+        # and packed mask, and one row's unpacked mask; none of it with --max-grammars 0
+        "grammar": (
+            V * grammar.TOKENIZER_BYTES_PER_TOKEN
+            + (limits.grammars + 1) * grammar.GRAMMAR_BYTES
+            + S * (4 * ((V + 31) // 32) + grammar.MATCHER_ROW_BYTES)
+            + V
+        )
+        if limits.grammars
+        else 0,
         # transients, one at a time:
         # a Q8 table's lookup: the rows' codes and scales, and their float32 widening when the model
         # dtype is narrower (in float32 the widened rows are the hidden states themselves)

@@ -122,6 +122,16 @@ class _EngineCollector:
             "Most logprobs bytes ever reserved at once",
             snap.logprobs_bytes_peak,
         )
+        slots = getattr(engine, "grammar_slots", None)  # a cluster's ingress: every ready replica's
+        yield gauge(
+            "grammar_slots",
+            "Distinct structured-output grammars kept at once (--max-grammars)",
+            plan.limits.grammars if slots is None else slots,
+        )
+        yield gauge(
+            "grammars_kept", "Grammars kept now, running or cached (slots in use)", snap.grammars_kept
+        )
+        yield gauge("grammars_running", "Grammars pinned by running requests", snap.grammars_running)
         reserved = GaugeMetricFamily(
             "kvgate_memory_reserved_bytes", "Ledger reservations by role", labels=["role"]
         )

@@ -9,9 +9,13 @@ Promises:
   admitted: a copy of the cached template (about 15 us), or a compile on a cache miss.
 - Compiled templates are shared read-only; each row owns its matcher (a copy), so a row's grammar state
   lives with the row and only the worker thread advances it.
-- Memory is bounded and planned (`kvgate.memory.workspace`, term `grammar`): at most `cache_entries`
-  cached templates plus one per running row, each under `GRAMMAR_BYTES` because the grammar text is at
-  most `MAX_GRAMMAR_CHARS` and the lexer at most `LEXER_STATES` states. A string's `minLength` /
+- Memory is bounded and planned per distinct grammar (`kvgate.memory.workspace`, term `grammar`): the
+  compiler keeps at most `slots` grammars (`--max-grammars`), cached or running, each under
+  `GRAMMAR_BYTES` because the grammar text is at most `MAX_GRAMMAR_CHARS` and the lexer at most
+  `LEXER_STATES` states, plus one compile in hand. Rows of one grammar share its lexer states, so a
+  grammar costs its slot once however many rows run it. The scheduler takes a slot at admission
+  (`acquire`: a running grammar is pinned, an idle cached one may be evicted for it; none free = the
+  request waits) and each row gives its pin back when it ends (`release`). A string's `minLength` /
   `maxLength` costs lexer states in proportion (the lexer counts its characters), so `check_lengths`
   refuses up front, with the numbers, a schema whose bounds would need more than the grammar's
   states: a row never runs out of them mid-answer for that reason (QA pass 9: pydantic's
@@ -43,8 +47,7 @@ LEXER_STATES = 10240  # llguidance's lexer DFA states per grammar (built lazily 
 # A state's bytes: string-length states measured 0.38-0.7 KiB each on SmolLM2's tokenizer (maxLength 900
 # to 8,000, ASCII and multi-byte text; session 36). A row's matcher shares its template's states (four
 # copies driven through a 2,000-character string grew the process as one did), so distinct grammars,
-# not rows, hold them, and what one grammar's rows write adds up; the plan charges each row one, as if
-# every row's grammar were its own.
+# not rows, hold them, and what one grammar's rows write adds up: the plan charges each slot one.
 STATE_BYTES = 720
 # States a string's length bound can cost per character, over everything the rows of one grammar may
 # write: 4.2 measured for ASCII words alone, 14.1-14.5 for ASCII, 2-, 3- and 4-byte characters, escapes
@@ -61,9 +64,11 @@ TOKENIZER_BYTES_PER_TOKEN = 512
 MATCHER_ROW_BYTES = 64 << 10  # one row's matcher: parser rows and a mask's scratch (measured < 1 KiB/token)
 
 
-def cache_entries(max_seqs: int) -> int:
-    """Compiled templates kept for reuse, sized from --max-seqs (rows hold theirs besides)."""
-    return max(4, max_seqs // 4)
+# --max-grammars auto: distinct grammars kept at once. Requests with one schema or tool list share a
+# slot however many run, and a client app sends few of them; the old plan charged max(4, rows / 4)
+# cached plus one per row (20 at 16 rows: 168 MiB). Fixed, not a share of the limit: the advice "raise
+# --memory-limit to at least X" must give a plan that fits at X.
+AUTO_SLOTS = 4
 
 
 class GrammarError(ValueError):
@@ -95,46 +100,106 @@ class Grammar:
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer_json: str, eog_ids: list[int], n_vocab: int, max_seqs: int):
+    def __init__(self, tokenizer_json: str, eog_ids: list[int], n_vocab: int, slots: int):
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=n_vocab, eos_token=sorted(eog_ids) or None
         )
         self.vocab = self.tokenizer.vocab_size
         self.limits = llguidance.LLParserLimits(max_lexer_states=LEXER_STATES, verbose_errors=False)
-        self.capacity = cache_entries(max_seqs)
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.slots = slots  # distinct grammars kept at once, cached or running (the plan's)
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # oldest use first
+        self._pins: dict[str, int] = {}  # running rows per grammar: never evicted while pinned
         self._lock = threading.Lock()
         self.executor: llguidance.LLExecutor | None = None  # made by the worker, used only by it
         self.compiles = 0
 
     def check(self, text: str) -> Grammar:
-        """Compile `text` now (cached) and return the `Grammar` a request carries."""
+        """Compile `text` now (cached while a slot is free) and return the `Grammar` a request carries."""
         if len(text) > MAX_GRAMMAR_CHARS:
             raise GrammarError(
                 f"the grammar built from this schema is {len(text):,} characters; kvgate compiles at most "
                 f"{MAX_GRAMMAR_CHARS:,} (its planned memory per grammar)"
             )
-        self._template(text)
+        if self.slots < 1:
+            raise GrammarError(
+                "structured output is off on this server (--max-grammars 0 plans no memory for grammars); "
+                "start it with --max-grammars 1 or more, or send the request without a schema or tools"
+            )
+        self._template(text, cache=True)
         return Grammar(text, self)
 
     def matcher(self, text: str) -> llguidance.LLMatcher:
-        return self._template(text).deep_copy()
+        """A row's own matcher: a copy of the cached template (pinned by `acquire` before)."""
+        return self._template(text, cache=True).deep_copy()
 
-    def _template(self, text: str) -> llguidance.LLMatcher:
+    def acquire(self, text: str, rows: int, new_slot: bool = True) -> bool:
+        """Pin `text` for `rows` running rows: True when it is kept already (cached or running), or,
+        with `new_slot`, when a slot is free or held by an idle cached grammar, which is evicted. False:
+        every slot holds a running grammar, and the request waits. A miss compiles in `matcher`."""
+        with self._lock:
+            if text not in self._cache and text not in self._pins:
+                if not new_slot or not self._room():
+                    return False
+            elif text in self._cache:
+                self._cache.move_to_end(text)
+            self._pins[text] = self._pins.get(text, 0) + rows
+            return True
+
+    def release(self, text: str, rows: int = 1) -> None:
+        """`rows` running rows of `text` ended; the grammar stays cached, evictable once none run it."""
+        with self._lock:
+            left = self._pins.get(text, 0) - rows
+            if left > 0:
+                self._pins[text] = left
+            else:
+                self._pins.pop(text, None)
+
+    def can_pin(self, text: str) -> bool:
+        """`acquire(text, ...)` would succeed now (nothing is evicted by asking)."""
+        with self._lock:
+            kept = text in self._cache or text in self._pins
+            return kept or self._kept() < self.slots or any(t not in self._pins for t in self._cache)
+
+    def kept(self) -> tuple[int, int]:
+        """(grammars kept, of which running): what the slots hold now."""
+        with self._lock:
+            return self._kept(), len(self._pins)
+
+    def counts(self) -> tuple[int, int]:
+        """`kept()` without waiting for the lock (a compile may hold it for milliseconds), for the
+        worker's snapshot: only the worker pins and unpins, and a read of the cache's size is atomic."""
+        pins = list(self._pins)
+        return len(self._cache) + sum(1 for t in pins if t not in self._cache), len(pins)
+
+    def _kept(self) -> int:
+        return len(self._cache) + sum(1 for t in self._pins if t not in self._cache)
+
+    def _room(self) -> bool:
+        """A slot for one more grammar, evicting the least recently used idle one if need be (locked)."""
+        while self._kept() >= self.slots:
+            idle = next((t for t in self._cache if t not in self._pins), None)
+            if idle is None:
+                return False
+            del self._cache[idle]
+        return True
+
+    def _template(self, text: str, cache: bool) -> llguidance.LLMatcher:
+        """The cached template of `text`, or one compiled now: kept when it is pinned (its slot is
+        taken) or a slot is free, else handed back uncached (a request checked while every slot runs
+        another grammar: it waits for one). Compiled under the lock: at most one template outside the
+        slots exists at a time, the plan's compile in hand."""
         with self._lock:
             t = self._cache.get(text)
             if t is not None:
                 self._cache.move_to_end(text)
                 return t
-            # Compiled under the lock: at most one template outside the cache exists at a time.
             t = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
             if t.is_error():
                 raise GrammarError(_reason(t.get_error()))
             t.compute_bitmask()  # builds the first lexer states here, not in an engine step
             self.compiles += 1
-            self._cache[text] = t
-            while len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
+            if text in self._pins or (cache and self._room()):
+                self._cache[text] = t
             return t
 
 
@@ -183,17 +248,26 @@ _compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _compilers_lock = threading.Lock()
 
 
-def compiler_for(tokenizer, n_vocab: int, max_seqs: int) -> GrammarCompiler:
-    """The one compiler of a `TextTokenizer` (built on first use, ~0.3-0.7 s: call it off the loop)."""
+def compiler_for(tokenizer, n_vocab: int, slots: int) -> GrammarCompiler:
+    """The one compiler of a `TextTokenizer` (built on first use, ~0.3-0.7 s: call it off the loop), with
+    `slots` distinct grammars (the plan's `limits.grammars`; the first caller's count holds)."""
     with _compilers_lock:
         c = _compilers.get(tokenizer)
         if c is None:
             info = tokenizer.info
             c = GrammarCompiler(
-                info.tokenizer_json, list(info.eog_token_ids), max(n_vocab, tokenizer.vocab_size), max_seqs
+                info.tokenizer_json, list(info.eog_token_ids), max(n_vocab, tokenizer.vocab_size), slots
             )
             _compilers[tokenizer] = c
         return c
+
+
+def kept_for(tokenizer) -> tuple[int, int]:
+    """(grammars kept, of which running) by `tokenizer`'s compiler, for the worker's snapshot; (0, 0)
+    before its first grammar."""
+    with _compilers_lock:
+        c = _compilers.get(tokenizer) if tokenizer is not None else None
+    return c.counts() if c is not None else (0, 0)
 
 
 def bound(engine, request):
@@ -203,5 +277,5 @@ def bound(engine, request):
     g = request.sampling.grammar
     if g is None or g.compiler is not None:
         return request
-    compiler = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.max_seqs)
+    compiler = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.grammars)
     return replace(request, sampling=replace(request.sampling, grammar=compiler.check(g.text)))
