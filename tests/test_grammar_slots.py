@@ -230,3 +230,36 @@ def test_max_grammars_0_is_a_400_that_says_structured_output_is_off(make_engine)
     from kvgate.structured.compiler import _compilers
 
     assert e.tokenizer not in _compilers
+
+
+def test_the_snapshots_count_never_waits_for_a_compiler_being_built(make_engine):
+    """The worker reads the slots' counts each tick; `compiler_for` holds its lock ~0.5 s while it
+    builds a compiler (the first structured-output request). Red with `kept_for` taking that lock (the
+    count waited for it)."""
+    import threading
+
+    e = make_engine()
+    _grammar(e, "k", min_length=1)
+    got = []
+    with C._compilers_lock:
+        t = threading.Thread(target=lambda: got.append(C.kept_for(e.tokenizer)), daemon=True)
+        t.start()
+        t.join(2.0)
+    assert got == [(1, 0)]
+
+
+def test_a_cached_grammar_never_waits_for_a_compile(make_engine):
+    """The worker copies a cached template for every admitted row; a server thread may be compiling
+    another schema then (held as `_compiling`). The copy does not wait for it. Red with the
+    compile done under the cache's lock (as before session 38), taken here as `_compiling` held
+    around the whole lookup."""
+    import threading
+
+    comp = _compiler(make_engine(), 2)
+    comp.check('start: "a"\n')
+    got = []
+    with comp._compiling:  # a compile in progress elsewhere
+        t = threading.Thread(target=lambda: got.append(comp.matcher('start: "a"\n')), daemon=True)
+        t.start()
+        t.join(2.0)
+    assert len(got) == 1
