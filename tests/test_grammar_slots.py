@@ -59,6 +59,21 @@ def test_the_plan_charges_a_slot_per_kept_grammar_not_per_row():
     assert "1 grammar kept at once" in one.describe()
 
 
+def test_a_limit_too_small_names_the_grammars_and_the_flag_that_frees_them():
+    """The no-fit error lists the grammars apart from the rest of the smallest workspace and names
+    --max-grammars, and the plan fits with --max-grammars 0. Red with the grammars left inside the
+    workspace term (the advice did not name the flag)."""
+    from kvgate.memory.plan import PlanError
+
+    with pytest.raises(PlanError) as err:
+        smollm2_plan("600MiB", 2)
+    said = str(err.value)
+    assert (
+        "structured-output grammars 64.3 MiB" in said and "--max-grammars (0: no structured output)" in said
+    )
+    assert smollm2_plan("600MiB", 2, grammars=0).kv_blocks > 0
+
+
 # ---- the compiler's slots --------------------------------------------------------------------------------
 def test_slots_hold_running_grammars_and_evict_idle_ones(make_engine):
     """Two slots: two running grammars fill them and a third cannot pin; a grammar already running

@@ -89,5 +89,10 @@ def no_fit(terms: list[tuple[str, int]], limit: int, source: str, drift: int, pa
         f"({source}). Raise --memory-limit to at least {-(-(need + drift) // (1 << 20))}MiB, pick a smaller "
         "--dtype, or lower --max-model-len"
         + (" or --logprobs-memory" if dict(terms).get("logprobs memory") else "")
+        + (
+            " or --max-grammars (0: no structured output)"
+            if dict(terms).get("structured-output grammars")
+            else ""
+        )
         + (" (or --pack-weights off, which drops the packed LM head copy)." if packed_head else ".")
     )

@@ -304,10 +304,9 @@ def make_plan(
     if fixed + min_kv + smallest > limit:
         cuda = " (with the CUDA decode graphs; --cuda-graphs off drops them)" if cuda_graphs else ""
         terms = [("weights", weights), ("runtime overhead", overhead), ("logprobs memory", lp * charged)]
-        terms += [
-            (f"smallest step workspace{cuda}", smallest),
-            (f"KV for one {min_ctx}-token request", min_kv),
-        ]
+        g = step_workspace(spec, dtype_bytes, least, bs)["grammar"]  # --max-grammars 0 frees it
+        terms += [(f"smallest step workspace{cuda}", smallest - g), ("structured-output grammars", g)]
+        terms += [(f"KV for one {min_ctx}-token request", min_kv)]
         raise PlanError(no_fit(terms, limit, source, overhead_drift(device), pw and spec.tie_word_embeddings))
     # Shrink the step until its workspace leaves room for at least one min_ctx-token request: each time
     # halve whichever of the prefill chunk and the rows frees more (the larger consumer). Halving the
