@@ -245,7 +245,7 @@ ENGINE_FLAGS = [
         auto_or(at_least(int, 0)),
         "auto",
         "structured-output grammars (distinct JSON schemas or tool lists) kept at once, running or cached, "
-        "each planned at 8.4 MiB: requests with the same schema share one; a new one waits while every "
+        "each planned at 8 MiB: requests with the same schema share one; a new one waits while every "
         "grammar runs another; 0 turns structured output off and frees the memory (auto: 4)",
     ),
 ]

@@ -61,8 +61,9 @@ def test_the_plan_charges_a_slot_per_kept_grammar_not_per_row():
 
 def test_a_limit_too_small_names_the_grammars_and_the_flag_that_frees_them():
     """The no-fit error lists the grammars apart from the rest of the smallest workspace and names
-    --max-grammars, and the plan fits with --max-grammars 0. Red with the grammars left inside the
-    workspace term (the advice did not name the flag)."""
+    --max-grammars, and the plan fits with --max-grammars 0; rows shrunk for many grammars say so.
+    Red with the grammars left inside the workspace term (the advice did not name the flag), and with
+    the shrink note's hint taken out."""
     from kvgate.memory.plan import PlanError
 
     with pytest.raises(PlanError) as err:
@@ -72,22 +73,28 @@ def test_a_limit_too_small_names_the_grammars_and_the_flag_that_frees_them():
         "structured-output grammars 64.3 MiB" in said and "--max-grammars (0: no structured output)" in said
     )
     assert smollm2_plan("600MiB", 2, grammars=0).kv_blocks > 0
+    many = smollm2_plan("1GiB", 2, grammars=44)  # the rows shrink for grammars: the note names the flag
+    assert "max rows 32 -> 8 (--max-grammars 44 plans 361.4 MiB)" in " ".join(many.notes)
 
 
 # ---- the compiler's slots --------------------------------------------------------------------------------
 def test_slots_hold_running_grammars_and_evict_idle_ones(make_engine):
-    """Two slots: two running grammars fill them and a third cannot pin; a grammar already running
-    pins at no cost; once one ends, the third takes its slot and the idle one is evicted; a check
-    while every slot runs compiles without keeping. Red with `release` not unpinning (the third never
-    pins), with `_room` evicting a pinned grammar (kept() says 3 or the pinned one is gone), and with
-    `acquire` ignoring `new_slot`."""
+    """Two slots: a check keeps a grammar only in a free slot (it never evicts); a pin evicts the least
+    recently used idle grammar; two running grammars fill the slots and a third cannot pin; a grammar
+    already running pins at no cost; a check while every slot runs compiles without keeping; once one
+    ends, the third takes its slot. Red with `release` not unpinning (the third never pins), with
+    `_room` evicting a pinned grammar (kept() says 3 or the pinned one is gone), with `acquire`
+    ignoring `new_slot`, and with a check evicting (review of session 38: c cached, a gone)."""
     e = make_engine()
     comp = _compiler(e, 2)
     a, b, c = ('start: "a"\n', 'start: "b"\n', 'start: "c"\n')
     for t in (a, b, c):
         comp.check(t)
-    assert comp.kept() == (2, 0)  # b and c cached, a evicted (the oldest, idle)
-    assert comp.acquire(b, 2) and comp.acquire(c, 1)
+    assert comp.kept() == (2, 0) and c not in comp._cache  # a and b kept; c validated, not kept
+    assert comp.acquire(c, 1)  # evicts a (the least recently used idle one)
+    comp.matcher(c)  # the row's matcher: compiled now, and kept (pinned)
+    assert a not in comp._cache and c in comp._cache
+    assert comp.acquire(b, 2)
     assert comp.kept() == (2, 2) and not comp.can_pin(a) and not comp.acquire(a, 1)
     assert comp.acquire(b, 1, new_slot=False)  # kept already: no slot needed
     before = comp.compiles
@@ -107,37 +114,116 @@ def test_slots_hold_running_grammars_and_evict_idle_ones(make_engine):
 
 # ---- admission -------------------------------------------------------------------------------------------
 def test_a_new_grammar_waits_for_a_slot_while_others_pass(make_engine):
-    """--max-grammars 1: a request with a second schema waits while the first runs; a plain request
-    and one with the running schema pass it; it starts when the first ends. Red with the pin check
-    taken out of `_admit` (b admitted at once)."""
-    e = make_engine(max_grammars=1, max_queue_wait=30.0)
-    set_step_hook(e, lambda so: time.sleep(0.02))  # a's 400 characters take seconds
-    g1, g2, g3 = (_grammar(e, k) for k in ("first", "second", "third"))
-    a = e.submit(_request(g1, max_tokens=2000 if e.max_model_len > 2100 else e.max_model_len - 8))
-    assert isinstance(a.wait_admitted(10), Admitted)
+    """--max-grammars 2, both slots running: a request with a third schema waits; a plain request and
+    one with a running schema pass it, except the running grammar held for it (the one with fewest
+    rows), which takes no one new; it starts when that one ends. Red with the pin check taken out of
+    `_admit` (b admitted at once), and with `hold_for_head` not called (same1 passed too)."""
+    e = make_engine(max_grammars=2, max_queue_wait=30.0)
+    set_step_hook(e, lambda so: time.sleep(0.02))  # the 400 characters take seconds
+    g0, g1, g2, g3 = (_grammar(e, k) for k in ("zeroth", "first", "second", "third"))
+    long = 2000 if e.max_model_len > 2100 else e.max_model_len - 8
+    f = e.submit_choices(_request(g0, max_tokens=long), 2)  # g0: 2 rows
+    a = e.submit(_request(g1, max_tokens=long))  # g1: 1 row, the fewest
+    for h in [*f, a]:
+        assert isinstance(h.wait_admitted(10), Admitted)
     b = e.submit(_request(g2))
     d = e.submit(_request(g3))
     plain = e.submit(_request(None, max_tokens=4))
-    same = e.submit(_request(g1, max_tokens=4))
+    same0 = e.submit(_request(g0, max_tokens=4))
+    same1 = e.submit(_request(g1, max_tokens=4))
     assert plain.result(30).finish_reason == "length"
-    assert same.result(30).finish_reason == "length"
+    assert same0.result(30).finish_reason == "length"
     with pytest.raises(TimeoutError):
-        b.wait_admitted(0.3)
+        same1.wait_admitted(0.3)  # g1 is held for b: it drains
     with pytest.raises(TimeoutError):
-        d.wait_admitted(0.01)
+        b.wait_admitted(0.01)
     a.cancel()
     assert isinstance(b.wait_admitted(10), Admitted)
     with pytest.raises(TimeoutError):
-        d.wait_admitted(0.3)  # b holds the one slot now
-    b.cancel()
+        d.wait_admitted(0.3)  # g0 and b's g2 hold the slots now
+    for h in [*f, b]:
+        h.cancel()
     assert isinstance(d.wait_admitted(10), Admitted)
+    assert same1.result(30).finish_reason == "length"
     d.cancel()
+
+
+def test_a_steady_stream_of_one_schema_does_not_starve_a_new_one(make_engine):
+    """--max-grammars 1 and one schema's requests overlapping without end: a new schema waiting at
+    the head still gets the slot, since the running grammar takes no new rows once it waits (review
+    of session 38: 14 later requests passed it, then a 429). Red with `hold_for_head` not called."""
+    e = make_engine(max_grammars=1, max_queue_wait=3.0)
+    set_step_hook(e, lambda so: time.sleep(0.01))
+    ga, gb = _grammar(e, "aa", min_length=1), _grammar(e, "bb", min_length=1)
+    cur = e.submit(_request(ga, max_tokens=60))
+    assert isinstance(cur.wait_admitted(10), Admitted)
+    b = e.submit(_request(gb, max_tokens=4))
+    handles, outcome, end = [cur], None, time.monotonic() + 6
+    while outcome is None and time.monotonic() < end:
+        handles.append(e.submit(_request(ga, max_tokens=60)))  # would pass b, and overlap cur
+        time.sleep(0.1)
+        handles[-2].cancel()
+        try:
+            outcome = b.wait_admitted(0.2)
+        except TimeoutError:
+            continue
+        except Refusal as r:
+            outcome = r
+    for h in handles:
+        h.cancel()
+    assert isinstance(outcome, Admitted), outcome
+
+
+def test_a_logprobs_request_passes_a_head_waiting_for_a_slot(make_engine):
+    """A request with logprobs behind a head that waits for a grammar slot (not for logprobs memory)
+    goes first when the memory left covers the head's need too (QA pass 11: it waited for the slot
+    with the head, 2.26 -> 8.7 s to its first token). Red with the old rule (any logprobs request
+    behind a waiting head waits)."""
+    from tests.test_logprob_budget import lp_request
+
+    e = make_engine(max_grammars=1, max_queue_wait=30.0)
+    set_step_hook(e, lambda so: time.sleep(0.02))
+    g1, g2 = _grammar(e, "first"), _grammar(e, "second")
+    a = e.submit(_request(g1, max_tokens=e.max_model_len - 8))
+    assert isinstance(a.wait_admitted(10), Admitted)
+    b = e.submit(_request(g2))
+    c = e.submit(lp_request(4, held=None))
+    assert c.result(30).finish_reason == "length"
+    with pytest.raises(TimeoutError):
+        b.wait_admitted(0.01)
+    a.cancel()
+    assert isinstance(b.wait_admitted(10), Admitted)
+    b.cancel()
+
+
+def test_a_logprobs_request_does_not_take_what_a_slot_waiting_head_will_need(make_engine):
+    """The head waits for a slot and will need logprobs memory once it has one: a logprobs request
+    behind it may use only what is left beyond that. Red with `lp_kept` left out (c took the memory,
+    and b would then wait for it too)."""
+    from kvgate.core import logprob_budget as B
+    from tests.test_logprob_budget import lp_request
+
+    per = 16 * B.position_bytes(20)
+    e = make_engine(max_grammars=1, logprobs_memory=per + per // 2, max_queue_wait=30.0)
+    set_step_hook(e, lambda so: time.sleep(0.02))
+    g1, g2 = _grammar(e, "first"), _grammar(e, "second")
+    a = e.submit(_request(g1, max_tokens=e.max_model_len - 8))
+    assert isinstance(a.wait_admitted(10), Admitted)
+    sp = SamplingParams(temperature=0.0, logprobs=20, grammar=g2)
+    b = e.submit(GenerationRequest([5, 6, 7, 8], sp, 16, ignore_eos=True))  # a slot, then per bytes
+    c = e.submit(lp_request(16, held=None))
+    with pytest.raises(TimeoutError):
+        c.wait_admitted(0.3)
+    a.cancel()
+    assert isinstance(b.wait_admitted(10), Admitted)
+    b.result(30)
+    assert c.result(30).finish_reason == "length"
 
 
 def test_a_new_grammar_does_not_pass_a_head_waiting_for_logprobs_memory(make_engine):
     """Behind a head that waits for logprobs memory only requests needing neither budget pass: one
-    whose schema is no longer kept (checked, then evicted by a newer check) waits its turn although
-    the slot could be had. Red with `new_slot=not i` made True (c started before b)."""
+    whose schema is not kept (checked while the slot held another) waits its turn although the slot
+    could be had by evicting the idle one. Red with `new_slot=not i` made True (c started before b)."""
     from kvgate.core import logprob_budget as B
     from tests.test_logprob_budget import lp_request
 
@@ -146,8 +232,8 @@ def test_a_new_grammar_does_not_pass_a_head_waiting_for_logprobs_memory(make_eng
     a = e.submit(lp_request(16))  # its reservation is held until a.close()
     a.result(30)
     b = e.submit(lp_request(16))
-    g = _grammar(e, "c", min_length=1)
-    _grammar(e, "newer")  # takes the one slot: g is evicted (idle)
+    _grammar(e, "newer")  # takes the one slot
+    g = _grammar(e, "c", min_length=1)  # validated, not kept
     assert g.compiler.kept() == (1, 0) and g.text not in g.compiler._cache
     c = e.submit(_request(g, max_tokens=4))
     plain = e.submit(_request(None, max_tokens=4))
@@ -160,11 +246,43 @@ def test_a_new_grammar_does_not_pass_a_head_waiting_for_logprobs_memory(make_eng
     b.close()
 
 
+def test_a_lists_later_prompt_is_not_held_up_by_another_clients_check(make_engine):
+    """A held prompt list [x1, x2] with one schema and logprobs: x1 reserved the list's logprobs,
+    which come back when x is answered, after x2. y1 waits for them; x2 needs none and passes it, as
+    long as its grammar stays kept. Another client's request checked meanwhile must not evict it
+    (review of session 38: x2 then needed a new slot, could not pass y1, and all three waited until
+    --max-queue-wait). Red with a check evicting idle grammars."""
+    from kvgate.core import admission
+    from kvgate.core import logprob_budget as B
+
+    def lp(g, prompt):
+        sp = SamplingParams(temperature=0.0, logprobs=20, grammar=g)
+        return GenerationRequest(list(prompt), sp, 16, ignore_eos=True, held=0)
+
+    per = 16 * B.position_bytes(20)
+    e = make_engine(logprobs_memory=2 * per + per // 2, max_grammars=1, max_queue_wait=5.0)
+    ga = _grammar(e, "xa", min_length=1)
+    x = admission.fit_group(e.sched_cfg, [lp(ga, (5, 6, 7, 8)), lp(ga, (9, 10))], 1)
+    x1 = e.submit(x[0])
+    x1.result(10)
+    y1 = e.submit(GenerationRequest([5, 6], SamplingParams(temperature=0.0, logprobs=20), 16, held=0))
+    _grammar(e, "another_client")
+    t0 = time.monotonic()
+    x2 = e.submit(x[1])
+    x2.result(10)
+    took = time.monotonic() - t0
+    x1.close()
+    assert y1.result(10).finish_reason in ("length", "stop") and took < 2.0, took
+    for h in (x2, y1):
+        h.close()
+
+
 def test_a_head_that_waits_for_a_slot_too_long_gets_a_429_that_says_so(make_engine):
     """Past --max-queue-wait the head waiting for a grammar slot is a 429 grammar_memory_unavailable
-    naming --max-grammars and the slots; a new-schema request behind it is told what held the line.
+    naming --max-grammars and the slots; a new-schema request behind it, which waits for a slot too,
+    is told the same (QA pass 11: it got the KV message, "it would fit now", under the grammar code).
     Red with the `head_waits` "grammar" branch taken out of `_head_waits` (the KV message, with the
-    pool free)."""
+    pool free), and with `waits_for_slot` false behind the head."""
     e = make_engine(max_grammars=1, max_queue_wait=0.4)
     set_step_hook(e, lambda so: time.sleep(0.02))
     g1, g2, g3 = (_grammar(e, k) for k in ("first", "second", "third"))
@@ -175,12 +293,18 @@ def test_a_head_that_waits_for_a_slot_too_long_gets_a_429_that_says_so(make_engi
     with pytest.raises(Refusal) as err:
         b.wait_admitted(10)
     assert (err.value.status, err.value.code) == (429, "grammar_memory_unavailable")
-    assert "--max-grammars" in err.value.message and "keeps 1 structured-output grammar " in err.value.message
+    said = err.value.message
+    assert "--max-grammars" in said and "keeps 1 structured-output grammar " in said
+    assert (
+        "waited 0.4s" in said and "1 of them ran requests with other schemas (1 request still queued)" in said
+    )
     assert err.value.retry_after >= 1
     with pytest.raises(Refusal) as behind:
         c.wait_admitted(10)
     assert (behind.value.status, behind.value.code) == (429, "grammar_memory_unavailable")
-    assert "waited behind 1 earlier request" in behind.value.message
+    assert (
+        "for a grammar slot" in behind.value.message and "(0 requests still queued)" in behind.value.message
+    )
     a.cancel()
 
 
@@ -214,7 +338,8 @@ def _running(comp, seconds=5.0) -> int:
 def test_max_grammars_0_is_a_400_that_says_structured_output_is_off(make_engine):
     """A server started with --max-grammars 0 answers a JSON-schema request and a tools request with a
     400 naming the flag, before any compiler (and its 24 MiB token trie) is built. Red with the check
-    taken out of `server.features` (the compiler refused it later, as an unenforceable schema)."""
+    taken out of `server.features` (the compiler refused it later, as an unenforceable schema), and
+    with the check in `compiler_for` taken out (the trie was built)."""
     from tests.server_util import running_server
 
     e = make_engine(max_grammars=0)
@@ -242,9 +367,9 @@ def test_max_grammars_0_is_a_400_that_says_structured_output_is_off(make_engine)
         ok = httpx.post(f"{base}/v1/chat/completions", json={**body, "tools": None}, timeout=30)
         assert ok.status_code == 200, ok.text
         assert "kvgate_grammar_slots 0.0" in httpx.get(f"{base}/metrics", timeout=30).text
-    from kvgate.structured.compiler import _compilers
-
-    assert e.tokenizer not in _compilers
+    with pytest.raises(C.GrammarError, match="--max-grammars 0"):  # a replica's `bound`, a library user
+        C.compiler_for(e.tokenizer, e.spec.vocab_size, e.plan.limits.grammars)
+    assert e.tokenizer not in C._compilers
 
 
 def test_the_snapshots_count_never_waits_for_a_compiler_being_built(make_engine):
@@ -278,3 +403,31 @@ def test_a_cached_grammar_never_waits_for_a_compile(make_engine):
         t.start()
         t.join(2.0)
     assert len(got) == 1
+
+
+def test_a_hold_ends_with_the_head_it_was_for(make_engine):
+    """A head that waited for a slot is cancelled; the next head waits for logprobs memory instead: the
+    running grammar held for the first takes new rows again from requests that pass. Red without
+    `_end_slot_hold` in the logprobs branch (z waited with y)."""
+    from kvgate.core import logprob_budget as B
+    from tests.test_logprob_budget import lp_request
+
+    per = 16 * B.position_bytes(20)
+    e = make_engine(max_grammars=1, logprobs_memory=per + per // 2, max_queue_wait=30.0)
+    set_step_hook(e, lambda so: time.sleep(0.02))
+    g1, g2 = _grammar(e, "first"), _grammar(e, "second")
+    x = e.submit(lp_request(16))  # holds its logprobs until x.close()
+    x.result(30)
+    a = e.submit(_request(g1, max_tokens=e.max_model_len - 8))
+    assert isinstance(a.wait_admitted(10), Admitted)
+    b = e.submit(_request(g2))
+    time.sleep(0.2)  # b waits at the head: g1 is held for it
+    assert g1.compiler.held == g1.text
+    b.cancel()
+    y = e.submit(lp_request(16))  # the next head: waits for x's logprobs memory
+    z = e.submit(_request(g1, max_tokens=4))  # g1 runs: it passes y
+    assert z.result(30).finish_reason == "length"
+    x.close()
+    y.result(30)
+    y.close()
+    a.cancel()

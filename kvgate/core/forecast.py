@@ -106,9 +106,13 @@ def retry_after(snap: EngineSnapshot) -> int:
     Retry-After in full)."""
     if not snap.rows:
         return 1
+    return retry_after_steps(snap, min(r.steps_left for r in snap.rows))
+
+
+def retry_after_steps(snap: EngineSnapshot, steps: int) -> int:
+    """Seconds `steps` decode steps take from now, clamped to [1, 60] (a Retry-After)."""
     step = typical_step(snap) or DEFAULT_STEP_SECONDS
-    soonest = min(r.steps_left for r in snap.rows)
-    return int(min(60, max(1, round(decode_seconds(snap, step, soonest)))))
+    return int(min(60, max(1, round(decode_seconds(snap, step, steps)))))
 
 
 def predicted_ttft(

@@ -12,7 +12,8 @@ Why these choices:
 - Strict FIFO: a head that does not fit blocks the line. Skipping ahead would let a stream of small
   requests starve a large one; there is no measured reason to allow it. One exception: a head that
   has its rows and KV but waits for logprobs memory or a grammar slot (`kvgate.core.side_waits`) lets
-  requests that need neither go first. Logprobs come back only when responses are sent, and a prompt
+  requests that need neither go first (behind heads waiting only for slots, logprobs requests too, from
+  what their logprobs will not need). Logprobs come back only when responses are sent, and a prompt
   list's later prompts (which need none: the first reserved them) may be what that response waits
   for; a plain request, or one whose schema already runs, should not wait for other schemas to end.
 - A request holds `ceil((prompt + max_tokens) / block_size)` blocks from admission to its end, so a
@@ -50,6 +51,7 @@ class Scheduler:
         self.cfg = cfg
         self.tok = tokenizer
         self.draining = False
+        self._slot_hold = None  # the compiler holding a running grammar for a head (hold_for_head)
 
     # ---- commands -------------------------------------------------------------------------------
     def apply(self, commands: list[Command]) -> None:
@@ -124,7 +126,11 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput) -> None:
         s, cfg, kv = self.state, self.cfg, self.state.kv
         bs = cfg.block_size
-        i = 0  # waiters before i wait for logprobs memory alone: those that need none may go first
+        i = 0  # waiters before i wait for logprobs memory or a grammar slot: those needing neither go first
+        lp_waits, lp_kept = (
+            False,
+            0,
+        )  # a waiter before i waits for logprobs; what those waiting for a slot need
         while i < len(s.waiting) and len(s.running) + s.waiting[i].choices <= cfg.max_seqs:
             head = s.waiting[i]
             P, n = head.prompt_len, head.choices
@@ -140,13 +146,20 @@ class Scheduler:
                 mt = fits
             handles = [head.handle, *head.followers]
             logprobs = [logprob_budget.reserved_bytes(h.request, mt) for h in handles]  # bytes each
-            if sum(logprobs) and (i or sum(logprobs) > s.logprobs.free):
-                i += 1  # waits for logprobs memory, in FIFO order with the others that do
+            if sum(logprobs) and (lp_waits or sum(logprobs) > s.logprobs.free - lp_kept):
+                lp_waits = True  # waits for logprobs memory, in FIFO order with the others that do
+                self._end_slot_hold(i)
+                i += 1
                 continue
             g = side_waits.grammar_of(head)  # a slot for its grammar, unless one keeps it already
             if g is not None and not g.compiler.acquire(g.text, n, new_slot=not i):
-                i += 1  # waits for a grammar slot, as for logprobs memory
+                if not i:  # the head: the least used running grammar takes no one passing it from now
+                    g.compiler.hold_for_head()
+                    self._slot_hold = g.compiler
+                lp_kept += sum(logprobs)  # what it will take once it has its slot stays free for it
+                i += 1
                 continue
+            self._end_slot_hold(i)
             del s.waiting[i]
             try:
                 rows = self._allocate_rows(head, mt, cap, hits)
@@ -171,6 +184,13 @@ class Scheduler:
             for row in rows:
                 self._start_row(row)
                 out.admitted.append(row.id)
+
+    def _end_slot_hold(self, i: int) -> None:
+        """The head (i = 0) does not wait for a grammar slot: a running grammar held for an earlier head
+        (one cancelled while it waited) takes new rows again."""
+        if not i and self._slot_hold is not None:
+            self._slot_hold.end_hold()
+            self._slot_hold = None
 
     def _allocate_rows(
         self, head: WaitEntry, max_tokens: int, cap: BudgetCap | None, hits: list[int]
@@ -248,9 +268,13 @@ class Scheduler:
         late = [(ahead, w) for ahead, w in enumerate(s.waiting) if w.deadline <= now]
         if not late:
             return
-        retry = forecast.retry_after(s.snapshot())
+        snap = s.snapshot()
+        retry = forecast.retry_after(snap)
         free, rows = s.kv.available_blocks, len(s.running)
         head_waits = self._head_waits(s.waiting[0], free, rows)  # what holds the line up besides KV
+        held = side_waits.held_grammar(s.waiting[0]) if head_waits == "grammar" else None
+        steps = side_waits.slot_steps_left(s, held)  # until the held grammar's slot frees
+        slot_retry = retry if steps is None else forecast.retry_after_steps(snap, steps)
         waited = self.cfg.max_queue_wait
         for ahead, w in late:
             s.waiting.remove(w)
@@ -259,8 +283,11 @@ class Scheduler:
             if not ahead and head_waits == "logprobs":
                 need, lp = self._logprobs_need(w), s.logprobs
                 refusal = logprob_budget.timeout_refusal(need, lp.free, lp.limit, waited, retry)
-            elif not ahead and head_waits == "grammar":
-                refusal = side_waits.grammar_timeout_refusal(side_waits.grammar_of(w), waited, retry)
+            elif head_waits == "grammar" and side_waits.waits_for_slot(w, held, head=not ahead):
+                g = side_waits.grammar_of(w)
+                refusal = side_waits.grammar_timeout_refusal(g, waited, slot_retry, len(s.waiting))
+            if not ahead and head_waits == "grammar":
+                side_waits.grammar_of(w).compiler.end_hold()
             s.leave_queue(w, Refused(refusal))
 
     def _logprobs_need(self, w: WaitEntry) -> int:

@@ -32,16 +32,37 @@ def grammar_waits(entry) -> bool:
     return g is not None and not g.compiler.can_pin(g.text)
 
 
-def grammar_timeout_refusal(g: Grammar, waited: float, retry_after: int) -> Refusal:
-    kept, running = g.compiler.kept()
-    slots = g.compiler.slots
+def held_grammar(head) -> str | None:
+    """The running grammar held for `head`, a head that waits for a slot (`hold_for_head`), or None."""
+    return grammar_of(head).compiler.held
+
+
+def waits_for_slot(entry, held: str | None, head: bool) -> bool:
+    """`entry` (the head, or one behind a head that waits for a slot) waits for a slot itself: its
+    grammar needs a new one, or it is the grammar held for the head. A waiter behind it with none, or
+    with another running grammar, waits for something else (KV, rows, logprobs): its refusal says that."""
+    g = grammar_of(entry)
+    return g is not None and (head or not g.compiler.can_pin(g.text) or g.text == held)
+
+
+def slot_steps_left(state, held: str | None) -> int | None:
+    """Steps until the held grammar's slot frees at the latest (its rows run to their max_tokens), for
+    Retry-After; None when no grammar is held."""
+    rows = [r for r in state.running.values() if r.grammar_pin is not None and r.grammar_pin.text == held]
+    return max(r.steps_left(state.prefill_chunk) for r in rows) if held is not None and rows else None
+
+
+def grammar_timeout_refusal(g: Grammar, waited: float, retry_after: int, queued: int) -> Refusal:
+    """`queued`: the requests still waiting behind it."""
+    running, slots = g.compiler.kept()[1], g.compiler.slots
     return Refusal(
         "grammar_memory_unavailable",
-        f"waited {waited:.0f}s (--max-queue-wait) for a grammar slot: this server keeps {slots} structured-"
-        f"output grammar{'s' if slots != 1 else ''} at once (--max-grammars, {fmt_bytes(GRAMMAR_BYTES)} each), "
-        f"and {running} of the {kept} kept ran requests with other JSON schemas or tool lists the whole time. "
-        "Retry after the Retry-After seconds, or send the schema or tools those requests use (requests "
-        "with one schema share a slot); an operator can raise --max-grammars.",
+        f"waited {waited:g}s (--max-queue-wait) for a grammar slot: this server keeps {slots} structured-"
+        f"output grammar{'s' if slots != 1 else ''} (distinct JSON schemas or tool lists) at once "
+        f"(--max-grammars, {fmt_bytes(GRAMMAR_BYTES)} each), and when this request gave up {running} of them "
+        f"ran requests with other schemas ({queued} request{'s' if queued != 1 else ''} still queued). Retry "
+        "after the Retry-After seconds; requests with a schema that is running share its slot and do not "
+        "wait. If this is frequent, ask the operator to raise --max-grammars.",
         429,
         retry_after=retry_after,
         estimated_bytes=GRAMMAR_BYTES,

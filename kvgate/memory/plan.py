@@ -27,7 +27,7 @@ from kvgate.memory.workspace import (
 )
 from kvgate.models.q8_head import q8_bytes, q8_dot_bytes
 from kvgate.models.quant import quantizable, quantized_matrix_bytes
-from kvgate.structured.compiler import AUTO_SLOTS
+from kvgate.structured.compiler import AUTO_SLOTS, GRAMMAR_BYTES
 from kvgate.units import SizeError, fmt_bytes, parse_bytes
 
 # "auto" on CPU: a quarter of MemAvailable at startup (the KV pool is zero-filled, so that is real)
@@ -322,16 +322,14 @@ def make_plan(
         if not options:  # unreachable after the check above; never loop forever
             raise PlanError(f"the smallest step does not fit in the limit {fmt_bytes(limit)} ({source})")
         limits = max(options, key=lambda o: room(sized(o, min_ctx)))  # ties: the chunk (listed first)
-    shrunk = [
-        f"{what} {a} -> {b}"
-        for what, a, b in (
-            ("prefill chunk", requested.prefill_chunk, limits.prefill_chunk),
-            ("max rows", requested.max_seqs, limits.max_seqs),
-        )
-        if a != b
-    ]
-    if shrunk:
-        notes.append("step limits shrunk to fit the limit: " + ", ".join(shrunk))
+    pairs = (
+        ("prefill chunk", requested.prefill_chunk, limits.prefill_chunk),
+        ("max rows", max_seqs, limits.max_seqs),
+    )
+    if shrunk := [f"{what} {a} -> {b}" for what, a, b in pairs if a != b]:
+        g = wk["grammars"]  # a term the shrink cannot cut: name the flag when it is above its default
+        hint = f" (--max-grammars {g} plans {fmt_bytes((g + 1) * GRAMMAR_BYTES)})" if g > AUTO_SLOTS else ""
+        notes.append("step limits shrunk to fit the limit: " + ", ".join(shrunk) + hint)
     # Size attention for full context when the pool can hold a full-context row; otherwise for the
     # smallest context that is at least what the pool (planned around it) can hold.
     if (

@@ -50,7 +50,7 @@ class StepLimits:
     amx_prefill: bool = False
     # Distinct structured-output grammars kept at once, cached or running (`--max-grammars`,
     # kvgate.structured.compiler); 0 = structured output off, and no grammar memory at all.
-    grammars: int = 4
+    grammars: int = grammar.AUTO_SLOTS
 
     @property
     def context(self) -> int:

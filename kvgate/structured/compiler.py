@@ -33,6 +33,7 @@ import), and names the JSON-schema keywords it does not implement, which is what
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import weakref
@@ -40,6 +41,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import llguidance
+
+log = logging.getLogger("kvgate.structured")
 
 MAX_REASON = 400  # characters of the engine's error quoted in a 400
 MAX_GRAMMAR_CHARS = 32 << 10  # a schema or tool list beyond this is refused (it bounds a grammar's size)
@@ -69,6 +72,13 @@ MATCHER_ROW_BYTES = 64 << 10  # one row's matcher: parser rows and a mask's scra
 # cached plus one per row (20 at 16 rows: 168 MiB). Fixed, not a share of the limit: the advice "raise
 # --memory-limit to at least X" must give a plan that fits at X.
 AUTO_SLOTS = 4
+
+
+OFF = (
+    "structured output is off on this server: it was started with --max-grammars 0, which plans no memory "
+    "for grammars. Send the request without a schema or tools, or ask the operator for --max-grammars 1 "
+    "or more"
+)
 
 
 class GrammarError(ValueError):
@@ -113,6 +123,9 @@ class GrammarCompiler:
         self._compiling = threading.Lock()  # one compile at a time
         self.executor: llguidance.LLExecutor | None = None  # made by the worker, used only by it
         self.compiles = 0
+        # the running grammar that takes no new rows from requests passing a head waiting for a slot,
+        # so that its slot frees (`hold_for_head`); None when no head waits
+        self.held: str | None = None
 
     def check(self, text: str) -> Grammar:
         """Compile `text` now (cached while a slot is free) and return the `Grammar` a request carries."""
@@ -122,29 +135,44 @@ class GrammarCompiler:
                 f"{MAX_GRAMMAR_CHARS:,} (its planned memory per grammar)"
             )
         if self.slots < 1:
-            raise GrammarError(
-                "structured output is off on this server (--max-grammars 0 plans no memory for grammars); "
-                "start it with --max-grammars 1 or more, or send the request without a schema or tools"
-            )
-        self._template(text, cache=True)
+            raise GrammarError(OFF)
+        self._template(text)
         return Grammar(text, self)
 
     def matcher(self, text: str) -> llguidance.LLMatcher:
         """A row's own matcher: a copy of the cached template (pinned by `acquire` before)."""
-        return self._template(text, cache=True).deep_copy()
+        return self._template(text).deep_copy()
 
     def acquire(self, text: str, rows: int, new_slot: bool = True) -> bool:
-        """Pin `text` for `rows` running rows: True when it is kept already (cached or running), or,
-        with `new_slot`, when a slot is free or held by an idle cached grammar, which is evicted. False:
+        """Pin `text` for `rows` running rows. True when it is kept already (cached or running; but not
+        the grammar held for a waiting head, unless `new_slot`: the head's own turn), or, with
+        `new_slot`, when a slot is free or held by an idle cached grammar, which is evicted. False:
         every slot holds a running grammar, and the request waits. A miss compiles in `matcher`."""
         with self._lock:
             if text not in self._cache and text not in self._pins:
                 if not new_slot or not self._room():
                     return False
+                self.held = None  # the head waiting for a slot has one
+            elif not new_slot and text == self.held:
+                return False
             elif text in self._cache:
                 self._cache.move_to_end(text)
             self._pins[text] = self._pins.get(text, 0) + rows
             return True
+
+    def hold_for_head(self) -> None:
+        """A head waits for a slot: the running grammar with the fewest rows (held until it ends) takes
+        no new rows from requests that pass the head, so a steady stream of one schema cannot keep every
+        slot busy for good (review of session 38: a new schema waited out --max-queue-wait while 14
+        later requests of a running one passed it)."""
+        with self._lock:
+            if self.held not in self._pins and self._pins:
+                self.held = min(self._pins, key=self._pins.__getitem__)
+
+    def end_hold(self) -> None:
+        """The head that waited for a slot left the queue (refused or cancelled)."""
+        with self._lock:
+            self.held = None
 
     def release(self, text: str, rows: int = 1) -> None:
         """`rows` running rows of `text` ended; the grammar stays cached, evictable once none run it."""
@@ -152,8 +180,10 @@ class GrammarCompiler:
             left = self._pins.get(text, 0) - rows
             if left > 0:
                 self._pins[text] = left
-            else:
-                self._pins.pop(text, None)
+                return
+            if left < 0:  # never seen: a double release would leave another row's grammar evictable
+                log.error("grammar released by %d more rows than pinned it", -left)
+            self._pins.pop(text, None)
 
     def can_pin(self, text: str) -> bool:
         """`acquire(text, ...)` would succeed now (nothing is evicted by asking)."""
@@ -184,10 +214,12 @@ class GrammarCompiler:
             del self._cache[idle]
         return True
 
-    def _template(self, text: str, cache: bool) -> llguidance.LLMatcher:
+    def _template(self, text: str) -> llguidance.LLMatcher:
         """The cached template of `text`, or one compiled now: kept when it is pinned (its slot is
-        taken) or a slot is free, else handed back uncached (a request checked while every slot runs
-        another grammar: it waits for one). One compile at a time (`_compiling`): at most one template
+        taken) or a slot is free, else handed back uncached. A check never evicts: a request validated
+        on a server thread must not turn a queued request's kept grammar into one that needs a new slot
+        (review of session 38: a prompt list's later prompt then waited behind the head its own answer
+        held up); `acquire` evicts, in the queue's order. One compile at a time (`_compiling`): at most one template
         outside the slots exists, the plan's compile in hand. The cache's lock is not held while
         compiling, so the worker's cache hits (every admitted row's matcher) never wait for a request's
         schema being compiled on a server thread (1-7 ms for common schemas, more for large ones)."""
@@ -207,7 +239,7 @@ class GrammarCompiler:
             t.compute_bitmask()  # builds the first lexer states here, not in an engine step
             with self._lock:
                 self.compiles += 1
-                if text in self._pins or (cache and self._room()):
+                if text in self._pins or self._kept() < self.slots:
                     self._cache[text] = t
             return t
 
@@ -260,6 +292,8 @@ _compilers_lock = threading.Lock()
 def compiler_for(tokenizer, n_vocab: int, slots: int) -> GrammarCompiler:
     """The one compiler of a `TextTokenizer` (built on first use, ~0.3-0.7 s: call it off the loop), with
     `slots` distinct grammars (the plan's `limits.grammars`; the first caller's count holds)."""
+    if slots < 1:  # before the token trie is built: such a plan has no memory for it
+        raise GrammarError(OFF)
     with _compilers_lock:
         c = _compilers.get(tokenizer)
         if c is None:
