@@ -127,10 +127,8 @@ class Scheduler:
         s, cfg, kv = self.state, self.cfg, self.state.kv
         bs = cfg.block_size
         i = 0  # waiters before i wait for logprobs memory or a grammar slot: those needing neither go first
-        lp_waits, lp_kept = (
-            False,
-            0,
-        )  # a waiter before i waits for logprobs; what those waiting for a slot need
+        lp_waits = False  # a waiter before i waits for logprobs memory: those behind that need some wait too
+        lp_kept = 0  # logprobs bytes the waiters before i that wait for a slot will take once they have one
         while i < len(s.waiting) and len(s.running) + s.waiting[i].choices <= cfg.max_seqs:
             head = s.waiting[i]
             P, n = head.prompt_len, head.choices
@@ -287,7 +285,7 @@ class Scheduler:
                 g = side_waits.grammar_of(w)
                 refusal = side_waits.grammar_timeout_refusal(g, waited, slot_retry, len(s.waiting))
             if not ahead and head_waits == "grammar":
-                side_waits.grammar_of(w).compiler.end_hold()
+                self._end_slot_hold(0)  # the head it was held for is gone
             s.leave_queue(w, Refused(refusal))
 
     def _logprobs_need(self, w: WaitEntry) -> int:

@@ -15,7 +15,8 @@ Promises:
   `LEXER_STATES` states, plus one compile in hand. Rows of one grammar share its lexer states, so a
   grammar costs its slot once however many rows run it. The scheduler takes a slot at admission
   (`acquire`: a running grammar is pinned, an idle cached one may be evicted for it; none free = the
-  request waits) and each row gives its pin back when it ends (`release`). A string's `minLength` /
+  request waits, and the running grammar with the fewest rows is held for it, `hold_for_head`) and
+  each row gives its pin back when it ends (`release`). A check on a server thread never evicts. A string's `minLength` /
   `maxLength` costs lexer states in proportion (the lexer counts its characters), so `check_lengths`
   refuses up front, with the numbers, a schema whose bounds would need more than the grammar's
   states: a row never runs out of them mid-answer for that reason (QA pass 9: pydantic's
@@ -217,12 +218,13 @@ class GrammarCompiler:
     def _template(self, text: str) -> llguidance.LLMatcher:
         """The cached template of `text`, or one compiled now: kept when it is pinned (its slot is
         taken) or a slot is free, else handed back uncached. A check never evicts: a request validated
-        on a server thread must not turn a queued request's kept grammar into one that needs a new slot
-        (review of session 38: a prompt list's later prompt then waited behind the head its own answer
-        held up); `acquire` evicts, in the queue's order. One compile at a time (`_compiling`): at most one template
-        outside the slots exists, the plan's compile in hand. The cache's lock is not held while
-        compiling, so the worker's cache hits (every admitted row's matcher) never wait for a request's
-        schema being compiled on a server thread (1-7 ms for common schemas, more for large ones)."""
+        on a server thread must not turn a queued request's kept grammar into one that needs a new
+        slot (review of session 38: a prompt list's later prompt then waited behind the head its own
+        answer held up); `acquire` evicts, in the queue's order. One compile at a time (`_compiling`):
+        at most one template outside the slots exists, the plan's compile in hand. The cache's lock is
+        not held while compiling, so the worker's cache hits (every admitted row's matcher) never wait
+        for a request's schema being compiled on a server thread (1-7 ms for common schemas, more for
+        large ones)."""
         with self._lock:
             t = self._cache.get(text)
             if t is not None:
