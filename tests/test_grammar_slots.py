@@ -115,15 +115,15 @@ def test_slots_hold_running_grammars_and_evict_idle_ones(make_engine):
 # ---- admission -------------------------------------------------------------------------------------------
 def test_a_new_grammar_waits_for_a_slot_while_others_pass(make_engine):
     """--max-grammars 2, both slots running: a request with a third schema waits; a plain request and
-    one with a running schema pass it, except the running grammar held for it (the one with fewest
-    rows), which takes no one new; it starts when that one ends. Red with the pin check taken out of
+    one with a running schema pass it, except the running grammar held for it (the one whose rows end
+    soonest), which takes no one new; it starts when that one ends. Red with the pin check taken out of
     `_admit` (b admitted at once), and with `hold_for_head` not called (same1 passed too)."""
     e = make_engine(max_grammars=2, max_queue_wait=30.0)
     set_step_hook(e, lambda so: time.sleep(0.02))  # the 400 characters take seconds
     g0, g1, g2, g3 = (_grammar(e, k) for k in ("zeroth", "first", "second", "third"))
     long = 2000 if e.max_model_len > 2100 else e.max_model_len - 8
     f = e.submit_choices(_request(g0, max_tokens=long), 2)  # g0: 2 rows
-    a = e.submit(_request(g1, max_tokens=long))  # g1: 1 row, the fewest
+    a = e.submit(_request(g1, max_tokens=long // 2))  # g1: 1 row, which ends sooner
     for h in [*f, a]:
         assert isinstance(h.wait_admitted(10), Admitted)
     b = e.submit(_request(g2))
@@ -405,29 +405,54 @@ def test_a_cached_grammar_never_waits_for_a_compile(make_engine):
     assert len(got) == 1
 
 
-def test_a_hold_ends_with_the_head_it_was_for(make_engine):
-    """A head that waited for a slot is cancelled; the next head waits for logprobs memory instead: the
-    running grammar held for the first takes new rows again from requests that pass. Red without
-    `_end_slot_hold` in the logprobs branch (z waited with y)."""
-    from kvgate.core import logprob_budget as B
-    from tests.test_logprob_budget import lp_request
-
-    per = 16 * B.position_bytes(20)
-    e = make_engine(max_grammars=1, logprobs_memory=per + per // 2, max_queue_wait=30.0)
+def test_a_hold_outlasts_the_head_and_ends_with_the_held_grammars_rows(make_engine):
+    """A head that waited for a slot is cancelled (its client gave up, to retry): the grammar held for
+    it still takes no new rows, not even as the head, so the slot it frees is there for the retry (QA
+    pass 12: the running schema refilled at each 429, seven times); once its rows end the hold ends
+    and its requests run again. Red with the held grammar pinned by a head (z admitted at once), and
+    with the release not ending the hold (z never admitted)."""
+    e = make_engine(max_grammars=1, max_queue_wait=30.0)
     set_step_hook(e, lambda so: time.sleep(0.02))
     g1, g2 = _grammar(e, "first"), _grammar(e, "second")
-    x = e.submit(lp_request(16))  # holds its logprobs until x.close()
-    x.result(30)
     a = e.submit(_request(g1, max_tokens=e.max_model_len - 8))
     assert isinstance(a.wait_admitted(10), Admitted)
     b = e.submit(_request(g2))
     time.sleep(0.2)  # b waits at the head: g1 is held for it
     assert g1.compiler.held == g1.text
     b.cancel()
-    y = e.submit(lp_request(16))  # the next head: waits for x's logprobs memory
-    z = e.submit(_request(g1, max_tokens=4))  # g1 runs: it passes y
-    assert z.result(30).finish_reason == "length"
-    x.close()
-    y.result(30)
-    y.close()
+    z = e.submit(_request(g1, max_tokens=4))
+    with pytest.raises(TimeoutError):
+        z.wait_admitted(0.4)
     a.cancel()
+    assert z.result(30).finish_reason == "length" and g1.compiler.held is None
+
+
+def test_the_grammar_held_is_the_one_whose_rows_end_soonest(make_engine):
+    """Two slots: one long row of g1 against three short rows of g2; a head with a third schema holds
+    g2, whose slot frees first, not g1 with the fewest rows (QA pass 12: a 36 s row was held while the
+    other slot ran 140 short requests). Red with the fewest rows chosen."""
+    e = make_engine(max_grammars=2, max_queue_wait=30.0)
+    set_step_hook(e, lambda so: time.sleep(0.02))
+    g1, g2, g3 = _grammar(e, "long"), _grammar(e, "short"), _grammar(e, "third")
+    hs = [e.submit(_request(g1, max_tokens=e.max_model_len - 8))]
+    hs += e.submit_choices(_request(g2, max_tokens=60), 3)
+    for h in hs:
+        assert isinstance(h.wait_admitted(10), Admitted)
+    c = e.submit(_request(g3, max_tokens=4))
+    time.sleep(0.2)
+    assert g1.compiler.held == g2.text
+    assert c.result(30).finish_reason == "length"  # g2's rows end within 60 steps: c has its slot
+    for h in hs:
+        h.cancel()
+
+
+def test_a_slot_waits_retry_after_counts_the_queue_wait_of_the_retry(make_engine):
+    """A client told to retry waits in the queue again, up to --max-queue-wait: the Retry-After for a
+    slot is the time until the held grammar's rows end, less that wait (QA pass 12: 60 s for a slot
+    free 4 s later). Red with the queue wait not taken off."""
+    from kvgate.core import forecast
+
+    snap = make_engine().snapshot()
+    steps = 600  # 30 s at the default step time before any step is timed
+    assert forecast.retry_after_steps(snap, steps) - forecast.retry_after_steps(snap, steps, 10.0) == 10
+    assert forecast.retry_after_steps(snap, steps, 120.0) == 1

@@ -109,10 +109,11 @@ def retry_after(snap: EngineSnapshot) -> int:
     return retry_after_steps(snap, min(r.steps_left for r in snap.rows))
 
 
-def retry_after_steps(snap: EngineSnapshot, steps: int) -> int:
-    """Seconds `steps` decode steps take from now, clamped to [1, 60] (a Retry-After)."""
+def retry_after_steps(snap: EngineSnapshot, steps: int, queue_wait: float = 0.0) -> int:
+    """Seconds `steps` decode steps take from now, less `queue_wait` (a retry that waits in the queue
+    that long is in time), clamped to [1, 60] (a Retry-After)."""
     step = typical_step(snap) or DEFAULT_STEP_SECONDS
-    return int(min(60, max(1, round(decode_seconds(snap, step, steps)))))
+    return int(min(60, max(1, round(decode_seconds(snap, step, steps) - queue_wait))))
 
 
 def predicted_ttft(

@@ -51,7 +51,6 @@ class Scheduler:
         self.cfg = cfg
         self.tok = tokenizer
         self.draining = False
-        self._slot_hold = None  # the compiler holding a running grammar for a head (hold_for_head)
 
     # ---- commands -------------------------------------------------------------------------------
     def apply(self, commands: list[Command]) -> None:
@@ -146,18 +145,15 @@ class Scheduler:
             logprobs = [logprob_budget.reserved_bytes(h.request, mt) for h in handles]  # bytes each
             if sum(logprobs) and (lp_waits or sum(logprobs) > s.logprobs.free - lp_kept):
                 lp_waits = True  # waits for logprobs memory, in FIFO order with the others that do
-                self._end_slot_hold(i)
                 i += 1
                 continue
             g = side_waits.grammar_of(head)  # a slot for its grammar, unless one keeps it already
             if g is not None and not g.compiler.acquire(g.text, n, new_slot=not i):
-                if not i:  # the head: the least used running grammar takes no one passing it from now
-                    g.compiler.hold_for_head()
-                    self._slot_hold = g.compiler
+                if not i:  # the head: the running grammar that ends soonest takes no new rows now
+                    g.compiler.hold_for_head(side_waits.grammar_steps_left(s))
                 lp_kept += sum(logprobs)  # what it will take once it has its slot stays free for it
                 i += 1
                 continue
-            self._end_slot_hold(i)
             del s.waiting[i]
             try:
                 rows = self._allocate_rows(head, mt, cap, hits)
@@ -182,13 +178,6 @@ class Scheduler:
             for row in rows:
                 self._start_row(row)
                 out.admitted.append(row.id)
-
-    def _end_slot_hold(self, i: int) -> None:
-        """The head (i = 0) does not wait for a grammar slot: a running grammar held for an earlier head
-        (one cancelled while it waited) takes new rows again."""
-        if not i and self._slot_hold is not None:
-            self._slot_hold.end_hold()
-            self._slot_hold = None
 
     def _allocate_rows(
         self, head: WaitEntry, max_tokens: int, cap: BudgetCap | None, hits: list[int]
@@ -271,8 +260,11 @@ class Scheduler:
         free, rows = s.kv.available_blocks, len(s.running)
         head_waits = self._head_waits(s.waiting[0], free, rows)  # what holds the line up besides KV
         held = side_waits.held_grammar(s.waiting[0]) if head_waits == "grammar" else None
-        steps = side_waits.slot_steps_left(s, held)  # until the held grammar's slot frees
-        slot_retry = retry if steps is None else forecast.retry_after_steps(snap, steps)
+        steps = side_waits.grammar_steps_left(s).get(held)  # until the held grammar's slot frees
+        # a retry waits in the queue again: it is in time if it comes a queue wait before the slot frees
+        slot_retry = (
+            retry if steps is None else forecast.retry_after_steps(snap, steps, self.cfg.max_queue_wait)
+        )
         waited = self.cfg.max_queue_wait
         for ahead, w in late:
             s.waiting.remove(w)
@@ -284,8 +276,6 @@ class Scheduler:
             elif head_waits == "grammar" and side_waits.waits_for_slot(w, held, head=not ahead):
                 g = side_waits.grammar_of(w)
                 refusal = side_waits.grammar_timeout_refusal(g, waited, slot_retry, len(s.waiting))
-            if not ahead and head_waits == "grammar":
-                self._end_slot_hold(0)  # the head it was held for is gone
             s.leave_queue(w, Refused(refusal))
 
     def _logprobs_need(self, w: WaitEntry) -> int:

@@ -4,8 +4,9 @@ Two budgets are taken at admission next to KV: logprobs memory (`kvgate.core.log
 grammar slots (`kvgate.structured.compiler.GrammarCompiler.acquire`: a request whose JSON schema or
 tool list is not kept now needs a free slot, one already running or cached needs none). A head that
 has its rows and KV but waits for either lets requests that need neither go first
-(`kvgate.core.scheduler`); past `--max-queue-wait` it gets a 429 naming the budget, and the requests
-behind it are told what held the line.
+(`kvgate.core.scheduler`); a head waiting for a slot holds the running grammar whose rows end soonest,
+which takes no new rows until they have (`GrammarCompiler.hold_for_head`). Past `--max-queue-wait` it
+gets a 429 naming the budget, and the requests behind it are told what held the line.
 """
 
 from __future__ import annotations
@@ -45,11 +46,15 @@ def waits_for_slot(entry, held: str | None, head: bool) -> bool:
     return g is not None and (head or not g.compiler.can_pin(g.text) or g.text == held)
 
 
-def slot_steps_left(state, held: str | None) -> int | None:
-    """Steps until the held grammar's slot frees at the latest (its rows run to their max_tokens), for
-    Retry-After; None when no grammar is held."""
-    rows = [r for r in state.running.values() if r.grammar_pin is not None and r.grammar_pin.text == held]
-    return max(r.steps_left(state.prefill_chunk) for r in rows) if held is not None and rows else None
+def grammar_steps_left(state) -> dict[str, int]:
+    """For each running grammar, the steps until its last row ends at the latest (rows run to their
+    max_tokens): when its slot frees. Which grammar to hold for a head, and the Retry-After."""
+    out: dict[str, int] = {}
+    for r in state.running.values():
+        if r.grammar_pin is not None:
+            t = r.grammar_pin.text
+            out[t] = max(out.get(t, 0), r.steps_left(state.prefill_chunk))
+    return out
 
 
 def grammar_timeout_refusal(g: Grammar, waited: float, retry_after: int, queued: int) -> Refusal:

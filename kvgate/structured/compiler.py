@@ -15,7 +15,7 @@ Promises:
   `LEXER_STATES` states, plus one compile in hand. Rows of one grammar share its lexer states, so a
   grammar costs its slot once however many rows run it. The scheduler takes a slot at admission
   (`acquire`: a running grammar is pinned, an idle cached one may be evicted for it; none free = the
-  request waits, and the running grammar with the fewest rows is held for it, `hold_for_head`) and
+  request waits, and the running grammar whose rows end soonest is held for it, `hold_for_head`) and
   each row gives its pin back when it ends (`release`). A check on a server thread never evicts. A string's `minLength` /
   `maxLength` costs lexer states in proportion (the lexer counts its characters), so `check_lengths`
   refuses up front, with the numbers, a schema whose bounds would need more than the grammar's
@@ -124,8 +124,8 @@ class GrammarCompiler:
         self._compiling = threading.Lock()  # one compile at a time
         self.executor: llguidance.LLExecutor | None = None  # made by the worker, used only by it
         self.compiles = 0
-        # the running grammar that takes no new rows from requests passing a head waiting for a slot,
-        # so that its slot frees (`hold_for_head`); None when no head waits
+        # the running grammar held for a head waiting for a slot: it takes no new rows until it has
+        # none (`hold_for_head`); None when none is held
         self.held: str | None = None
 
     def check(self, text: str) -> Grammar:
@@ -145,35 +145,33 @@ class GrammarCompiler:
         return self._template(text).deep_copy()
 
     def acquire(self, text: str, rows: int, new_slot: bool = True) -> bool:
-        """Pin `text` for `rows` running rows. True when it is kept already (cached or running; but not
-        the grammar held for a waiting head, unless `new_slot`: the head's own turn), or, with
-        `new_slot`, when a slot is free or held by an idle cached grammar, which is evicted. False:
-        every slot holds a running grammar, and the request waits. A miss compiles in `matcher`."""
+        """Pin `text` for `rows` running rows. True when it is kept already (cached or running), but
+        not the grammar held for a head (`hold_for_head`); or, with `new_slot`, when a slot is free or
+        held by an idle cached grammar, which is evicted. False: every slot holds a running grammar,
+        and the request waits. A miss compiles in `matcher`."""
         with self._lock:
             if text not in self._cache and text not in self._pins:
                 if not new_slot or not self._room():
                     return False
-                self.held = None  # the head waiting for a slot has one
-            elif not new_slot and text == self.held:
+                self.held = None  # a head waiting for a slot has one
+            elif text == self.held:
                 return False
             elif text in self._cache:
                 self._cache.move_to_end(text)
             self._pins[text] = self._pins.get(text, 0) + rows
             return True
 
-    def hold_for_head(self) -> None:
-        """A head waits for a slot: the running grammar with the fewest rows (held until it ends) takes
-        no new rows from requests that pass the head, so a steady stream of one schema cannot keep every
-        slot busy for good (review of session 38: a new schema waited out --max-queue-wait while 14
-        later requests of a running one passed it)."""
+    def hold_for_head(self, steps_left: dict[str, int]) -> None:
+        """A head waits for a slot: hold the running grammar whose rows end soonest (`steps_left`: the
+        steps until each running grammar's last row ends at the latest). It takes no new rows, from
+        any request, until its rows have ended or a head got a slot: so a steady stream of one schema
+        cannot keep every slot busy (review of session 38: 14 later requests of one passed a new
+        schema, then the 429), and the hold outlasts a head that gave up, so the slot it freed is
+        still there when its client retries (QA pass 12: a retry after each 429 met the running
+        schema refilled, seven times)."""
         with self._lock:
             if self.held not in self._pins and self._pins:
-                self.held = min(self._pins, key=self._pins.__getitem__)
-
-    def end_hold(self) -> None:
-        """The head that waited for a slot left the queue (refused or cancelled)."""
-        with self._lock:
-            self.held = None
+                self.held = min(self._pins, key=lambda t: (steps_left.get(t, 1 << 62), self._pins[t]))
 
     def release(self, text: str, rows: int = 1) -> None:
         """`rows` running rows of `text` ended; the grammar stays cached, evictable once none run it."""
@@ -185,6 +183,8 @@ class GrammarCompiler:
             if left < 0:  # never seen: a double release would leave another row's grammar evictable
                 log.error("grammar released by %d more rows than pinned it", -left)
             self._pins.pop(text, None)
+            if text == self.held:  # its rows have ended: its slot is free for the head held for
+                self.held = None
 
     def can_pin(self, text: str) -> bool:
         """`acquire(text, ...)` would succeed now (nothing is evicted by asking)."""
