@@ -40,6 +40,17 @@ def _compiler(engine, slots: int) -> C.GrammarCompiler:
     return C.GrammarCompiler(info.tokenizer_json, list(info.eog_token_ids), engine.spec.vocab_size, slots)
 
 
+def _one_slot_running(make_engine, **cfg):
+    """An engine with one grammar slot and slow steps (20 ms), the slot held by a row of a first
+    schema that runs to the end of the context: (engine, first grammar, second grammar, its handle)."""
+    e = make_engine(max_grammars=1, **{"max_queue_wait": 30.0, **cfg})
+    set_step_hook(e, lambda so: time.sleep(0.02))
+    g1, g2 = _grammar(e, "first"), _grammar(e, "second")
+    a = e.submit(_request(g1, max_tokens=e.max_model_len - 8))
+    assert isinstance(a.wait_admitted(10), Admitted)
+    return e, g1, g2, a
+
+
 # ---- the plan ------------------------------------------------------------------------------------------
 def test_the_plan_charges_a_slot_per_kept_grammar_not_per_row():
     """The grammar term is the trie, (slots + 1 compile in hand) grammars and a mask per row: 4 slots
@@ -181,11 +192,7 @@ def test_a_logprobs_request_passes_a_head_waiting_for_a_slot(make_engine):
     behind a waiting head waits)."""
     from tests.test_logprob_budget import lp_request
 
-    e = make_engine(max_grammars=1, max_queue_wait=30.0)
-    set_step_hook(e, lambda so: time.sleep(0.02))
-    g1, g2 = _grammar(e, "first"), _grammar(e, "second")
-    a = e.submit(_request(g1, max_tokens=e.max_model_len - 8))
-    assert isinstance(a.wait_admitted(10), Admitted)
+    e, g1, g2, a = _one_slot_running(make_engine)
     b = e.submit(_request(g2))
     c = e.submit(lp_request(4, held=None))
     assert c.result(30).finish_reason == "length"
@@ -204,11 +211,7 @@ def test_a_logprobs_request_does_not_take_what_a_slot_waiting_head_will_need(mak
     from tests.test_logprob_budget import lp_request
 
     per = 16 * B.position_bytes(20)
-    e = make_engine(max_grammars=1, logprobs_memory=per + per // 2, max_queue_wait=30.0)
-    set_step_hook(e, lambda so: time.sleep(0.02))
-    g1, g2 = _grammar(e, "first"), _grammar(e, "second")
-    a = e.submit(_request(g1, max_tokens=e.max_model_len - 8))
-    assert isinstance(a.wait_admitted(10), Admitted)
+    e, g1, g2, a = _one_slot_running(make_engine, logprobs_memory=per + per // 2)
     sp = SamplingParams(temperature=0.0, logprobs=20, grammar=g2)
     b = e.submit(GenerationRequest([5, 6, 7, 8], sp, 16, ignore_eos=True))  # a slot, then per bytes
     c = e.submit(lp_request(16, held=None))
@@ -283,11 +286,8 @@ def test_a_head_that_waits_for_a_slot_too_long_gets_a_429_that_says_so(make_engi
     is told the same (QA pass 11: it got the KV message, "it would fit now", under the grammar code).
     Red with the `head_waits` "grammar" branch taken out of `_head_waits` (the KV message, with the
     pool free), and with `waits_for_slot` false behind the head."""
-    e = make_engine(max_grammars=1, max_queue_wait=0.4)
-    set_step_hook(e, lambda so: time.sleep(0.02))
-    g1, g2, g3 = (_grammar(e, k) for k in ("first", "second", "third"))
-    a = e.submit(_request(g1, max_tokens=e.max_model_len - 8))
-    assert isinstance(a.wait_admitted(10), Admitted)
+    e, g1, g2, a = _one_slot_running(make_engine, max_queue_wait=0.4)
+    g3 = _grammar(e, "third")
     b = e.submit(_request(g2))
     c = e.submit(_request(g3))
     with pytest.raises(Refusal) as err:
@@ -411,11 +411,7 @@ def test_a_hold_outlasts_the_head_and_ends_with_the_held_grammars_rows(make_engi
     pass 12: the running schema refilled at each 429, seven times); once its rows end the hold ends
     and its requests run again. Red with the held grammar pinned by a head (z admitted at once), and
     with the release not ending the hold (z never admitted)."""
-    e = make_engine(max_grammars=1, max_queue_wait=30.0)
-    set_step_hook(e, lambda so: time.sleep(0.02))
-    g1, g2 = _grammar(e, "first"), _grammar(e, "second")
-    a = e.submit(_request(g1, max_tokens=e.max_model_len - 8))
-    assert isinstance(a.wait_admitted(10), Admitted)
+    e, g1, g2, a = _one_slot_running(make_engine)
     b = e.submit(_request(g2))
     time.sleep(0.2)  # b waits at the head: g1 is held for it
     assert g1.compiler.held == g1.text

@@ -104,10 +104,17 @@ def row_slope(by_rows: dict) -> float:
 
 
 class EngineState:
-    def __init__(self, kv: KVCacheManager, inbox: Inbox, prefill_chunk: int, logprobs_memory: int = 32 << 20):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        inbox: Inbox,
+        prefill_chunk: int,
+        logprobs_memory: int = 32 << 20,
+        tokenizer=None,
+    ):
         self.kv = kv
         self.logprobs = LogprobBudget(logprobs_memory)  # bytes the rows' logprobs hold (logprob_budget)
-        self.tokenizer = None  # set by the core: its grammar compiler's slots go into the snapshot
+        self.tokenizer = tokenizer  # whose grammar compiler's slots go into the snapshot
         self.inbox = inbox
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[WaitEntry] = deque()

@@ -39,9 +39,8 @@ class EngineCore:
         self.inbox = inbox
         self.runner = runner
         kv = KVCacheManager(cfg.total_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
-        self.state = EngineState(kv, inbox, cfg.prefill_chunk, cfg.logprobs_memory)
+        self.state = EngineState(kv, inbox, cfg.prefill_chunk, cfg.logprobs_memory, tokenizer)
         self.state.times.position_seconds = cfg.decode_position_seconds
-        self.state.tokenizer = tokenizer  # whose grammar compiler the snapshot reads
         self.scheduler = Scheduler(self.state, cfg, tokenizer)
         self.updater = Updater(self.state, cfg.max_model_len, cfg.prefill_chunk)
         self.snapshot: EngineSnapshot = self.state.snapshot()

@@ -65,14 +65,14 @@ def features_of(engine, req) -> Features:
             "logprobs together with tools are not implemented; send the request without one of them",
         )
     if engine.plan.limits.grammars < 1:  # before the compiler: its token trie is not in such a plan
+        param = "tools" if f.tools is not None else "response_format"
         raise APIError(
             400,
             "structured output is off on this server: it was started with --max-grammars 0, which plans no "
-            "memory for grammars. Send the request without "
-            + ("tools" if f.tools is not None else "response_format")
-            + ", or ask the operator for --max-grammars 1 or more",
+            f"memory for grammars. Send the request without {param}, or ask the operator for --max-grammars "
+            "1 or more",
             "structured_output_off",
-            param="tools" if f.tools is not None else "response_format",
+            param=param,
         )
     compiler = compiler_for(engine.tokenizer, engine.spec.vocab_size, engine.plan.limits.grammars)
     schemas = [fn.parameters for fn in f.tools.functions] if f.tools is not None else []

@@ -195,7 +195,7 @@ class GrammarCompiler:
     def kept(self) -> tuple[int, int]:
         """(grammars kept, of which running): what the slots hold now."""
         with self._lock:
-            return self._kept(), len(self._pins)
+            return self.counts()
 
     def counts(self) -> tuple[int, int]:
         """`kept()` without waiting for the lock (a compile may hold it for milliseconds), for the
@@ -204,7 +204,7 @@ class GrammarCompiler:
         return len(self._cache) + sum(1 for t in pins if t not in self._cache), len(pins)
 
     def _kept(self) -> int:
-        return len(self._cache) + sum(1 for t in self._pins if t not in self._cache)
+        return self.counts()[0]
 
     def _room(self) -> bool:
         """A slot for one more grammar, evicting the least recently used idle one if need be (locked)."""
