@@ -452,3 +452,20 @@ def test_a_slot_waits_retry_after_counts_the_queue_wait_of_the_retry(make_engine
     steps = 600  # 30 s at the default step time before any step is timed
     assert forecast.retry_after_steps(snap, steps) - forecast.retry_after_steps(snap, steps, 10.0) == 10
     assert forecast.retry_after_steps(snap, steps, 120.0) == 1
+
+
+def test_a_request_of_the_held_grammar_that_times_out_is_told_it_waited_for_a_slot(make_engine):
+    """The held grammar takes no new rows, its head included (the hold outlasts the head it was for):
+    such a head that waits out --max-queue-wait gets the grammar 429, not the KV one ("it needs N
+    blocks ... and M are free", with the pool free). Seen red before `can_pin` refused the held
+    grammar as `acquire` does (code kv_memory_unavailable)."""
+    e, g1, g2, a = _one_slot_running(make_engine, max_queue_wait=0.6)
+    b = e.submit(_request(g2))
+    time.sleep(0.2)  # b waits at the head: g1 is held for it
+    b.cancel()
+    z = e.submit(_request(g1, max_tokens=4))
+    with pytest.raises(Refusal) as err:
+        z.wait_admitted(10)
+    assert (err.value.status, err.value.code) == (429, "grammar_memory_unavailable")
+    assert "this one's schema among them, held to free its slot" in err.value.message
+    a.cancel()

@@ -273,7 +273,7 @@ class Scheduler:
             if not ahead and head_waits == "logprobs":
                 need, lp = self._logprobs_need(w), s.logprobs
                 refusal = logprob_budget.timeout_refusal(need, lp.free, lp.limit, waited, retry)
-            elif head_waits == "grammar" and side_waits.waits_for_slot(w, held, head=not ahead):
+            elif head_waits == "grammar" and side_waits.waits_for_slot(w, head=not ahead):
                 g = side_waits.grammar_of(w)
                 refusal = side_waits.grammar_timeout_refusal(g, waited, slot_retry, len(s.waiting))
             s.leave_queue(w, Refused(refusal))

@@ -38,12 +38,11 @@ def held_grammar(head) -> str | None:
     return grammar_of(head).compiler.held
 
 
-def waits_for_slot(entry, held: str | None, head: bool) -> bool:
+def waits_for_slot(entry, head: bool) -> bool:
     """`entry` (the head, or one behind a head that waits for a slot) waits for a slot itself: its
     grammar needs a new one, or it is the grammar held for the head. A waiter behind it with none, or
     with another running grammar, waits for something else (KV, rows, logprobs): its refusal says that."""
-    g = grammar_of(entry)
-    return g is not None and (head or not g.compiler.can_pin(g.text) or g.text == held)
+    return head or grammar_waits(entry)
 
 
 def grammar_steps_left(state) -> dict[str, int]:
@@ -60,12 +59,17 @@ def grammar_steps_left(state) -> dict[str, int]:
 def grammar_timeout_refusal(g: Grammar, waited: float, retry_after: int, queued: int) -> Refusal:
     """`queued`: the requests still waiting behind it."""
     running, slots = g.compiler.kept()[1], g.compiler.slots
+    whose = (
+        "requests, this one's schema among them, held to free its slot for a request that came earlier"
+        if g.text == g.compiler.held
+        else "requests with other schemas"
+    )
     return Refusal(
         "grammar_memory_unavailable",
         f"waited {waited:g}s (--max-queue-wait) for a grammar slot: this server keeps {slots} structured-"
         f"output grammar{'s' if slots != 1 else ''} (distinct JSON schemas or tool lists) at once "
         f"(--max-grammars, {fmt_bytes(GRAMMAR_BYTES)} each), and when this request gave up {running} of them "
-        f"ran requests with other schemas ({queued} request{'s' if queued != 1 else ''} still queued). Retry "
+        f"ran {whose} ({queued} request{'s' if queued != 1 else ''} still queued). Retry "
         "after the Retry-After seconds; requests with a schema that is running share its slot and do not "
         "wait. If this is frequent, ask the operator to raise --max-grammars.",
         429,

@@ -187,8 +187,10 @@ class GrammarCompiler:
                 self.held = None
 
     def can_pin(self, text: str) -> bool:
-        """`acquire(text, ...)` would succeed now (nothing is evicted by asking)."""
+        """`acquire(text, ...)` (a head's) would succeed now (nothing is evicted by asking)."""
         with self._lock:
+            if text == self.held:
+                return False
             kept = text in self._cache or text in self._pins
             return kept or self._kept() < self.slots or any(t not in self._pins for t in self._cache)
 
