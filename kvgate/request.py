@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from kvgate.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
 _ids = itertools.count(1)
+LIST_KEYS = itertools.count(1)  # GenerationRequest.logprobs_list
 
 
 class RequestError(ValueError):
@@ -76,6 +77,9 @@ class GenerationRequest:
     # the logprobs bytes to reserve at admission in place of what its own tokens need: a held prompt
     # list's first prompt carries the whole list's, the others none (`admission.fit_group`); None: its own
     logprobs_bytes: int | None = None
+    # the held prompt list this prompt belongs to (`admission.fit_group`), when its first prompt reserves
+    # the list's logprobs: the others, which reserve none, may not be admitted before that one
+    logprobs_list: int | None = None  # from LIST_KEYS
     # who keeps the logprobs after the row ends (kvgate.core.logprob_budget): None, the engine's events
     # only (their reservation ends with the row); an int, the caller, until it closes the handle, with
     # this many bytes a position of its own on top (the server: 0, or the dicts a Responses body builds)

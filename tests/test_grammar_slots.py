@@ -284,8 +284,8 @@ def test_a_head_that_waits_for_a_slot_too_long_gets_a_429_that_says_so(make_engi
     """Past --max-queue-wait the head waiting for a grammar slot is a 429 grammar_memory_unavailable
     naming --max-grammars and the slots; a new-schema request behind it, which waits for a slot too,
     is told the same (QA pass 11: it got the KV message, "it would fit now", under the grammar code).
-    Red with the `head_waits` "grammar" branch taken out of `_head_waits` (the KV message, with the
-    pool free), and with `waits_for_slot` false behind the head."""
+    Red with the "grammar" side wait not recorded by `_admit` (`Scheduler.side_wait`: the KV message,
+    with the pool free), and with `waits_for_slot` false behind the head."""
     e, g1, g2, a = _one_slot_running(make_engine, max_queue_wait=0.4)
     g3 = _grammar(e, "third")
     b = e.submit(_request(g2))

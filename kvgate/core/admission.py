@@ -28,7 +28,7 @@ from kvgate.core import logprob_budget, side_waits
 from kvgate.core.kv_cache import cacheable_blocks, choice_blocks, prompt_block_hashes
 from kvgate.core.prefill_rate import tokens_within
 from kvgate.core.rows import WaitEntry
-from kvgate.request import BudgetCap, GenerationRequest, Refusal, RequestHandle
+from kvgate.request import LIST_KEYS, BudgetCap, GenerationRequest, Refusal, RequestHandle
 
 
 def group_blocks(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, hits: int = 0) -> int:
@@ -177,9 +177,8 @@ def fit_group(cfg: SchedulerConfig, requests: list[GenerationRequest], n: int) -
     blocks together can never fit the pool, each at the least it runs with (an explicit max_tokens; an
     unset one at `min_cap_tokens`, as admission takes it); else the requests, each unset one given its
     share of the pool (`kv_share`: its least and an equal part of what is left), so the first cannot
-    take the room the others wait for. Each prompt alone is judged by `plan_entry`. Before, a list
-    past the pool waited for blocks its own first prompts held, and answered 429 on every try (QA
-    pass 9; with max_tokens unset, the review of session 36)."""
+    take the room the others wait for. Each prompt alone is judged by `plan_entry`. Before, a list past
+    the pool waited for blocks its own first prompts held: 429 on every try (QA pass 9; review 36)."""
     if len(requests) < 2:
         return requests
 
@@ -215,7 +214,8 @@ def fit_group(cfg: SchedulerConfig, requests: list[GenerationRequest], n: int) -
     # them (each at its most), so two lists queued in turns (x1 y1 x2 y2) cannot wait on each other
     whole = sum(m + (0 if r.max_tokens else lp_extra) for r, m in zip(requests, lp, strict=True))
     if whole and any(r.held is not None for r in requests):
-        out = [replace(r, logprobs_bytes=whole if i == 0 else 0) for i, r in enumerate(out)]
+        key = next(LIST_KEYS)  # its later prompts wait while the first does (scheduler._admit)
+        out = [replace(r, logprobs_bytes=0 if i else whole, logprobs_list=key) for i, r in enumerate(out)]
     return out
 
 

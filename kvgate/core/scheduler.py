@@ -51,6 +51,10 @@ class Scheduler:
         self.cfg = cfg
         self.tok = tokenizer
         self.draining = False
+        # (the queue's head, "logprobs" | "grammar", its logprobs bytes) when `_admit` found it waiting
+        # for that alone this tick, with its rows and KV (capped, for an unset max_tokens): `_expire`
+        # tells it so (review of session 38: it was judged again uncapped, and told the KV 429)
+        self.side_wait: tuple[WaitEntry, str, int] | None = None
 
     # ---- commands -------------------------------------------------------------------------------
     def apply(self, commands: list[Command]) -> None:
@@ -128,6 +132,8 @@ class Scheduler:
         i = 0  # waiters before i wait for logprobs memory or a grammar slot: those needing neither go first
         lp_waits = False  # a waiter before i waits for logprobs memory: those behind that need some wait too
         lp_kept = 0  # logprobs bytes the waiters before i that wait for a slot will take once they have one
+        lists: set[int | None] = set()  # held prompt lists with a prompt waiting before i (logprobs_list)
+        self.side_wait = None
         while i < len(s.waiting) and len(s.running) + s.waiting[i].choices <= cfg.max_seqs:
             head = s.waiting[i]
             P, n = head.prompt_len, head.choices
@@ -143,15 +149,24 @@ class Scheduler:
                 mt = fits
             handles = [head.handle, *head.followers]
             logprobs = [logprob_budget.reserved_bytes(h.request, mt) for h in handles]  # bytes each
+            key = head.handle.request.logprobs_list
+            if key is not None and key in lists:  # its list's first prompt reserves its logprobs, and waits
+                i += 1
+                continue
             if sum(logprobs) and (lp_waits or sum(logprobs) > s.logprobs.free - lp_kept):
                 lp_waits = True  # waits for logprobs memory, in FIFO order with the others that do
+                if not i:
+                    self.side_wait = (head, "logprobs", sum(logprobs))
+                lists.add(key)
                 i += 1
                 continue
             g = side_waits.grammar_of(head)  # a slot for its grammar, unless one keeps it already
             if g is not None and not g.compiler.acquire(g.text, n, new_slot=not i):
                 if not i:  # the head: the running grammar that ends soonest takes no new rows now
                     g.compiler.hold_for_head(side_waits.grammar_steps_left(s))
+                    self.side_wait = (head, "grammar", sum(logprobs))
                 lp_kept += sum(logprobs)  # what it will take once it has its slot stays free for it
+                lists.add(key)
                 i += 1
                 continue
             del s.waiting[i]
@@ -258,7 +273,8 @@ class Scheduler:
         snap = s.snapshot()
         retry = forecast.retry_after(snap)
         free, rows = s.kv.available_blocks, len(s.running)
-        head_waits = self._head_waits(s.waiting[0], free, rows)  # what holds the line up besides KV
+        side = self.side_wait  # what holds the line up besides KV and rows, as `_admit` found it
+        head_waits = side[1] if side is not None and side[0] is s.waiting[0] else None
         held = side_waits.held_grammar(s.waiting[0]) if head_waits == "grammar" else None
         steps = side_waits.grammar_steps_left(s).get(held)  # until the held grammar's slot frees
         # a retry waits in the queue again: it is in time if it comes a queue wait before the slot frees
@@ -271,25 +287,12 @@ class Scheduler:
             s.counters.rejected_kv_timeout += w.choices
             refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, retry, ahead, head_waits)
             if not ahead and head_waits == "logprobs":
-                need, lp = self._logprobs_need(w), s.logprobs
-                refusal = logprob_budget.timeout_refusal(need, lp.free, lp.limit, waited, retry)
+                lp = s.logprobs
+                refusal = logprob_budget.timeout_refusal(side[2], lp.free, lp.limit, waited, retry)
             elif head_waits == "grammar" and side_waits.waits_for_slot(w, head=not ahead):
                 g = side_waits.grammar_of(w)
                 refusal = side_waits.grammar_timeout_refusal(g, waited, slot_retry, len(s.waiting))
             s.leave_queue(w, Refused(refusal))
-
-    def _logprobs_need(self, w: WaitEntry) -> int:
-        return sum(logprob_budget.reserved_bytes(h.request, w.max_tokens) for h in [w.handle, *w.followers])
-
-    def _head_waits(self, w: WaitEntry, free_blocks: int, rows: int) -> str | None:
-        """What the queue's head waits for when it has the rows and KV blocks it needs: "logprobs"
-        memory or a "grammar" slot (kvgate.core.side_waits); None when it waits for KV or rows."""
-        kv_fits = admission.group_blocks(self.cfg, w.prompt_len, w.max_tokens, w.choices) <= free_blocks
-        if not kv_fits or rows + w.choices > self.cfg.max_seqs:
-            return None
-        if self._logprobs_need(w) > self.state.logprobs.free:
-            return "logprobs"
-        return "grammar" if side_waits.grammar_waits(w) else None
 
     def _trim(self) -> None:
         """`--max-queue` bounds the choices that wait: the gate let through as many as the free rows

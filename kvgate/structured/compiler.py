@@ -154,7 +154,7 @@ class GrammarCompiler:
                 if not new_slot or not self._room():
                     return False
                 self.held = None  # a head waiting for a slot has one
-            elif text == self.held:
+            elif text == self.held and not self._spare():  # a spare slot is there for the head
                 return False
             elif text in self._cache:
                 self._cache.move_to_end(text)
@@ -189,10 +189,9 @@ class GrammarCompiler:
     def can_pin(self, text: str) -> bool:
         """`acquire(text, ...)` (a head's) would succeed now (nothing is evicted by asking)."""
         with self._lock:
-            if text == self.held:
+            if text == self.held and not self._spare():
                 return False
-            kept = text in self._cache or text in self._pins
-            return kept or self._kept() < self.slots or any(t not in self._pins for t in self._cache)
+            return text in self._cache or text in self._pins or self._spare()
 
     def kept(self) -> tuple[int, int]:
         """(grammars kept, of which running): what the slots hold now."""
@@ -208,6 +207,10 @@ class GrammarCompiler:
     def _kept(self) -> int:
         return self.counts()[0]
 
+    def _spare(self) -> bool:
+        """A slot is free, or held by an idle grammar that could be evicted (locked)."""
+        return self._kept() < self.slots or any(t not in self._pins for t in self._cache)
+
     def _room(self) -> bool:
         """A slot for one more grammar, evicting the least recently used idle one if need be (locked)."""
         while self._kept() >= self.slots:
@@ -222,30 +225,40 @@ class GrammarCompiler:
         taken) or a slot is free, else handed back uncached. A check never evicts: a request validated
         on a server thread must not turn a queued request's kept grammar into one that needs a new
         slot (review of session 38: a prompt list's later prompt then waited behind the head its own
-        answer held up); `acquire` evicts, in the queue's order. One compile at a time (`_compiling`):
-        at most one template outside the slots exists, the plan's compile in hand. The cache's lock is
-        not held while compiling, so the worker's cache hits (every admitted row's matcher) never wait
-        for a request's schema being compiled on a server thread (1-7 ms for common schemas, more for
-        large ones)."""
+        answer held up); `acquire` evicts, in the queue's order. One unpinned compile at a time
+        (`_compiling`): at most one template outside the slots exists, the plan's compile in hand. The
+        cache's lock is not held while compiling, so the worker's cache hits (every admitted row's
+        matcher) never wait for a request's schema being compiled on a server thread (1-7 ms for common
+        schemas, more for large ones); nor does its compile of a pinned miss (a schema checked while no
+        slot was free), whose slot `acquire` took: before, the whole engine waited on `_compiling` for
+        other requests' compiles (review of session 38)."""
         with self._lock:
             t = self._cache.get(text)
             if t is not None:
                 self._cache.move_to_end(text)
                 return t
+            pinned = text in self._pins
+        if pinned:  # its slot is taken (`acquire`, on the worker): not the compile in hand, no wait for it
+            return self._compile(text)
         with self._compiling:
             with self._lock:  # compiled by another thread while this one waited
                 t = self._cache.get(text)
                 if t is not None:
                     return t
-            t = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
-            if t.is_error():
-                raise GrammarError(_reason(t.get_error()))
-            t.compute_bitmask()  # builds the first lexer states here, not in an engine step
-            with self._lock:
-                self.compiles += 1
-                if text in self._pins or self._kept() < self.slots:
-                    self._cache[text] = t
-            return t
+            return self._compile(text)
+
+    def _compile(self, text: str) -> llguidance.LLMatcher:
+        t = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
+        if t.is_error():
+            raise GrammarError(_reason(t.get_error()))
+        t.compute_bitmask()  # builds the first lexer states here, not in an engine step
+        with self._lock:
+            self.compiles += 1
+            if text in self._cache:  # another thread compiled it meanwhile: one template per slot
+                return self._cache[text]
+            if text in self._pins or self._kept() < self.slots:
+                self._cache[text] = t
+        return t
 
 
 SOURCE_LINE = re.compile(r"^\s*\d+\s*\|")  # `  8 | next: NEWLINES "<tool_call>..."`
