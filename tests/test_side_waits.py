@@ -168,3 +168,47 @@ def test_the_worker_does_not_wait_for_a_server_threads_compile_of_another_schema
         t.join(5)
     b.result(10)
     assert took is not None and took < 1.0, "the plain request waited for another schema's compile"
+
+
+def test_a_held_list_leaves_the_queue_together(make_engine, monkeypatch):
+    """A held list's first prompt, waiting for the list's logprobs memory, is refused past
+    --max-queue-wait: its later prompt, whose deadline comes a moment later (submitted after it), must
+    leave with it, not be admitted in the next tick with no reservation of its own (its first prompt
+    held the list's). The handles' clock is shifted so the moment is a second here. Red without the
+    list's prompts joining `late` in `Scheduler._expire` (x2 admitted)."""
+    import kvgate.request as R
+
+    real, shift = time.monotonic, [0.0]
+
+    class Clock:
+        @staticmethod
+        def monotonic():
+            return real() + shift[0]
+
+    per = 16 * B.position_bytes(20)
+    e = make_engine(logprobs_memory=2 * per + per // 2, max_queue_wait=0.4)
+    a = e.submit(lp_request(32))  # holds 2 * per until closed: x1 (2 * per, the list's) waits
+    a.result(10)
+    monkeypatch.setattr(R, "time", Clock)
+    real_submit = e.submit_choices
+
+    def submit_later(r, n):  # x2's handle is made a second after x1's
+        out = real_submit(r, n)
+        shift[0] += 1.0
+        return out
+
+    monkeypatch.setattr(e, "submit_choices", submit_later)
+    x1, x2 = e.submit_many([lp_request(16), lp_request(16, prompt=(9, 10))])
+    try:
+        with pytest.raises(Refusal):
+            x1.wait_admitted(5)
+        try:
+            outcome = x2.wait_admitted(0.5)
+        except (Refusal, TimeoutError) as err:
+            outcome = err
+        assert isinstance(outcome, Refusal), f"x2 after its first prompt left: {outcome!r}"
+    finally:
+        a.close()
+        for h in (x1, x2):
+            h.cancel()
+            h.close()

@@ -270,6 +270,14 @@ class Scheduler:
         late = [(ahead, w) for ahead, w in enumerate(s.waiting) if w.deadline <= now]
         if not late:
             return
+        # a held prompt list leaves together: its later prompts reserve no logprobs of their own, and
+        # would run unreserved after their first left (the review of session 38)
+        if keys := {w.handle.request.logprobs_list for _, w in late} - {None}:
+            late += [
+                (a, w)
+                for a, w in enumerate(s.waiting)
+                if w.deadline > now and w.handle.request.logprobs_list in keys
+            ]
         snap = s.snapshot()
         retry = forecast.retry_after(snap)
         free, rows = s.kv.available_blocks, len(s.running)
