@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kvgate.config import EngineConfig, ModelSpec
+from kvgate.memory import limit as LIM
 from kvgate.memory import plan as P
 from kvgate.memory import workspace as W
 from kvgate.memory.overhead import OVERHEAD_DRIFT, OVERHEAD_SLACK
@@ -71,7 +72,7 @@ def smollm2_plan(limit="4GiB", dtype_bytes=2, overhead=300 * MiB, **kw):
 @pytest.fixture
 def fixed_memory(monkeypatch):
     """16 GiB total, 10 GiB available: resolve_limit's arithmetic without reading this host."""
-    monkeypatch.setattr(P, "device_memory", lambda device: (16 * GiB, 10 * GiB))
+    monkeypatch.setattr(LIM, "device_memory", lambda device: (16 * GiB, 10 * GiB))
 
 
 @pytest.mark.parametrize(
@@ -94,7 +95,7 @@ def test_memory_limit_fraction_and_auto(fixed_memory):
     """A fraction is of the device's total memory; `auto` on CPU is AUTO_CPU_SHARE (documented: a
     quarter) of MemAvailable at startup, and says so. Broken by: a fraction of available memory, or
     auto taking total memory / another share."""
-    assert P.AUTO_CPU_SHARE == 0.25
+    assert LIM.AUTO_CPU_SHARE == 0.25
     assert resolve_limit("0.5", "cpu") == (8 * GiB, "50% of 16.0 GiB device memory")
     assert resolve_limit("1", "cpu")[0] == 16 * GiB
     limit, source = resolve_limit("auto", "cpu")
