@@ -8,8 +8,8 @@ import os
 import sys
 import time
 
-from kvgate.config import add_engine_flags, engine_config
-from kvgate.flag_types import PORT, at_least, byte_size
+from kvgate.config import add_engine_flags, add_responses_store_flag, engine_config
+from kvgate.flag_types import PORT, at_least
 from kvgate.server.cors import add_cors_flag
 
 
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="print the memory plan for a model and a limit")
     add_engine_flags(pl)
+    add_responses_store_flag(pl)
     pl.add_argument(
         "--context", type=at_least(int, 1), default=None, help="tokens per request for 'max concurrent'"
     )
@@ -69,13 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-body-bytes", type=at_least(int, 1), default=4 << 20)
     s.add_argument("--shutdown-grace", type=at_least(float, 0), default=30.0)
-    s.add_argument(
-        "--responses-store",
-        type=byte_size,
-        default=os.environ.get("KVGATE_RESPONSES_STORE", "64MiB"),
-        help="memory for responses kept for previous_response_id and GET /v1/responses/{id}, least recently "
-        "used out first (0: keep none) [KVGATE_RESPONSES_STORE]",
-    )
+    add_responses_store_flag(s)
     add_cors_flag(s)
     s.add_argument("--log-level", default="info")
 

@@ -83,6 +83,9 @@ class EngineConfig:
     cuda_graphs: str = "auto"  # auto | on | full | off: steps replayed from captured CUDA graphs (CUDA only)
     logprobs_memory: int | None = None  # bytes requests' logprobs may hold (core.logprob_budget); None = auto
     max_grammars: int | None = None  # distinct grammars kept at once (structured.compiler); None = auto
+    # bytes of responses the server keeps for previous_response_id (kvgate.server.responses_store), a
+    # term of the plan on CPU; 0 (a library engine, `generate`): none; None = auto
+    responses_store: int | None = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -314,4 +317,18 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         cuda_graphs=a.cuda_graphs,
         logprobs_memory=a.logprobs_memory,
         max_grammars=a.max_grammars,
+        # serve's flag (and plan's, for serve); the one-shot CLI and `plan --for generate` keep none
+        responses_store=getattr(a, "responses_store", 0) if getattr(a, "plan_for", "serve") == "serve" else 0,
+    )
+
+
+def add_responses_store_flag(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get("KVGATE_RESPONSES_STORE")
+    p.add_argument(
+        "--responses-store",
+        type=auto_or(byte_size),
+        default=env if env is not None else "auto",
+        help="memory for responses kept for previous_response_id and GET /v1/responses/{id}, least recently "
+        "used out first, a term of the memory plan on CPU (0: keep none; auto: 1/32 of the memory limit, at "
+        "most 64MiB) [KVGATE_RESPONSES_STORE]",
     )

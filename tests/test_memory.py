@@ -106,6 +106,7 @@ def test_by_role_sums():
         "overhead": 0,
         "cuda_graphs": 70,
         "logprobs": 0,
+        "responses": 0,
     }
     assert sum(led.by_role().values()) == led.reserved == 1870
 

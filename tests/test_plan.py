@@ -408,8 +408,11 @@ def test_cli_plan_json_equals_engine_plan(default_model_cache):
     from kvgate.core.engine import Engine
 
     engine = Engine.from_model(
-        "default", EngineConfig(memory_limit="1280MiB"), overhead_bytes=cli["overhead_bytes"]
+        "default",  # the store a server keeps is the serve plan's (auto: 40 MiB of 1280)
+        EngineConfig(memory_limit="1280MiB", responses_store=None),
+        overhead_bytes=cli["overhead_bytes"],
     )
+    assert cli["responses_bytes"] == 40 * MiB
     assert engine.plan.to_dict(1024) == cli
     assert engine.max_model_len == cli["limits"]["max_model_len"]
     assert engine.ledger.reserved <= cli["limit_bytes"]
@@ -444,3 +447,38 @@ def test_the_logprobs_memory_is_a_term_that_auto_gives_way_and_an_explicit_one_i
     assert any("what the limit leaves (--logprobs-memory auto)" in n for n in tight.notes)
     with pytest.raises(P.PlanError, match=r"logprobs memory 1\.5 GiB .* or --logprobs-memory"):
         smollm2_plan("2GiB", logprobs_bytes=3 << 29, max_model_len=1024)
+
+
+def test_kept_responses_are_a_term_on_a_cpu_that_auto_gives_way_first(monkeypatch):
+    """--responses-store (the Responses API's kept responses, server memory) is a term of the plan on a
+    CPU, where the limit is the process's: auto is a 32nd of the limit, at most 64 MiB, and comes out
+    of the pool; under a tight limit it gives way before the logprobs memory; an explicit size that does
+    not fit is named with its flag; on a GPU it is host memory, outside the device's limit, and only
+    said. Red with the term left out of `fixed` (the pools equal), with the logprobs giving way first,
+    and with it charged on CUDA."""
+    roomy, without = smollm2_plan("4GiB", responses_bytes=None), smollm2_plan("4GiB")
+    assert roomy.responses_bytes == 64 * MiB and without.responses_bytes == 0
+    assert without.kv_pool_bytes - roomy.kv_pool_bytes >= 64 * MiB - roomy.kv_bytes_per_token * 16
+    assert re.search(r"kept responses +64\.0 MiB  \(--responses-store", roomy.describe())
+    assert smollm2_plan("1GiB", responses_bytes=None).responses_bytes == 32 * MiB
+    # tight limits, 4 MiB apart: the store gives way first, the logprobs only once it has none left
+    plans = []
+    for mib in range(500, 1100, 4):
+        try:
+            plans.append(smollm2_plan(f"{mib}MiB", max_model_len=1024, responses_bytes=None))
+        except P.PlanError:
+            pass
+    shrunk = [p for p in plans if any("what the limit leaves (--responses-store auto)" in n for n in p.notes)]
+    assert any(p.responses_bytes > 0 for p in shrunk) and any(p.responses_bytes == 0 for p in shrunk)
+    for p in shrunk:
+        lp_auto = min(32 * MiB, p.limit_bytes // 16)
+        assert p.responses_bytes < min(64 * MiB, p.limit_bytes // 32)
+        assert p.logprobs_bytes == lp_auto or p.responses_bytes == 0, (p.limit_bytes, p.logprobs_bytes)
+    with pytest.raises(P.PlanError, match=r"kept responses 1\.5 GiB .* or --responses-store"):
+        smollm2_plan("2GiB", responses_bytes=3 << 29, max_model_len=1024)
+    monkeypatch.setattr(LIM, "device_memory", lambda device: (80 * GiB, 79 * GiB))
+    args = dict(block_size=16, prefill_chunk=256, max_seqs=32, max_model_len=8192, overhead_bytes=300 * MiB)
+    common = dict(device="cuda:0", dtype_name="bfloat16", dtype_bytes=2, limit_spec="4GiB", **args)
+    on_gpu, gpu_without = make_plan(SMOLLM2, responses_bytes=None, **common), make_plan(SMOLLM2, **common)
+    assert on_gpu.responses_bytes == 64 * MiB and on_gpu.kv_blocks == gpu_without.kv_blocks
+    assert "host memory, outside this device's limit" in on_gpu.describe()

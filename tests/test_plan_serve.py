@@ -55,7 +55,8 @@ def _plan(model_dir, *extra) -> dict:
     return json.loads(out.stdout)
 
 
-def _served_plan(model_dir) -> dict:
+def _served(model_dir) -> dict:
+    """A started `kvgate serve`'s /v1/resources."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -76,7 +77,7 @@ def _served_plan(model_dir) -> dict:
             try:
                 r = httpx.get(f"http://127.0.0.1:{port}/v1/resources", timeout=2)
                 if r.status_code == 200:
-                    return r.json()["plan"]
+                    return r.json()
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
@@ -94,9 +95,14 @@ def test_plan_overhead_and_pool_match_serve(tiny_dir):
     It compared the plan's overhead with the drift included against serve's, with a tolerance the
     drift alone nearly used up (+7.7 MiB on a Zen 4 where the two measured 0.3 MiB apart): CI failed
     at +9.4 MiB, a measured gap of +1.4."""
-    served = _served_plan(tiny_dir)
-    plan = _plan(tiny_dir)
+    resources = _served(tiny_dir)
+    served, plan = resources["plan"], _plan(tiny_dir)
     assert plan["planned_for"] == "serve"
+    # the kept responses: a term of both plans (--responses-store auto: 1/32 of the 1 GiB limit), the
+    # ledger's, and the store's own bound (red with serve's store left at its old fixed 64 MiB)
+    assert plan["responses_bytes"] == served["responses_bytes"] == 32 * MiB
+    assert resources["ledger"]["reserved_by_role"]["responses"] == 32 * MiB
+    assert resources["responses_store"]["limit_bytes"] == 32 * MiB
     drift = plan["overhead_drift_bytes"]  # plan adds it on purpose, so that a server gets at least its pool
     gap = plan["overhead_bytes"] - drift - served["overhead_bytes"]
     assert abs(gap) <= TOLERANCE, f"plan's measured overhead {gap / MiB:+.1f} MiB off serve's"
@@ -110,6 +116,7 @@ def test_plan_for_generate_measures_the_smaller_process(tiny_dir):
     `--for` ignored either way (both measured as served, or both not: the gap is then ~1 MiB)."""
     gen, srv = _plan(tiny_dir, "--for", "generate"), _plan(tiny_dir, "--for", "serve")
     assert gen["planned_for"] == "generate"
+    assert gen["responses_bytes"] == 0 and srv["responses_bytes"] == 32 * MiB  # the CLI keeps none
     assert srv["overhead_bytes"] - gen["overhead_bytes"] > 4 * MiB  # 10 MiB on the tiny model
 
 

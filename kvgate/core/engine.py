@@ -13,8 +13,8 @@ Contract between threads:
 One step is three typed phases (nano-vllm's and vLLM v1's shape):
     schedule() -> SchedulerOutput;  ModelRunner.execute() -> ModelOutput;  update(ModelOutput)
 
-A watchdog needs no thread of its own: the worker records when a step starts, and `stalled()` (read by
-/health and `submit`) reports a step running past the step timeout.
+A watchdog needs no thread of its own: the worker records when a step starts, and `stalled()` (read
+by /health, `submit`) reports a step past the step timeout.
 
 NOTE: the worker is a thread, not a process. Every heavy op (matmul, attention) releases the GIL, so the
 HTTP event loop keeps running on the other core, with no IPC or token copies. On 2 cores a process would
@@ -100,8 +100,7 @@ class Engine:
             prefill_kernel=place.prefill_kernel,
             block_scales=loaded.block_scales,
         )
-        # The plan may have shrunk the step below what was warmed: its new maximum is then one bucket
-        # that was not (a few MiB of oneDNN kernels at most, inside the overhead's slack).
+        # A step shrunk by the plan below what was warmed: one unwarmed bucket (MiB, in the overhead's slack)
         self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_logit_rows)
         loaded.weights.clear()
         # gguf's float decode loops, per CPU; not a plan note: `kvgate plan` (no model built, no probe)
@@ -120,8 +119,9 @@ class Engine:
         if p.graph_bytes:
             self.graph_reservation = self.ledger.reserve("cuda_graphs", p.graph_bytes, "CUDA decode graphs")
         self.ledger.reserve("kv_cache", p.kv_pool_bytes, "KV pool")
-        lp = p.logprobs_bytes if self.device.type == "cpu" else 0  # host memory: not in a GPU's ledger
-        self.ledger.reserve("logprobs", lp, "requests' log-probabilities", lifetime="session")
+        host = self.device.type == "cpu"  # logprobs and kept responses are host memory: not a GPU's ledger
+        self.ledger.reserve("logprobs", p.logprobs_bytes * host, "requests' logprobs", lifetime="session")
+        self.ledger.reserve("responses", p.responses_bytes * host, "kept responses", lifetime="session")
         self.kv_dtype = place.kv_dtype or self.dtype
         # with graphs, one block past the plan's: where padding rows write (charged with the graphs)
         pad = 1 if place.cuda_graphs else 0  # step pieces come only with the decode graphs

@@ -346,6 +346,7 @@ def plan_for(
         step_pieces=pieces,
         logprobs_bytes=cfg.logprobs_memory,
         grammars=cfg.max_grammars,
+        responses_bytes=cfg.responses_store,
     )
     plan.prefix_cache = cfg.prefix_cache != "off"  # the printed plan says where cached blocks live
     plan.load_peak_bytes = process_peak_rss_bytes()  # read and checked, nothing built: plan's and serve's

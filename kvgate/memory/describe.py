@@ -39,6 +39,12 @@ def describe_plan(plan, context: int | None = None) -> str:
             f"  logprobs         {fmt_bytes(plan.logprobs_bytes):>12}  (--logprobs-memory: reserved per request "
             "at admission, ~0.7 KB a token at top_logprobs 20)"
         )
+    if plan.responses_bytes:
+        lines.append(
+            f"  kept responses   {fmt_bytes(plan.responses_bytes):>12}  (--responses-store: responses kept for "
+            "previous_response_id, least recently used out first"
+            + (")" if plan.device.startswith("cpu") else "; host memory, outside this device's limit)")
+        )
     if plan.graph_bytes:
         g = plan.graph_breakdown
         lines.append(
@@ -89,6 +95,7 @@ def no_fit(terms: list[tuple[str, int]], limit: int, source: str, drift: int, pa
         f"({source}). Raise --memory-limit to at least {-(-(need + drift) // (1 << 20))}MiB, pick a smaller "
         "--dtype, or lower --max-model-len"
         + (" or --logprobs-memory" if dict(terms).get("logprobs memory") else "")
+        + (" or --responses-store" if dict(terms).get("kept responses") else "")
         + (
             " or --max-grammars (0: no structured output)"
             if dict(terms).get("structured-output grammars")

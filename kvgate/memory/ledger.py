@@ -1,7 +1,7 @@
 """The one memory authority: every standing claim on a device's memory is a reservation here.
 
-A reservation has a role (weights, kv_cache, workspace, overhead, cuda_graphs, logprobs) and a lifetime (model, session,
-step). Live reservations never exceed the limit; a refused reservation leaves the others untouched;
+A reservation has a role (weights, kv_cache, workspace, overhead, cuda_graphs, logprobs, responses) and a
+lifetime (model, session, step). Live reservations never exceed the limit; a refused reservation leaves the others untouched;
 each reservation is released exactly once (a second release is a bug and raises).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvgate.units import fmt_bytes
 
-ROLES = ("weights", "kv_cache", "workspace", "overhead", "cuda_graphs", "logprobs")
+ROLES = ("weights", "kv_cache", "workspace", "overhead", "cuda_graphs", "logprobs", "responses")
 LIFETIMES = ("model", "session", "step")
 
 

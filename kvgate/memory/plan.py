@@ -1,4 +1,5 @@
-"""The startup memory plan: limit -> weights + step workspace + runtime overhead (+ logprobs) + KV pool.
+"""The startup memory plan: limit -> weights + step workspace + runtime overhead (+ logprobs, kept
+responses) + KV pool.
 
 All arithmetic a user must be able to check lives here, and the engine executes exactly what the plan
 says: the step limits it derives (prefill chunk, max rows, attention token cap) are the limits the
@@ -31,6 +32,7 @@ from kvgate.structured.compiler import AUTO_SLOTS, GRAMMAR_BYTES
 from kvgate.units import fmt_bytes
 
 AUTO_LOGPROBS = 32 << 20  # --logprobs-memory auto: a 16th of the limit, at most this
+AUTO_RESPONSES = 64 << 20  # --responses-store auto: a 32nd of the limit, at most this
 MIN_KV_POSITIONS = 512  # a model is refused at load unless one request of this many positions fits
 
 
@@ -111,6 +113,7 @@ class MemoryPlan:
     # (set by kvgate.core.placement; `kvgate plan` and serve report this one number)
     load_peak_bytes: int | None = None
     logprobs_bytes: int = 0  # --logprobs-memory (kvgate.core.logprob_budget); charged on a CPU only
+    responses_bytes: int = 0  # --responses-store (kvgate.server.responses_store); charged on a CPU only
 
     @property
     def kv_positions(self) -> int:
@@ -165,6 +168,7 @@ def make_plan(
     step_pieces: bool = False,
     logprobs_bytes: int | None = None,
     grammars: int | None = None,
+    responses_bytes: int | None = 0,
 ) -> MemoryPlan:
     """`weight_params`: values in the checkpoint (see `weight_bytes`); None = from the geometry.
     `weight_format`: full, or int8 / int4 weight-only quantized matrices (`kvgate.models.quant`) whose
@@ -211,9 +215,10 @@ def make_plan(
     requested = StepLimits(
         prefill_chunk, max_seqs, attn_cap(max_seqs, max_model_len, bs), max_model_len, **wk
     )
-    charged = device.startswith("cpu")  # logprobs memory is host memory: a GPU's limit does not hold it
+    charged = device.startswith("cpu")  # logprobs and kept responses are host memory: not a GPU's limit's
     lp = min(AUTO_LOGPROBS, limit // 16) if logprobs_bytes is None else logprobs_bytes
-    fixed = weights + overhead + lp * charged
+    rs = min(AUTO_RESPONSES, limit // 32) if responses_bytes is None else responses_bytes
+    fixed = weights + overhead + (lp + rs) * charged
 
     def sized(lim: StepLimits, ctx: int) -> StepLimits:
         """`lim` with its attention sized for rows of at most `ctx` positions."""
@@ -237,13 +242,18 @@ def make_plan(
 
     least = sized(StepLimits(min(16, prefill_chunk), 1, 0, max_model_len, **wk), min_ctx)
     smallest = workspace_bytes(spec, dtype_bytes, least, bs) + sum(graphs(least).values())
-    if logprobs_bytes is None and charged and fixed + min_kv + smallest > limit:  # auto gives way first
-        lp = max(0, limit - weights - overhead - min_kv - smallest)
-        fixed = weights + overhead + lp
+    spare = limit - weights - overhead - min_kv - smallest  # for the host terms, on a CPU
+    if responses_bytes is None and charged and rs + lp > spare:  # an auto term gives way, this one first
+        rs = max(0, spare - lp)
+        notes.append(f"kept responses {fmt_bytes(rs)}: what the limit leaves (--responses-store auto)")
+    if logprobs_bytes is None and charged and rs + lp > spare:
+        lp = max(0, spare - rs)
         notes.append(f"logprobs memory {fmt_bytes(lp)}: what the limit leaves (--logprobs-memory auto)")
+    fixed = weights + overhead + (lp + rs) * charged
     if fixed + min_kv + smallest > limit:
         cuda = " (with the CUDA decode graphs; --cuda-graphs off drops them)" if cuda_graphs else ""
         terms = [("weights", weights), ("runtime overhead", overhead), ("logprobs memory", lp * charged)]
+        terms += [("kept responses", rs * charged)]
         g = step_workspace(spec, dtype_bytes, least, bs)["grammar"]  # --max-grammars 0 frees it
         terms += [(f"smallest step workspace{cuda}", smallest - g), ("structured-output grammars", g)]
         terms += [(f"KV for one {min_ctx}-token request", min_kv)]
@@ -334,4 +344,5 @@ def make_plan(
         graph_breakdown=graph_parts if cuda_graphs else None,
         graph_shapes=len(graph_shapes(limits, bs)) if cuda_graphs else 0,
         logprobs_bytes=lp,
+        responses_bytes=rs,
     )

@@ -109,7 +109,7 @@ async def resources(request: Request):
             "load_peak_rss_bytes": getattr(state, "load_peak_bytes", None),
         },
         "live": state.live.summary(),
-        "responses_store": state.responses.summary(),  # server memory, outside the ledger's plan
+        "responses_store": state.responses.summary(),  # its limit: the plan's term (a CPU's ledger holds it)
     }
 
 

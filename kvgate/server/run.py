@@ -112,7 +112,7 @@ def serve(args) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         cors_origins=cors_origins(args),
-        responses_store_bytes=args.responses_store,
+        responses_store_bytes=0,  # the plan's (--responses-store), once the engine has one
     )
     app = create_app(settings)
     servers: list = []  # the uvicorn server, once made (a failed load stops it)
@@ -131,6 +131,7 @@ def serve(args) -> int:
             engine.start()
             if cfg.max_ttft is not None:  # the TTFT budget's rates, before the first request
                 print(f"  {calibrate_prefill(engine)}", file=sys.stderr, flush=True)
+            app.state.responses.limit = engine.plan.responses_bytes  # a term of the plan on CPU
             app.state.engine = engine
             app.state.status = "ready"
             host = f"[{args.host}]" if ":" in args.host else args.host

@@ -8,7 +8,7 @@
 const $ = (id) => document.getElementById(id);
 const SVG = "http://www.w3.org/2000/svg";
 const SVG_TAGS = new Set(["rect", "title", "path", "circle"]);
-const KNOWN_ROLES = new Set(["weights", "overhead", "workspace", "logprobs", "kv_cache", "cuda_graphs"]);
+const KNOWN_ROLES = new Set(["weights", "overhead", "workspace", "logprobs", "responses", "kv_cache", "cuda_graphs"]);
 const KEY_STORE = "kvgate-api-key";
 const state = { key: sessionStorage.getItem(KEY_STORE) || "", needKey: false, model: null, history: [], abort: null };
 
@@ -125,6 +125,8 @@ function segments(r) {
     { key: "workspace", label: "step workspace", bytes: roles.workspace ?? 0 },
     // --logprobs-memory: what requests' log-probabilities may hold (host memory: a CPU's ledger only)
     ...(roles.logprobs ? [{ key: "logprobs", label: "logprobs memory", bytes: roles.logprobs }] : []),
+    // --responses-store: responses kept for previous_response_id (host memory: a CPU's ledger only)
+    ...(roles.responses ? [{ key: "responses", label: keptLabel(r.responses_store), bytes: roles.responses }] : []),
     // CUDA decode graphs (--cuda-graphs): their pool, static buffers and pad block; none on a CPU
     ...(roles.cuda_graphs ? [{ key: "cuda-graphs", label: "CUDA graphs", bytes: roles.cuda_graphs }] : []),
     { key: "kv-referenced", label: `KV referenced · ${exact(referenced)} blocks`, bytes: referenced * perBlock },
@@ -138,6 +140,10 @@ function segments(r) {
   const unreserved = r.ledger.limit_bytes - r.ledger.reserved_bytes;
   if (unreserved > 0) segs.push({ key: "unreserved", label: "unreserved", bytes: unreserved });
   return segs;
+}
+
+function keptLabel(store) {
+  return store ? `kept responses · ${exact(store.responses)} (${fmtBytes(store.bytes)} used)` : "kept responses";
 }
 
 function hoverText(seg) {
