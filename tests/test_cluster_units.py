@@ -536,3 +536,35 @@ def test_the_ingress_health_says_degraded_while_fewer_replicas_than_asked_are_re
     assert health(1, 1, 2) == {"status": "degraded", "replicas_ready": 1, "replicas": 2}
     assert health(2, 2, 2) == {"status": "ok", "replicas_ready": 2, "replicas": 2}
     assert health(0, 1, 2).status_code == 503
+
+
+def test_the_never_fits_400_is_judged_against_the_largest_ready_replicas_pool():
+    """Replicas of one deployment measure their own overheads, so their pools differ (526 and 590 blocks
+    for two alike, QA pass 13), and the replica that described the cluster may be gone: a request the
+    larger pool holds must not be a 400 quoting the describing replica's pool, and a request past every
+    ready pool is one naming the largest. Red with `sched_cfg` left at the describing replica's (a 400
+    "the whole KV pool is 28 blocks" for a request of 40)."""
+    from types import SimpleNamespace
+
+    from kvgate.cluster.facade import ClusterEngine
+    from kvgate.config import SchedulerConfig
+    from kvgate.request import GenerationRequest
+
+    engine = ClusterEngine(None, lambda: {})
+    engine.tokenizer = SimpleNamespace(vocab_size=100)
+    engine._sched_cfg = SchedulerConfig(
+        block_size=16, total_blocks=28, max_seqs=8, max_queue=16, max_queue_wait=0.0, prefill_chunk=64,
+        min_cap_tokens=16, max_model_len=4096, kv_bytes_per_token=1024,
+    )  # fmt: skip
+    live = [[view("b", blocks_total=44, free=44), view("c", blocks_total=30, free=30)]]
+    engine.dispatcher = SimpleNamespace(ready_views=lambda: live[0])
+    fits_b = GenerationRequest([1, 2, 3, 4], max_tokens=40 * 16 - 8)  # 40 blocks: only b holds it
+    assert engine.sched_cfg.total_blocks == 44
+    try:
+        engine.submit_many([fits_b])
+    except Refusal as r:
+        pytest.fail(f"refused a request replica b holds: {r.message}")
+    with pytest.raises(Refusal, match="44 blocks"):
+        engine.submit_many([GenerationRequest([1, 2, 3, 4], max_tokens=50 * 16)])
+    live[0] = []  # none ready yet: the describing replica's limits
+    assert engine.sched_cfg.total_blocks == 28

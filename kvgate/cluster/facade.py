@@ -4,7 +4,9 @@
 ingress hands it a `ClusterEngine`, so routes, body parsing, validation, templating, SSE, error
 bodies, auth and metrics are the single-process server's own code, not a copy:
 - `spec`, `tokenizer`, `max_model_len`, `sched_cfg`, `plan` come from one replica's `describe()` (replicas of
-  one deployment share the model and the engine flags); the ingress loads no weights.
+  one deployment share the model and the engine flags); the ingress loads no weights. Their pools do
+  not: each measures its own overhead (526 and 590 blocks for two alike, QA pass 13), so `sched_cfg`
+  carries the largest ready replica's pool, and a request one replica can hold is never a 400.
 - `submit_many` validates like the engine and gives the never-fits 400s from the same arithmetic
   (`kvgate.core.admission.plan_entry`), so a request that fits no replica is refused before any
   replica sees it, with the numbers; then it returns `RemoteHandle`s whose admission is the
@@ -67,7 +69,7 @@ class ClusterEngine:
         d = await self.handle.describe.remote()
         self.spec = d["spec"]
         self.tokenizer = TextTokenizer(d["tokenizer"])
-        self.sched_cfg = d["sched_cfg"]
+        self._sched_cfg = d["sched_cfg"]
         self.plan = d["plan"]
         self.model_name = d["model_name"]
         self.dispatcher.observe(d["view"])
@@ -75,6 +77,15 @@ class ClusterEngine:
         return d
 
     # ---- what the server reads ------------------------------------------------------------------
+    @property
+    def sched_cfg(self):
+        """The describing replica's limits, with the pool of the largest ready replica: the ceiling of
+        the never-fits 400s (routing sends such a request to a replica that holds it). Before, the
+        describing replica's pool, kept after it was gone: a 400 quoting a pool no replica had."""
+        pools = [v.blocks_total for v in self.dispatcher.ready_views()]
+        cfg = self._sched_cfg
+        return dataclasses.replace(cfg, total_blocks=max(pools)) if pools else cfg
+
     @property
     def max_model_len(self) -> int:
         return self.sched_cfg.max_model_len
