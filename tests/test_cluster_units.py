@@ -438,6 +438,35 @@ def test_kvgate_cluster_flags_become_cluster_options_and_ray_resources():
     assert opts.engine_config().threads == 2
 
 
+def test_kvgate_cluster_takes_serves_store_and_cors_flags_to_its_ingress(monkeypatch):
+    """`--responses-store` and `--cors-origins` (and their KVGATE_* variables) reach the ingress's server
+    settings, as `kvgate serve` takes them: QA pass 13 found both refused as unknown arguments, their
+    variables silently ignored (the store stayed 64 MiB, a browser's preflight got a 405). Red with
+    either left out of `options_from` or `server_settings`."""
+    import argparse
+
+    from fastapi.testclient import TestClient
+
+    from kvgate.cluster.cli import add_cluster_parser, options_from
+    from kvgate.server.app import ServerSettings, create_app
+
+    monkeypatch.setenv("KVGATE_CORS_ORIGINS", "http://example.com")
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    add_cluster_parser(sub)
+    opts = options_from(sub.choices["cluster"].parse_args(["--responses-store", "1MiB"]))
+    settings = ServerSettings(**opts.server_settings())
+    assert settings.responses_store_bytes == 1 << 20
+    assert settings.cors_origins == ["http://example.com"]
+    app = create_app(settings)
+    assert app.state.responses.limit == 1 << 20
+    preflight = TestClient(app).options(
+        "/v1/chat/completions",
+        headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"},
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "http://example.com"
+
+
 def test_kvgate_cluster_refuses_a_public_bind_without_a_key():
     """Seen red with `bind_error` returning None for every host."""
     import argparse

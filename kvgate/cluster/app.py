@@ -49,6 +49,10 @@ class ClusterOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
+    # the ingress's kept responses (the Responses API's store: in the ingress, outside every replica's
+    # plan, since the ingress has none) and the browser origins it allows (`--cors-origins`)
+    responses_store: int = 64 << 20
+    cors_origins: list[str] | None = None
     step_delay: float = 0.0  # test-only: sleep before every forward pass of every replica
 
     def __post_init__(self):
@@ -65,6 +69,18 @@ class ClusterOptions:
         if cfg.threads is None:
             cfg.threads = max(1, int(self.replica_cpus))
         return cfg
+
+    def server_settings(self) -> dict:
+        """The ingress's `ServerSettings` fields (the model name is the replicas' when not given)."""
+        from kvgate.server.run import served_name
+
+        return {
+            "model_name": served_name(self.model, self.served_model_name),
+            "api_key": self.api_key,
+            "max_body_bytes": self.max_body_bytes,
+            "responses_store_bytes": self.responses_store,
+            "cors_origins": self.cors_origins,
+        }
 
     def actor_options(self) -> dict:
         opts = {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus}
@@ -88,7 +104,6 @@ def build(opts: ClusterOptions):
     from kvgate.cluster.ingress import KvgateIngress
     from kvgate.cluster.replica import KvgateReplica
     from kvgate.cluster.router import DefaultRouter, KvgateRouter
-    from kvgate.server.run import served_name
 
     cfg = opts.engine_config()
     router = KvgateRouter if opts.router == "kvgate" else DefaultRouter
@@ -105,11 +120,7 @@ def build(opts: ClusterOptions):
             request_routing_stats_timeout_s=max(5.0, 10 * opts.stats_period),
         ),
     )
-    settings = {
-        "model_name": served_name(opts.model, opts.served_model_name),
-        "api_key": opts.api_key,
-        "max_body_bytes": opts.max_body_bytes,
-    }
+    settings = opts.server_settings()
     ingress = serve.deployment(KvgateIngress, name="KvgateIngress").options(
         num_replicas=1,
         max_ongoing_requests=4096,

@@ -23,7 +23,8 @@ import time
 
 from kvgate.cluster.app import APP_NAME, ROUTERS, ClusterOptions
 from kvgate.config import add_engine_flags, engine_config
-from kvgate.flag_types import PORT, at_least, more_than
+from kvgate.flag_types import PORT, at_least, byte_size, more_than
+from kvgate.server.cors import add_cors_flag, cors_origins
 
 
 def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
@@ -62,6 +63,14 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM/SIGINT: seconds the requests in flight get to finish (new ones get 503) before the stop",
     )
+    c.add_argument(
+        "--responses-store",
+        type=byte_size,
+        default=os.environ.get("KVGATE_RESPONSES_STORE", "64MiB"),
+        help="memory for responses kept for previous_response_id, in the ingress (outside every replica's "
+        "memory plan), least recently used out first (0: keep none) [KVGATE_RESPONSES_STORE]",
+    )
+    add_cors_flag(c)
     return c
 
 
@@ -79,6 +88,8 @@ def options_from(args) -> ClusterOptions:
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
+        responses_store=args.responses_store,
+        cors_origins=cors_origins(args),
     )
 
 
