@@ -215,6 +215,31 @@ def test_reasoning_settings_are_accepted_and_given_back_as_chats_reasoning_effor
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort"
 
 
+def test_what_eval_and_benchmark_clients_send_is_served(base):
+    """QA pass 14: guidellm's Responses benchmark sends vLLM's `ignore_eos: true` and `stop: null` (every
+    request was a 400), inspect_ai's openai provider sends `include: ["reasoning.encrypted_content"]` for
+    a model it does not know (every sample a 400); an unknown field is refused as the chat endpoint
+    refuses it, `unsupported_parameter` naming it (was pydantic's "Extra inputs are not permitted" under
+    `invalid_schema`). Red with each of the three changes undone."""
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 6}
+    r = httpx.post(base + "/v1/responses", json={**body, "ignore_eos": True, "stop": None}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["output_tokens"] == 6 and r.json()["status"] == "incomplete"
+    r = httpx.post(
+        base + "/v1/responses", json={**body, "include": ["reasoning.encrypted_content"]}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    assert [i["type"] for i in r.json()["output"]] == ["message"]
+    assert (
+        "logprobs" not in r.json()["output"][0]["content"][0]
+        or not r.json()["output"][0]["content"][0]["logprobs"]
+    )
+    r = httpx.post(base + "/v1/responses", json={**body, "foo_bar": 1}, timeout=30)
+    err = r.json()["error"]
+    assert (r.status_code, err["code"], err["param"]) == (400, "unsupported_parameter", "foo_bar"), err
+    assert "unknown field; remove it" in err["message"]
+
+
 def test_truncation_auto_drops_the_oldest_items_until_the_conversation_fits(base):
     """QA pass 8's M2: `truncation: "auto"` was accepted and ignored (a 400 context_length_exceeded, as
     with "disabled"). Now the oldest items go, with the tool result their call leaves behind, until the

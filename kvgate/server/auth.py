@@ -45,8 +45,16 @@ ENDPOINTS = {
 
 
 def api_path(path: str) -> bool:
-    """The API's paths: the key applies and a drain waits for them."""
+    """The API's paths: a drain waits for them."""
     return path.startswith("/v1/") or path in ROOT_API
+
+
+def keyed_path(path: str) -> bool:
+    """The paths `--api-key` guards: /v1/, as vLLM's server. vLLM's root aliases of the tokenizer
+    routes answer without it there, and lm-eval probes them so (it sends the key only to /v1/): behind
+    the key it fell back to downloading a tokenizer from the hub and failed on that (QA pass 14). Their
+    /v1/ forms take the key."""
+    return path.startswith("/v1/")
 
 
 def endpoint_of(path: str) -> str:
@@ -74,7 +82,7 @@ class AuthAndCount:
         if self.settings.request_id_header:
             send = with_request_id(send, rid)
         key = self.settings.api_key
-        if key and api_path(path):
+        if key and keyed_path(path):
             given = headers.get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, key.encode()):

@@ -49,6 +49,8 @@ PASSED = (
     "min_p",
     "repetition_penalty",
     "seed",
+    "ignore_eos",
+    "stop",
     "parallel_tool_calls",
 )
 ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")
@@ -104,7 +106,7 @@ def to_chat(body: Any) -> tuple[dict, list[str]]:
             "type": fmt.type,
             **({"json_schema": spec} if fmt.type == "json_schema" else {}),
         }
-    if req.include:  # top_logprobs alone asks for nothing: OpenAI gives logprobs only when included
+    if "message.output_text.logprobs" in (req.include or ()):  # top_logprobs alone asks for nothing
         chat["logprobs"] = True
         chat["top_logprobs"] = req.top_logprobs or 0
     elif req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -119,6 +121,11 @@ def _refuse_what_is_not_done(body: Any) -> None:
     400 would name them."""
     if not isinstance(body, dict):
         return  # P.parse says so
+    unknown = sorted(set(body) - set(ResponsesRequest.model_fields))
+    if unknown:  # as the chat endpoint says it (QA pass 14: pydantic's "Extra inputs are not permitted")
+        raise unsupported(
+            unknown[0], "unknown field; remove it (kvgate refuses fields it would otherwise ignore)"
+        )
     for name, why in NOT_DONE.items():
         if body.get(name) not in (None, False):
             raise unsupported(name, why)

@@ -142,13 +142,19 @@ class ResponsesRequest(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    # vLLM's: what benchmark clients send to force exactly max_output_tokens (guidellm: stop null and
+    # ignore_eos true; QA pass 14 found every such request a 400)
+    ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    # reasoning.encrypted_content asks for the reasoning items' encrypted content: this model writes no
+    # reasoning items, so there is none to include (inspect_ai asks it of any model it does not know)
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     top_logprobs: int | None = None
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: Reasoning | None = None
