@@ -60,6 +60,9 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: the stop tokens (EOS, stop_token_ids) are not drawn, and stop strings not matched, before
+    # this many tokens are out (benchmark clients send it to force their output length)
+    min_tokens: int = 0
     # score the prompt (OpenAI's completions `echo` with `logprobs`): the log-probability of each prompt
     # token after the first under the model's raw logits, with this many top alternatives; None: off.
     # Such a request takes no prefix-cache hits (every prompt position is computed).
@@ -93,6 +96,14 @@ class GenerationRequest:
         if self.prediction_ids is not None:
             check_token_ids(self.prediction_ids, vocab_size, "prediction")
         check_max_tokens(self.max_tokens)
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise RequestError(f"min_tokens={m!r} must be an integer of at least 0", "min_tokens")
+        if self.max_tokens is not None and m > self.max_tokens:
+            raise RequestError(
+                f"min_tokens={m} is more than max_tokens={self.max_tokens}: it may be at most that",
+                "min_tokens",
+            )
         k = self.prompt_logprobs
         if k is not None and (
             isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS

@@ -53,6 +53,15 @@ class Sampler:
         self._prompt_ids = list(prompt_ids) if self.penalized else []
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
+        self.generated = 0  # tokens drawn so far
+        self.suppressed: torch.Tensor | None = None  # token ids forbidden while generated < min_tokens
+        self.min_tokens = 0
+
+    def suppress(self, token_ids, min_tokens: int) -> None:
+        """vLLM's `min_tokens`: `token_ids` (the row's stop tokens) may not be drawn before
+        `min_tokens` tokens have been."""
+        self.min_tokens = min_tokens
+        self.suppressed = torch.tensor(sorted(token_ids), dtype=torch.long)
 
     def _init_penalty_state(self, n: int) -> None:
         # Sized by the logits, not the tokenizer: a model may have more rows than tokens (padding).
@@ -77,18 +86,24 @@ class Sampler:
 
     @property
     def processed(self) -> bool:
-        """Whether this row's logits change before sampling (bias or penalties; masks aside)."""
-        return self.penalized or self.bias is not None
+        """Whether this row's logits change before sampling (bias, penalties, min_tokens; masks aside)."""
+        return self.penalized or self.bias is not None or self.generated < self.min_tokens
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` with the bias and penalties applied (a copy), or `logits` itself."""
+        """`logits` with the bias and penalties applied, and the stop tokens forbidden before min_tokens
+        (a copy), or `logits` itself."""
+        copied = self.penalized
         if self.penalized:
             logits = self.penalize(logits)
         if self.bias is not None:
             ids, values = self.bias
             ok = ids < logits.shape[-1]
-            logits = logits.clone() if not self.penalized else logits
+            logits = logits if copied else logits.clone()
+            copied = True
             logits[ids[ok]] += values[ok]
+        if self.generated < self.min_tokens and len(self.suppressed):
+            logits = logits if copied else logits.clone()
+            logits[self.suppressed[self.suppressed < logits.shape[-1]]] = float("-inf")
         return logits
 
     @property
@@ -100,6 +115,7 @@ class Sampler:
     def record(self, token: int) -> None:
         """Remember a generated token for the penalties and advance the grammar (never raises: a token
         the grammar refuses marks the row, whose next draw then fails)."""
+        self.generated += 1
         if self.penalized:
             self.seen[token] = True
             self.counts[token] += 1

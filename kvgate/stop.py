@@ -28,11 +28,15 @@ class StopMatcher:
     def is_stop_token(self, token_id: int) -> bool:
         return token_id in self.stop_ids
 
-    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
+    def push(self, text: str, final: bool = False, match: bool = True) -> tuple[str, bool]:
         """Feed new text; return (text safe to emit now, whether a stop string completed). `final`: no
-        more text will come (a stop held back as maybe part of an exempt region's opening counts now)."""
+        more text will come (a stop held back as maybe part of an exempt region's opening counts now).
+        `match` false (before a request's min_tokens): no stop string counts, and the text goes out."""
         if not self.stops:
             return text, False
+        if not match and self.exempt is None:
+            out, self.held = self.held + text, ""
+            return out, False
         if self.exempt is not None:
             return self._push_regions(text, final)
         pending = self.held + text

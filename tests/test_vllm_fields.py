@@ -100,3 +100,58 @@ def test_skip_special_tokens_false_keeps_the_special_tokens_in_the_text(tiny_bas
         "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas if d["choices"])
         == "<|im_start|>" * 3
     )
+
+
+def test_min_tokens_holds_off_stop_tokens_and_strings(tiny_base):
+    """vLLM's `min_tokens`, which benchmark clients send to force an output length (evalscope's perf
+    stopped at its connection test: QA pass 14): no stop token is drawn and no stop string counts before
+    that many tokens are out; past them both apply again. The greedy answer's own first token, made a
+    stop token, ends a plain request at once and cannot end one with min_tokens 5 before its 5th token;
+    the answer's first text, made a stop string, likewise. Red with `suppress` not called (stopped at
+    0 tokens) and with the stop strings matched from the first token."""
+    base = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "temperature": 0,
+        "max_tokens": 8,
+        "ignore_eos": True,
+    }
+    free = httpx.post(tiny_base + CHAT, json={**base, "logprobs": True}, timeout=30).json()["choices"][0]
+    first = free["logprobs"]["content"][0]
+    first_id = httpx.post(
+        tiny_base + "/v1/tokenize", json={"prompt": first["token"], "add_special_tokens": False}
+    ).json()["tokens"][0]
+    plain = {**base, "ignore_eos": False, "stop_token_ids": [first_id]}
+    done = httpx.post(tiny_base + CHAT, json=plain, timeout=30).json()
+    assert done["usage"]["completion_tokens"] == 1 and done["choices"][0]["finish_reason"] == "stop"
+    held = httpx.post(tiny_base + CHAT, json={**plain, "min_tokens": 5, "logprobs": True}, timeout=30).json()
+    ids = [t["token"] for t in held["choices"][0]["logprobs"]["content"]]
+    assert held["usage"]["completion_tokens"] >= 5, held
+    assert first["token"] not in ids[:5]  # the stop token was not drawn before the 5th
+    stop_text = first["token"]
+    by_string = httpx.post(
+        tiny_base + CHAT, json={**base, "stop": [stop_text], "min_tokens": 3}, timeout=30
+    ).json()
+    assert by_string["usage"]["completion_tokens"] >= 3, by_string
+    assert (
+        httpx.post(tiny_base + CHAT, json={**base, "stop": [stop_text]}, timeout=30).json()["usage"][
+            "completion_tokens"
+        ]
+        == 1
+    )
+
+
+def test_min_tokens_refusals(tiny_base):
+    """More than max_tokens, negative, or with a grammar (one that allows only its end could go nowhere):
+    a 400 naming min_tokens. Red with the checks removed (200s)."""
+    msg = [{"role": "user", "content": "Hi"}]
+    assert error(tiny_base, CHAT, {"messages": msg, "max_tokens": 4, "min_tokens": 5}) == (400, "min_tokens")
+    assert error(tiny_base, CHAT, {"messages": msg, "min_tokens": -1}) == (400, "min_tokens")
+    fmt = {"type": "json_object"}
+    assert error(tiny_base, CHAT, {"messages": msg, "min_tokens": 2, "response_format": fmt}) == (
+        400,
+        "min_tokens",
+    )
+    assert error(tiny_base, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "min_tokens": 4}) == (
+        200,
+        None,
+    )

@@ -225,6 +225,7 @@ class Scheduler:
         if not req.ignore_eos:
             stop_ids |= self.tok.eog_ids
         sampler = Sampler(req.sampling, req.prompt_ids, self.tok.vocab_size)
+        sampler.suppress(stop_ids, req.min_tokens)
         speculates = bool(self.cfg.speculate) and eligible(sampler)
         return Row(
             handle=handle,

@@ -54,8 +54,9 @@ PAUSE_MAX = 128
 
 
 def eligible(sampler: Sampler) -> bool:
-    """Rows whose token depends only on their logits: no penalties, grammar or logprobs."""
-    return not sampler.penalized and sampler.matcher is None and sampler.p.logprobs is None
+    """Rows whose token depends only on their logits: no penalties, grammar, logprobs or min_tokens."""
+    s = sampler
+    return not s.penalized and s.matcher is None and s.p.logprobs is None and not s.min_tokens
 
 
 class NgramIndex:

@@ -98,7 +98,9 @@ class Updater:
         if row.stop.is_stop_token(token):
             s.finish(row, "stop", stop_reason=f"token:{token}")
             return
-        emit, hit = row.stop.push(row.detok.push(token))
+        # vLLM's min_tokens: no stop string counts until more than that many tokens are out
+        out = len(row.tokens) - len(row.prompt)
+        emit, hit = row.stop.push(row.detok.push(token), match=out > row.sampler.min_tokens)
         if emit:
             row.text.append(emit)
         s.emit(row.handle, Token(token, emit, now, logprobs))

@@ -64,6 +64,12 @@ def features_of(engine, req) -> Features:
             "logprobs",
             "logprobs together with tools are not implemented; send the request without one of them",
         )
+    if getattr(req, "min_tokens", None):  # a grammar that allows only its end could then go nowhere
+        raise unsupported(
+            "min_tokens",
+            "min_tokens together with response_format or tools is not implemented (a grammar decides where "
+            "its answer ends); send the request without one of them",
+        )
     if engine.plan.limits.grammars < 1:  # before the compiler: its token trie is not in such a plan
         param = "tools" if f.tools is not None else "response_format"
         raise APIError(

@@ -112,6 +112,7 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
             P.stop_list(req),
             list(req.stop_token_ids or []),
             req.ignore_eos,
+            min_tokens=req.min_tokens or 0,
             prompt_logprobs=feats.logprobs if feats.scores_prompt else None,
             prediction_ids=predicted,
             skip_special_tokens=req.skip_special_tokens,

@@ -136,6 +136,7 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = None  # vLLM's: no stop token or string before this many tokens
     skip_special_tokens: bool = True  # vLLM's: false keeps special tokens in the text
     user: str | None = None
     n: int | None = None
@@ -176,8 +177,7 @@ class ChatMessage(_Body):
     annotations: list | None = None
     audio: Any = None
     function_call: Any = None
-    # the openai SDK's `.parse()` / `.stream()` messages also carry its own parse of the content: ignored,
-    # as the content it was parsed from is what the model is shown
+    # the openai SDK's `.parse()` / `.stream()` messages' own parse of the content: ignored (not shown)
     parsed: Any = None
 
 

@@ -51,6 +51,7 @@ PASSED = (
     "seed",
     "ignore_eos",
     "stop",
+    "min_tokens",
     "parallel_tool_calls",
 )
 ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")

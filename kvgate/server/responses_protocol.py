@@ -146,6 +146,7 @@ class ResponsesRequest(_Body):
     # ignore_eos true; QA pass 14 found every such request a 400)
     ignore_eos: bool | None = None
     stop: str | list[str] | None = None
+    min_tokens: int | None = None
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = None
