@@ -18,9 +18,9 @@ out, the client gets one 429 whose Retry-After is the smallest any replica gave,
 request waited for (`kvgate.cluster.refusals`): the side budget every replica refused it for (a
 grammar slot, logprobs memory), else rows or KV by the views. A replica that refused a waiting
 request for a side budget is not asked again until its view shows that budget changed (or its
-Retry-After passed): asking it every poll was a refused attempt every few tenths of a second. A replica that
-fails a call (its actor died) is skipped for one health interval and the next one is tried; before
-admission that is invisible to the client.
+Retry-After passed): asked at every view and poll, it refused several attempts a second (QA pass:
+114 in one 30 s wait). A replica that fails a call (its actor died) is skipped for one health
+interval and the next one is tried; before admission that is invisible to the client.
 
 `policy="pow2"` is the comparison baseline: one call, no target, Serve's default router chooses, and
 whatever that replica answers is the answer (its FIFO, its 429).

@@ -17,12 +17,15 @@ one of them had the KV blocks, else KV, with the numbers a single server's 429 c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from kvgate.cluster import routing
 from kvgate.cluster.views import ReplicaView
 from kvgate.core import admission, logprob_budget, side_waits
 from kvgate.request import Refusal
+
+log = logging.getLogger("kvgate.cluster")
 
 SIDE = ("logprobs_memory_unavailable", "grammar_memory_unavailable")  # budgets besides blocks and rows
 ATTEMPT_BOUND = (
@@ -71,17 +74,14 @@ def attempt_refusal(cfg, handles, demand: routing.Demand, view: ReplicaView, wai
     """The 429 of a `wait=False` attempt the engine (`cfg`: its scheduler's config) did not admit
     within `waited` seconds; `view` is the replica's fresh view. Reads only what other threads may
     read: the published snapshot and the grammar compiler (locked)."""
-    snap, retry = view.snapshot, view.retry_after
-    need = logprobs_need(cfg, handles)
-    free = cfg.logprobs_memory - (snap.logprobs_bytes_held if snap is not None else 0)
-    if need and need > free:
-        return logprob_budget.timeout_refusal(
-            need, max(0, free), cfg.logprobs_memory, waited, retry, ATTEMPT_BOUND
-        )
-    for h in handles:
-        g = h.request.sampling.grammar
-        if g is not None and g.compiler is not None and not g.compiler.can_pin(g.text):
-            return side_waits.grammar_timeout_refusal(g, waited, retry, view.waiting, ATTEMPT_BOUND)
+    try:
+        side = _side_refusal(cfg, handles, view, waited)
+    except Exception:  # never worse than the rows/KV answer: a failure here would lose the replica
+        log.exception("kvgate replica %s: reading what an attempt waited for failed", view.replica)
+        side = None
+    if side is not None:
+        return side
+    retry = view.retry_after
     free_blocks, busy = max(0, view.blocks_available), view.running
     if free_blocks >= demand.blocks and view.max_seqs - busy < demand.rows:
         code = "batch_rows_unavailable"
@@ -100,6 +100,25 @@ def attempt_refusal(cfg, handles, demand: routing.Demand, view: ReplicaView, wai
         retry_after=retry,
         **kv_numbers(demand, [view]),
     )
+
+
+def _side_refusal(cfg, handles, view: ReplicaView, waited: float) -> Refusal | None:
+    """The logprobs-memory or grammar-slot 429, when admitting `handles` needs one the replica lacks
+    now. An estimate from outside the worker: a logprobs request that waited behind another one
+    waiting for logprobs memory (the scheduler keeps those in FIFO order), with enough free for
+    itself, is told rows or KV."""
+    snap, retry = view.snapshot, view.retry_after
+    need = logprobs_need(cfg, handles)
+    free = cfg.logprobs_memory - (snap.logprobs_bytes_held if snap is not None else 0)
+    if need and need > free:
+        return logprob_budget.timeout_refusal(
+            need, max(0, free), cfg.logprobs_memory, waited, retry, ATTEMPT_BOUND
+        )
+    for h in handles:
+        g = h.request.sampling.grammar
+        if g is not None and g.compiler is not None and not g.compiler.can_pin(g.text):
+            return side_waits.grammar_timeout_refusal(g, waited, retry, view.waiting, ATTEMPT_BOUND)
+    return None
 
 
 def _soonest(prefix: str, refusals: Iterable[Refusal], view_retry: int | None) -> Refusal:
