@@ -14,9 +14,13 @@ does): nothing else starts there until the head does, so a big request cannot st
 of small ones, and the other replicas keep working meanwhile.
 (A request queued inside one replica's engine could only wait for that replica while another had
 room: that is the default router's behaviour.) With `--max-queue-wait 0`, or when the wait runs
-out, the client gets one 429 whose Retry-After is the smallest any replica gave. A replica that
-fails a call (its actor died) is skipped for one health interval and the next one is tried; before
-admission that is invisible to the client.
+out, the client gets one 429 whose Retry-After is the smallest any replica gave, naming what the
+request waited for (`kvgate.cluster.refusals`): the side budget every replica refused it for (a
+grammar slot, logprobs memory), else rows or KV by the views. A replica that refused a waiting
+request for a side budget is not asked again until its view shows that budget changed (or its
+Retry-After passed): asked at every view and poll, it refused several attempts a second (QA pass:
+114 in one 30 s wait). A replica that fails a call (its actor died) is skipped for one health
+interval and the next one is tried; before admission that is invisible to the client.
 
 `policy="pow2"` is the comparison baseline: one call, no target, Serve's default router chooses, and
 whatever that replica answers is the answer (its FIFO, its 429).
@@ -31,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 from kvgate.cluster import routing
+from kvgate.cluster.refusals import SIDE, cluster_refusal
 from kvgate.cluster.replica import refusal_from
 from kvgate.cluster.views import ReplicaView, newer
 from kvgate.request import Refusal
@@ -118,8 +123,9 @@ class Dispatcher:
             if outcome is None:
                 raise self._unavailable("the replica Serve chose failed before answering")
             return outcome
-        refusals: list[Refusal] = []
-        outcome = await self._now(call, refusals, avoid=self.reserved)
+        refusals: dict[str, Refusal] = {}  # the last refusal each replica gave it
+        parked: dict[str, tuple] = {}  # replicas that refused it for a side budget, not asked again yet
+        outcome = await self._now(call, refusals, self.reserved, parked)
         if outcome is not None:
             return outcome
         views = self.ready_views()
@@ -129,7 +135,7 @@ class Dispatcher:
         wait_s = max((v.max_queue_wait for v in views), default=0.0)
         if wait_s <= 0:
             self.counts.refused_everywhere += 1
-            raise self._everyone_refused(call, refusals, views)
+            raise cluster_refusal(call.demand, refusals, views)
         limit = sum(v.max_queue for v in views)
         if len(self.waiting) >= limit:
             self.counts.queue_full += 1
@@ -142,12 +148,17 @@ class Dispatcher:
                 retry_after=routing.min_retry_after(views),
             )
         self.counts.queued += 1
-        return await self._queued(call, time.monotonic() + wait_s, wait_s)
+        return await self._queued(call, time.monotonic() + wait_s, wait_s, refusals, parked)
 
-    async def _now(self, call, refusals: list[Refusal], avoid: str | None = None):
-        """Phase 1 and 2 over every replica that fits now (but `avoid`), best first, then over those
-        that will fit within their admission bound (`routing.rank_soon`); the outcome or None."""
+    async def _now(self, call, refusals: dict, avoid: str | None = None, parked: dict | None = None):
+        """Phase 1 and 2 over every replica that fits now (but `avoid` and those `parked` holds),
+        best first, then over those that will fit within their admission bound (`routing.rank_soon`);
+        the outcome or None. `refusals` keeps each replica's last refusal; `parked`, where given, the
+        replicas that refused for a side budget: (their side state then, until when)."""
         tried: set[str] = {avoid} if avoid is not None else set()
+        if parked:
+            now = time.monotonic()
+            tried |= {t for t, (state, until) in parked.items() if now < until and state == self._side(t)}
         while True:
             views = self.ready_views()
             ranked = routing.rank_now(views, call.demand, self.holds, self.affinity) + self.unseen()
@@ -167,30 +178,41 @@ class Dispatcher:
                 return outcome
             if outcome.status not in (429, 503):
                 raise outcome  # the request itself was refused (a 400): no other replica changes that
-            refusals.append(outcome)
+            refusals[tag] = outcome
+            if parked is not None and outcome.code in SIDE:
+                parked[tag] = (self._side(tag), time.monotonic() + max(2, outcome.retry_after or 0))
+            elif parked is not None:
+                parked.pop(tag, None)
 
-    async def _queued(self, call, deadline: float, wait_s: float):
+    def _side(self, tag: str):
+        """What frees a grammar slot or logprobs memory on a replica shows here first: its view's
+        running grammars, kept grammars and logprobs bytes held (None when unknown)."""
+        v = self.views.get(tag)
+        s = v.snapshot if v is not None else None
+        return None if s is None else (s.grammars_running, s.grammars_kept, s.logprobs_bytes_held)
+
+    async def _queued(self, call, deadline: float, wait_s: float, refusals: dict, parked: dict):
         """Wait in the ingress's FIFO until a replica has room, trying again whenever a view arrives
         (and every poll interval). The head of the line reserves the replica it will fit first
         (`_reservation`): nobody else is started there, so its room only grows until the head fits.
         The others may start anywhere else meanwhile, so one big request at the head does not idle
         the whole cluster, and no request starves behind smaller ones. Past the deadline: the
-        cluster's 429."""
+        cluster's 429, naming what it waited for (`refusals.cluster_refusal`, from each replica's last
+        refusal and the views)."""
         self.waiting.append(call)
-        refusals: list[Refusal] = []
         try:
             while True:
                 changed = self._changed
                 head = self.waiting[0] is call
                 if head:
                     self.reserved = self._reservation(call)
-                outcome = await self._now(call, refusals, avoid=None if head else self.reserved)
+                outcome = await self._now(call, refusals, None if head else self.reserved, parked)
                 if outcome is not None:
                     return outcome
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.counts.refused_everywhere += 1
-                    raise self._everyone_refused(call, [], self.ready_views(), waited=wait_s)
+                    raise cluster_refusal(call.demand, refusals, self.ready_views(), waited=wait_s)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(left, QUEUE_POLL_S))
         finally:
@@ -265,54 +287,4 @@ class Dispatcher:
             f"{why}; Ray Serve is starting or replacing replicas. Retry after the Retry-After interval.",
             503,
             retry_after=5,
-        )
-
-    @staticmethod
-    def _everyone_refused(
-        call, refusals: list[Refusal], views: list[ReplicaView], waited: float = 0
-    ) -> Refusal:
-        """One 429 for the whole cluster: the refusal with the smallest Retry-After, or, when no
-        replica was asked (none had room by its view), one built from the views."""
-        soonest = routing.min_retry_after(views)
-        if refusals:
-            pool = [r for r in refusals if r.status == 429] or refusals  # "later" beats "unavailable"
-            best = min(pool, key=lambda r: r.retry_after if r.retry_after is not None else 1 << 30)
-            retry = min(soonest, best.retry_after) if best.retry_after is not None else soonest
-            details = best.details()
-            # another replica's view says sooner: the refusal's own milliseconds no longer hold
-            if retry != best.retry_after:
-                details.pop("retry_after_ms", None)
-            return Refusal(
-                best.code,
-                f"every kvgate replica refused this request ({len(refusals)} asked); the soonest: "
-                f"{best.message}",
-                best.status,
-                retry_after=retry,
-                param=best.param,
-                **details,
-            )
-        d = call.demand
-        # what each replica lacks: KV, or batch rows (--max-seqs) with KV to spare. Rows only: lowering
-        # max_tokens cannot help, and the code says so (as an engine's own kv_timeout does)
-        kv_short = [v for v in views if v.blocks_available < d.blocks]
-        rows_only = bool(views) and len(kv_short) < len(views)
-        per = ", ".join(
-            f"{max(0, v.blocks_available)}/{v.blocks_total} blocks free, {v.running}/{v.max_seqs} rows busy"
-            for v in views
-        )
-        busy = sum(1 for v in views if v.waiting > 0)
-        when = f"within {waited:g}s (--max-queue-wait)" if waited else "now"
-        if rows_only:
-            lack = f"every replica that has its {d.blocks} KV blocks free has no {d.rows} batch rows free"
-            fix = "Retry after the Retry-After interval."
-        else:
-            lack = f"it needs {d.blocks} KV blocks and {d.rows} batch rows on one replica"
-            fix = "Retry after the Retry-After interval, or lower max_tokens."
-        return Refusal(
-            "batch_rows_unavailable" if rows_only else "kv_memory_unavailable",
-            f"no kvgate replica had room for this request {when}: {lack}; per replica: {per}"
-            + (f"; {busy} replicas have requests already waiting" if busy else "")
-            + f". {fix}",
-            429,
-            retry_after=soonest,
         )

@@ -143,7 +143,7 @@ class ClusterEngine:
         if n > cfg.max_seqs:  # never on one replica: a 400, as the engine says it
             raise too_many_choices(n, cfg.max_seqs)
         requests = fit_group(cfg, requests, n)  # admitted together on one replica: they must fit its pool
-        blocks = 0
+        blocks = positions = 0
         for r in requests:
             # raises the 400s, for all n choices together (alone, n choices past the pool got a 429)
             handles = [RequestHandle(r, _ignore_cancel) for _ in range(n)]
@@ -151,6 +151,8 @@ class ClusterEngine:
             P = len(r.prompt_ids)
             least = entry.max_tokens if entry.explicit else min(entry.max_tokens, max(1, cfg.min_cap_tokens))
             blocks += n * blocks_for(P + least, cfg.block_size)
+            positions += P + least
         prefix = prefix_chain(requests[0].prompt_ids, cfg.block_size) if len(requests) == 1 else ()
-        call = RemoteCall(self.dispatcher, requests, n, Demand(blocks, n * len(requests), prefix))
+        demand = Demand(blocks, n * len(requests), prefix, positions)
+        call = RemoteCall(self.dispatcher, requests, n, demand)
         return call.handles

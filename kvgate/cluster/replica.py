@@ -11,7 +11,8 @@ What the ingress calls, through Serve's handle:
   such view whichever path brings it; then `("events", [(choice, Token|Finished)...])`
   until every choice has finished. With `wait=False` (the second phase of cluster admission) the
   engine must admit the request at its next tick (the step in flight plus one, `_admit_bound`), or
-  the replica withdraws it and answers 429 with its Retry-After, and the ingress tries another
+  the replica withdraws it and answers 429 with its Retry-After, naming what it waited for as a
+  single server would (`kvgate.cluster.refusals.attempt_refusal`), and the ingress tries another
   replica (or keeps the request in its own queue). The engine decides, not an estimate: it alone
   knows how many of the prompt's blocks its prefix cache already holds. With `wait=True` (only the
   comparison baseline behind Serve's default router sends it) the request joins the engine's FIFO as
@@ -37,6 +38,7 @@ import logging
 import time
 from collections import deque
 
+from kvgate.cluster.refusals import attempt_refusal
 from kvgate.cluster.routing import Demand, admit_bound
 from kvgate.cluster.views import view_of
 from kvgate.request import Finished, Refusal, RequestError
@@ -159,16 +161,11 @@ class KvgateReplica:
                 token = (route or {}).get("token")
                 if token is not None:  # before the view is read: every later view includes it
                     self._acked.append(token)
-            except TimeoutError:
+            except (
+                TimeoutError
+            ):  # what it waited for, as the engine would have said (kvgate.cluster.refusals)
                 v = self._view()
-                refusal = Refusal(
-                    "kv_memory_unavailable",
-                    f"no room for this request right now: it needs {demand.blocks} KV blocks and "
-                    f"{max(0, v.blocks_available)} of {v.blocks_total} are free ({v.running} of {v.max_seqs} "
-                    "rows busy). Retry after the Retry-After interval, or lower max_tokens.",
-                    429,
-                    retry_after=v.retry_after,
-                )
+                refusal = attempt_refusal(eng.sched_cfg, handles, demand, v, self._admit_bound(view))
                 yield ("refused", {"refusal": refusal_dict(refusal), "view": v})
                 return
             except Refusal as r:

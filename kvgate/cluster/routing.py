@@ -41,11 +41,13 @@ from kvgate.core.forecast import decode_seconds
 @dataclass(frozen=True)
 class Demand:
     """What one submission needs on a single replica: KV blocks for prompt + max_tokens of every
-    prompt and choice, batch rows, and the prompt's block chain (for prefix affinity)."""
+    prompt and choice, batch rows, the prompt's block chain (for prefix affinity), and its positions
+    (prompt + max_tokens of each prompt: what a 429 names, as `kvgate serve`'s does)."""
 
     blocks: int
     rows: int
     prefix: tuple[int, ...] = ()
+    positions: int = 0
 
 
 def blocks_for(positions: int, block_size: int) -> int:

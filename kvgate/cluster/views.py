@@ -52,6 +52,7 @@ class ReplicaView:
     # the typical decode tick (kvgate.core.forecast): for walks of many steps
     decode_step: float | None = None
     acked: tuple = ()  # the ingress's attempt tokens this replica admitted lately (releases holds early)
+    kv_bytes_per_token: int = 0  # what a position of KV costs (the bytes a 429 names)
 
 
 # (app name, deployment name) -> {replica tag: ReplicaView | None (no stats received yet)}; each
@@ -104,6 +105,7 @@ def view_of(engine, replica: str, acked: tuple = ()) -> ReplicaView:
         pid=os.getpid(),
         snapshot=_light(snap),
         acked=acked,
+        kv_bytes_per_token=cfg.kv_bytes_per_token,
     )
 
 

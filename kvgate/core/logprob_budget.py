@@ -112,10 +112,12 @@ def group_refusal(need: int, budget: int, prompts: int, unset: bool) -> Refusal:
     )
 
 
-def timeout_refusal(need: int, free: int, budget: int, waited: float, retry_after: int) -> Refusal:
+def timeout_refusal(
+    need: int, free: int, budget: int, waited: float, retry_after: int, bound: str = "--max-queue-wait"
+) -> Refusal:
     return Refusal(
         "logprobs_memory_unavailable",
-        f"waited {waited:g}s (--max-queue-wait) for {fmt_bytes(need)} of logprobs memory; "
+        f"waited {waited:g}s ({bound}) for {fmt_bytes(need)} of logprobs memory; "
         f"{fmt_bytes(free)} of {fmt_bytes(budget)} (--logprobs-memory) was free, the rest held by responses "
         "with logprobs still running or being sent. Retry after the Retry-After seconds, or ask for fewer "
         "tokens or top_logprobs.",

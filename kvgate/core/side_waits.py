@@ -56,8 +56,11 @@ def grammar_steps_left(state) -> dict[str, int]:
     return out
 
 
-def grammar_timeout_refusal(g: Grammar, waited: float, retry_after: int, queued: int) -> Refusal:
-    """`queued`: the requests still waiting behind it."""
+def grammar_timeout_refusal(
+    g: Grammar, waited: float, retry_after: int, queued: int, bound: str = "--max-queue-wait"
+) -> Refusal:
+    """`queued`: the requests still waiting behind it; `bound`: what limited the wait (a cluster
+    replica's attempt is bounded by its admission bound, `kvgate.cluster.refusals`)."""
     running, slots = g.compiler.kept()[1], g.compiler.slots
     whose = (
         "requests, this one's schema among them, held to free its slot for a request that came earlier"
@@ -66,7 +69,7 @@ def grammar_timeout_refusal(g: Grammar, waited: float, retry_after: int, queued:
     )
     return Refusal(
         "grammar_memory_unavailable",
-        f"waited {waited:g}s (--max-queue-wait) for a grammar slot: this server keeps {slots} structured-"
+        f"waited {waited:g}s ({bound}) for a grammar slot: this server keeps {slots} structured-"
         f"output grammar{'s' if slots != 1 else ''} (distinct JSON schemas or tool lists) at once "
         f"(--max-grammars, {fmt_bytes(GRAMMAR_BYTES)} each), and when this request gave up {running} of them "
         f"ran {whose} ({queued} request{'s' if queued != 1 else ''} still queued). Retry "
