@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_cors_flag(s)
     s.add_argument("--log-level", default="info")
 
+    t = sub.add_parser(
+        "tokenizer", help="write the model's tokenizer as a Hugging Face directory (for benchmark clients)"
+    )
+    t.add_argument("--model", default=os.environ.get("KVGATE_MODEL", "default"), help="default | PATH")
+    t.add_argument("--out", required=True, help="the directory to write (made if missing)")
+
     b = sub.add_parser("bench", help="drive an OpenAI-compatible endpoint and report latency/throughput")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
 
@@ -100,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             from kvgate.server.run import serve
 
             return serve(args)
+        if args.cmd == "tokenizer":
+            from kvgate.tokenizer_export import export_tokenizer
+
+            for path in export_tokenizer(args.model, args.out):
+                print(path)
+            return 0
         if args.cmd == "cluster":
             from kvgate.cluster.cli import run_cluster
 
