@@ -7,7 +7,9 @@ tested, without Ray, in tests/test_cluster_units.py. Each test's docstring says 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -290,26 +292,48 @@ def test_a_killed_replica_ends_its_streams_with_the_stable_error_and_traffic_mov
 
 
 @pytest.mark.timeout(120)
-def test_a_drain_lets_streams_finish_and_answers_new_requests_503_shutting_down(cluster):
-    """What `kvgate cluster` does on SIGTERM before it deletes the application: a stream in flight ends
-    with its finish reason and usage, a new request and /health get 503 `shutting_down` with
-    Retry-After, and the drain reports none left (QA pass 7's F7: streams were cut with engine_error
-    and new requests got Serve's plain-text 404). Last in the module: the ingress stays shut. Red with
-    the drain not setting the status (the new request admitted)."""
-    from ray import serve
-
+def test_sigterm_drains_and_ends_the_streams_past_the_grace_as_length_with_usage(cluster):
+    """What `kvgate cluster` does on SIGTERM (`cli.drain(grace)`, then `cli.shutdown`), as `kvgate serve`
+    does: a new request and /health get 503 `shutting_down` with Retry-After, and the ingress logs the
+    refusal by the client's X-Request-Id; a stream that ends inside the grace ends as usual; one still
+    running at the grace's end ends then, with finish_reason length, its partial output, its usage
+    and [DONE]; the drain reports none left, so the application's delete cuts nothing. Last in the
+    module: the application is gone after it. Red with the ingress's old drain, which only waited: 1
+    left at the grace, and the stream ran on past it into the delete's own wait (here to its 300
+    tokens; QA's longer one was cut there with an SSE engine_error, no finish_reason, no usage),
+    and, for the log line, without the ingress's logging configuration (0 refusal lines, as QA
+    found). Before that, QA pass 7's F7: streams were cut with engine_error and new requests got
+    Serve's plain-text 404."""
+    from kvgate.cluster.cli import drain, shutdown
     from tests.cluster_util import settle
 
+    grace = 2.0
     settle(cluster)
-    stream = Stream(cluster, body(120))
-    time.sleep(0.5)
-    done = serve.get_app_handle("kvgate").drain.remote(30)
+    usage = {"stream_options": {"include_usage": True}}
+    long, short = Stream(cluster, {**body(300), **usage}), Stream(cluster, {**body(12), **usage})
+    assert wait_until(lambda: sum('"text"' in x for x in long.lines) >= 2, 20)
+    t0 = time.monotonic()
+    left: list = []
+    drainer = threading.Thread(target=lambda: left.append(drain(grace)), daemon=True)
+    drainer.start()
     assert wait_until(lambda: httpx.get(cluster + "/health", timeout=5).status_code == 503, 10)
-    late = httpx.post(cluster + "/v1/completions", json=body(4, stream=False), timeout=30)
+    late = httpx.post(
+        cluster + "/v1/completions", json=body(4, stream=False), headers={"x-request-id": "drain-late-7"}
+    )
     assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
     assert late.headers["retry-after"]
-    assert done.result(timeout_s=60) == {"left": 0}
-    assert wait_until(stream.done, 10)
-    events = [json.loads(x[6:]) for x in stream.lines if x.startswith("data: {")]
-    assert stream.lines[-1] == "data: [DONE]" and not any("error" in e for e in events)
-    assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "length"
+    drainer.join(grace + 40)
+    shutdown(local=False)  # the CLI's next step: delete the application (nothing should be left to cut)
+    assert wait_until(long.done, 15) and short.done()
+    ended = time.monotonic() - t0
+    for s, tokens in ((short, 12), (long, None)):
+        events = [json.loads(x[6:]) for x in s.lines if x.startswith("data: {")]
+        assert s.lines[-1] == "data: [DONE]" and not any("error" in e for e in events), s.lines[-3:]
+        reasons = [c["finish_reason"] for e in events for c in e.get("choices", []) if c["finish_reason"]]
+        assert reasons == ["length"], s.lines[-3:]
+        n = events[-1]["usage"]["completion_tokens"]  # the usage chunk, last
+        assert n == (tokens or n) and 0 < n < 300, n
+    assert left == [0] and ended < grace + 8, (left, ended)
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    line = "request drain-late-7 refused: shutting_down, retry after 5 s"
+    assert wait_until(lambda: any(line in f.read_text(errors="replace") for f in logs.rglob("*.err")), 10)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvgate.cluster.logs import level_of
 from kvgate.config import EngineConfig
 from kvgate.units import parse_bytes
 
@@ -54,12 +55,14 @@ class ClusterOptions:
     responses_store: int = 64 << 20
     cors_origins: list[str] | None = None
     step_delay: float = 0.0  # test-only: sleep before every forward pass of every replica
+    log_level: str = "info"  # the ingress's and the replicas' kvgate loggers (`kvgate.cluster.logs`)
 
     def __post_init__(self):
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, not {self.replicas}")
+        level_of(self.log_level)  # a bad level is an error here, not in every Ray worker
         unknown = set(self.engine) - {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown:
             raise ValueError(f"unknown engine option(s) {sorted(unknown)}; see `kvgate serve --help`")
@@ -114,6 +117,7 @@ def build(opts: ClusterOptions):
         health_check_period_s=opts.health_period,
         health_check_timeout_s=max(10.0, 5 * opts.health_period),
         graceful_shutdown_timeout_s=5,
+        logging_config={"log_level": opts.log_level.upper()},
         request_router_config=RequestRouterConfig(
             request_router_class=router,
             request_routing_stats_period_s=opts.stats_period,
@@ -125,10 +129,11 @@ def build(opts: ClusterOptions):
         num_replicas=1,
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": opts.ingress_cpus},
+        logging_config={"log_level": opts.log_level.upper()},
     )
     engine = dataclasses.asdict(cfg)
-    replicas = replica.bind(opts.model, engine, opts.step_delay)
-    return ingress.bind(replicas, settings, opts.router, opts.health_period, opts.replicas)
+    replicas = replica.bind(opts.model, engine, opts.step_delay, opts.log_level)
+    return ingress.bind(replicas, settings, opts.router, opts.health_period, opts.replicas, opts.log_level)
 
 
 def build_app(args: dict):

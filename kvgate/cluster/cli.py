@@ -6,8 +6,9 @@
 Without `--address`, a local Ray instance is started for this command (no dashboard, no usage
 stats, `--num-cpus` logical CPUs) and stopped when it ends. The OpenAI API is served by Serve's HTTP
 proxy at `--host:--port`. Binding a non-loopback address needs `--api-key` (or
-`--allow-unauthenticated`), exactly as `kvgate serve`. Ctrl-C or SIGTERM deletes the application
-(Serve drains each replica for its graceful-shutdown timeout) and exits 0.
+`--allow-unauthenticated`), exactly as `kvgate serve`. Ctrl-C or SIGTERM drains as `kvgate serve` does
+(new requests 503, those running get `--shutdown-grace` seconds, then end as finish_reason length with
+their usage), deletes the application and exits 0. `--log-level` is the ingress's and replicas' log.
 """
 
 from __future__ import annotations
@@ -61,7 +62,15 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
         "--shutdown-grace",
         type=at_least(float, 0),
         default=30.0,
-        help="on SIGTERM/SIGINT: seconds the requests in flight get to finish (new ones get 503) before the stop",
+        help="on SIGTERM/SIGINT: seconds the requests in flight get to finish (new ones get 503); then "
+        "those still running end as finish_reason length and the cluster stops",
+    )
+    c.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="the ingress's and the replicas' kvgate log (info: a line per refusal, by X-Request-Id)",
     )
     c.add_argument(
         "--responses-store",
@@ -90,6 +99,7 @@ def options_from(args) -> ClusterOptions:
         max_body_bytes=args.max_body_bytes,
         responses_store=args.responses_store,
         cors_origins=cors_origins(args),
+        log_level=args.log_level,
     )
 
 
@@ -158,13 +168,15 @@ def run_cluster(args) -> int:
 
 
 def drain(grace: float):
-    """Have the ingress refuse new requests and wait up to `grace` seconds for those in flight, as `kvgate
-    serve` does on a signal (QA pass 7's F7: the cluster cut its streams with engine_error and answered
-    Serve's plain-text 404). Returns how many were left, or "?" when the ingress could not be asked."""
+    """Have the ingress drain the cluster as `kvgate serve` drains on a signal (`KvgateIngress.drain`):
+    new requests get 503, those in flight get up to `grace` seconds, then the replicas end the ones
+    still running as finish_reason length with their usage (QA pass 7's F7: the cluster cut its streams
+    with engine_error and answered Serve's plain-text 404; a later QA: past the grace, the application's
+    delete still cut them so). Returns how many were left, or "?" when the ingress could not be asked."""
     from ray import serve
 
     try:
-        return serve.get_app_handle(APP_NAME).drain.remote(grace).result(timeout_s=grace + 15)["left"]
+        return serve.get_app_handle(APP_NAME).drain.remote(grace).result(timeout_s=grace + 30)["left"]
     except Exception as exc:  # Serve already going down: stop anyway
         print(f"kvgate: warning: the ingress did not drain ({type(exc).__name__}: {exc})", file=sys.stderr)
         return "?"

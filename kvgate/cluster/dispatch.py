@@ -38,6 +38,7 @@ from kvgate.cluster import routing
 from kvgate.cluster.refusals import SIDE, cluster_refusal
 from kvgate.cluster.replica import refusal_from
 from kvgate.cluster.views import ReplicaView, newer
+from kvgate.core.admission import shutting_down_refusal
 from kvgate.request import Refusal
 from kvgate.server.errors import invalid
 
@@ -73,6 +74,7 @@ class Dispatcher:
         self.waiting: list = []  # the ingress's FIFO of calls no replica could admit yet
         self.reserved: str | None = None  # the replica the head of `waiting` is waiting for
         self._changed = asyncio.Event()  # set (and replaced) whenever a replica's view arrives
+        self.closed = False  # the cluster is draining (`close`)
 
     # ---- what the ingress knows ------------------------------------------------------------------
     def observe(self, view: ReplicaView) -> None:
@@ -84,6 +86,13 @@ class Dispatcher:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def close(self) -> None:
+        """The cluster drains (SIGTERM): the requests waiting in the ingress's FIFO, and any submitted
+        later, get 503 shutting_down now, as the engine's `Drain` refuses its queue under `kvgate serve`
+        (the replicas refuse them too: left waiting, they would get a 429 at their wait's end)."""
+        self.closed = True
+        self._notify()
 
     def replica_failed(self, tag: str | None) -> None:
         if tag is not None:
@@ -116,6 +125,8 @@ class Dispatcher:
     # ---- one submission ---------------------------------------------------------------------------
     async def dispatch(self, call):
         """(stream, admitted list, replica tag) for `call`, or raise the refusal the client gets."""
+        if self.closed:
+            raise shutting_down_refusal()
         if self.policy == "pow2":
             outcome = await self._attempt(call, None, wait=True)
             if isinstance(outcome, Refusal):
@@ -202,6 +213,8 @@ class Dispatcher:
         self.waiting.append(call)
         try:
             while True:
+                if self.closed:
+                    raise shutting_down_refusal()
                 changed = self._changed
                 head = self.waiting[0] is call
                 if head:

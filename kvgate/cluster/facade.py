@@ -19,7 +19,10 @@ bodies, auth and metrics are the single-process server's own code, not a copy:
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import dataclasses
+import logging
 
 from kvgate.cluster.dispatch import Dispatcher
 from kvgate.cluster.remote import RemoteCall
@@ -28,6 +31,10 @@ from kvgate.cluster.views import KeptCounters, ReplicaView, aggregate
 from kvgate.core.admission import fit_group, plan_entry, too_many_choices
 from kvgate.request import RequestHandle
 from kvgate.tokenizer import TextTokenizer
+
+log = logging.getLogger("kvgate.cluster")
+
+DRAIN_SLACK_S = 15.0  # a replica's drain answers within the grace plus this (its engine's own 5 s)
 
 
 class ClusterLedger:
@@ -156,3 +163,29 @@ class ClusterEngine:
         demand = Demand(blocks, n * len(requests), prefix, positions)
         call = RemoteCall(self.dispatcher, requests, n, demand)
         return call.handles
+
+    # ---- SIGTERM --------------------------------------------------------------------------------------
+    async def drain(self, grace: float) -> list:
+        """`Engine.drain(grace)` across the cluster: the ingress's FIFO is refused now (503
+        shutting_down) and every replica Serve lists drains its own engine (`KvgateReplica.drain`,
+        called on each by name): its queue refused, its running rows given `grace` seconds, then ended
+        as `length` with their partial output and usage, their streams closed cleanly. Returns each
+        replica's answer, or the exception of one that did not answer (logged; the stop goes on)."""
+        self.dispatcher.close()
+        tags = list(self.dispatcher.published() or {})
+        return list(await asyncio.gather(*(self._drain_one(t, grace) for t in tags)))
+
+    async def _drain_one(self, tag: str, grace: float):
+        try:
+            # each call outside this drain's own Serve request context: calls made inside one request
+            # share its internal request id, and Serve's router matched one call's replica to the other
+            # (of two drains sent at once, one never reached its replica)
+            call = contextvars.Context().run(self.handle.drain.remote, grace, route={"target": tag})
+            return await asyncio.wait_for(_awaited(call), grace + DRAIN_SLACK_S)
+        except Exception as exc:  # gone, or past the bound: Serve's delete stops it anyway
+            log.warning("replica %s did not drain: %s: %s", tag, type(exc).__name__, exc)
+            return exc
+
+
+async def _awaited(response):
+    return await response

@@ -24,10 +24,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 
 from kvgate.cluster.facade import ClusterEngine
+from kvgate.cluster.logs import configure as configure_logging
 from kvgate.cluster.remote import SERVED_BY
 from kvgate.cluster.views import published
 from kvgate.server import routes
 from kvgate.server.app import create_app
+from kvgate.server.auth import FLUSH_SECONDS
 from kvgate.server.context import ServerSettings
 
 
@@ -154,8 +156,15 @@ class KvgateIngress:
     """Serve deployment: one (or more) per cluster; each routes over every replica."""
 
     def __init__(
-        self, replicas, settings: dict, policy: str = "kvgate", health_period: float = 2.0, target: int = 0
+        self,
+        replicas,
+        settings: dict,
+        policy: str = "kvgate",
+        health_period: float = 2.0,
+        target: int = 0,
+        log_level: str = "info",
     ):
+        configure_logging(log_level)  # refusals and failures logged at INFO, as under `kvgate serve`
         self.settings = dict(settings)
         key = (replicas.app_name, replicas.deployment_name)
         self.cluster = ClusterEngine(replicas, lambda: published(*key), policy, health_period)
@@ -170,12 +179,15 @@ class KvgateIngress:
         return self.kvgate_app
 
     async def drain(self, grace: float) -> dict:
-        """Refuse new requests (503 shutting_down with Retry-After, /health too, as `kvgate serve` does
-        on a signal) and wait up to `grace` seconds for the API requests in flight; returns how many
-        were left (`kvgate cluster` then deletes the application)."""
+        """SIGTERM under `kvgate cluster`, before it deletes the application, as `kvgate serve` does on
+        a signal: new requests get 503 shutting_down with Retry-After (/health too), and so do those
+        waiting at the ingress; each replica's running rows get `grace` seconds, then end as `length`
+        with their partial output and usage (`ClusterEngine.drain`); their last events then get up to
+        FLUSH_SECONDS to reach the clients. Returns how many API requests were still in flight."""
         state = self.kvgate_app.state
         state.status = "shutting_down"
-        deadline = time.monotonic() + grace
+        await self.cluster.drain(grace)
+        deadline = time.monotonic() + FLUSH_SECONDS
         while getattr(state, "in_flight", 0) > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
         return {"left": getattr(state, "in_flight", 0)}

@@ -23,6 +23,8 @@ What the ingress calls, through Serve's handle:
   router (`kvgate.cluster.router`).
 - `check_health()`: Serve's health check; raises when the engine worker died or a step is stalled,
   so Serve replaces the replica.
+- `drain(grace)`: SIGTERM under `kvgate cluster` (the ingress calls each replica): the engine
+  drains as under `kvgate serve`, and at the grace's end its running rows end as `length`.
 - `describe()`: what the ingress needs to prepare requests without loading weights (the tokenizer,
   the scheduler limits, the memory plan).
 
@@ -38,6 +40,7 @@ import logging
 import time
 from collections import deque
 
+from kvgate.cluster.logs import configure as configure_logging
 from kvgate.cluster.refusals import attempt_refusal
 from kvgate.cluster.routing import Demand, admit_bound
 from kvgate.cluster.views import view_of
@@ -78,10 +81,11 @@ def _replica_tag() -> str:
 
 
 class KvgateReplica:
-    def __init__(self, model: str, engine: dict, step_delay: float = 0.0):
+    def __init__(self, model: str, engine: dict, step_delay: float = 0.0, log_level: str = "info"):
         from kvgate.config import EngineConfig
         from kvgate.core.engine import Engine
 
+        configure_logging(log_level)  # `kvgate cluster --log-level`, as `kvgate serve`'s own
         self.tag = _replica_tag()
         self._acked: deque = deque(maxlen=ACKED)  # tokens of the attempts admitted lately
         self.engine = Engine.from_model(model, EngineConfig(**engine)).start()
@@ -118,6 +122,15 @@ class KvgateReplica:
         view = self._view()
         if not view.healthy:
             raise RuntimeError(f"kvgate replica {self.tag} is unhealthy: {view.reason}")
+
+    async def drain(self, grace: float, route: dict | None = None) -> dict:
+        """`kvgate cluster`'s SIGTERM, sent by the ingress to each replica (`route["target"]` names this
+        one): `Engine.drain(grace)`, as `kvgate serve` does on a signal. Its queue is refused (503
+        shutting_down), running rows get `grace` seconds, then end cancelled with their partial output
+        (the client's finish_reason `length` and usage), and their streams close as any other. The
+        worker runs on, so those last events and views still go out; Serve's delete stops it."""
+        await asyncio.to_thread(self.engine.drain, grace)
+        return {"replica": self.tag, "running": self.engine.snapshot().running}
 
     def __del__(self):
         engine = getattr(self, "engine", None)

@@ -7,7 +7,8 @@ plugs into that, not around it:
 
 - `KvgateRouter` honours the ingress's decision. The ingress ranks replicas from their views
   (`kvgate.cluster.routing`) and passes the one it chose as `route={"target": tag}`; the router
-  returns that replica. A call with no target (the ingress's `describe()` at startup) or whose target
+  returns that replica (the ingress's drain at SIGTERM names each replica in turn, under either
+  router). A call with no target (the ingress's `describe()` at startup) or whose target
   is gone goes to the replica with the most blocks available, so no call is ever parked in Serve's
   retry loop waiting for a replica that left.
 - `DefaultRouter` is Serve's own `PowerOfTwoChoicesRequestRouter`, unchanged in how it chooses (two
@@ -60,16 +61,23 @@ def _view(replica: RunningReplica) -> views.ReplicaView | None:
     return view if isinstance(view, views.ReplicaView) else None
 
 
+def _targeted(candidates: list[RunningReplica], pending: PendingRequest | None) -> list | None:
+    """[[the replica]] when the call names one (`route={"target": tag}`) that is a candidate, else None."""
+    route = (pending.kwargs.get("route") if pending is not None else None) or {}
+    target = route.get("target")
+    for r in candidates if target is not None else ():
+        if r.replica_id.unique_id == target:
+            return [[r]]
+    return None
+
+
 class KvgateRouter(_Publishing, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        route = (pending_request.kwargs.get("route") if pending_request is not None else None) or {}
-        target = route.get("target")
-        if target is not None:
-            for r in candidate_replicas:
-                if r.replica_id.unique_id == target:
-                    return [[r]]
+        chosen = _targeted(candidate_replicas, pending_request)
+        if chosen is not None:
+            return chosen
 
         # no target, or it left: most blocks first (unknown stats last), one replica per rank so
         # Serve tries them in this order rather than by its own queue lengths
@@ -81,4 +89,14 @@ class KvgateRouter(_Publishing, RequestRouter):
 
 
 class DefaultRouter(_Publishing, PowerOfTwoChoicesRequestRouter):
-    """Serve's default power-of-two-choices router, which also publishes the replicas' views."""
+    """Serve's default power-of-two-choices router, which also publishes the replicas' views. A call
+    that names its replica goes there: only the ingress's drain does (`ClusterEngine.drain`, once per
+    replica at SIGTERM); no generation call names one under this router."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        chosen = _targeted(candidate_replicas, pending_request)
+        if chosen is not None:
+            return chosen
+        return await super().choose_replicas(candidate_replicas, pending_request)

@@ -260,9 +260,7 @@ class Engine:
     def stalled(self) -> str | None:
         """Why the engine counts as hung (a step running past the step timeout), or None."""
         started = self.core.step_started
-        if started is None:
-            return None
-        running = time.monotonic() - started
+        running = 0.0 if started is None else time.monotonic() - started
         limit = self.step_timeout()
         if running <= limit:
             return None
@@ -319,9 +317,7 @@ class Engine:
         return handles
 
     def _unavailable(self) -> str | None:
-        if self.dead is not None:
-            return "the engine is not running; see /health"
-        return self.stalled()
+        return "the engine is not running; see /health" if self.dead is not None else self.stalled()
 
     def _send_cancel(self, request_id: int) -> None:
         self.inbox.put(Cancel(request_id))
@@ -346,15 +342,19 @@ class Engine:
     def stop_admitting(self, reason: str) -> None:
         self.inbox.close(reason)
 
-    def shutdown(self, grace: float = 0.0) -> None:
+    def drain(self, grace: float = 0.0) -> None:
         """Stop admitting and refuse the queue at once (503), let running rows finish for `grace`
-        seconds, cancel the rest (they keep their partial output), stop the worker."""
+        seconds, cancel the rest (they keep their partial output). The worker runs on until `shutdown`:
+        a cluster replica's last events and views still go out (`KvgateReplica.drain`)."""
         self.stop_admitting(SHUTTING_DOWN)
         self.inbox.put(Drain())
-        deadline = time.monotonic() + grace
-        self._wait(lambda s: s.running == 0, deadline)
+        self._wait(lambda s: s.running == 0, time.monotonic() + grace)
         self.inbox.put(CancelAll())
         self._wait(lambda s: s.idle, time.monotonic() + 5)
+
+    def shutdown(self, grace: float = 0.0) -> None:
+        """`drain(grace)`, then stop the worker and give the memory back."""
+        self.drain(grace)
         self.inbox.put(Stop())
         if self._thread is not None:
             self._thread.join(timeout=5)
