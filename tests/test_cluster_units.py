@@ -456,6 +456,7 @@ def test_kvgate_cluster_takes_serves_store_and_cors_flags_to_its_ingress(monkeyp
     opts = options_from(sub.choices["cluster"].parse_args(["--responses-store", "1MiB"]))
     settings = ServerSettings(**opts.server_settings())
     assert settings.responses_store_bytes == 1 << 20
+    assert opts.engine_config().responses_store == 0  # the ingress keeps them: no replica plans a store
     assert settings.cors_origins == ["http://example.com"]
     app = create_app(settings)
     assert app.state.responses.limit == 1 << 20

@@ -88,7 +88,8 @@ def options_from(args) -> ClusterOptions:
     return ClusterOptions(
         model=args.model,
         replicas=args.replicas,
-        engine={k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
+        # the replicas keep no responses (the ingress does, `responses_store`): none in their plans
+        engine={k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("extra", "responses_store")},
         replica_cpus=args.replica_cpus,
         replica_gpus=args.replica_gpus,
         router=args.router,
