@@ -457,6 +457,10 @@ def test_kvgate_cluster_takes_serves_store_and_cors_flags_to_its_ingress(monkeyp
     settings = ServerSettings(**opts.server_settings())
     assert settings.responses_store_bytes == 1 << 20
     assert opts.engine_config().responses_store == 0  # the ingress keeps them: no replica plans a store
+    from kvgate.cluster.app import ClusterOptions
+
+    with pytest.raises(ValueError, match="the ingress's option"):  # a Serve config's engine: {...}
+        ClusterOptions(engine={"responses_store": 1 << 20})
     assert settings.cors_origins == ["http://example.com"]
     app = create_app(settings)
     assert app.state.responses.limit == 1 << 20

@@ -66,6 +66,8 @@ class ClusterOptions:
         unknown = set(self.engine) - {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown:
             raise ValueError(f"unknown engine option(s) {sorted(unknown)}; see `kvgate serve --help`")
+        if self.engine.get("responses_store"):  # a replica would plan memory it never uses
+            raise ValueError("responses_store is the ingress's option (next to engine), not a replica's")
 
     def engine_config(self) -> EngineConfig:
         cfg = EngineConfig(**self.engine)
