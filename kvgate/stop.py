@@ -31,12 +31,15 @@ class StopMatcher:
     def push(self, text: str, final: bool = False, match: bool = True) -> tuple[str, bool]:
         """Feed new text; return (text safe to emit now, whether a stop string completed). `final`: no
         more text will come (a stop held back as maybe part of an exempt region's opening counts now).
-        `match` false (before a request's min_tokens): no stop string counts, and the text goes out."""
+        `match` false (before a request's min_tokens): no stop string counts, but one that begins here
+        and completes after does, as vLLM's (QA pass 15: it was missed, and the row ran to max_tokens)."""
         if not self.stops:
             return text, False
-        if not match and self.exempt is None:
-            out, self.held = self.held + text, ""
-            return out, False
+        if not match and self.exempt is None:  # hold a tail that may begin a stop completed later
+            pending = self.held + text
+            keep = self._longest_partial(pending)
+            self.held = pending[len(pending) - keep :] if keep else ""
+            return pending[: len(pending) - keep], False
         if self.exempt is not None:
             return self._push_regions(text, final)
         pending = self.held + text

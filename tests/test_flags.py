@@ -25,6 +25,7 @@ BAD = [
     ("serve", "--port", "99999", "must be from 1 to 65535"),
     ("serve", "--shutdown-grace", "-1", "must be at least 0"),
     ("serve", "--responses-store", "lots", "cannot read 'lots' as a size"),
+    ("serve", "--responses-store", "0.5", "not a whole number of bytes"),  # was 0: the store off
     ("serve", "--dtype", "foo", "invalid choice"),
     ("serve", "--weights", "q3", "invalid choice"),
     ("serve", "--prefix-cache", "maybe", "invalid choice"),

@@ -226,3 +226,16 @@ def test_a_stop_inside_a_tool_call_leaves_the_call_whole():
     m = StopMatcher(set(), ["}", "Obs"], exempt=("<tool_call>", "</tool_call>"))
     out, stopped = feed(m, [call[i : i + 3] for i in range(0, len(call), 3)] + ["\nObservation"])
     assert "".join(out) == call + "\n" and stopped
+
+
+def test_before_min_tokens_no_stop_counts_but_one_that_completes_after_does():
+    """vLLM's min_tokens: text pushed with `match=False` (before that many tokens are out) ends no row,
+    even holding a whole stop string; a stop that begins there and completes after the boundary does
+    (QA pass 15: "\nB" begun in the 4th token of a min_tokens 4 row was missed, and it ran to
+    max_tokens). Red with the early text released whole (no tail held)."""
+    m = StopMatcher(frozenset(), ["\nB"])
+    assert m.push("A: 1\nB 2", match=False) == ("A: 1\nB 2", False)  # a whole stop before: ignored
+    out, hit = m.push(" 3\n", match=False)
+    assert (out, hit) == (" 3", False)  # "\n" may begin "\nB": held
+    out, hit = m.push("B 4", match=True)
+    assert (out, hit) == ("", True)

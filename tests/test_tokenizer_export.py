@@ -52,3 +52,16 @@ def test_the_command_writes_the_directory(tiny_dir, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert str(tmp_path / "t" / "tokenizer_config.json") in out.stdout
+
+
+def test_an_out_path_that_is_a_file_is_one_error_line(tiny_dir, tmp_path):
+    """QA pass 15: a traceback. Red without the check (FileExistsError's traceback)."""
+    (tmp_path / "f").write_text("x")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvgate", "tokenizer", "--model", str(tiny_dir), "--out", str(tmp_path / "f")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-1500:]
+    assert "is a file, not a directory" in out.stderr

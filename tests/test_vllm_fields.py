@@ -155,3 +155,26 @@ def test_min_tokens_refusals(tiny_base):
         200,
         None,
     )
+
+
+def test_min_tokens_past_what_can_be_generated_and_with_echos_prompt_alone(tiny_base):
+    """QA pass 15: with max_tokens unset, min_tokens past what the prompt leaves in the context was a 200
+    silently short (vLLM: a 400); with echo and max_tokens 0 (no generated tokens) it was accepted, or
+    told "max_tokens=1", a value the client never sent; on /v1/responses the 400 named max_tokens, not
+    max_output_tokens. Red with `check_min_tokens` not called, the echo check removed, and the
+    Responses rename removed."""
+    msg = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(tiny_base + CHAT, json={"messages": msg, "min_tokens": 100_000}, timeout=30)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (400, "min_tokens") and "context" in err["message"], err
+    body = {"prompt": "Hi there", "echo": True, "logprobs": 1, "max_tokens": 0, "min_tokens": 1}
+    assert error(tiny_base, "/v1/completions", body) == (400, "min_tokens")
+    r = httpx.post(
+        tiny_base + "/v1/responses", json={"input": "Hi", "max_output_tokens": 3, "min_tokens": 5}, timeout=30
+    )
+    err = r.json()["error"]
+    assert (
+        r.status_code == 400
+        and "max_output_tokens=3" in err["message"]
+        and "max_tokens" not in err["message"].replace("max_output_tokens", "")
+    )

@@ -29,6 +29,7 @@ from kvgate.cluster.remote import RemoteCall
 from kvgate.cluster.routing import Demand, blocks_for, prefix_chain
 from kvgate.cluster.views import KeptCounters, ReplicaView, aggregate
 from kvgate.core.admission import fit_group, plan_entry, too_many_choices
+from kvgate.core.gate import check_min_tokens
 from kvgate.request import RequestHandle
 from kvgate.tokenizer import TextTokenizer
 
@@ -154,6 +155,7 @@ class ClusterEngine:
         for r in requests:
             # raises the 400s, for all n choices together (alone, n choices past the pool got a 429)
             handles = [RequestHandle(r, _ignore_cancel) for _ in range(n)]
+            check_min_tokens(cfg, r)
             entry = plan_entry(cfg, handles[0], handles[1:])
             P = len(r.prompt_ids)
             least = entry.max_tokens if entry.explicit else min(entry.max_tokens, max(1, cfg.min_cap_tokens))

@@ -56,6 +56,7 @@ class AdmissionGate:
         cfg, inbox, c = self.cfg, self.inbox, self.counts
         n = 1 + len(followers)
         try:
+            check_min_tokens(cfg, handle.request)
             entry = admission.plan_entry(cfg, handle, list(followers))
         except Refusal as r:
             with inbox.lock:
@@ -134,3 +135,17 @@ def cached_prefix(hashes: list[bytes], cached: frozenset, prompt_len: int, block
             break
         hits += 1
     return hits * block_size
+
+
+def check_min_tokens(cfg: SchedulerConfig, req) -> None:
+    """vLLM's `min_tokens` with max_tokens unset: at most what the prompt leaves in the context (an
+    explicit max_tokens bounds it in `GenerationRequest.validate`). QA pass 15: a 200, silently short."""
+    P, L = len(req.prompt_ids), cfg.max_model_len
+    if req.max_tokens is None and req.min_tokens > L - P:
+        raise Refusal(
+            "context_length_exceeded",
+            f"min_tokens={req.min_tokens} is more than the {max(0, L - P)} tokens this {P}-token prompt "
+            f"leaves in the model's {L}-token context: lower min_tokens or shorten the prompt.",
+            400,
+            param="min_tokens",
+        )

@@ -126,6 +126,12 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
         check_max_tokens(max_tokens, param)
     except RequestError as exc:
         raise invalid(str(exc), param=exc.param) from None
+    if prompt_only and req.min_tokens:  # QA pass 15: accepted, or told "max_tokens=1" it never sent
+        raise invalid(
+            "min_tokens with max_tokens=0 and echo: that answer is the prompt's scores alone, with no "
+            "generated tokens to hold back a stop from; drop min_tokens",
+            param="min_tokens",
+        )
     if prompt_only and req.stream:
         raise invalid(
             "max_tokens=0 with echo returns the prompt alone: send stream=false", param="max_tokens"

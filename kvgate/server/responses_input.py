@@ -211,6 +211,7 @@ def responses_param(param: str | None, origin: list[str]) -> str | None:
 
 _CHAT_NAMES = [
     (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
     (re.compile(r"\bresponse_format\b"), "text.format"),
     (re.compile(r"'logprobs'"), "'include' (message.output_text.logprobs)"),
 ]

@@ -7,8 +7,8 @@ counts is what it holds. It is bounded by `--responses-store` bytes (0: off), th
 response going first, and says in `/v1/resources` how full it is and how many it has let go. Each kept
 item (input or output) is also found by its own id (`item`), for the `item_reference` input items
 clients send in place of an earlier turn's items (the AI SDK's OpenAI provider does by default). It lives
-in the server process's memory, outside the engine's ledger (which plans the model, the step workspace
-and the KV pool): size it with that in mind.
+in the server process's memory, and on a CPU its bound is a term of the engine's memory plan (`kept
+responses`, ledger role `responses`): `kvgate serve` sets the store's limit to the plan's term.
 """
 
 from __future__ import annotations
