@@ -77,7 +77,9 @@ def bar_segments(page) -> list[tuple[str, int]]:
 
 
 def test_console_in_headless_chromium(make_engine, tmp_path):
-    engine = make_engine(kv_cache_bytes=BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN, block_size=BLOCK_SIZE)
+    engine = make_engine(
+        kv_cache_bytes=BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN, block_size=BLOCK_SIZE, responses_store=1 << 20
+    )
     with running_server(engine, api_key=KEY) as (base, _), chromium(tmp_path / "profile") as ctx:
         page = ctx.new_page()
         page.set_default_timeout(10_000)
@@ -104,6 +106,7 @@ def test_console_in_headless_chromium(make_engine, tmp_path):
             "overhead",
             "workspace",
             "logprobs",
+            "responses",  # the kept responses' plan term (red without its segment: drawn as "other")
             "kv-referenced",
             "kv-cached",
             "kv-free",
@@ -115,6 +118,8 @@ def test_console_in_headless_chromium(make_engine, tmp_path):
             roles["workspace"],
             roles["logprobs"],
         )
+        assert got["responses"] == roles["responses"] == 1 << 20
+        assert "kept responses" in page.text_content("#legend li[data-segment=responses]")
         assert got["kv-referenced"] == got["kv-cached"] == 0
         assert got["kv-free"] == roles["kv_cache"] == BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN
         assert got["unreserved"] == ledger["limit_bytes"] - ledger["reserved_bytes"]
