@@ -141,7 +141,7 @@ def check_min_tokens(cfg: SchedulerConfig, req) -> None:
     """vLLM's `min_tokens` with max_tokens unset: at most what the prompt leaves in the context (an
     explicit max_tokens bounds it in `GenerationRequest.validate`). QA pass 15: a 200, silently short."""
     P, L = len(req.prompt_ids), cfg.max_model_len
-    if req.max_tokens is None and req.min_tokens > L - P:
+    if req.max_tokens is None and 0 < L - P < req.min_tokens:  # a prompt past the context: plan_entry's 400
         raise Refusal(
             "context_length_exceeded",
             f"min_tokens={req.min_tokens} is more than the {max(0, L - P)} tokens this {P}-token prompt "
