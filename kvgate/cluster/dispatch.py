@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from kvgate.cluster import routing
 from kvgate.cluster.refusals import SIDE, cluster_refusal
-from kvgate.cluster.replica import refusal_from
+from kvgate.cluster.replica import refusal_dict, refusal_from
 from kvgate.cluster.views import ReplicaView, newer
 from kvgate.core.admission import shutting_down_refusal
 from kvgate.request import Refusal
@@ -168,8 +168,14 @@ class Dispatcher:
         replicas that refused for a side budget: (their side state then, until when)."""
         tried: set[str] = {avoid} if avoid is not None else set()
         if parked:
+            self.known_views()  # the side states compared below are the freshest views'
             now = time.monotonic()
-            tried |= {t for t, (state, until) in parked.items() if now < until and state == self._side(t)}
+            for t, (state, until, _at) in list(parked.items()):
+                if state != self._side(t):  # that budget changed: its refusal no longer says what it lacks
+                    del parked[t]
+                    refusals.pop(t, None)
+                elif now < until:
+                    tried.add(t)
         while True:
             views = self.ready_views()
             ranked = routing.rank_now(views, call.demand, self.holds, self.affinity) + self.unseen()
@@ -191,7 +197,8 @@ class Dispatcher:
                 raise outcome  # the request itself was refused (a 400): no other replica changes that
             refusals[tag] = outcome
             if parked is not None and outcome.code in SIDE:
-                parked[tag] = (self._side(tag), time.monotonic() + max(2, outcome.retry_after or 0))
+                now = time.monotonic()
+                parked[tag] = (self._side(tag), now + max(2, outcome.retry_after or 0), now)
             elif parked is not None:
                 parked.pop(tag, None)
 
@@ -225,7 +232,9 @@ class Dispatcher:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.counts.refused_everywhere += 1
-                    raise cluster_refusal(call.demand, refusals, self.ready_views(), waited=wait_s)
+                    raise cluster_refusal(
+                        call.demand, _aged(refusals, parked), self.ready_views(), waited=wait_s
+                    )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(left, QUEUE_POLL_S))
         finally:
@@ -301,3 +310,17 @@ class Dispatcher:
             503,
             retry_after=5,
         )
+
+
+def _aged(refusals: dict, parked: dict) -> dict:
+    """The side refusals of the parked replicas with their Retry-After counted from now: the wait since
+    each was given is part of it (a 429 after --max-queue-wait repeated a Retry-After given then)."""
+    now, out = time.monotonic(), dict(refusals)
+    for tag, (_state, _until, at) in parked.items():
+        r = out.get(tag)
+        if r is not None and r.code in SIDE and r.retry_after is not None:
+            d = refusal_dict(r)
+            d["retry_after"] = max(1, round(r.retry_after - (now - at)))
+            d.pop("retry_after_ms", None)
+            out[tag] = refusal_from(d)
+    return out

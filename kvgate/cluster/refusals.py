@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from kvgate.cluster import routing
 from kvgate.cluster.views import ReplicaView
-from kvgate.core import admission, logprob_budget, side_waits
+from kvgate.core import admission, forecast, logprob_budget, side_waits
 from kvgate.request import Refusal
 
 log = logging.getLogger("kvgate.cluster")
@@ -74,15 +74,18 @@ def attempt_refusal(cfg, handles, demand: routing.Demand, view: ReplicaView, wai
     """The 429 of a `wait=False` attempt the engine (`cfg`: its scheduler's config) did not admit
     within `waited` seconds; `view` is the replica's fresh view. Reads only what other threads may
     read: the published snapshot and the grammar compiler (locked)."""
-    try:
-        side = _side_refusal(cfg, handles, view, waited)
-    except Exception:  # never worse than the rows/KV answer: a failure here would lose the replica
-        log.exception("kvgate replica %s: reading what an attempt waited for failed", view.replica)
-        side = None
-    if side is not None:
-        return side
     retry = view.retry_after
     free_blocks, busy = max(0, view.blocks_available), view.running
+    side = None
+    # the scheduler's order (`Scheduler._admit`): a waiter is looked at only while a batch row is free,
+    # then its KV; logprobs memory and a grammar slot only after both
+    if view.max_seqs - busy >= demand.rows and free_blocks >= demand.blocks:
+        try:
+            side = _side_refusal(cfg, handles, view, waited)
+        except Exception:  # never worse than the rows/KV answer: a failure here would lose the replica
+            log.exception("kvgate replica %s: reading what an attempt waited for failed", view.replica)
+    if side is not None:
+        return side
     if free_blocks >= demand.blocks and view.max_seqs - busy < demand.rows:
         code = "batch_rows_unavailable"
         why = f"the {_blocks(demand.blocks)} it needs are free ({free_blocks} of {view.blocks_total}) but it needs "
@@ -114,10 +117,13 @@ def _side_refusal(cfg, handles, view: ReplicaView, waited: float) -> Refusal | N
         return logprob_budget.timeout_refusal(
             need, max(0, free), cfg.logprobs_memory, waited, retry, ATTEMPT_BOUND
         )
+    steps = getattr(snap, "grammar_slot_steps", 0) if snap is not None else 0
+    # as serve's `slot_retry`: when the held grammar's slot frees, not when the soonest row of any kind ends
+    slot_retry = forecast.retry_after_steps(snap, steps, view.max_queue_wait) if steps else retry
     for h in handles:
         g = h.request.sampling.grammar
         if g is not None and g.compiler is not None and not g.compiler.can_pin(g.text):
-            return side_waits.grammar_timeout_refusal(g, waited, retry, view.waiting, ATTEMPT_BOUND)
+            return side_waits.grammar_timeout_refusal(g, waited, slot_retry, view.waiting, ATTEMPT_BOUND)
     return None
 
 

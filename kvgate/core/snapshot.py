@@ -105,6 +105,9 @@ class EngineSnapshot:
     logprobs_bytes_peak: int = 0
     grammars_kept: int = 0  # distinct grammars the compiler keeps (--max-grammars slots in use)
     grammars_running: int = 0  # of those, pinned by running rows (kvgate.structured.compiler)
+    # steps until a grammar slot frees: the held grammar's last row (`hold_for_head`), else the running
+    # grammar that ends soonest; 0 when none runs (a cluster replica's grammar 429 Retry-After)
+    grammar_slot_steps: int = 0
 
     @property
     def running(self) -> int:

@@ -26,7 +26,7 @@ from kvgate.core.prefill_rate import PrefillFit
 from kvgate.core.rows import Row, WaitEntry
 from kvgate.core.snapshot import Counters, EngineSnapshot, RowView, WaiterView
 from kvgate.request import Finished, RequestHandle, Result
-from kvgate.structured.compiler import kept_for
+from kvgate.structured.compiler import held_for, kept_for
 
 _COUNTER_FIELDS = operator.attrgetter(*Counters.__slots__)  # a snapshot's copy of the counts, one C call
 
@@ -221,6 +221,16 @@ class EngineState:
             self._hashes = self.kv.registered_hashes()
         return self._hashes
 
+    def _grammar_slot_steps(self) -> int:
+        """`EngineSnapshot.grammar_slot_steps` (the worker's own state: read here, on the worker)."""
+        from kvgate.core.side_waits import grammar_steps_left
+
+        steps = grammar_steps_left(self)
+        if not steps:
+            return 0
+        held = held_for(self.tokenizer)
+        return steps[held] if held in steps else min(steps.values())
+
     def snapshot(self) -> EngineSnapshot:
         self._version += 1
         kv = self.kv
@@ -267,6 +277,7 @@ class EngineState:
             logprobs_bytes_peak=self.logprobs.peak,
             grammars_kept=kept[0],
             grammars_running=kept[1],
+            grammar_slot_steps=self._grammar_slot_steps(),
             recent_decode_steps=tuple(t.recent_decode),
             recent_decode_periods=tuple(t.recent_decode_periods),
             recent_decode_rows=tuple(t.recent_decode_rows),

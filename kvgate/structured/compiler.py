@@ -330,6 +330,12 @@ def kept_for(tokenizer) -> tuple[int, int]:
     return c.counts() if c is not None else (0, 0)
 
 
+def held_for(tokenizer) -> str | None:
+    """The grammar `tokenizer`'s compiler holds for a head waiting for a slot, or None (as `kept_for`)."""
+    c = _compilers.get(tokenizer) if tokenizer is not None else None
+    return c.held if c is not None else None
+
+
 def bound(engine, request):
     """`request` with its grammar (if any) compiled by `engine`'s own compiler: a request that came
     pickled from a cluster's ingress carries the grammar's text alone (QA pass 10: structured output and
