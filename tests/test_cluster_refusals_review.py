@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections import deque, namedtuple
 from types import SimpleNamespace
 
 import pytest
@@ -17,16 +16,7 @@ from kvgate.core import logprob_budget as B
 from kvgate.request import GenerationRequest, Refusal
 from kvgate.sampling_params import SamplingParams
 from tests.cluster_util import FakeCall, FakeHandle, snapshot, view
-
-RID = namedtuple("RID", "unique_id")
-
-GRAMMAR = {
-    "code": "grammar_memory_unavailable",
-    "message": "waited 0.25s (this replica's admission bound) for a grammar slot: ... --max-grammars.",
-    "status": 429,
-    "estimated_bytes": 41 << 20,
-    "limit_bytes": 41 << 20,
-}
+from tests.test_cluster_refusals import GRAMMAR
 
 
 def _grammars(v, running: int, **kw):
@@ -34,6 +24,18 @@ def _grammars(v, running: int, **kw):
     return dataclasses.replace(
         v, snapshot=dataclasses.replace(v.snapshot, grammars_running=running, grammars_kept=running)
     )
+
+
+def _two_refusing_a_slot(mqw: float):
+    """Replicas a and b, each running one grammar, that refuse every attempt for a grammar slot with
+    Retry-After 5: their published views (to change) and a dispatcher over them."""
+    published = {t: _grammars(view(t, free=20, max_queue_wait=mqw), 1) for t in ("a", "b")}
+
+    def answer(t, w):
+        v = _grammars(view(t, version=2, free=20, max_queue_wait=mqw), 1)
+        return [("refused", {"refusal": {**GRAMMAR, "retry_after": 5}, "view": v})]
+
+    return published, Dispatcher(FakeHandle(answer), lambda: published)
 
 
 # ---- F1: a side refusal kept after the replica's side budget changed ---------------------------------
@@ -44,13 +46,7 @@ def test_a_side_refusal_whose_budget_has_since_freed_does_not_name_the_429():
     what held the request on every replica was KV. The ingress still answers with the old grammar 429
     ("each of the 2 refused it (grammar_memory_unavailable)") whose slot is free now."""
     mqw = 0.6
-    published = {t: _grammars(view(t, free=20, max_queue_wait=mqw), 1) for t in ("a", "b")}
-
-    def answer(t, w):
-        v = _grammars(view(t, version=2, free=20, max_queue_wait=mqw), 1)
-        return [("refused", {"refusal": {**GRAMMAR, "retry_after": 5}, "view": v})]
-
-    d = Dispatcher(FakeHandle(answer), lambda: published)
+    published, d = _two_refusing_a_slot(mqw)
 
     async def scenario():
         task = asyncio.ensure_future(d.dispatch(FakeCall(blocks=4)))
@@ -89,33 +85,6 @@ def test_an_attempt_that_found_every_row_busy_is_told_rows_as_serve_says_not_log
     assert r.code == "batch_rows_unavailable", r.message
 
 
-# ---- F3: pow2's router hands a named replica to another pending call ----------------------------------
-def _pending(target: str | None):
-    loop = asyncio.get_running_loop()
-    return SimpleNamespace(
-        future=loop.create_future(),
-        metadata=SimpleNamespace(multiplexed_model_id="", internal_request_id=""),
-        kwargs={"route": {"target": target}} if target else {},
-        created_at=0.0,
-    )
-
-
-def _router():
-    from kvgate.cluster.router import DefaultRouter
-
-    r = object.__new__(DefaultRouter)  # only its fulfilment step is driven: no Serve state needed
-    r._pending_requests_to_fulfill = deque()
-    r._cancel_routing_task_for_pending_request = lambda pr: None
-    r._record_queue_wait_time = lambda pr: None
-    r._remove_pending_request_from_indices = lambda pr: None
-    r._replicas = {RID("a"): None, RID("b"): None}  # Serve lists both
-    return r
-
-
-def _replica(tag: str):
-    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=tag))
-
-
 def test_a_replicas_grammar_429_retry_after_is_when_the_slot_frees_not_the_soonest_row():
     """One grammar slot, run by a row with 400 steps left; a plain row ends in 1 step. Serve's engine
     tells a request waiting for the slot `retry_after_steps(snap, steps of the held grammar)` (the
@@ -152,13 +121,7 @@ def test_the_side_429_after_the_wait_counts_the_wait_in_its_retry_after():
     again: nothing changed). At t = 2 (--max-queue-wait) the cluster answers with that refusal, still
     Retry-After 5: the slot is due ~3 s from then, and the openai SDK sleeps the whole 5."""
     mqw = 2.0
-    published = {t: _grammars(view(t, free=20, max_queue_wait=mqw), 1) for t in ("a", "b")}
-
-    def answer(t, w):
-        v = _grammars(view(t, version=2, free=20, max_queue_wait=mqw), 1)
-        return [("refused", {"refusal": {**GRAMMAR, "retry_after": 5}, "view": v})]
-
-    d = Dispatcher(FakeHandle(answer), lambda: published)
+    _, d = _two_refusing_a_slot(mqw)
     with pytest.raises(Refusal) as e:
         asyncio.run(asyncio.wait_for(d.dispatch(FakeCall(blocks=4)), 5))
     assert e.value.code == "grammar_memory_unavailable" and len(d.handle.calls) == 2

@@ -174,10 +174,8 @@ class KvgateReplica:
                 token = (route or {}).get("token")
                 if token is not None:  # before the view is read: every later view includes it
                     self._acked.append(token)
-            except (
-                TimeoutError
-            ):  # what it waited for, as the engine would have said (kvgate.cluster.refusals)
-                v = self._view()
+            except TimeoutError:
+                v = self._view()  # what it waited for, as the engine would have said (cluster.refusals)
                 refusal = attempt_refusal(eng.sched_cfg, handles, demand, v, self._admit_bound(view))
                 yield ("refused", {"refusal": refusal_dict(refusal), "view": v})
                 return

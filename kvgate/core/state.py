@@ -24,6 +24,7 @@ from kvgate.core.kv_cache import KVCacheManager, choice_blocks
 from kvgate.core.logprob_budget import LogprobBudget
 from kvgate.core.prefill_rate import PrefillFit
 from kvgate.core.rows import Row, WaitEntry
+from kvgate.core.side_waits import grammar_steps_left
 from kvgate.core.snapshot import Counters, EngineSnapshot, RowView, WaiterView
 from kvgate.request import Finished, RequestHandle, Result
 from kvgate.structured.compiler import held_for, kept_for
@@ -223,8 +224,6 @@ class EngineState:
 
     def _grammar_slot_steps(self) -> int:
         """`EngineSnapshot.grammar_slot_steps` (the worker's own state: read here, on the worker)."""
-        from kvgate.core.side_waits import grammar_steps_left
-
         steps = grammar_steps_left(self)
         if not steps:
             return 0
@@ -277,7 +276,7 @@ class EngineState:
             logprobs_bytes_peak=self.logprobs.peak,
             grammars_kept=kept[0],
             grammars_running=kept[1],
-            grammar_slot_steps=self._grammar_slot_steps(),
+            grammar_slot_steps=self._grammar_slot_steps() if kept[1] else 0,  # no row walk without grammars
             recent_decode_steps=tuple(t.recent_decode),
             recent_decode_periods=tuple(t.recent_decode_periods),
             recent_decode_rows=tuple(t.recent_decode_rows),
