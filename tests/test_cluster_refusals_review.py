@@ -115,6 +115,31 @@ def test_a_replicas_grammar_429_retry_after_is_when_the_slot_frees_not_the_soone
     assert r.retry_after > 1, f"Retry-After {r.retry_after} s; the slot frees in ~400 steps"
 
 
+def test_a_replicas_logprobs_429_retry_after_is_when_enough_comes_back():
+    """Session 40: the logprobs memory is held by a row with 400 steps left; a plain row ends in 1
+    step. The replica's logprobs 429 says when enough comes back (`forecast.logprobs_steps`, as serve's
+    scheduler), not `view.retry_after` (the soonest row of any kind: 1 s). Red with `retry` passed."""
+    from kvgate.cluster.refusals import attempt_refusal
+    from kvgate.core import forecast
+    from kvgate.core.snapshot import RowView
+
+    pb = B.position_bytes(20)
+    limit = 100 * pb
+    held = RowView(2, 400, 10, 4, 0, 0, 400, logprobs_bytes=90 * pb)
+    snap = snapshot(
+        rows=(RowView(1, 1, 2, 4, 0, 0, 1), held),
+        kv_blocks_total=28,
+        kv_blocks_free=16,
+        step_time_ema=0.02,
+        logprobs_bytes_held=90 * pb,
+    )
+    v = view("a", free=16, running=2, snapshot=snap, retry_after=forecast.retry_after(snap))
+    handles = [SimpleNamespace(request=_lp_request(16))]  # 16 positions: more than the 10 free
+    r = attempt_refusal(SimpleNamespace(logprobs_memory=limit), handles, Demand(2, 1), v, 0.25)
+    assert r.code == "logprobs_memory_unavailable", r.message
+    assert r.retry_after > 1, f"Retry-After {r.retry_after} s; the logprobs come back in ~400 steps"
+
+
 # ---- F5: the side 429 after the wait repeats a Retry-After given a wait ago ----------------------------
 def test_the_side_429_after_the_wait_counts_the_wait_in_its_retry_after():
     """Both replicas refuse for a grammar slot with Retry-After 5 at t = 0 and are parked (not asked

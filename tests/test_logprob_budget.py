@@ -367,3 +367,49 @@ def test_the_advice_names_the_field_the_client_sent(make_engine):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "max_output_tokens", err
         assert "Lower max_output_tokens to at most" in err["message"], err
+
+
+# ---- when logprobs memory comes back: the 429's Retry-After ----------------------------------------------
+def test_logprobs_come_back_when_the_rows_holding_them_end():
+    """`forecast.logprobs_steps` walks the rows that hold logprobs, soonest end first; a row without
+    logprobs frees none, and what responses hold past their rows (being sent) counts as back at once.
+    Red with the soonest row of any kind (the scheduler's Retry-After before: QA pass 15's 1 s for an
+    11 s wait), and with the bytes past rows left out (0 steps would be 300)."""
+    from kvgate.core import forecast
+    from kvgate.core.snapshot import RowView
+    from tests.cluster_util import snapshot
+
+    plain = RowView(1, 5, 4, 8, 0, 10, 15)  # ends in 5 steps, holds no logprobs
+    lp_long = RowView(2, 300, 4, 8, 0, 10, 310, logprobs_bytes=6000)
+    lp_mid = RowView(3, 120, 4, 8, 0, 10, 130, logprobs_bytes=1000)
+    snap = snapshot(
+        rows=(plain, lp_long, lp_mid), logprobs_bytes_held=7000 + 2000
+    )  # 2000 B past their rows (being sent)
+    limit = 10_000  # 1,000 free now, 2,000 back as soon as sent
+    assert forecast.logprobs_steps(snap, 3000, limit) == 0
+    assert forecast.logprobs_steps(snap, 4000, limit) == 120
+    assert forecast.logprobs_steps(snap, 4001, limit) == 300
+    assert forecast.logprobs_steps(snap, 10_000, limit) == 300
+
+
+def test_the_logprobs_429_says_when_enough_comes_back(make_engine):
+    """A head waiting for logprobs memory held by a long row gets a Retry-After near that row's end,
+    not the soonest row's of any kind (a short plain row ends in ~0.8 s; the logprobs row in ~10 s at 20 ms
+    a step). Red with the scheduler's `retry` (soonest row) passed to the logprobs 429: Retry-After 1 or 2."""
+    from kvgate.core.testing import set_step_hook
+
+    per = B.position_bytes(20)
+    e = make_engine(logprobs_memory=500 * per, max_queue_wait=0.3)
+    set_step_hook(e, lambda _so: time.sleep(0.02))
+    long = e.submit(lp_request(480, held=None))
+    long.wait_admitted(30)
+    plain = e.submit(GenerationRequest([5, 6], SamplingParams(temperature=0.0), 40, ignore_eos=True))
+    plain.wait_admitted(30)
+    waiter = e.submit(lp_request(100, held=None))  # 100 positions: more than the 20 left free
+    with pytest.raises(Refusal) as err:
+        waiter.wait_admitted(10)
+    assert err.value.code == "logprobs_memory_unavailable"
+    assert err.value.retry_after >= 5, err.value.retry_after
+    set_step_hook(e, None)
+    long.cancel()
+    plain.cancel()

@@ -113,9 +113,11 @@ def _side_refusal(cfg, handles, view: ReplicaView, waited: float) -> Refusal | N
     snap, retry = view.snapshot, view.retry_after
     need = logprobs_need(cfg, handles)
     free = cfg.logprobs_memory - (snap.logprobs_bytes_held if snap is not None else 0)
-    if need and need > free:
+    if need and need > free:  # when enough comes back, as serve's logprobs 429 (`forecast.logprobs_steps`)
+        steps = forecast.logprobs_steps(snap, need, cfg.logprobs_memory) if snap is not None else None
+        lp_retry = retry if steps is None else forecast.retry_after_steps(snap, steps, view.max_queue_wait)
         return logprob_budget.timeout_refusal(
-            need, max(0, free), cfg.logprobs_memory, waited, retry, ATTEMPT_BOUND
+            need, max(0, free), cfg.logprobs_memory, waited, lp_retry, ATTEMPT_BOUND
         )
     steps = getattr(snap, "grammar_slot_steps", 0) if snap is not None else 0
     # as serve's `slot_retry`: when the held grammar's slot frees, not when the soonest row of any kind ends

@@ -109,6 +109,22 @@ def retry_after(snap: EngineSnapshot) -> int:
     return retry_after_steps(snap, min(r.steps_left for r in snap.rows))
 
 
+def logprobs_steps(snap: EngineSnapshot, need: int, limit: int) -> int:
+    """Steps until `need` bytes of logprobs memory (`limit` in all) are free, at the soonest: each running
+    row gives its reservation back when it ends (at its max_tokens at the latest), and what responses
+    hold past their rows (being written or sent) comes back at once. Not the soonest row of any kind:
+    a row without logprobs frees none (QA pass 15: a 1 s Retry-After for an 11 s wait, 60 s for 3.7 s)."""
+    free = limit - sum(r.logprobs_bytes for r in snap.rows)  # free now, and back as soon as sent
+    if free >= need:
+        return 0
+    steps = 0
+    for r in sorted((r for r in snap.rows if r.logprobs_bytes), key=lambda r: r.steps_left):
+        free, steps = free + r.logprobs_bytes, r.steps_left
+        if free >= need:
+            break
+    return steps
+
+
 def retry_after_steps(snap: EngineSnapshot, steps: int, queue_wait: float = 0.0) -> int:
     """Seconds `steps` decode steps take from now, less `queue_wait` (a retry that waits in the queue
     that long is in time), clamped to [1, 60] (a Retry-After)."""

@@ -150,6 +150,9 @@ class LogprobBudget:
         self.held += nbytes
         self.peak = max(self.peak, self.held)
 
+    def held_by(self, request_id: int) -> int:
+        return self._by_id.get(request_id, 0)
+
     def give_back(self, request_id: int) -> None:
         """Idempotent: a request's bytes come back once, at its row's end or its handle's close."""
         self.held -= self._by_id.pop(request_id, 0)

@@ -296,8 +296,11 @@ class Scheduler:
             s.counters.rejected_kv_timeout += w.choices
             refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, retry, ahead, head_waits)
             if not ahead and head_waits == "logprobs":
-                lp = s.logprobs
-                refusal = logprob_budget.timeout_refusal(side[2], lp.free, lp.limit, waited, retry)
+                lp = s.logprobs  # in time if it comes a queue wait before enough is back (as slot_retry)
+                lp_retry = forecast.retry_after_steps(
+                    snap, forecast.logprobs_steps(snap, side[2], lp.limit), self.cfg.max_queue_wait
+                )
+                refusal = logprob_budget.timeout_refusal(side[2], lp.free, lp.limit, waited, lp_retry)
             elif head_waits == "grammar" and side_waits.waits_for_slot(w, head=not ahead):
                 g = side_waits.grammar_of(w)
                 refusal = side_waits.grammar_timeout_refusal(g, waited, slot_retry, len(s.waiting))

@@ -62,6 +62,7 @@ class RowView:
     prompt_left: int  # prompt tokens still to prefill
     generated: int
     max_tokens: int
+    logprobs_bytes: int = 0  # the logprobs memory its request reserved (back when it ends and is sent)
 
     @property
     def prefilling(self) -> bool:

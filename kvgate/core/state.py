@@ -249,6 +249,7 @@ class EngineState:
                     r.prompt_left,
                     len(r.out_ids),
                     r.max_tokens,
+                    self.logprobs.held_by(r.id),
                 )
                 for r in self.running.values()
             ),
