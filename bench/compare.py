@@ -33,7 +33,7 @@ from pathlib import Path
 
 from bench import bandwidth
 from bench import llama_server as native
-from bench.cpu import cpu_line, cpu_where, machine_info
+from bench.cpu import class_of, cpu_line, cpu_where, machine_info
 from bench.servers import ROOT, Server, free_port, log, rel
 
 VENV_PY = ROOT / ".venv" / "bin" / "python"
@@ -1144,7 +1144,7 @@ def write_doc(results: dict) -> None:
         f"- CPU: {m['model_name']}" + (f" ({cpu_where(m)})" if cpu_where(m) else "") + f", {m['cpus']} vCPUs"
         f"{' (' + m['hypervisor'] + ' guest)' if m.get('hypervisor') else ''}, "
         f"{m['mem_total_bytes'] / 2**30:.0f} GiB RAM, Linux {m['kernel']}; class: "
-        f"{cpu_line(m).split('(', 1)[1].split(')', 1)[0]}."
+        f"{class_of(m)}."
     )
     w(
         f"- Flags of note present: {', '.join(m['flags_present']) or 'none'}; absent: {', '.join(m['flags_absent'])}. "

@@ -1,7 +1,8 @@
 """Facts about the CPU the benchmarks ran on: model, instruction-set flags, and the class of CPU they put
 it in (every table in docs/BENCHMARKS.md carries them, since the peers' ranking depends on them).
 
-The three classes seen so far: AVX2-only AMD, AVX-512+bf16 AMD, and AMX Intel."""
+The classes seen so far: AVX2-only AMD, AVX-512+bf16 AMD, AMX Intel, and (session 40) AVX-512 Intel: an
+Emerald Rapids whose hypervisor hid its avx512_bf16 and AMX, so a guest must go by the flags it is shown."""
 
 from __future__ import annotations
 
@@ -75,6 +76,23 @@ def amd_core(family: int | None, model: int | None) -> str | None:
     return None
 
 
+INTEL_CORES = {  # family 6 server models (lscpu's decimal numbers) that these machines have shown or may show
+    85: "Skylake-SP/Cascade Lake",
+    106: "Ice Lake-SP",
+    108: "Ice Lake-SP",
+    143: "Sapphire Rapids",
+    207: "Emerald Rapids",
+    173: "Granite Rapids",
+}
+
+
+def intel_core(family: int | None, model: int | None) -> str | None:
+    """The microarchitecture of an Intel family/model pair, where it is known. A VM names the CPU only
+    "Intel(R) Xeon(R) Processor" and may hide flags the core has (session 40's Emerald Rapids showed no
+    avx512_bf16 or AMX): the table's line then says which core ran, and the flags what it could use."""
+    return INTEL_CORES.get(model) if family == 6 else None
+
+
 def _cpu_mhz() -> float | None:
     try:
         return float(_cpuinfo("cpu MHz") or "")
@@ -104,7 +122,7 @@ def machine_info() -> dict:
         "model_name": fields.get("Model name", "?").strip(),
         "cpu_family": family,
         "cpu_model": model,
-        "core": amd_core(family, model) if vendor_id == "AuthenticAMD" else None,
+        "core": amd_core(family, model) if vendor_id == "AuthenticAMD" else intel_core(family, model),
         "mhz": _cpu_mhz(),
         "vendor_id": vendor_id,
         "cpu_class": cpu_class(flags, vendor_id),
@@ -122,19 +140,25 @@ def cpu_where(m: dict) -> str:
     """'family 25 model 17 = Zen 4 at 2.6 GHz' from machine_info's fields ('' where they are absent)."""
     if m.get("cpu_family") is None:
         return ""
+    core = m.get("core") or intel_core(m["cpu_family"], m.get("cpu_model"))  # results before session 40
     return (
         f"family {m['cpu_family']} model {m.get('cpu_model')}"
-        + (f" = {m['core']}" if m.get("core") else "")
+        + (f" = {core}" if core else "")
         + (f" at {m['mhz'] / 1000:.1f} GHz" if m.get("mhz") else "")
     )
 
 
-def cpu_line(m: dict) -> str:
-    """One line for under a table: model, class, vCPUs, flags of note present and absent."""
+def class_of(m: dict) -> str:
+    """machine_info's class, or one made from its flags and the vendor its model name says."""
     vendor_id = m.get("vendor_id") or next(
         (k for k, v in VENDORS.items() if v in m.get("model_name", "")), None
     )
-    cls = m.get("cpu_class") or cpu_class(m.get("flags_present", []), vendor_id)
+    return m.get("cpu_class") or cpu_class(m.get("flags_present", []), vendor_id)
+
+
+def cpu_line(m: dict) -> str:
+    """One line for under a table: model, class, vCPUs, flags of note present and absent."""
+    cls = class_of(m)
     absent = m.get("flags_absent") or []
     where = f", {cpu_where(m)}" if cpu_where(m) else ""
     return (
