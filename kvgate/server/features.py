@@ -20,6 +20,7 @@ from kvgate.sampling import MAX_TOP_LOGPROBS
 from kvgate.server import protocol as P
 from kvgate.server import tools as T
 from kvgate.server.errors import APIError, invalid, unsupported
+from kvgate.server.guided import check_counts, constraint_of, guided_error, lark_of
 from kvgate.structured.compiler import Grammar, GrammarError, check_lengths, compiler_for
 from kvgate.structured.schema_prep import compiles, engine_schema, keyword_paths, length_bounds, unimplemented
 
@@ -53,10 +54,18 @@ def features_of(engine, req) -> Features:
             "send stream=false",
         )
     answer = _answer_rule(req.response_format)
+    guided = constraint_of(req)  # vLLM's structured_outputs / guided_*, llama.cpp's json_schema / grammar
+    if guided is not None and (answer is not None or f.tools is not None):
+        other = "tools" if f.tools is not None else "response_format"
+        raise invalid(
+            f"{guided.param} and {other} each constrain the output: send only one of them", param=guided.param
+        )
     if f.tools is not None:
         text = T.grammar(f.tools, answer)
     elif answer is not None:
         text = f"start: {answer}\n"
+    elif guided is not None:
+        text = lark_of(guided, T.JSON_STYLE)
     else:
         return f
     if f.tools is not None and f.logprobs is not None:
@@ -71,7 +80,7 @@ def features_of(engine, req) -> Features:
             "its answer ends); send the request without one of them",
         )
     if engine.plan.limits.grammars < 1:  # before the compiler: its token trie is not in such a plan
-        param = "tools" if f.tools is not None else "response_format"
+        param = "tools" if f.tools is not None else guided.param if guided is not None else "response_format"
         raise APIError(
             400,
             "structured output is off on this server: it was started with --max-grammars 0, which plans no "
@@ -86,8 +95,12 @@ def features_of(engine, req) -> Features:
         schemas.append(req.response_format.json_schema.schema_)
     try:
         check_lengths([b for schema in schemas for b in length_bounds(schema)])
+        if guided is not None:
+            check_counts(guided)
         f.grammar = compiler.check(text)
     except GrammarError as exc:
+        if guided is not None:
+            raise guided_error(guided, str(exc)) from None
         raise _unenforceable(req, f.tools, str(exc)) from None
     return f
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvgate.server.chat_template import TemplateFields
 from kvgate.server.errors import APIError, invalid, unsupported
+from kvgate.server.guided import GuidedFields
 from kvgate.server.ignored_values import CacheRetention, Effort, Metadata, ServiceTier, Verbosity
 from kvgate.server.schema_errors import describe
 
@@ -119,7 +120,7 @@ class ToolCall(_Body):
     index: int | None = None  # a replayed stream's delta position (the SDK's `.stream()` helper): ignored
 
 
-class _Common(_Body):
+class _Common(_Body, GuidedFields):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(default=None, description="default: up to the remaining context")
@@ -246,7 +247,6 @@ NULL_ONLY = {
     "audio": "audio output is not implemented; this model answers in text",
     "web_search_options": "web search is not implemented",
 }
-
 
 SDK_CALL_FIELDS = {"index": True, "function": {"parsed_arguments"}}  # accepted, never shown to the model
 
