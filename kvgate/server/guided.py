@@ -10,8 +10,9 @@ Beside OpenAI's `response_format`, chat and completions take:
 Each becomes a Lark grammar for the same compiler as `response_format` (`kvgate.server.features`): the
 same grammar slots, the same memory plan, the same 400 naming what the engine cannot do. A JSON schema
 is generated compact, as `response_format`'s (`disable_any_whitespace` is accepted either way: compact
-JSON is valid with or without it). What would change the output and is not done is refused by name:
-`whitespace_pattern`, `disable_additional_properties: true`, `structural_tag`. Asking for two
+JSON is valid with or without it), and `disable_additional_properties: true` closes every object the
+schema leaves open, as vLLM's. What would change the output and is not done is refused by name:
+`whitespace_pattern`, `structural_tag`. Asking for two
 constraints (two of these, or one with a non-text `response_format` or with `tools`) is a 400, as vLLM's
 "only one kind of structured outputs constraint".
 """
@@ -35,7 +36,7 @@ from kvgate.structured.compiler import (
     GrammarError,
     check_lengths,
 )
-from kvgate.structured.schema_prep import COUNTS, engine_schema, length_bounds
+from kvgate.structured.schema_prep import COUNTS, closed_objects, engine_schema, length_bounds
 
 
 class StructuredOutputs(BaseModel):
@@ -87,13 +88,12 @@ def constraint_of(req) -> Constraint | None:
         ):
             if flag is not None:
                 raise unsupported(f"structured_outputs.{name}", f"not implemented ({hint}); leave it out")
-        if so.disable_additional_properties:
-            raise unsupported(
-                "structured_outputs.disable_additional_properties",
-                'not implemented; write "additionalProperties": false into the schema instead',
-            )
         names = [f"structured_outputs.{n}" for n in ("json", "regex", "choice", "grammar")]
         asked += _kinds(names, so.json_, so.regex, so.choice, so.grammar)
+        if so.disable_additional_properties:  # vLLM's: objects take only the keys they name
+            asked = [
+                Constraint(c.param, c.kind, closed_objects(c.value)) if c.kind == "json" else c for c in asked
+            ]
         if so.json_object:
             asked.append(Constraint("structured_outputs.json_object", "json", {"type": "object"}))
     if req.guided_whitespace_pattern is not None:

@@ -25,6 +25,7 @@ own names (a property may be called "format"), never keywords.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -100,6 +101,23 @@ def _children(schema: dict, path: str):
                 yield s, f"{path}{key}.{i}."
         elif sub is not None:
             yield sub, f"{path}{key}."
+
+
+def closed_objects(schema):
+    """A copy of `schema` in which every object schema that does not say `additionalProperties` says
+    false (vLLM's `disable_additional_properties`: llguidance, as JSON Schema, allows extra keys)."""
+    out = copy.deepcopy(schema)
+
+    def walk(node) -> None:
+        if not isinstance(node, dict):
+            return
+        if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for sub, _ in _children(node, ""):
+            walk(sub)
+
+    walk(out)
+    return out
 
 
 def engine_schema(schema):
