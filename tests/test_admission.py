@@ -102,6 +102,18 @@ def test_the_context_refusals_advice_fits_every_choice(make_engine):
         assert h.result(timeout=60).finish_reason == "length"
 
 
+def test_the_context_400_begins_as_openai_and_vllm_word_it(make_engine):
+    """LiteLLM (and aider, CrewAI through it) map a 400 to ContextWindowExceededError by the sentence
+    OpenAI and vLLM begin with; kvgate's own wording was a plain BadRequestError (QA pass 16). Red with
+    the old messages ("this request needs ...", "the prompt alone is ...")."""
+    from kvgate.core.admission import context_refusal
+
+    cfg = make_engine(kv_cache_bytes=8 * 4 * BPT, block_size=4, max_model_len=48).sched_cfg
+    for P, mt in ((10, 40), (60, 5)):  # prompt + max_tokens past the context; the prompt alone past it
+        msg = context_refusal(cfg, P, mt).message
+        assert msg.startswith("This model's maximum context length is 48 tokens. However, "), msg
+
+
 def test_context_overflow_reported_before_budget_overflow(make_engine):
     """When both the context and the pool are exceeded, the client hears about the context (it can fix
     that); each refusal is counted once, in its own counter.

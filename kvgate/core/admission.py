@@ -105,10 +105,11 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None, n: int
     want = P + (max_tokens or 1)
     if P == 0:
         msg = "the prompt is empty: send at least one token of prompt."
-    elif P >= cfg.max_model_len:
+    elif P >= cfg.max_model_len:  # the sentence OpenAI and vLLM begin with: clients match it (LiteLLM, aider)
         msg = (
-            f"the prompt alone is {P} tokens and the model's context is {cfg.max_model_len} positions, "
-            f"which must also hold at least one generated token. Shorten the prompt by at least "
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, the prompt "
+            f"alone is {P} tokens, and the context "
+            f"must also hold at least one generated token. Shorten the prompt by at least "
             f"{P - cfg.max_model_len + 1} token{'s' if P >= cfg.max_model_len + 1 else ''}."
         )
     else:
@@ -125,9 +126,9 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None, n: int
         else:
             most = str(by_context)
         msg = (
-            f"this request needs {want} positions (prompt {P} + max_tokens {max_tokens or 1}) but the "
-            f"model's context is {cfg.max_model_len}. Shorten the prompt or lower max_tokens to at most "
-            f"{most}."
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, this request "
+            f"needs {want} (prompt {P} + max_tokens {max_tokens or 1}). Shorten the prompt or lower "
+            f"max_tokens to at most {most}."
         )
     return Refusal(
         "context_length_exceeded",

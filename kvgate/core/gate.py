@@ -144,8 +144,9 @@ def check_min_tokens(cfg: SchedulerConfig, req) -> None:
     if req.max_tokens is None and 0 < L - P < req.min_tokens:  # a prompt past the context: plan_entry's 400
         raise Refusal(
             "context_length_exceeded",
-            f"min_tokens={req.min_tokens} is more than the {max(0, L - P)} tokens this {P}-token prompt "
-            f"leaves in the model's {L}-token context: lower min_tokens or shorten the prompt.",
+            f"This model's maximum context length is {L} tokens. However, min_tokens={req.min_tokens} is "
+            f"more than the {max(0, L - P)} this {P}-token prompt leaves: lower min_tokens or shorten the "
+            "prompt.",
             400,
             param="min_tokens",
         )
