@@ -274,6 +274,20 @@ def test_retry_after_stands_on_the_typical_decode_step():
     assert forecast.retry_after(snap) == 9
 
 
+def test_the_requests_just_let_in_count_as_rows_in_the_503s_retry_after():
+    """QA pass 16: in one burst the gate let 2 requests of 400 tokens into the free rows, and the 503s
+    sent right after said Retry-After 1 (the snapshot showed no rows yet): the retries came back 3 s
+    early and failed again. The gate's pending requests count as rows at their max_tokens. Red with
+    them left out (1)."""
+    from kvgate.core.snapshot import WaiterView
+    from tests.cluster_util import snapshot
+
+    snap = snapshot(kv_blocks_total=64, kv_blocks_free=64, recent_decode_periods=(0.01,) * 8)
+    pending = [WaiterView(40, 4, 1, 400), WaiterView(40, 4, 2, 400)]
+    assert forecast.retry_after(snap) == 1  # nothing running, nothing let in: room now
+    assert forecast.retry_after(snap, pending) == 4  # 400 ticks of 10 ms
+
+
 def test_the_trim_tells_each_refused_request_the_places_the_kept_ones_take(make_engine):
     """Three newcomers could not start while 2 choices (--max-queue 2) already waited: each 503 says
     the earlier requests take 2 of the 2 places, not a running count (session 30's QA saw "take 5 of

@@ -99,14 +99,17 @@ def decode_seconds(snap: EngineSnapshot, step: float, steps: int) -> float:
     return total
 
 
-def retry_after(snap: EngineSnapshot) -> int:
+def retry_after(snap: EngineSnapshot, pending: list[WaiterView] | tuple = ()) -> int:
     """Seconds until room is likely: until the soonest-finishing row ends; clamped to [1, 60]. That is
     when a row, and so a queue place, frees up (the queue's head takes the row): a retry needs a
     place, not the head of the line (a queue factor stretched it, and the openai SDK sleeps a
-    Retry-After in full)."""
-    if not snap.rows:
+    Retry-After in full). `pending`: requests the gate let in that the snapshot does not show yet; they
+    take the free rows first, so they count as rows at their max_tokens (QA pass 16: in one burst, 503s
+    said 1 s while the rows just let in ran 4 s more, and the retries came back to fail again)."""
+    steps = [r.steps_left for r in snap.rows] + [w.max_tokens for w in pending]
+    if not steps:
         return 1
-    return retry_after_steps(snap, min(r.steps_left for r in snap.rows))
+    return retry_after_steps(snap, min(steps))
 
 
 def logprobs_steps(snap: EngineSnapshot, need: int, limit: int) -> int:

@@ -89,7 +89,7 @@ class AdmissionGate:
             free_rows = max(0, cfg.max_seqs - snap.running)
             if inbox.queued + n > cfg.max_queue + free_rows:
                 c.queue_rejected += n
-                retry = forecast.retry_after(snap)
+                retry = forecast.retry_after(snap, inbox.pending(snap.absorbed))
                 raise admission.queue_full_refusal(cfg, inbox.queued, retry, free_rows)
             ahead = inbox.pending(snap.absorbed) if ttft else []
             # the 429 says "wait for the load to drop": with none (no row, no waiter) nothing a retry

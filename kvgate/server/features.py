@@ -22,7 +22,14 @@ from kvgate.server import tools as T
 from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.server.guided import check_counts, constraint_of, guided_error, lark_of
 from kvgate.structured.compiler import Grammar, GrammarError, check_lengths, compiler_for
-from kvgate.structured.schema_prep import compiles, engine_schema, keyword_paths, length_bounds, unimplemented
+from kvgate.structured.schema_prep import (
+    closed_objects,
+    compiles,
+    engine_schema,
+    keyword_paths,
+    length_bounds,
+    unimplemented,
+)
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
 
@@ -146,7 +153,7 @@ def _answer_rule(rf: P.ResponseFormat | None) -> str | None:
             raise invalid(
                 "response_format of type 'json_schema' needs json_schema.schema", param="response_format"
             )
-        schema = engine_schema(dict(rf.json_schema.schema_))
+        schema = engine_schema(closed_objects(rf.json_schema.schema_))
     schema["x-guidance"] = T.JSON_STYLE
     return "%json " + json.dumps(schema, ensure_ascii=False)
 

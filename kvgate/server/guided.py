@@ -10,8 +10,9 @@ Beside OpenAI's `response_format`, chat and completions take:
 Each becomes a Lark grammar for the same compiler as `response_format` (`kvgate.server.features`): the
 same grammar slots, the same memory plan, the same 400 naming what the engine cannot do. A JSON schema
 is generated compact, as `response_format`'s (`disable_any_whitespace` is accepted either way: compact
-JSON is valid with or without it), and `disable_additional_properties: true` closes every object the
-schema leaves open, as vLLM's. What would change the output and is not done is refused by name:
+JSON is valid with or without it), and so is `disable_additional_properties` (objects that name their
+properties take no others unless the schema says so, as under vLLM's default backend:
+`schema_prep.closed_objects`). What would change the output and is not done is refused by name:
 `whitespace_pattern`, `structural_tag`. Asking for two
 constraints (two of these, or one with a non-text `response_format` or with `tools`) is a 400, as vLLM's
 "only one kind of structured outputs constraint".
@@ -48,7 +49,7 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None  # compact JSON either way
     disable_fallback: bool | None = None  # there is one backend: nothing to fall back from
-    disable_additional_properties: bool | None = None
+    disable_additional_properties: bool | None = None  # closed by default either way (closed_objects)
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
 
@@ -90,10 +91,6 @@ def constraint_of(req) -> Constraint | None:
                 raise unsupported(f"structured_outputs.{name}", f"not implemented ({hint}); leave it out")
         names = [f"structured_outputs.{n}" for n in ("json", "regex", "choice", "grammar")]
         asked += _kinds(names, so.json_, so.regex, so.choice, so.grammar)
-        if so.disable_additional_properties:  # vLLM's: objects take only the keys they name
-            asked = [
-                Constraint(c.param, c.kind, closed_objects(c.value)) if c.kind == "json" else c for c in asked
-            ]
         if so.json_object:
             asked.append(Constraint("structured_outputs.json_object", "json", {"type": "object"}))
     if req.guided_whitespace_pattern is not None:
@@ -142,7 +139,7 @@ def _schema(param: str, value) -> dict:
 def lark_of(c: Constraint, json_style: dict) -> str:
     """The grammar text for the compiler (a 400 naming the field where it cannot be made)."""
     if c.kind == "json":
-        schema = engine_schema(dict(c.value))
+        schema = engine_schema(closed_objects(c.value))
         schema["x-guidance"] = json_style
         return "start: %json " + json.dumps(schema, ensure_ascii=False) + "\n"
     size = len(c.value) if isinstance(c.value, str) else sum(len(x) for x in c.value or [])

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from kvgate.server import protocol as P
 from kvgate.server.errors import invalid
-from kvgate.structured.schema_prep import engine_schema
+from kvgate.structured.schema_prep import closed_objects, engine_schema
 
 OPEN = "<tool_call>\n"
 END = "</tool_call>"
@@ -160,7 +160,7 @@ def _native_turn(m: dict) -> dict:
 def args_schema(f: P.FunctionDef) -> dict:
     # no parameters: the function takes none (an empty object, not any object)
     schema = (
-        engine_schema(dict(f.parameters))
+        engine_schema(closed_objects(f.parameters))
         if f.parameters
         else {"type": "object", "properties": {}, "additionalProperties": False}
     )

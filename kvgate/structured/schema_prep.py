@@ -103,20 +103,29 @@ def _children(schema: dict, path: str):
             yield sub, f"{path}{key}."
 
 
+OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}  # the schema decides
+
+
 def closed_objects(schema):
-    """A copy of `schema` in which every object schema that does not say `additionalProperties` says
-    false (vLLM's `disable_additional_properties`: llguidance, as JSON Schema, allows extra keys)."""
+    """A copy of `schema` in which an object schema that names its `properties` and says nothing of
+    others takes no others (`additionalProperties: false`), as vLLM's default grammar backend (xgrammar's
+    strict mode) and OpenAI's strict schemas do. JSON Schema allows the others, so a small model filled
+    tool arguments with keys the function does not take, and pydantic's schemas (which never say it) with
+    keys until max_tokens (QA pass 16). Kept open: objects that name no properties (`{"type": "object"}`
+    is any object), ones that say `additionalProperties`, `patternProperties` or
+    `unevaluatedProperties`, and the members of an `allOf` (each holds only part of the properties)."""
     out = copy.deepcopy(schema)
 
-    def walk(node) -> None:
+    def walk(node, closable: bool) -> None:
         if not isinstance(node, dict):
             return
-        if ("properties" in node or node.get("type") == "object") and "additionalProperties" not in node:
+        if closable and isinstance(node.get("properties"), dict) and not OPEN_KEYS & node.keys():
             node["additionalProperties"] = False
-        for sub, _ in _children(node, ""):
-            walk(sub)
+        for sub, path in _children(node, ""):
+            key = path.split(".", 1)[0]
+            walk(sub, closable if key in ("anyOf", "oneOf") else key != "allOf")
 
-    walk(out)
+    walk(out, True)
     return out
 
 
