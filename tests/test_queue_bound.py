@@ -309,3 +309,18 @@ def test_n_choices_count_their_prompt_once_in_the_prompt_tokens_counter(make_eng
     hs = e.submit_choices(req(6, 3, seed=1), 3)
     assert all(h.result(20).finish_reason == "length" for h in hs)
     assert e.snapshot().counters.prompt_tokens == 6
+
+
+def test_a_refusals_text_says_its_retry_after_in_seconds():
+    """QA pass 16: behind LiteLLM's proxy the Retry-After header and the body's fields are gone, and the
+    message said only "Retry after the Retry-After interval". The seconds are in the text too. Red
+    without the substitution in `from_refusal`."""
+    from kvgate.request import Refusal
+    from kvgate.server.errors import from_refusal
+
+    r = Refusal(
+        "queue_full", "the server is at capacity; retry after the Retry-After interval.", 503, retry_after=7
+    )
+    err = from_refusal(r).body()["error"]
+    assert "retry after 7 s (the Retry-After header)." in err["message"], err["message"]
+    assert err["retry_after_seconds"] == 7

@@ -384,3 +384,7 @@ def test_health_is_503_while_loading_and_engine_metrics_are_absent():
         assert "kvgate_kv_blocks_total" not in httpx.get(base + "/metrics").text
         r = httpx.post(base + CHAT, json={"messages": MSG})
         assert r.status_code == 503 and "retry-after" in r.headers
+        # the model list too (QA pass 16: a 200 card without max_model_len, cached by LiteLLM for 300 s);
+        # red with the card answered while loading
+        r = httpx.get(base + "/v1/models")
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "not_ready") and "retry-after" in r.headers

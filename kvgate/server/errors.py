@@ -53,6 +53,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=h)
 
 
+RETRY_WORDS = re.compile(r"the Retry-After (interval|seconds)")
+
+
 def from_refusal(r: Refusal, field_names: dict[str, str] | None = None) -> APIError:
     """`field_names` maps the engine's name for the field a refusal is about ("prompt", "max_tokens",
     "n") to the one the client sent ("messages", "max_completion_tokens", "best_of", ...)."""
@@ -62,6 +65,8 @@ def from_refusal(r: Refusal, field_names: dict[str, str] | None = None) -> APIEr
     param = (field_names or {}).get(r.param, r.param) if r.param else None
     sent = (field_names or {}).get("max_tokens", "max_tokens")  # the advice names the field as sent
     message = re.sub(r"\bmax_tokens\b", sent, r.message) if sent != "max_tokens" else r.message
+    if r.retry_after is not None:  # the number in the text too: a proxy (LiteLLM's) drops the header
+        message = RETRY_WORDS.sub(f"{int(r.retry_after)} s (the Retry-After header)", message)
     return APIError(r.status, message, r.code, param=param, retry_after=r.retry_after, **extra)
 
 

@@ -51,8 +51,9 @@ def _model_card(state) -> dict:
         "created": state.started_at,
         "owned_by": "kvgate",
     }
-    if state.engine is not None:
-        card["max_model_len"] = state.engine.max_model_len
+    if state.engine is None:  # loading (or failed): the 503 with Retry-After, as llama.cpp's server; a
+        ready_engine(state)  # card without its context was cached by LiteLLM's proxy for 300 s (QA 16)
+    card["max_model_len"] = state.engine.max_model_len
     return card
 
 
