@@ -175,3 +175,15 @@ def test_objects_that_name_their_properties_take_no_others(tiny_base):  # noqa: 
             text, reason = _text(tiny_base, CHAT, {"structured_outputs": so, "seed": seed})
             assert reason == "stop", (text, reason)
             jsonschema.validate(json.loads(text), closed)
+
+
+def test_an_unbounded_integer_ends_within_16_digits(tiny_base):  # noqa: F811
+    """QA pass 16: a weak model wrote 1111... into an integer until max_tokens. An integer without bounds
+    is held to 16 digits, as llama.cpp's grammar holds it. Here "1" is pushed by logit_bias, so only the
+    grammar can end the number. Red without the bounds in `engine_schema`: the row ran to max_tokens."""
+    one = httpx.post(tiny_base + "/v1/tokenize", json={"prompt": "1", "add_special_tokens": False}).json()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    body["logit_bias"] = {str(one["tokens"][0]): 100}
+    text, reason = _text(tiny_base, CHAT, {**body, "seed": 1})
+    assert reason == "stop" and json.loads(text) == {"n": 10**16 // 9}, (text, reason)

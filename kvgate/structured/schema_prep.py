@@ -129,6 +129,10 @@ def closed_objects(schema):
     return out
 
 
+INTEGER_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "enum", "const"}
+MAX_INTEGER = 10**16 - 1
+
+
 def engine_schema(schema):
     """A copy of `schema` for the engine: without the `format`s it does not know, nor the annotations
     that never change what is generated (`ANNOTATIONS`: a grammar's text holds its schema, and the
@@ -148,6 +152,9 @@ def engine_schema(schema):
                 out["allOf"] = [*out.get("allOf", []), {"pattern": FORMAT_PATTERNS[fmt]}]
             else:
                 out["pattern"] = FORMAT_PATTERNS[fmt]
+    if out.get("type") == "integer" and not INTEGER_BOUNDS & out.keys():  # at most 16 digits, as llama.cpp's
+        out["minimum"], out["maximum"] = -MAX_INTEGER, MAX_INTEGER  # grammar: a weak model wrote 1111... to
+        # max_tokens (QA pass 16), and 16 digits already pass JSON's safe integers (2^53, 9.0e15)
     _record_keys(out)
     for key in NAMED_SCHEMAS:
         if isinstance(out.get(key), dict):
