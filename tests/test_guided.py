@@ -187,3 +187,19 @@ def test_an_unbounded_integer_ends_within_16_digits(tiny_base):  # noqa: F811
     body["logit_bias"] = {str(one["tokens"][0]): 100}
     text, reason = _text(tiny_base, CHAT, {**body, "seed": 1})
     assert reason == "stop" and json.loads(text) == {"n": 10**16 // 9}, (text, reason)
+
+
+def test_fractional_seconds_end_at_nanoseconds(tiny_base):  # noqa: F811
+    """QA pass 16: zod's `z.string().datetime()` answers ran their fraction of a second to max_tokens
+    (`47.6115483085761662...`). `date-time` takes at most 9 fractional digits. "1" (and the "." that
+    starts the fraction) is pushed by logit_bias, so only the grammar ends the fraction. Red with `[0-9]+` back in TIME."""
+    ids = httpx.post(tiny_base + "/v1/tokenize", json={"prompt": "1.", "add_special_tokens": False}).json()
+    schema = {
+        "type": "object",
+        "properties": {"t": {"type": "string", "format": "date-time"}},
+        "required": ["t"],
+    }
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}}
+    body["logit_bias"] = {str(t): 100 for t in ids["tokens"]}  # "1", and the "." that starts the fraction
+    text, reason = _text(tiny_base, CHAT, {**body, "seed": 1})
+    assert reason == "stop" and re.search(r"\.1{9}[zZ+-]", json.loads(text)["t"]), (text, reason)

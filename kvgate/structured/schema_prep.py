@@ -58,12 +58,13 @@ ANNOTATIONS = ("description", "title", "examples", "$comment", "deprecated", "re
 # `date` and `date-time` as calendar dates: the engine's own regexes allow February 29 in every year (QA
 # pass 8 saw 2015-02-29 under strict json_schema, which jsonschema's format checker and pydantic refuse).
 # Years 0001-9999 (RFC 3339 allows 0000, which Python's date and pydantic refuse) and seconds 00-59
-# (RFC 3339's leap second 60 is refused by Python's datetime): what every client can parse.
+# (RFC 3339's leap second 60 is refused by Python's datetime): what every client can parse. Fractional
+# seconds to nanoseconds (Go's and Java's most; QA pass 16 saw a weak model write 50 digits to max_tokens).
 _YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 _DAY = "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
 DATE = f"(?:{_YEAR}-{_DAY}|{_LEAP}-02-29)"
-TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 FORMAT_PATTERNS = {"date": f"^{DATE}$", "date-time": f"^{DATE}[tT]{TIME}$"}
 
 
