@@ -324,3 +324,38 @@ def test_a_refusals_text_says_its_retry_after_in_seconds():
     err = from_refusal(r).body()["error"]
     assert "retry after 7 s (the Retry-After header)." in err["message"], err["message"]
     assert err["retry_after_seconds"] == 7
+
+
+def test_a_row_that_may_stop_is_priced_at_how_long_answers_run_here():
+    """QA pass 16: rows with max_tokens unset (openai-node's, the AI SDK's and LangChain's default) were
+    priced at the rest of the context, 8,150 steps: Retry-After 60 for rows that stopped in ~1 s, and
+    openai-node slept it in full against an idle server. A row that may stop at EOS is priced at what 9
+    in 10 of the recent rows that stopped wrote (512 tokens for an unset max_tokens before any stopped).
+    Red with `steps_left` in `retry_after` (60 for each)."""
+    from kvgate.core.snapshot import RowView
+    from tests.cluster_util import snapshot
+
+    unset = RowView(1, 8150, 4, 40, 0, 50, 8200, may_stop=True, explicit=False)
+    periods = {"recent_decode_periods": (0.01,) * 8}
+    fresh = snapshot(rows=(unset,), **periods)
+    assert forecast.retry_after(fresh) == 5  # 462 steps of 10 ms: 512 tokens, 50 out
+    warm = snapshot(rows=(unset,), stop_lengths=(60, 80, 100, 90, 70, 120, 110, 95), **periods)
+    assert forecast.retry_after(warm) == 1  # 9 in 10 stopped by 110 tokens: 60 more steps
+    # a row forced to its max_tokens (ignore_eos), or one whose max_tokens was given, before any stop data
+    forced = RowView(2, 8150, 4, 40, 0, 50, 8200, may_stop=False, explicit=False)
+    given = RowView(3, 2000, 4, 40, 0, 0, 2000, may_stop=True, explicit=True)
+    assert forecast.retry_after(snapshot(rows=(forced,), **periods)) == 60
+    assert forecast.retry_after(snapshot(rows=(given,), **periods)) == 20
+
+
+def test_the_engine_keeps_how_long_stopped_answers_ran(make_engine):
+    """`EngineSnapshot.stop_lengths`: a row that ends at a stop token counts its tokens; one that ran to
+    max_tokens does not. Red without the append in `EngineState.finish`."""
+    from kvgate.request import GenerationRequest
+    from kvgate.sampling_params import SamplingParams
+
+    e = make_engine()
+    sp = SamplingParams(temperature=0.0, logit_bias={7: 100.0})  # token 7, then it is a stop token
+    e.submit(GenerationRequest([5, 6], sp, 8, stop_token_ids=[7])).result(30)
+    e.submit(GenerationRequest([5, 6], SamplingParams(temperature=0.0), 3, ignore_eos=True)).result(30)
+    assert e.snapshot().stop_lengths == (1,)

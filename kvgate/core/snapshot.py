@@ -63,6 +63,8 @@ class RowView:
     generated: int
     max_tokens: int
     logprobs_bytes: int = 0  # the logprobs memory its request reserved (back when it ends and is sent)
+    may_stop: bool = False  # it can end at EOS before max_tokens (not ignore_eos)
+    explicit: bool = True  # its max_tokens was given (unset: the rest of the context)
 
     @property
     def prefilling(self) -> bool:
@@ -109,6 +111,9 @@ class EngineSnapshot:
     # steps until a grammar slot frees: the held grammar's last row (`hold_for_head`), else the running
     # grammar that ends soonest; 0 when none runs (a cluster replica's grammar 429 Retry-After)
     grammar_slot_steps: int = 0
+    stop_lengths: tuple[int, ...] = field(
+        default=()
+    )  # the recent rows that ended at EOS or a stop: tokens out
 
     @property
     def running(self) -> int:

@@ -60,6 +60,7 @@ class StepTimes:
     # one count (the recent periods then say nothing of it)
     by_rows: dict = field(default_factory=dict)
     row_cost: float = 0.0  # row_slope(by_rows), kept up to date by observe_period (once a tick)
+    stop_lengths: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # tokens out, by stop
 
     def observe_period(self, seconds: float, rows: int = 1) -> None:
         self.recent_decode_periods.append(seconds)
@@ -164,6 +165,8 @@ class EngineState:
         if self.running.pop(row.id, None) is None:
             return  # already finished: its blocks went back then
         self.kv.free(row.id)
+        if reason == "stop":  # how long answers that end by themselves run here (forecast.likely_steps_left)
+            self.times.stop_lengths.append(len(row.out_ids))
         if row.grammar_pin is not None:
             row.grammar_pin.compiler.release(row.grammar_pin.text)
             row.grammar_pin = None
@@ -250,6 +253,8 @@ class EngineState:
                     len(r.out_ids),
                     r.max_tokens,
                     self.logprobs.held_by(r.id),
+                    not r.handle.request.ignore_eos,
+                    r.handle.request.max_tokens is not None,
                 )
                 for r in self.running.values()
             ),
@@ -278,6 +283,7 @@ class EngineState:
             grammars_kept=kept[0],
             grammars_running=kept[1],
             grammar_slot_steps=self._grammar_slot_steps() if kept[1] else 0,  # no row walk without grammars
+            stop_lengths=tuple(t.stop_lengths),
             recent_decode_steps=tuple(t.recent_decode),
             recent_decode_periods=tuple(t.recent_decode_periods),
             recent_decode_rows=tuple(t.recent_decode_rows),
