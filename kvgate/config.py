@@ -110,6 +110,7 @@ class SchedulerConfig:
     prefix_cache: bool = True
     speculate: int = 0  # draft tokens a greedy row may verify per step (kvgate.core.speculate)
     decode_position_seconds: float = 0.0  # a decode step's growth per row context position (measured)
+    decode_step_prior: float = 0.05  # a decode tick's seconds before any was timed (forecast.typical_step)
     cache_root: bytes = b""  # the model's identity: the root of every prompt-block hash
     logprobs_memory: int = 32 << 20  # the logprobs budget (kvgate.core.logprob_budget)
 

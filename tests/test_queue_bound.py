@@ -359,3 +359,20 @@ def test_the_engine_keeps_how_long_stopped_answers_ran(make_engine):
     e.submit(GenerationRequest([5, 6], sp, 8, stop_token_ids=[7])).result(30)
     e.submit(GenerationRequest([5, 6], SamplingParams(temperature=0.0), 3, ignore_eos=True)).result(30)
     assert e.snapshot().stop_lengths == (1,)
+
+
+def test_a_fresh_server_prices_its_first_ticks_at_its_weights_read(make_engine):
+    """QA pass 16: before any decode tick was timed a server priced ticks at a flat 50 ms (Retry-After 10
+    for rows free in 1.4-2.1 s), or, after its first prompt chunk, at that chunk (15 s for 0.8 s). The
+    prior is its weights read at a slow rate (10 GB/s on a CPU): SmolLM2's 103 MB, ~10 ms. Red with the
+    old fallbacks (0.05 s; the 0.4 s chunk)."""
+    from kvgate.core.snapshot import RowView
+    from tests.cluster_util import snapshot
+
+    prior = forecast.step_prior(103_000_000, "cpu")
+    assert prior == pytest.approx(0.0103)
+    row = RowView(1, 200, 4, 40, 0, 0, 200)
+    assert forecast.typical_step(snapshot(rows=(row,), step_prior=prior)) == prior
+    chunked = snapshot(rows=(row,), step_prior=prior, recent_steps=(0.4, 0.45))
+    assert forecast.typical_step(chunked) == prior and forecast.retry_after(chunked) == 2
+    assert make_engine().snapshot().step_prior == forecast.PRIOR_FLOOR_S  # the tiny model: the floor

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvgate.config import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, EngineConfig, SchedulerConfig
-from kvgate.core import admission
+from kvgate.core import admission, forecast
 from kvgate.core.core_share import governor_for
 from kvgate.core.gate import SHUTTING_DOWN, AdmissionGate
 from kvgate.core.inbox import Cancel, CancelAll, Drain, Inbox, Release, Stop
@@ -141,6 +141,7 @@ class Engine:
             prefix_cache=prefix_cache_flag(cfg.prefix_cache),
             speculate=p.limits.speculate,
             decode_position_seconds=place.decode_position_seconds,
+            decode_step_prior=forecast.step_prior(p.weights_bytes, self.device.type),
             cache_root=f"{spec.architecture}|{spec.name}|{p.dtype}|{self.kv_dtype}|{loaded.source}".encode(),
             logprobs_memory=p.logprobs_bytes,
         )
@@ -374,8 +375,7 @@ class Engine:
             if captured is not None:
                 captured.release()
         self.runner.graphs = self.pieces = None
-        self.kv = None
-        self.model = None
+        self.kv = self.model = None
         for r in self.ledger._live[:]:
             r.release()
 

@@ -34,6 +34,18 @@ MIN_STOPS = 4
 OUTLIER = 3.0  # a tick period over this many times the median counts as this many
 
 
+PRIOR_READ_BYTES_PER_S = {"cpu": 10e9, "cuda": 500e9}  # slow for each: a prior errs late
+PRIOR_FLOOR_S = 0.002
+
+
+def step_prior(weights_bytes: int, device_type: str) -> float:
+    """A decode tick's seconds before any was timed: its weights read at a rate slower than any machine
+    these run on gives (QA pass 16: a fresh server priced its first burst's ticks at a flat 50 ms, and
+    told rows free in 1.4-2.1 s to retry in 10 s; then at its first prompt chunk, 15 s for 0.8 s)."""
+    rate = PRIOR_READ_BYTES_PER_S.get(device_type, PRIOR_READ_BYTES_PER_S["cpu"])
+    return max(PRIOR_FLOOR_S, weights_bytes / rate)
+
+
 def typical_step(snap: EngineSnapshot) -> float | None:
     """Seconds per decode tick now, for walks of many ticks: the mean of the recent decode-only tick
     periods (else of the forwards without a prompt chunk), each clipped at OUTLIER x their median;
@@ -45,8 +57,9 @@ def typical_step(snap: EngineSnapshot) -> float | None:
     so that one rare stall (a first 2-row step warming its kernels took 0.33 s) does not stretch a
     walk of hundreds of ticks."""
     recent = sorted(snap.recent_decode_periods or snap.recent_decode_steps)
-    if not recent:
-        return min(snap.recent_steps) if snap.recent_steps else snap.step_time_ema
+    if not recent:  # a prompt chunk is at least a tick's work; the prior, a tick's weights read slowly
+        first = [t for t in (snap.step_prior, min(snap.recent_steps, default=None)) if t is not None]
+        return min(first) if first else snap.step_time_ema
     cap = OUTLIER * recent[len(recent) // 2]
     return sum(min(t, cap) for t in recent) / len(recent)
 

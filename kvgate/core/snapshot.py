@@ -111,9 +111,8 @@ class EngineSnapshot:
     # steps until a grammar slot frees: the held grammar's last row (`hold_for_head`), else the running
     # grammar that ends soonest; 0 when none runs (a cluster replica's grammar 429 Retry-After)
     grammar_slot_steps: int = 0
-    stop_lengths: tuple[int, ...] = field(
-        default=()
-    )  # the recent rows that ended at EOS or a stop: tokens out
+    stop_lengths: tuple[int, ...] = ()  # tokens out of the recent rows that ended at EOS or a stop
+    step_prior: float | None = None  # a decode tick before any was timed: its weights read at a slow rate
 
     @property
     def running(self) -> int:

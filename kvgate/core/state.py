@@ -51,6 +51,7 @@ class StepTimes:
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     recent_decode: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # no prompt chunk
     position_seconds: float = 0.0  # a decode step's growth per row context position (the probe's)
+    prior: float = 0.05  # a decode tick before any was timed (SchedulerConfig.decode_step_prior)
     # start-to-start seconds of decode-only ticks: the forward plus the worker's own scheduling, update
     # and publishing, and whatever the event loop takes from it (session 31: the forward alone was
     # 15-20% short, and a forecast of 1.5 s became a 1.94 s wait)
@@ -284,6 +285,7 @@ class EngineState:
             grammars_running=kept[1],
             grammar_slot_steps=self._grammar_slot_steps() if kept[1] else 0,  # no row walk without grammars
             stop_lengths=tuple(t.stop_lengths),
+            step_prior=t.prior,
             recent_decode_steps=tuple(t.recent_decode),
             recent_decode_periods=tuple(t.recent_decode_periods),
             recent_decode_rows=tuple(t.recent_decode_rows),

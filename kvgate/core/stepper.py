@@ -41,6 +41,7 @@ class EngineCore:
         kv = KVCacheManager(cfg.total_blocks, cfg.block_size, prefix_cache=cfg.prefix_cache)
         self.state = EngineState(kv, inbox, cfg.prefill_chunk, cfg.logprobs_memory, tokenizer)
         self.state.times.position_seconds = cfg.decode_position_seconds
+        self.state.times.prior = cfg.decode_step_prior
         self.scheduler = Scheduler(self.state, cfg, tokenizer)
         self.updater = Updater(self.state, cfg.max_model_len, cfg.prefill_chunk)
         self.snapshot: EngineSnapshot = self.state.snapshot()
