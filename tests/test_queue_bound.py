@@ -283,9 +283,15 @@ def test_the_requests_just_let_in_count_as_rows_in_the_503s_retry_after():
     from tests.cluster_util import snapshot
 
     snap = snapshot(kv_blocks_total=64, kv_blocks_free=64, recent_decode_periods=(0.01,) * 8)
-    pending = [WaiterView(40, 4, 1, 400), WaiterView(40, 4, 2, 400)]
+    pending = [WaiterView(40, 4, 1, 200), WaiterView(40, 4, 2, 200)]
     assert forecast.retry_after(snap) == 1  # nothing running, nothing let in: room now
-    assert forecast.retry_after(snap, pending) == 4  # 400 ticks of 10 ms
+    assert forecast.retry_after(snap, pending) == 2  # 200 ticks of 10 ms
+    # max_tokens unset (the rest of the context): a typical answer, not 8,150 ticks (QA pass 16 on the
+    # first version: Retry-After 28-60 for rows free in 0.2 s); LIKELY_TOKENS before any row stopped
+    unset = [WaiterView(40, 4, 3, 8150)]
+    assert forecast.retry_after(snap, unset) == 3  # 256 ticks
+    warm = snapshot(recent_decode_periods=(0.01,) * 8, stop_lengths=(8, 12, 10, 9, 11))
+    assert forecast.retry_after(warm, unset) == 1
 
 
 def test_the_trim_tells_each_refused_request_the_places_the_kept_ones_take(make_engine):
@@ -330,7 +336,7 @@ def test_a_row_that_may_stop_is_priced_at_how_long_answers_run_here():
     """QA pass 16: rows with max_tokens unset (openai-node's, the AI SDK's and LangChain's default) were
     priced at the rest of the context, 8,150 steps: Retry-After 60 for rows that stopped in ~1 s, and
     openai-node slept it in full against an idle server. A row that may stop at EOS is priced at what 9
-    in 10 of the recent rows that stopped wrote (512 tokens for an unset max_tokens before any stopped).
+    in 10 of the recent rows that stopped wrote (256 tokens for an unset max_tokens before any stopped).
     Red with `steps_left` in `retry_after` (60 for each)."""
     from kvgate.core.snapshot import RowView
     from tests.cluster_util import snapshot
@@ -338,7 +344,7 @@ def test_a_row_that_may_stop_is_priced_at_how_long_answers_run_here():
     unset = RowView(1, 8150, 4, 40, 0, 50, 8200, may_stop=True, explicit=False)
     periods = {"recent_decode_periods": (0.01,) * 8}
     fresh = snapshot(rows=(unset,), **periods)
-    assert forecast.retry_after(fresh) == 5  # 462 steps of 10 ms: 512 tokens, 50 out
+    assert forecast.retry_after(fresh) == 2  # 206 steps of 10 ms: 256 tokens, 50 out
     warm = snapshot(rows=(unset,), stop_lengths=(60, 80, 100, 90, 70, 120, 110, 95), **periods)
     assert forecast.retry_after(warm) == 1  # 9 in 10 stopped by 110 tokens: 60 more steps
     # a row forced to its max_tokens (ignore_eos), or one whose max_tokens was given, before any stop data

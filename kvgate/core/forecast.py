@@ -29,7 +29,7 @@ from kvgate.core.prefill_rate import prefill_seconds
 from kvgate.core.snapshot import EngineSnapshot, WaiterView
 
 DEFAULT_STEP_SECONDS = 0.05  # Retry-After's step time before any step was measured
-LIKELY_TOKENS = 512  # an unset max_tokens' likely answer before MIN_STOPS rows stopped (likely_steps_left)
+LIKELY_TOKENS = 256  # an unset max_tokens' likely answer before MIN_STOPS rows stopped (likely_steps_left)
 MIN_STOPS = 4
 OUTLIER = 3.0  # a tick period over this many times the median counts as this many
 
@@ -114,18 +114,33 @@ def decode_seconds(snap: EngineSnapshot, step: float, steps: int) -> float:
     return total
 
 
+def typical_answer(snap: EngineSnapshot) -> int | None:
+    """The tokens 9 in 10 of the recent rows that stopped by themselves here wrote (None before
+    MIN_STOPS did)."""
+    lengths = sorted(snap.stop_lengths)
+    return lengths[(9 * (len(lengths) - 1)) // 10] if len(lengths) >= MIN_STOPS else None
+
+
 def likely_steps_left(snap: EngineSnapshot, r) -> int:
     """A row's steps left, likely, for a Retry-After: until its max_tokens, or, for a row that may stop at
-    EOS, until it has written what 9 in 10 of the recent rows that stopped here wrote (LIKELY_TOKENS for
-    an unset max_tokens before MIN_STOPS did), at least a quarter of that more. Not the latest end: an
-    unset max_tokens is the rest of the context, and rows that stopped in ~1 s were priced at 8,150
-    steps, Retry-After 60 (QA pass 16: openai-node slept it in full against an idle server)."""
-    lengths = sorted(snap.stop_lengths)
-    if not r.may_stop or (len(lengths) < MIN_STOPS and r.explicit):
+    EOS, until it has written a typical answer here (`typical_answer`; LIKELY_TOKENS for an unset
+    max_tokens before there is one), at least a quarter of that more. Not the latest end: an unset
+    max_tokens is the rest of the context, and rows that stopped in ~1 s were priced at 8,150 steps,
+    Retry-After 60 (QA pass 16: openai-node slept it in full against an idle server)."""
+    typical = typical_answer(snap)
+    if not r.may_stop or (typical is None and r.explicit):
         return r.steps_left
-    typical = lengths[(9 * (len(lengths) - 1)) // 10] if len(lengths) >= MIN_STOPS else LIKELY_TOKENS
+    typical = LIKELY_TOKENS if typical is None else typical
     decode = r.max_tokens - r.generated  # the rest of steps_left is prompt chunks
     return r.steps_left - decode + min(decode, max(typical - r.generated, typical // 4, 1))
+
+
+def likely_pending_steps(snap: EngineSnapshot, w: WaiterView) -> int:
+    """A request the gate let in, as a row: at most a typical answer here (LIKELY_TOKENS before there is
+    one). Priced at its max_tokens, an unset one (the whole context) told a burst onto an idle server to
+    retry in 28-60 s for rows free in 0.2 s (QA pass 16, on the first version of this)."""
+    typical = typical_answer(snap)
+    return min(w.max_tokens, LIKELY_TOKENS if typical is None else max(typical, 1))
 
 
 def retry_after(snap: EngineSnapshot, pending: list[WaiterView] | tuple = ()) -> int:
@@ -133,9 +148,9 @@ def retry_after(snap: EngineSnapshot, pending: list[WaiterView] | tuple = ()) ->
     when a row, and so a queue place, frees up (the queue's head takes the row): a retry needs a
     place, not the head of the line (a queue factor stretched it, and the openai SDK sleeps a
     Retry-After in full). `pending`: requests the gate let in that the snapshot does not show yet; they
-    take the free rows first, so they count as rows at their max_tokens (QA pass 16: in one burst, 503s
-    said 1 s while the rows just let in ran 4 s more, and the retries came back to fail again)."""
-    steps = [likely_steps_left(snap, r) for r in snap.rows] + [w.max_tokens for w in pending]
+    take the free rows first, so they count as rows (`likely_pending_steps`; QA pass 16: in one burst,
+    503s said 1 s while the rows just let in ran 4 s more, and the retries came back to fail again)."""
+    steps = [likely_steps_left(snap, r) for r in snap.rows] + [likely_pending_steps(snap, w) for w in pending]
     if not steps:
         return 1
     return retry_after_steps(snap, min(steps))
