@@ -382,3 +382,35 @@ def test_a_fresh_server_prices_its_first_ticks_at_its_weights_read(make_engine):
     chunked = snapshot(rows=(row,), step_prior=prior, recent_steps=(0.4, 0.45))
     assert forecast.typical_step(chunked) == prior and forecast.retry_after(chunked) == 2
     assert make_engine().snapshot().step_prior == forecast.PRIOR_FLOOR_S  # the tiny model: the floor
+
+
+def test_a_burst_refused_together_is_told_the_row_ends_one_by_one(make_engine):
+    """QA pass 16: the 503s (and rows 429s) of one burst all said the soonest row's end, so openai-node's
+    clients came back together and collided again (3 of 8 streams failed their retries against 2 rows).
+    The k-th of a burst is told the k-th row end. Red with `told` ignored (each 1 s, then 1 s)."""
+    from kvgate.core.snapshot import RowView
+    from kvgate.core.testing import set_step_hook
+    from kvgate.request import GenerationRequest, Refusal
+    from kvgate.sampling_params import SamplingParams
+    from tests.cluster_util import snapshot
+
+    rows = tuple(RowView(i, steps, 4, 8, 0, 0, steps) for i, steps in ((1, 100), (2, 200), (3, 300)))
+    snap = snapshot(rows=rows, recent_decode_periods=(0.01,) * 8)
+    assert [forecast.retry_after(snap, told=k) for k in range(5)] == [1, 2, 3, 3, 3]
+
+    e = make_engine(max_seqs=2, max_queue=0)
+    set_step_hook(e, lambda _so: time.sleep(0.01))
+    sp = SamplingParams(temperature=0.0)
+    running = [e.submit(GenerationRequest([5, 6], sp, mt, ignore_eos=True)) for mt in (100, 400)]
+    for h in running:
+        h.wait_admitted(30)
+    time.sleep(0.2)  # a few ticks: the step time is measured
+    told = []
+    for _ in range(2):
+        with pytest.raises(Refusal) as err:
+            e.submit(GenerationRequest([5, 6], sp, 8, ignore_eos=True))
+        told.append(err.value.retry_after)
+    assert told[0] < told[1], told
+    set_step_hook(e, None)
+    for h in running:
+        h.cancel()

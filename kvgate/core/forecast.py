@@ -143,17 +143,20 @@ def likely_pending_steps(snap: EngineSnapshot, w: WaiterView) -> int:
     return min(w.max_tokens, LIKELY_TOKENS if typical is None else max(typical, 1))
 
 
-def retry_after(snap: EngineSnapshot, pending: list[WaiterView] | tuple = ()) -> int:
+def retry_after(snap: EngineSnapshot, pending: list[WaiterView] | tuple = (), told: int = 0) -> int:
     """Seconds until room is likely: until the soonest-finishing row ends; clamped to [1, 60]. That is
     when a row, and so a queue place, frees up (the queue's head takes the row): a retry needs a
     place, not the head of the line (a queue factor stretched it, and the openai SDK sleeps a
     Retry-After in full). `pending`: requests the gate let in that the snapshot does not show yet; they
     take the free rows first, so they count as rows (`likely_pending_steps`; QA pass 16: in one burst,
-    503s said 1 s while the rows just let in ran 4 s more, and the retries came back to fail again)."""
+    503s said 1 s while the rows just let in ran 4 s more, and the retries came back to fail again).
+    `told`: requests of the same burst refused just before this one; each takes the next row's end, so
+    they come back spread as places free, not together (QA pass 16: 3 of 8 openai-node streams failed
+    their retries against 2 rows, all told 1 s)."""
     steps = [likely_steps_left(snap, r) for r in snap.rows] + [likely_pending_steps(snap, w) for w in pending]
     if not steps:
         return 1
-    return retry_after_steps(snap, min(steps))
+    return retry_after_steps(snap, sorted(steps)[min(told, len(steps) - 1)])
 
 
 def logprobs_steps(snap: EngineSnapshot, need: int, limit: int) -> int:

@@ -50,6 +50,7 @@ class AdmissionGate:
         self.counts = Counters()  # guarded by inbox.lock
         # TTFT-refused requests not yet due back, in refusal order: (due, as a waiter); inbox.lock
         self._promised: list[tuple[float, WaiterView]] = []
+        self._full_due: list[float] = []  # when the requests told queue_full lately come back
 
     def submit(self, handle: RequestHandle, followers: list[RequestHandle] = ()) -> None:
         """Queue `handle` (with the other choices of an n > 1 request, admitted together), or raise."""
@@ -89,7 +90,11 @@ class AdmissionGate:
             free_rows = max(0, cfg.max_seqs - snap.running)
             if inbox.queued + n > cfg.max_queue + free_rows:
                 c.queue_rejected += n
-                retry = forecast.retry_after(snap, inbox.pending(snap.absorbed))
+                now = time.monotonic()  # a burst refused together is told the row ends one by one
+                self._full_due = [d for d in self._full_due if d > now]
+                retry = forecast.retry_after(snap, inbox.pending(snap.absorbed), told=len(self._full_due))
+                if len(self._full_due) < MAX_PROMISES:
+                    self._full_due.append(now + retry)
                 raise admission.queue_full_refusal(cfg, inbox.queued, retry, free_rows)
             ahead = inbox.pending(snap.absorbed) if ttft else []
             # the 429 says "wait for the load to drop": with none (no row, no waiter) nothing a retry

@@ -291,10 +291,11 @@ class Scheduler:
             retry if steps is None else forecast.retry_after_steps(snap, steps, self.cfg.max_queue_wait)
         )
         waited = self.cfg.max_queue_wait
-        for ahead, w in late:
+        for told, (ahead, w) in enumerate(late):  # the burst's earlier ones take the sooner row ends
             s.waiting.remove(w)
             s.counters.rejected_kv_timeout += w.choices
-            refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, retry, ahead, head_waits)
+            spread = forecast.retry_after(snap, told=told) if told else retry
+            refusal = admission.kv_timeout_refusal(self.cfg, w, free, rows, spread, ahead, head_waits)
             if not ahead and head_waits == "logprobs":
                 lp = s.logprobs  # in time if it comes a queue wait before enough is back (as slot_retry)
                 lp_retry = forecast.retry_after_steps(
