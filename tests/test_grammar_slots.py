@@ -448,8 +448,10 @@ def test_a_slot_waits_retry_after_counts_the_queue_wait_of_the_retry(make_engine
     free 4 s later). Red with the queue wait not taken off."""
     from kvgate.core import forecast
 
-    snap = make_engine().snapshot()
-    steps = 600  # 30 s at the default step time before any step is timed
+    import dataclasses
+
+    snap = dataclasses.replace(make_engine().snapshot(), step_prior=0.05)
+    steps = 600  # 30 s at a step prior of 50 ms, before any step is timed
     assert forecast.retry_after_steps(snap, steps) - forecast.retry_after_steps(snap, steps, 10.0) == 10
     assert forecast.retry_after_steps(snap, steps, 120.0) == 1
 

@@ -498,3 +498,38 @@ def test_a_wrong_tool_choice_is_told_the_responses_shape_and_allowed_tools_is_re
     assert r.status_code == 400 and "allowed_tools" in r.json()["error"]["message"], r.text
     r = httpx.post(base + "/v1/responses", json={**body, "text": {"verbosity": "low"}}, timeout=60)
     assert r.status_code == 200 and r.json()["text"]["verbosity"] == "low", r.text
+
+
+def test_a_stream_the_client_stopped_is_kept_under_the_ids_it_was_sent(base):
+    """QA pass 16 (AI SDK, openai-node): a client that stops a streamed response holds its response and
+    message ids, and the AI SDK sends the message id back as an item_reference next turn; kvgate kept
+    nothing, so that turn and every later one was a 400, and GET was a 404. What was sent is kept,
+    status cancelled, the message incomplete. Red without `ResponseEvents.abandon` in the stream's end."""
+    import time
+
+    body = {"model": "tiny", "input": "hello", "max_output_tokens": 3000, "ignore_eos": True, "stream": True}
+    rid = mid = None
+    with httpx.stream("POST", base + "/v1/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                ev = json.loads(line[6:])
+                rid = rid or ev.get("response", {}).get("id")
+                if ev["type"] == "response.output_text.delta":
+                    mid = ev["item_id"]
+                    break  # the client stops: the connection closes with the block
+    assert rid and mid
+    deadline, got = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        got = httpx.get(base + f"/v1/responses/{rid}")
+        if got.status_code == 200:
+            break
+        time.sleep(0.05)
+    assert got.status_code == 200, got.text
+    kept = got.json()
+    assert kept["status"] == "cancelled" and kept["output"][0]["id"] == mid
+    assert kept["output"][0]["status"] == "incomplete"
+    turn = {"model": "tiny", "max_output_tokens": 4}
+    turn["input"] = [{"type": "item_reference", "id": mid}, {"role": "user", "content": "go on"}]
+    assert httpx.post(base + "/v1/responses", json=turn, timeout=60).status_code == 200
+    chained = {"model": "tiny", "max_output_tokens": 4, "input": "more", "previous_response_id": rid}
+    assert httpx.post(base + "/v1/responses", json=chained, timeout=60).status_code == 200

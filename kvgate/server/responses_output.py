@@ -139,6 +139,7 @@ class ResponseEvents:
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.error: dict | None = None
+        self.done = False  # the last event is written (end), or the client left (abandon)
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -175,7 +176,29 @@ class ResponseEvents:
                 self.finish_reason = choice["finish_reason"]
         return out
 
+    def abandon(self) -> None:
+        """The client left mid-stream: what it was sent is kept as the response, status `cancelled`, the
+        item being written `incomplete`, so the ids it holds stay good (QA pass 16: the AI SDK sends a
+        stopped answer's message id back as an item_reference, and each later turn was a 400)."""
+        if self.done:
+            return
+        self.done = True
+        if self.text is not None:
+            at = self.output.index(self.text)
+            self.output[at] = message_item("".join(self.parts), self.logprobs, "incomplete", self.text["id"])
+        for item in self.calls.values():
+            item["status"] = "incomplete"
+        self.response = {
+            **self.response,
+            "output": self.output,
+            "status": "cancelled",
+            "usage": usage(self.usage),
+        }
+        if self.on_final is not None:
+            self.on_final(self.response)
+
     def end(self) -> list[str]:
+        self.done = True
         if self.error is not None:  # no item is done: what was written stays, marked incomplete
             if self.text is not None:
                 text = "".join(self.parts)

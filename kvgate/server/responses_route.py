@@ -74,7 +74,7 @@ async def responses(request: Request) -> Response:
     skel["store"], skel["previous_response_id"] = keep, body.get("previous_response_id")
 
     def kept(response: dict) -> None:  # a response larger than the whole store says store: false
-        if keep and response["status"] in ("completed", "incomplete"):
+        if keep and response["status"] in ("completed", "incomplete", "cancelled"):
             response["store"] = store.put(response, conversation)
 
     if isinstance(answer, StreamingResponse):
@@ -119,7 +119,9 @@ def _unreferenced(item_id, store: ResponseStore) -> str:
     return (
         f"item_reference {named} names no item this server keeps: items are kept with their response "
         f"(unless it said store: false) while it stays in the {fmt_bytes(store.limit)} --responses-store "
-        f"({store.evicted} evicted so far; a restart keeps none). Send the item itself instead."
+        f"({store.evicted} evicted so far; a restart keeps none). Send the item itself instead (the AI "
+        "SDK's openai provider sends references while it stores responses: pass providerOptions.openai.store "
+        "false, or use openai.chat())."
     )
 
 
@@ -245,4 +247,5 @@ async def _events(chat_stream, shaper: ResponseEvents):
         for e in shaper.end():
             yield e
     finally:
+        shaper.abandon()  # nothing when it ended; a client that left keeps what it was sent
         await chat_stream.aclose()
