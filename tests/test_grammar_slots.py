@@ -446,9 +446,9 @@ def test_a_slot_waits_retry_after_counts_the_queue_wait_of_the_retry(make_engine
     """A client told to retry waits in the queue again, up to --max-queue-wait: the Retry-After for a
     slot is the time until the held grammar's rows end, less that wait (QA pass 12: 60 s for a slot
     free 4 s later). Red with the queue wait not taken off."""
-    from kvgate.core import forecast
-
     import dataclasses
+
+    from kvgate.core import forecast
 
     snap = dataclasses.replace(make_engine().snapshot(), step_prior=0.05)
     steps = 600  # 30 s at a step prior of 50 ms, before any step is timed

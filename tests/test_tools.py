@@ -871,3 +871,26 @@ def test_smollm2_makes_one_call_for_one_intent_and_answers_html_as_text(real_bas
     }
     choice = httpx.post(real_base + CHAT, json=body, timeout=120).json()["choices"][0]
     assert "tool_calls" not in choice["message"] and choice["message"]["content"].startswith("<"), choice
+
+
+def test_logprobs_come_with_tool_calls_whole_and_streamed(base):
+    """QA pass 16: `logprobs` with `tools` was a 400, so LangChain's `ChatOpenAI({logprobs: true})` lost
+    every tool call. Every generated token's logprobs come with the calls, as vLLM gives them: the whole
+    body lists one per completion token, and the stream's chunks carry the same tokens in order (a token
+    the parser holds back gets a chunk of its own). Red with the refusal back in `features_of`."""
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "max_tokens": 60, "seed": 3}
+    body.update(logprobs=True, top_logprobs=2, temperature=1.0)
+    r = httpx.post(base + CHAT, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    choice = whole["choices"][0]
+    assert choice["message"]["tool_calls"] and choice["finish_reason"] in ("tool_calls", "length")
+    tokens = [t["token"] for t in choice["logprobs"]["content"]]
+    assert len(tokens) == whole["usage"]["completion_tokens"]
+    streamed = []
+    with httpx.stream("POST", base + CHAT, json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed += [t["token"] for t in (c.get("logprobs") or {}).get("content") or []]
+    assert streamed == tokens

@@ -75,11 +75,6 @@ def features_of(engine, req) -> Features:
         text = lark_of(guided, T.JSON_STYLE)
     else:
         return f
-    if f.tools is not None and f.logprobs is not None:
-        raise unsupported(
-            "logprobs",
-            "logprobs together with tools are not implemented; send the request without one of them",
-        )
     if getattr(req, "min_tokens", None):  # a grammar that allows only its end could then go nowhere
         raise unsupported(
             "min_tokens",

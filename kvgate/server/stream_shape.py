@@ -4,7 +4,8 @@
 and orders them). Without features it gives exactly the plain stream: a role chunk per chat choice, a
 chunk per token that released text, the held-back tail, a finish chunk. With features:
 - logprobs: a chunk for every token (text or not), carrying that token's logprobs;
-- tools: each choice's text goes through a `ToolCallParser`; content is sent as content, a call as
+- tools: each choice's text goes through a `ToolCallParser` (its tokens' logprobs ride on the chunk
+  each token's text starts, or on one of their own while the parser holds the text); content is sent as content, a call as
   `delta.tool_calls` (first its index, id, type and name with empty arguments, then argument pieces),
   and a choice that called tools finishes with `tool_calls`; cut short by max_tokens, with `length`
   after the argument text so far: the same calls and arguments as the whole response's;
@@ -61,7 +62,11 @@ class StreamShaper:
         self.generated += 1
         lp = ev.logprobs if self.f is not None and self.f.logprobs is not None else None
         if self.f is not None and self.f.tools is not None:
-            return self._tool_events(i, self._parser(i).push(ev.text))
+            out = self._tool_chunks(i, self._parser(i).push(ev.text))
+            if lp is not None:  # on the token's first chunk, or one of its own (text held by the parser)
+                out = out or [self.chunks.choice(i, None)]
+                out[0]["choices"][0]["logprobs"] = self._logprobs(i, lp)
+            return [self._dress(c) for c in out]
         if not ev.text and lp is None:
             return []
         chunk = self.chunks.choice(i, ev.text)
@@ -90,6 +95,9 @@ class StreamShaper:
         return self.parsers.setdefault(i, TP.ToolCallParser())
 
     def _tool_events(self, i: int, events) -> list[dict]:
+        return [self._dress(c) for c in self._tool_chunks(i, events)]
+
+    def _tool_chunks(self, i: int, events) -> list[dict]:
         out = []
         for ev in events:
             if ev[0] == "content":
@@ -108,7 +116,7 @@ class StreamShaper:
             chunk = self.chunks.choice(i, None)
             chunk["choices"][0]["delta"]["tool_calls"] = [call]
             out.append(chunk)
-        return [self._dress(c) for c in out]
+        return out
 
     def _logprobs(self, i: int, lp) -> dict:
         if self.chunks.kind == "chat":
