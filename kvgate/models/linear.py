@@ -15,10 +15,16 @@ overhead: the kernels' memory is then part of the measured baseline, and serving
 
 from __future__ import annotations
 
+import functools
+import logging
 from bisect import bisect_left
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("kvgate.models")
+PROBE_ROWS_MAX = 64  # the row-invariance probe's buckets stop here (a few ms a shape)
+PROBE_OUT_MAX = 1024  # and its weight's output rows (the kernel is chosen by rows and k)
 
 PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 16 measured best from 1 to 256
 
@@ -99,6 +105,56 @@ class Linear:
             return
         plain_fp32 = not self.packed and self.weight.dtype == torch.float32
         self.buckets = row_buckets(max_rows, 4 if plain_fp32 else 2)
+        if not self.packed:
+            n, k = self.weight.shape
+            probe = tuple(b for b in self.buckets if b <= PROBE_ROWS_MAX)
+            emulated = self.weight.dtype == torch.bfloat16 and not native_bf16()
+            if emulated or (probe and not rows_invariant(self.weight.dtype, min(n, PROBE_OUT_MAX), k, probe)):
+                _warn_batch_dependent(self.weight.dtype, n, k)
+
+
+@functools.cache
+def rows_invariant(dtype: torch.dtype, n: int, k: int, buckets: tuple[int, ...]) -> bool:
+    """Whether the plain matmul (MKL's sgemm, or the bfloat16 path) of an (n, k) weight gives a row the
+    same bits at every one of `buckets` rows, measured here on random data once per shape. It differs
+    by CPU: on a Zen 4 the buckets (from 4 rows) absorbed it; on an Emerald Rapids shown without
+    avx512_bf16 a 576x1536 weight's row had other bits below 57 rows than at 64 (session 40)."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    x = torch.randn(max(buckets), k, generator=g).to(dtype)
+    with torch.inference_mode():
+        first = F.linear(x, w)[:1]
+        return all(torch.equal(F.linear(x[:b], w)[:1], first) for b in buckets)
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """The CPU lists bfloat16 arithmetic (avx512_bf16 or amx_bf16). Without it PyTorch emulates bfloat16,
+    and a --weights full bfloat16 model decoded a prompt with other logprobs alone than in a batch of
+    four on an Emerald Rapids that hid both flags, though each matmul's rows agreed (session 40)."""
+    from kvgate.models.native import cpu_flags
+
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+_WARNED: set = set()
+
+
+def _warn_batch_dependent(dtype: torch.dtype, n: int, k: int) -> None:
+    """Once per dtype: batching can move a request's numbers with such a weight on this CPU."""
+    if dtype in _WARNED:
+        return
+    _WARNED.add(dtype)
+    log.warning(
+        "batching can change a request's numbers here: a %dx%d %s weight (and maybe others) runs on this "
+        "CPU's plain matmul, whose rows depend on the row count (measured at startup; bfloat16 is emulated "
+        "without avx512_bf16), so a request decoded beside others can get logprobs ~1e-6 apart from alone, "
+        "and rarely another token. Prepacked float32 (--dtype float32 --pack-weights on) and the GGUF "
+        "block formats keep a request's numbers whatever runs beside it.",
+        n,
+        k,
+        str(dtype).removeprefix("torch."),
+    )
 
 
 def warm_kernels(shapes: list[tuple[int, int, int]], dtype: torch.dtype) -> None:
