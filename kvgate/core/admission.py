@@ -107,10 +107,9 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None, n: int
         msg = "the prompt is empty: send at least one token of prompt."
     elif P >= cfg.max_model_len:  # the sentence OpenAI and vLLM begin with: clients match it (LiteLLM, aider)
         msg = (
-            f"This model's maximum context length is {cfg.max_model_len} tokens. However, the prompt "
-            f"alone is {P} tokens, and the context "
-            f"must also hold at least one generated token. Shorten the prompt by at least "
-            f"{P - cfg.max_model_len + 1} token{'s' if P >= cfg.max_model_len + 1 else ''}."
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, the prompt alone is "
+            f"{P} tokens, and the context must also hold at least one generated token. Shorten the prompt by "
+            f"at least {P - cfg.max_model_len + 1} token{'s' if P >= cfg.max_model_len + 1 else ''}."
         )
     else:
         by_context = max(0, cfg.max_model_len - P)
