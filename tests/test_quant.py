@@ -153,20 +153,22 @@ def test_int4_decodes_smollm2_as_the_full_model_does_within_the_stated_tolerance
     the head in float32), at least 6 of the 8 prompts give the full model's first 24 greedy tokens
     (measured: 6 of 8 for 48 tokens; one diverged at token 3 on a near-tie, one at 43), and while the
     tokens agree, the chosen token's log-probability differs by at most 0.5 (measured max printed).
-    On CPUs with native bf16 (avx512_bf16 or AMX) the probe may pick bfloat16 activations, which round
-    every layer's input to 8 bits of mantissa: there at least 5 of 8 (measured on a Zen 5 EPYC, whose
-    probe picked bfloat16: 5 of 8, max logprob error 0.08).
+    Where the startup probe picks bfloat16 activations, which round every layer's input to 8 bits of
+    mantissa, at least 5 of 8 (measured on a Zen 5 EPYC, whose probe picked bfloat16: 5 of 8, max
+    logprob error 0.08; and on session 40's Emerald Rapids, whose CPU lists no bf16 but whose probe
+    timed it faster: 5 of 8, 0.078).
     Broken by (seen red): quantizing the LM head too (all 8 prompts diverged within 13 tokens)."""
-    from kvgate.core.placement import cpu_has_fast_bf16
-
     steps = 24
-    need = 5 if cpu_has_fast_bf16() else 6
-    same, worst = greedy_agreement("int4", steps)
+    info: dict = {}
+    same, worst = greedy_agreement("int4", steps, info=info)
+    # what the probe chose, not the CPU's flags: session 40's Emerald Rapids (no avx512_bf16 listed)
+    # timed bfloat16 faster too, and gave 5 of 8 (max logprob error 0.078)
+    need = 5 if "int4 matmuls on bfloat16 activations" in info["plan"] else 6
     print(f"\nint4 vs full: {same}/8 prompts identical for {steps} tokens; max logprob error {worst:.4f}")
     assert same >= need and worst <= 0.5, (same, need, worst)
 
 
-def greedy_agreement(fmt: str, steps: int, **extra) -> tuple[int, float]:
+def greedy_agreement(fmt: str, steps: int, info: dict | None = None, **extra) -> tuple[int, float]:
     """SmolLM2 under `--weights fmt` (and any other `EngineConfig` fields in `extra`) against
     `--weights full` on the 8 real prompts, greedy: how many prompts give full's first `steps` tokens,
     and the largest difference of the chosen token's log-probability while the tokens agree."""
@@ -188,6 +190,8 @@ def greedy_agreement(fmt: str, steps: int, **extra) -> tuple[int, float]:
                 h = e.submit(GenerationRequest(e.tokenizer.encode(p), sp, steps, ignore_eos=True))
                 out.append([(ev.token_id, ev.logprobs.logprob) for ev in h if isinstance(ev, Token)])
             runs[name] = out
+            if info is not None and name == "got":  # the plan's notes say what its probes chose
+                info["plan"] = e.plan.describe(None)
         finally:
             e.shutdown()
     same, worst = 0, 0.0
