@@ -15,17 +15,9 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.test_structured import CHAT, MSG, tiny_base, tiny_engine  # noqa: F401 (fixtures)
+from tests.test_structured import CHAT, MSG, PERSON, tiny_base, tiny_engine  # noqa: F401 (fixtures)
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
+SCHEMA = PERSON  # a closed object of a bounded string and a bounded integer
 CHOICES = ["positive", "negative", "neutral"]
 REGEX = r"[a-f]{2,4}-[0-9]{3}"
 GBNF = 'root ::= "yes" | "no" | "maybe " digit\ndigit ::= [0-9]'

@@ -23,9 +23,8 @@ from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.server.guided import check_counts, constraint_of, guided_error, lark_of
 from kvgate.structured.compiler import Grammar, GrammarError, check_lengths, compiler_for
 from kvgate.structured.schema_prep import (
-    closed_objects,
     compiles,
-    engine_schema,
+    grammar_schema,
     keyword_paths,
     length_bounds,
     unimplemented,
@@ -95,6 +94,8 @@ def features_of(engine, req) -> Features:
     schemas = [fn.parameters for fn in f.tools.functions] if f.tools is not None else []
     if req.response_format is not None and req.response_format.json_schema is not None:
         schemas.append(req.response_format.json_schema.schema_)
+    if guided is not None and guided.kind == "json":
+        schemas.append(guided.value)
     try:
         check_lengths([b for schema in schemas for b in length_bounds(schema)])
         if guided is not None:
@@ -142,14 +143,13 @@ def _answer_rule(rf: P.ResponseFormat | None) -> str | None:
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
-        schema: dict = {"type": "object"}
+        schema: dict = {"type": "object", "x-guidance": T.JSON_STYLE}
     else:
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise invalid(
                 "response_format of type 'json_schema' needs json_schema.schema", param="response_format"
             )
-        schema = engine_schema(closed_objects(rf.json_schema.schema_))
-    schema["x-guidance"] = T.JSON_STYLE
+        schema = grammar_schema(rf.json_schema.schema_, T.JSON_STYLE)
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 

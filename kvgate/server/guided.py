@@ -35,9 +35,8 @@ from kvgate.structured.compiler import (
     OTHER_STATES,
     STATES_PER_CHAR,
     GrammarError,
-    check_lengths,
 )
-from kvgate.structured.schema_prep import COUNTS, closed_objects, engine_schema, length_bounds
+from kvgate.structured.schema_prep import COUNTS, grammar_schema
 
 
 class StructuredOutputs(BaseModel):
@@ -73,9 +72,6 @@ class Constraint:
     param: str  # the field as sent, for a 400
     kind: str  # json | regex | choice | grammar
     value: Any
-
-    def schema(self) -> dict | None:
-        return self.value if self.kind == "json" else None
 
 
 def constraint_of(req) -> Constraint | None:
@@ -139,11 +135,9 @@ def _schema(param: str, value) -> dict:
 def lark_of(c: Constraint, json_style: dict) -> str:
     """The grammar text for the compiler (a 400 naming the field where it cannot be made)."""
     if c.kind == "json":
-        schema = engine_schema(closed_objects(c.value))
-        schema["x-guidance"] = json_style
-        return "start: %json " + json.dumps(schema, ensure_ascii=False) + "\n"
+        return "start: %json " + json.dumps(grammar_schema(c.value, json_style), ensure_ascii=False) + "\n"
     size = len(c.value) if isinstance(c.value, str) else sum(len(x) for x in c.value or [])
-    if c.kind != "json" and size > MAX_GRAMMAR_CHARS:  # before any parsing: the compiler's bound
+    if size > MAX_GRAMMAR_CHARS:  # before any parsing: the compiler's bound
         raise invalid(
             f"{c.param} is {size:,} characters; kvgate compiles at most {MAX_GRAMMAR_CHARS:,} (its planned "
             "memory per grammar)",
@@ -167,10 +161,9 @@ def lark_of(c: Constraint, json_style: dict) -> str:
 
 
 def check_counts(c: Constraint) -> None:
-    """A schema's string bounds, or a regex's or grammar's counted repeats (`{n}`, `{n,m}`), within the
-    lexer states a grammar has: never found short mid-answer (`compiler.check_lengths`)."""
-    if c.kind == "json":
-        return check_lengths(length_bounds(c.value))
+    """A regex's or grammar's counted repeats (`{n}`, `{n,m}`) within the lexer states a grammar has, as
+    a schema's string bounds are (`compiler.check_lengths`, which `features_of` runs on a json one):
+    never found short mid-answer."""
     n = sum(int(b or a) for a, b in COUNTS.findall(c.value)) if c.kind in ("regex", "grammar") else 0
     need = STATES_PER_CHAR * n + OTHER_STATES
     if need > LEXER_STATES:

@@ -183,11 +183,7 @@ class ResponseEvents:
         if self.done:
             return
         self.done = True
-        if self.text is not None:
-            at = self.output.index(self.text)
-            self.output[at] = message_item("".join(self.parts), self.logprobs, "incomplete", self.text["id"])
-        for item in self.calls.values():
-            item["status"] = "incomplete"
+        self._cut_open_items()
         self.response = {
             **self.response,
             "output": self.output,
@@ -200,12 +196,7 @@ class ResponseEvents:
     def end(self) -> list[str]:
         self.done = True
         if self.error is not None:  # no item is done: what was written stays, marked incomplete
-            if self.text is not None:
-                text = "".join(self.parts)
-                at = self.output.index(self.text)
-                self.output[at] = message_item(text, self.logprobs, "incomplete", self.text["id"])
-            for item in self.calls.values():
-                item["status"] = "incomplete"
+            self._cut_open_items()
             err = {"code": self.error.get("code"), "message": self.error.get("message")}
             self.response = {**self.response, "output": self.output, "status": "failed", "error": err}
             return [self.event("response.failed", response=self.response)]
@@ -224,6 +215,14 @@ class ResponseEvents:
         return out + [self.event(kind, response=self.response)]
 
     # ---- items -------------------------------------------------------------------------------------
+    def _cut_open_items(self) -> None:
+        """The items still being written end as written so far, `incomplete` (an error, a client gone)."""
+        if self.text is not None:
+            at = self.output.index(self.text)
+            self.output[at] = message_item("".join(self.parts), self.logprobs, "incomplete", self.text["id"])
+        for item in self.calls.values():
+            item["status"] = "incomplete"
+
     def _where(self, item: dict) -> dict:
         return {"item_id": item["id"], "output_index": self.output.index(item)}
 

@@ -4,9 +4,9 @@
 and orders them). Without features it gives exactly the plain stream: a role chunk per chat choice, a
 chunk per token that released text, the held-back tail, a finish chunk. With features:
 - logprobs: a chunk for every token (text or not), carrying that token's logprobs;
-- tools: each choice's text goes through a `ToolCallParser` (its tokens' logprobs ride on the chunk
-  each token's text starts, or on one of their own while the parser holds the text); content is sent as content, a call as
-  `delta.tool_calls` (first its index, id, type and name with empty arguments, then argument pieces),
+- tools: each choice's text goes through a `ToolCallParser` (a token's logprobs ride on the first chunk
+  its text makes, or on one of their own while the parser holds the text); content is sent as content,
+  a call as `delta.tool_calls` (first its index, id, type and name with empty arguments, then argument pieces),
   and a choice that called tools finishes with `tool_calls`; cut short by max_tokens, with `length`
   after the argument text so far: the same calls and arguments as the whole response's;
 - echo (completions): the prompt's text is the first chunk of each choice;

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from kvgate.server import protocol as P
 from kvgate.server.errors import invalid
-from kvgate.structured.schema_prep import closed_objects, engine_schema
+from kvgate.structured.schema_prep import grammar_schema
 
 OPEN = "<tool_call>\n"
 END = "</tool_call>"
@@ -159,13 +159,9 @@ def _native_turn(m: dict) -> dict:
 
 def args_schema(f: P.FunctionDef) -> dict:
     # no parameters: the function takes none (an empty object, not any object)
-    schema = (
-        engine_schema(closed_objects(f.parameters))
-        if f.parameters
-        else {"type": "object", "properties": {}, "additionalProperties": False}
-    )
-    schema["x-guidance"] = JSON_STYLE
-    return schema
+    if f.parameters:
+        return grammar_schema(f.parameters, JSON_STYLE)
+    return {"type": "object", "properties": {}, "additionalProperties": False, "x-guidance": JSON_STYLE}
 
 
 def not_containing(word: str) -> str:

@@ -136,6 +136,15 @@ INTEGER_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", 
 MAX_INTEGER = 10**16 - 1
 
 
+def grammar_schema(schema: dict, style: dict) -> dict:
+    """A client's JSON schema as the grammar takes it: its open objects closed (`closed_objects`), the
+    engine's copy (`engine_schema`), and the generated JSON's `style` (llguidance's `x-guidance`). One
+    place for tools' parameters, `response_format` and vLLM's / llama.cpp's schema fields."""
+    out = engine_schema(closed_objects(schema))
+    out["x-guidance"] = style
+    return out
+
+
 def engine_schema(schema):
     """A copy of `schema` for the engine: without the `format`s it does not know, nor the annotations
     that never change what is generated (`ANNOTATIONS`: a grammar's text holds its schema, and the
