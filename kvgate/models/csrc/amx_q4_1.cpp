@@ -118,9 +118,9 @@ KVGATE_AMX_FN void load_config() {
 // Row r of x [M, K] float32 as three bf16 parts and each block's sum of x, xs [nb]. The parts lie as
 // whole tiles, [row tile][block][part][16 rows][32 values] (`TILE_A` values per tile): each
 // TDPBF16PS A operand is one contiguous 1 KiB and a block's three are 3 KiB together. Against rows of
-// K values (16 lines K * 2 bytes apart per tile), 3,072 x 576 at 256 rows 1.75 -> 1.59 ms, 30 layers'
-// worth of SmolLM2's four shapes 111 -> 103 ms (2 threads); the same bits. `r16` is r's place in its
-// tile; a row from M on is zeros.
+// K values (16 lines K * 2 bytes apart per tile): 3,072 x 576 at 256 rows 1.77 -> 1.59-1.66 ms, 30
+// layers' worth of SmolLM2's four shapes 110.6 -> 102.6-107.8 ms (AMX Xeon, 2 threads); the same
+// bits. `r16` is r's place in its tile; a row from M on is zeros.
 KVGATE_AMX_FN void split_row(const float* xr, bool zero, int64_t K, uint16_t* tile, int64_t r16, float* xs) {
   const int64_t nb = K / QBLOCK;
   for (int64_t b = 0; b < nb; ++b) {
