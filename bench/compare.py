@@ -1147,7 +1147,7 @@ def write_doc(results: dict) -> None:
         f"{class_of(m)}."
     )
     w(
-        f"- Flags of note present: {', '.join(m['flags_present']) or 'none'}; absent: {', '.join(m['flags_absent'])}. "
+        f"- Flags of note present: {', '.join(m['flags_present']) or 'none'}; absent: {', '.join(m['flags_absent']) or 'none'}. "
         + (
             "Without avx512_bf16/AMX, PyTorch's bf16 matmuls on CPU are slow, so fp32 is the fast float path here."
             if "avx512_bf16" in m["flags_absent"]
