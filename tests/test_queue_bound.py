@@ -278,7 +278,7 @@ def test_the_requests_just_let_in_count_as_rows_in_the_503s_retry_after():
     """QA pass 16: in one burst the gate let 2 requests of 400 tokens into the free rows, and the 503s
     sent right after said Retry-After 1 (the snapshot showed no rows yet): the retries came back 3 s
     early and failed again. The gate's pending requests count as rows at their max_tokens. Red with
-    them left out (1)."""
+    them left out (1); red with the forced (ignore_eos) one at LIKELY_TOKENS (3, session 41)."""
     from kvgate.core.snapshot import WaiterView
     from tests.cluster_util import snapshot
 
@@ -288,8 +288,11 @@ def test_the_requests_just_let_in_count_as_rows_in_the_503s_retry_after():
     assert forecast.retry_after(snap, pending) == 2  # 200 ticks of 10 ms
     # max_tokens unset (the rest of the context): a typical answer, not 8,150 ticks (QA pass 16 on the
     # first version: Retry-After 28-60 for rows free in 0.2 s); LIKELY_TOKENS before any row stopped
-    unset = [WaiterView(40, 4, 3, 8150)]
+    unset = [WaiterView(40, 4, 3, 8150, may_stop=True, explicit=False)]
     assert forecast.retry_after(snap, unset) == 3  # 256 ticks
+    # one forced to its max_tokens (ignore_eos) is priced there, as a running row is
+    forced = [WaiterView(40, 4, 3, 500, may_stop=False, explicit=True)]
+    assert forecast.retry_after(snap, forced) == 5  # 500 ticks, not 256
     warm = snapshot(recent_decode_periods=(0.01,) * 8, stop_lengths=(8, 12, 10, 9, 11))
     assert forecast.retry_after(warm, unset) == 1
 

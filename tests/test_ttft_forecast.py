@@ -5,6 +5,7 @@ short prompts refused on a near-idle server after one long prompt had set the pe
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -257,6 +258,45 @@ def test_waiters_ahead_take_the_freed_rows_and_then_end_themselves(make_engine):
     # blocks bind too: the whole pool (64) only after both waiters end (tick 82); more never fits
     assert forecast.admission_tick(cfg, snap, list(waiters), 64, 1) == 82
     assert forecast.admission_tick(cfg, snap, list(waiters), 65, 1) is None
+
+
+def test_rows_and_waiters_that_may_stop_are_walked_to_their_likely_ends_as_retry_after_prices_them(
+    make_engine,
+):
+    """Session 41: the TTFT walk took every row to its max_tokens, so behind a full batch of rows with
+    max_tokens unset (openai-node's, the AI SDK's and LangChain's default: the rest of the context)
+    every request was refused a --max-ttft of seconds, its Retry-After 60, while Retry-After's own walk
+    (session 40) priced the same rows at a typical answer. Both now walk the likely ends. Two rows, 8,100
+    steps to their ceilings, 9 in 10 answers here of 40 tokens: one may stop (20 written, 20 to go),
+    one is forced (ignore_eos); a waiter ahead that may stop takes the first row at tick 20 and ends at
+    20 + 1 + 1 + 40 = 62, when the newcomer gets its row. Red with `predicted_ttft` walking `steps_left`
+    (~81 s, a 429 with Retry-After 60) and with the waiter walked to its max_tokens (tick 8,100)."""
+    cfg = cfg_for(make_engine, max_seqs=2, max_ttft=2.0)
+    unset = dict(may_stop=True, explicit=False)
+    rows = (
+        RowView(1, 8100, 4, 50, 0, 20, 8120, **unset),
+        RowView(2, 8100, 4, 60, 0, 20, 8120, explicit=False),
+    )
+    waiter = WaiterView(8, 4, 3, 8150, **unset)
+    snap = snapshot(
+        rows=rows,
+        waiters=(waiter,),
+        kv_blocks_total=4096,
+        kv_blocks_free=4000,
+        recent_decode_periods=(0.01,) * 8,
+        stop_lengths=(30, 35, 40, 38, 33, 36, 31, 39, 34, 40),
+    )
+    assert forecast.admission_tick(cfg, forecast.likely_rows(snap), [waiter], 4, 1) == 62
+    admit, _, _ = forecast.predicted_ttft(cfg, snap, [], 8, 16)
+    assert admit == pytest.approx(0.63)
+    assert admission.ttft_refusal(cfg, (admit, 0.0, 8), timed=False) is None
+    # with the first row forced as well, the same request is refused: both rows run to their ceilings
+    forced = tuple(dataclasses.replace(r, may_stop=False) for r in rows)
+    late = forecast.predicted_ttft(cfg, dataclasses.replace(snap, rows=forced), [], 8, 16)
+    refusal = admission.ttft_refusal(cfg, late, timed=False)
+    assert late[0] > 60 and refusal is not None and refusal.retry_after == 60
+    # Retry-After and the TTFT walk agree on when the first row frees: 20 steps of 10 ms
+    assert forecast.retry_after(snap) == 1
 
 
 def test_a_herd_refused_together_is_told_to_come_back_spread_out(make_engine):

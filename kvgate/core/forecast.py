@@ -10,15 +10,16 @@ Both walk the running rows by their remaining steps. What one step takes:
   (`EngineSnapshot.decode_position_seconds`). With a fixed step, a live SmolLM2 server forecast
   2.49 s where 3.29 s passed, with two rows 500-1,100 positions deep (session 31).
 
-Prefill is priced by position (`kvgate.core.prefill_rate`). Every forecast is as good as the rows'
-max_tokens: a row that stops on EOS frees its place early. It is a forecast, not a bound: with only
-decode running it came within +-0.2 s on 18 of 24 probes (12 to 3 s ahead); with prompt chunks
-mixing in and a load generator on the same two cores, 5 of 12 admitted requests missed a 2 s budget by
-up to 0.57 s (session 31's QA).
+Prefill is priced by position (`kvgate.core.prefill_rate`). Every forecast is as good as each row's
+likely end: its max_tokens, or where it may stop at EOS, a typical answer here (`likely_decode`). It is
+a forecast, not a bound: with only decode running it came within +-0.2 s on 18 of 24 probes (12 to 3 s
+ahead); with prompt chunks mixing in and a load generator on the same two cores, 5 of 12 admitted
+requests missed a 2 s budget by up to 0.57 s (session 31's QA).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
@@ -121,26 +122,39 @@ def typical_answer(snap: EngineSnapshot) -> int | None:
     return lengths[(9 * (len(lengths) - 1)) // 10] if len(lengths) >= MIN_STOPS else None
 
 
-def likely_steps_left(snap: EngineSnapshot, r) -> int:
-    """A row's steps left, likely, for a Retry-After: until its max_tokens, or, for a row that may stop at
-    EOS, until it has written a typical answer here (`typical_answer`; LIKELY_TOKENS for an unset
-    max_tokens before there is one), at least a quarter of that more. Not the latest end: an unset
-    max_tokens is the rest of the context, and rows that stopped in ~1 s were priced at 8,150 steps,
-    Retry-After 60 (QA pass 16: openai-node slept it in full against an idle server)."""
+def likely_decode(snap: EngineSnapshot, r, generated: int = 0) -> int:
+    """The tokens a row (RowView) or waiter (WaiterView) that has written `generated` likely writes yet:
+    up to its max_tokens, or, where it may stop at EOS, until it has written a typical answer here
+    (`typical_answer`; LIKELY_TOKENS for an unset max_tokens before there is one), at least a quarter
+    of that more. An explicit max_tokens stands until there is a typical answer. Not the latest end: an
+    unset max_tokens is the rest of the context, and rows that stopped in ~1 s were priced at 8,150
+    steps, Retry-After 60 (QA pass 16: openai-node slept it in full against an idle server)."""
+    decode = r.max_tokens - generated
     typical = typical_answer(snap)
     if not r.may_stop or (typical is None and r.explicit):
-        return r.steps_left
+        return decode
     typical = LIKELY_TOKENS if typical is None else typical
-    decode = r.max_tokens - r.generated  # the rest of steps_left is prompt chunks
-    return r.steps_left - decode + min(decode, max(typical - r.generated, typical // 4, 1))
+    return min(decode, max(typical - generated, typical // 4, 1))
+
+
+def likely_steps_left(snap: EngineSnapshot, r) -> int:
+    """A row's steps left, likely: its prompt chunks, then `likely_decode`."""
+    return r.steps_left - (r.max_tokens - r.generated) + likely_decode(snap, r, r.generated)
 
 
 def likely_pending_steps(snap: EngineSnapshot, w: WaiterView) -> int:
-    """A request the gate let in, as a row: at most a typical answer here (LIKELY_TOKENS before there is
-    one). Priced at its max_tokens, an unset one (the whole context) told a burst onto an idle server to
-    retry in 28-60 s for rows free in 0.2 s (QA pass 16, on the first version of this)."""
-    typical = typical_answer(snap)
-    return min(w.max_tokens, LIKELY_TOKENS if typical is None else max(typical, 1))
+    """A request the gate let in, as a row: `likely_decode`, at least 1. Priced at its max_tokens, an
+    unset one (the whole context) told a burst onto an idle server to retry in 28-60 s for rows free in
+    0.2 s (QA pass 16, on the first version of this)."""
+    return max(likely_decode(snap, w), 1)
+
+
+def likely_rows(snap: EngineSnapshot) -> EngineSnapshot:
+    """`snap` with each row's steps_left its likely one (`likely_steps_left`), for the TTFT walk."""
+    if not snap.rows:
+        return snap
+    rows = tuple(dataclasses.replace(r, steps_left=likely_steps_left(snap, r)) for r in snap.rows)
+    return dataclasses.replace(snap, rows=rows)
 
 
 def retry_after(snap: EngineSnapshot, pending: list[WaiterView] | tuple = (), told: int = 0) -> int:
@@ -195,8 +209,10 @@ def predicted_ttft(
     now, or None before any step was timed. `pending`: requests the gate accepted that the snapshot
     does not show yet (they are ahead of this one).
 
-    Admission: the running rows are assumed to run to their max_tokens; walking them by remaining
-    steps, the request is admitted once enough rows and blocks are free for every waiter ahead of it
+    Admission: the running rows and the waiters ahead are walked by their likely ends
+    (`likely_rows`, `likely_pending_steps`), as Retry-After is: walked to an unset max_tokens (the rest
+    of the context), every request behind a full batch of openai-node's rows was refused a --max-ttft
+    of seconds, told to retry in 60 s, for rows that ended in 1 s (session 41). Walking them, the request is admitted once enough rows and blocks are free for every waiter ahead of it
     and itself, at the tick after that step (with rows running, never before the step in flight
     ends). Prefill: every prompt token still to prefill ahead of it plus its own, each at the fitted
     cost of its position -- exact with one prompt prefilling, an upper bound when chunks are shared
@@ -207,6 +223,7 @@ def predicted_ttft(
     line, step = snap.prefill_line, typical_step(snap)
     if step is None:
         return None
+    snap = likely_rows(snap)
     waiters = list(snap.waiters) + list(pending)
     spans = [(r.prompt_len - r.prompt_left, r.prompt_len) for r in snap.rows if r.prompt_left > 0]
     spans += [(0, w.prompt_len) for w in waiters] + [(cached, P)]
@@ -229,8 +246,8 @@ def predicted_ttft(
 def admission_tick(cfg: SchedulerConfig, snap: EngineSnapshot, waiters: list[WaiterView], need: int, n: int):
     """The tick (0: now) at which a newcomer needing `n` rows and `need` blocks is admitted, or None
     if never. The running rows end by their remaining steps; the waiters ahead take the rows and
-    blocks that free up first, in FIFO order, and each then runs its prompt chunks and max_tokens
-    before it ends in turn. Without that second part, a fifth request behind two rows and two
+    blocks that free up first, in FIFO order, and each then runs its prompt chunks and its likely
+    answer (`likely_pending_steps`) before it ends in turn. Without that second part, a fifth request behind two rows and two
     waiters found no room in sight and was told to retry in 60 s, where about 3 s was true (the
     retry-herd bench, session 32)."""
     chunk = max(1, cfg.prefill_chunk)
@@ -243,7 +260,7 @@ def admission_tick(cfg: SchedulerConfig, snap: EngineSnapshot, waiters: list[Wai
         while queue and rows >= queue[0].choices and blocks >= queue[0].blocks:
             w = queue.popleft()
             rows, blocks = rows - w.choices, blocks - w.blocks
-            end = tick + 1 + -(-w.prompt_len // chunk) + w.max_tokens
+            end = tick + 1 + -(-w.prompt_len // chunk) + likely_pending_steps(snap, w)
             for k in range(w.choices):  # each choice's row frees then; the blocks go with the first
                 heapq.heappush(ends, (end, w.blocks if k == 0 else 0))
         if not queue and rows >= n and blocks >= need:

@@ -121,7 +121,7 @@ class AdmissionGate:
             refusal = admission.ttft_refusal(cfg, est, timed, later, told) or refusal
         if told < MAX_PROMISES:
             blocks = admission.group_blocks(cfg, entry.prompt_len, entry.max_tokens, n)
-            view = WaiterView(entry.prompt_len, blocks, entry.id, entry.max_tokens, n)
+            view = entry.view(blocks)
             # due when the openai SDK comes back (retry-after-ms): counted past that, a client back on
             # time would be ahead of itself
             self._promised.append((now + refusal.retry_after_ms / 1000, view))

@@ -72,9 +72,7 @@ class Inbox:
         """Queue a submission the gate has approved. Call with `lock` held."""
         self._seq += 1
         self.queued += entry.choices
-        self._pending.append(
-            (self._seq, WaiterView(entry.prompt_len, blocks, entry.id, entry.max_tokens, entry.choices))
-        )
+        self._pending.append((self._seq, entry.view(blocks)))
         self._commands.append(Submit(entry, self._seq))
         self.lock.notify_all()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgate.core.predicted import PredictionDrafts
+from kvgate.core.snapshot import WaiterView
 from kvgate.core.speculate import DraftGate, NgramIndex
 from kvgate.request import BudgetCap, RequestHandle
 from kvgate.sampling import Sampler
@@ -40,6 +41,13 @@ class WaitEntry:
     @property
     def prompt_len(self) -> int:
         return len(self.handle.request.prompt_ids)
+
+    def view(self, blocks: int) -> WaiterView:
+        """This request as the forecasts see a waiter, holding `blocks` when admitted."""
+        may_stop = not self.handle.request.ignore_eos
+        return WaiterView(
+            self.prompt_len, blocks, self.id, self.max_tokens, self.choices, may_stop, self.explicit
+        )
 
 
 @dataclass

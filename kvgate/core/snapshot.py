@@ -78,6 +78,8 @@ class WaiterView:
     request_id: int = 0
     max_tokens: int = 0
     choices: int = 1  # rows it takes when admitted (n > 1 choices are admitted together)
+    may_stop: bool = False  # it can end at EOS before max_tokens (not ignore_eos), as RowView's
+    explicit: bool = True  # its max_tokens was given (unset: the rest of the context)
 
 
 @dataclass(frozen=True)

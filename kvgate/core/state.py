@@ -25,7 +25,7 @@ from kvgate.core.logprob_budget import LogprobBudget
 from kvgate.core.prefill_rate import PrefillFit
 from kvgate.core.rows import Row, WaitEntry
 from kvgate.core.side_waits import grammar_steps_left
-from kvgate.core.snapshot import Counters, EngineSnapshot, RowView, WaiterView
+from kvgate.core.snapshot import Counters, EngineSnapshot, RowView
 from kvgate.request import Finished, RequestHandle, Result
 from kvgate.structured.compiler import held_for, kept_for
 
@@ -260,13 +260,7 @@ class EngineState:
                 for r in self.running.values()
             ),
             waiters=tuple(
-                WaiterView(
-                    w.prompt_len,
-                    choice_blocks(w.prompt_len, w.max_tokens, w.choices, kv.block_size),
-                    w.id,
-                    w.max_tokens,
-                    w.choices,
-                )
+                w.view(choice_blocks(w.prompt_len, w.max_tokens, w.choices, kv.block_size))
                 for w in self.waiting
             ),
             absorbed=self.absorbed,
