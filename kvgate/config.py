@@ -118,6 +118,18 @@ class SchedulerConfig:
     def kv_positions(self) -> int:
         return self.total_blocks * self.block_size
 
+    @property
+    def queue_wait(self) -> float:
+        """How long a request may wait for room: --max-queue-wait, or --max-ttft where that is shorter (a
+        request let in on the TTFT forecast that has waited the whole budget can no longer meet it: it
+        is refused then, not 30 s later; session 41)."""
+        return self.max_queue_wait if self.max_ttft is None else min(self.max_queue_wait, self.max_ttft)
+
+    @property
+    def queue_wait_flag(self) -> str:
+        """The flag that set `queue_wait`."""
+        return "--max-ttft" if self.queue_wait < self.max_queue_wait else "--max-queue-wait"
+
 
 ENGINE_FLAGS = [
     # flag, type, default, help

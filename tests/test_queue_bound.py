@@ -417,3 +417,26 @@ def test_a_burst_refused_together_is_told_the_row_ends_one_by_one(make_engine):
     set_step_hook(e, None)
     for h in running:
         h.cancel()
+
+
+def test_a_request_let_in_on_the_ttft_forecast_waits_no_longer_than_the_budget(make_engine):
+    """Session 41: a request the TTFT forecast let into the queue, whose rows then ran longer than
+    forecast (a live SmolLM2 row ran away to 8,137 tokens), waited the whole --max-queue-wait (30 s)
+    under a --max-ttft of 2 s. The queue deadline is now the shorter of the two, and the 429 says the
+    budget set it. Here a forced row of 100 steps at ~20 ms is forecast to end in ~2 s, within a 3 s
+    budget; the steps then slow to 60 ms. Red with the deadline at --max-queue-wait (admitted after
+    ~4 s, no refusal)."""
+    e = make_engine(max_seqs=1, max_ttft=3.0, max_queue_wait=30)
+    h0 = hog(e, 4, 100)
+    wait_until(lambda: e.snapshot().counters.decode_steps >= 12)
+    t0 = time.monotonic()
+    h = e.submit(req(8, 4))
+    set_step_hook(e, lambda so: time.sleep(0.06))
+    with pytest.raises(Refusal) as ei:
+        h.wait_admitted(20)
+    waited, r = time.monotonic() - t0, ei.value
+    assert (r.code, r.status) == ("batch_rows_unavailable", 429)
+    assert "after waiting 3s (--max-ttft: no first token within 3s)" in r.message
+    assert 2.8 <= waited < 5, waited
+    assert e.sched_cfg.queue_wait == 3.0 and e.sched_cfg.queue_wait_flag == "--max-ttft"
+    h0.cancel()

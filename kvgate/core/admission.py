@@ -12,10 +12,9 @@ Refusals, in the order a request meets them:
 - `engine_unavailable` / `shutting_down` (503), `queue_full` (503), `ttft_budget_exceeded` (429; 400
   when the prompt's own prefill alone is over the budget): the gate, at arrival. `queue_full` also
   from the worker, for a newcomer that could not start at once while the queue was full.
-- `kv_memory_unavailable` (429): waited `--max-queue-wait` seconds in the FIFO and KV blocks did not
-  free up for it (or for the requests before it); `batch_rows_unavailable` (429) when the blocks were
-  free but all `--max-seqs` rows stayed busy, so an operator reading the rejection counts can tell
-  memory from rows.
+- `kv_memory_unavailable` (429): waited `--max-queue-wait` (or a shorter `--max-ttft`) seconds in the
+  FIFO and KV blocks did not free up for it (or the requests before it); `batch_rows_unavailable`
+  (429) when they were free but all `--max-seqs` rows stayed busy: operators can tell memory from rows.
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[Requ
         if cfg.prefix_cache or n > 1
         else []
     )
-    deadline = handle.submitted_at + cfg.max_queue_wait
+    deadline = handle.submitted_at + cfg.queue_wait
     return WaitEntry(handle, ceiling, explicit, requested, cap, deadline, hashes, list(followers))
 
 
@@ -305,10 +304,11 @@ def kv_timeout_refusal(
         why = f"it needs {blocks} of KV (prompt {P} + max_tokens {w.max_tokens}) and {free_blocks} of "
         why += f"{cfg.total_blocks} are free"
         fix = "Retry after the Retry-After interval, or lower max_tokens."
-    bpt = cfg.kv_bytes_per_token
+    bpt, ttft = cfg.kv_bytes_per_token, cfg.queue_wait_flag == "--max-ttft"  # its wait spent the budget
+    ttft = f" (--max-ttft: no first token within {cfg.max_ttft:g}s)" if ttft else ""
     return Refusal(
         code,
-        f"no room for this request right now: {why} after waiting {cfg.max_queue_wait:g}s. {fix}",
+        f"no room for this request right now: {why} after waiting {cfg.queue_wait:g}s{ttft}. {fix}",
         429,
         retry_after=retry,
         estimated_bytes=need * cfg.block_size * bpt,

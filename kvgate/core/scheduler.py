@@ -287,10 +287,8 @@ class Scheduler:
         held = side_waits.held_grammar(s.waiting[0]) if head_waits == "grammar" else None
         steps = side_waits.grammar_steps_left(s).get(held)  # until the held grammar's slot frees
         # a retry waits in the queue again: it is in time if it comes a queue wait before the slot frees
-        slot_retry = (
-            retry if steps is None else forecast.retry_after_steps(snap, steps, self.cfg.max_queue_wait)
-        )
-        waited = self.cfg.max_queue_wait
+        slot_retry = retry if steps is None else forecast.retry_after_steps(snap, steps, self.cfg.queue_wait)
+        waited = self.cfg.queue_wait
         for told, (ahead, w) in enumerate(late):  # the burst's earlier ones take the sooner row ends
             s.waiting.remove(w)
             s.counters.rejected_kv_timeout += w.choices
@@ -299,12 +297,16 @@ class Scheduler:
             if not ahead and head_waits == "logprobs":
                 lp = s.logprobs  # in time if it comes a queue wait before enough is back (as slot_retry)
                 lp_retry = forecast.retry_after_steps(
-                    snap, forecast.logprobs_steps(snap, side[2], lp.limit), self.cfg.max_queue_wait
+                    snap, forecast.logprobs_steps(snap, side[2], lp.limit), self.cfg.queue_wait
                 )
-                refusal = logprob_budget.timeout_refusal(side[2], lp.free, lp.limit, waited, lp_retry)
+                refusal = logprob_budget.timeout_refusal(
+                    side[2], lp.free, lp.limit, waited, lp_retry, self.cfg.queue_wait_flag
+                )
             elif head_waits == "grammar" and side_waits.waits_for_slot(w, head=not ahead):
                 g = side_waits.grammar_of(w)
-                refusal = side_waits.grammar_timeout_refusal(g, waited, slot_retry, len(s.waiting))
+                refusal = side_waits.grammar_timeout_refusal(
+                    g, waited, slot_retry, len(s.waiting), self.cfg.queue_wait_flag
+                )
             s.leave_queue(w, Refused(refusal))
 
     def _trim(self) -> None:
