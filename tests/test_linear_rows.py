@@ -103,3 +103,24 @@ def test_a_batch_dependent_path_is_named_at_startup(monkeypatch, caplog):
     Linear(w, None, False).bucket_rows(48)
     Linear(w, None, False).bucket_rows(48)  # once per dtype
     assert caplog.text.count("batching can change") == 2 and "96x64 float32" in caplog.text
+
+
+def test_the_bfloat16_probe_says_whether_any_row_moves_with_the_batch():
+    """`bf16_batch_invariant` (what `--dtype auto` asks for full weights) says yes exactly where, on every
+    probed shape, every row of a call at each bucket has the bits of the same row at the largest
+    bucket. Session 41's probe compared row 0 alone and said yes on an AMX Xeon whose bfloat16 matmul
+    moved row 1 at 2 rows against 48. Seen red there with row 0 alone compared in `rows_invariant`."""
+    from kvgate.models.linear import BF16_PROBE_SHAPES, bf16_batch_invariant, native_bf16
+
+    if not native_bf16():
+        pytest.skip("bfloat16 is emulated here: --dtype auto never picks it")
+    buckets = tuple(b for b in row_buckets(PROBE_ROWS_MAX, 2) if b <= PROBE_ROWS_MAX)
+    steady = []
+    for n, k in BF16_PROBE_SHAPES:  # the probe's own data (seed 0, w then x), every row compared
+        g = torch.Generator().manual_seed(0)
+        w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+        x = torch.randn(max(buckets), k, generator=g).to(torch.bfloat16)
+        whole = torch.nn.functional.linear(x, w)
+        steady.append(all(torch.equal(torch.nn.functional.linear(x[:b], w), whole[:b]) for b in buckets))
+        assert rows_invariant(torch.bfloat16, n, k, buckets) == steady[-1], (n, k)
+    assert bf16_batch_invariant() == all(steady)

@@ -181,6 +181,7 @@ def test_dtype_auto_is_float32_under_the_gguf_formats_even_where_bf16_is_fast(mo
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(placement, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(placement, "bf16_batch_invariant", lambda: True)
     assert placement.resolve_dtype("auto", cpu, "full") == torch.bfloat16
     assert placement.resolve_dtype("auto", cpu, "gguf") == torch.float32
     assert placement.resolve_dtype("auto", cpu, "gguf-q8act") == torch.float32
@@ -192,6 +193,23 @@ def test_dtype_auto_is_float32_under_the_gguf_formats_even_where_bf16_is_fast(mo
         e.shutdown()
     monkeypatch.setattr(placement, "cpu_has_fast_bf16", lambda: False)
     assert placement.resolve_dtype("auto", cpu, "full") == torch.float32
+
+
+def test_auto_keeps_float32_for_full_weights_where_bfloat16_rows_depend_on_the_batch(monkeypatch):
+    """Session 41's AMX Xeon: the bfloat16 matmul (plain and oneDNN-packed) gave a row other bits at 2
+    rows than at 48, so `--weights full --dtype auto` decoded a request differently beside others. Auto
+    now takes bfloat16 for full weights only where `bf16_batch_invariant` measured every row bucket
+    agree; other formats keep their own choice. Seen red with that condition taken out."""
+    from kvgate.core import placement
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(placement, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(placement, "bf16_batch_invariant", lambda: True)
+    assert placement.resolve_dtype("auto", cpu, "full") == torch.bfloat16
+    monkeypatch.setattr(placement, "bf16_batch_invariant", lambda: False)
+    assert placement.resolve_dtype("auto", cpu, "full") == torch.float32
+    assert placement.resolve_dtype("auto", cpu, "int8") == torch.bfloat16
+    assert placement.resolve_dtype("bfloat16", cpu, "full") == torch.bfloat16  # asked for: kept
 
 
 @pytest.mark.parametrize("n,k", [(203, 96), (16, 128), (17, 96)])

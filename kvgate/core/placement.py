@@ -20,7 +20,7 @@ from kvgate.memory.plan import MemoryPlan, make_plan, matrices
 from kvgate.models import LoadedModel, native
 from kvgate.models.block_formats import BLOCK_FORMATS, block_bytes, format_counts, layer_matrix_formats
 from kvgate.models.lazy_weights import LazyWeights
-from kvgate.models.linear import packs_weights, warm_kernels
+from kvgate.models.linear import bf16_batch_invariant, packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
 from kvgate.models.paged_attention import kernel as paged_attention_kernel
 from kvgate.models.paged_attention import position_seconds
@@ -67,7 +67,7 @@ def cpu_has_fast_bf16() -> bool:
 
 def resolve_dtype(name: str, device: torch.device, weights_format: str = "full") -> torch.dtype:
     """auto: float32 for the GGUF formats on CPU; else bf16 on CUDA with bf16 support and on CPUs with
-    native bf16 matmul, else float32.
+    native bf16 matmul (full weights: if batch-invariant, `bf16_batch_invariant`), else float32.
 
     Measured on an AVX2-only EPYC (no avx512_bf16): a bf16 256x3072x576 matmul runs at 10 GFLOP/s
     against 57 GFLOP/s in float32, so bf16 there would make prefill and batched decode ~5x slower.
@@ -82,7 +82,8 @@ def resolve_dtype(name: str, device: torch.device, weights_format: str = "full")
             return torch.float32
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        fast = cpu_has_fast_bf16() and (weights_format != "full" or bf16_batch_invariant())
+        return torch.bfloat16 if fast else torch.float32
     if name not in _DTYPES:
         raise DeviceError(f"--dtype {name!r} is not one of auto, bfloat16, float16, float32")
     return _DTYPES[name]

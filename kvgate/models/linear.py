@@ -130,6 +130,25 @@ def rows_invariant(dtype: torch.dtype, n: int, k: int, buckets: tuple[int, ...])
         return all(torch.equal(F.linear(x[:b], w), whole[:b]) for b in buckets)
 
 
+BF16_PROBE_SHAPES = ((960, 576), (576, 1536), (1024, 2048), (1024, 4096))  # SmolLM2's, and wider k
+
+
+@functools.cache
+def bf16_batch_invariant() -> bool:
+    """Whether this CPU's bfloat16 matmul gives a row the same bits at every row bucket (`rows_invariant`
+    on a few weight shapes). `--dtype auto` keeps float32 for --weights full where it does not, since
+    batching must never change a request's numbers, and prepacked float32 keeps them (session 41: on an
+    AMX Xeon the bfloat16 rows moved at 2 rows against 48, and oneDNN's packed bfloat16 at 2-35 rows)."""
+    buckets = tuple(b for b in row_buckets(PROBE_ROWS_MAX, 2) if b <= PROBE_ROWS_MAX)
+    ok = all(rows_invariant(torch.bfloat16, n, k, buckets) for n, k in BF16_PROBE_SHAPES)
+    if not ok:
+        log.info(
+            "bfloat16 matmul rows depend on the batch on this CPU: --dtype auto keeps float32 for --weights "
+            "full (batching never changes a request's numbers); --dtype bfloat16 is faster but batch-dependent"
+        )
+    return ok
+
+
 @functools.cache
 def native_bf16() -> bool:
     """The CPU lists bfloat16 arithmetic (avx512_bf16 or amx_bf16). Without it PyTorch emulates bfloat16,
