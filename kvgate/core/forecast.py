@@ -212,14 +212,15 @@ def predicted_ttft(
     Admission: the running rows and the waiters ahead are walked by their likely ends
     (`likely_rows`, `likely_pending_steps`), as Retry-After is: walked to an unset max_tokens (the rest
     of the context), every request behind a full batch of openai-node's rows was refused a --max-ttft
-    of seconds, told to retry in 60 s, for rows that ended in 1 s (session 41). Walking them, the request is admitted once enough rows and blocks are free for every waiter ahead of it
-    and itself, at the tick after that step (with rows running, never before the step in flight
-    ends). Prefill: every prompt token still to prefill ahead of it plus its own, each at the fitted
-    cost of its position -- exact with one prompt prefilling, an upper bound when chunks are shared
-    round-robin. `cached`: the newcomer's prompt tokens the prefix cache holds (not prefilled, not
-    allocated); `n`: its choices. Before any prompt chunk large enough to time was prefilled, the
-    prefill counts as 0 s: the forecast is then a lower bound (the admission wait alone), never
-    switched off while steps are timed."""
+    of seconds, told to retry in 60 s, for rows that ended in 1 s (session 41). Walking them, the
+    request is admitted once enough rows and blocks are free for every waiter ahead of it and itself,
+    at the tick after that step (with rows running, never before the step in flight ends). Prefill:
+    every prompt token still to prefill ahead of it plus its own, each at the fitted cost of its
+    position -- exact with one prompt prefilling, an upper bound when chunks are shared round-robin.
+    `cached`: the newcomer's prompt tokens the prefix cache holds (not prefilled, not allocated); `n`:
+    its choices. Before any prompt chunk large enough to time was prefilled, the prefill counts as 0 s:
+    the forecast is then a lower bound (the admission wait alone), never switched off while steps are
+    timed."""
     line, step = snap.prefill_line, typical_step(snap)
     if step is None:
         return None
@@ -247,9 +248,9 @@ def admission_tick(cfg: SchedulerConfig, snap: EngineSnapshot, waiters: list[Wai
     """The tick (0: now) at which a newcomer needing `n` rows and `need` blocks is admitted, or None
     if never. The running rows end by their remaining steps; the waiters ahead take the rows and
     blocks that free up first, in FIFO order, and each then runs its prompt chunks and its likely
-    answer (`likely_pending_steps`) before it ends in turn. Without that second part, a fifth request behind two rows and two
-    waiters found no room in sight and was told to retry in 60 s, where about 3 s was true (the
-    retry-herd bench, session 32)."""
+    answer (`likely_pending_steps`) before it ends in turn. Without that second part, a fifth request
+    behind two rows and two waiters found no room in sight and was told to retry in 60 s, where about
+    3 s was true (the retry-herd bench, session 32)."""
     chunk = max(1, cfg.prefill_chunk)
     ends = [(r.steps_left, r.blocks) for r in snap.rows]
     heapq.heapify(ends)
