@@ -8,7 +8,6 @@ count every tensor of the checkpoint (biases included), never a formula's guess 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ from kvgate.memory.plan import MemoryPlan, make_plan, matrices
 from kvgate.models import LoadedModel, native
 from kvgate.models.block_formats import BLOCK_FORMATS, block_bytes, format_counts, layer_matrix_formats
 from kvgate.models.lazy_weights import LazyWeights
-from kvgate.models.linear import bf16_batch_invariant, packs_weights, warm_kernels
+from kvgate.models.linear import bf16_batch_invariant, native_bf16, packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
 from kvgate.models.paged_attention import kernel as paged_attention_kernel
 from kvgate.models.paged_attention import position_seconds
@@ -58,11 +57,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+    """The CPU lists bfloat16 arithmetic (`linear.native_bf16`: one reading of the flags for both)."""
+    return native_bf16()
 
 
 def resolve_dtype(name: str, device: torch.device, weights_format: str = "full") -> torch.dtype:

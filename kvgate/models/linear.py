@@ -139,7 +139,7 @@ def bf16_batch_invariant() -> bool:
     on a few weight shapes). `--dtype auto` keeps float32 for --weights full where it does not, since
     batching must never change a request's numbers, and prepacked float32 keeps them (session 41: on an
     AMX Xeon the bfloat16 rows moved at 2 rows against 48, and oneDNN's packed bfloat16 at 2-35 rows)."""
-    buckets = tuple(b for b in row_buckets(PROBE_ROWS_MAX, 2) if b <= PROBE_ROWS_MAX)
+    buckets = tuple(row_buckets(PROBE_ROWS_MAX, 2))  # every one at most PROBE_ROWS_MAX
     ok = all(rows_invariant(torch.bfloat16, n, k, buckets) for n, k in BF16_PROBE_SHAPES)
     if not ok:
         log.info(
