@@ -1,7 +1,7 @@
 """Cold-cache speed of the paged decode attention kernel (kvgate/models/csrc/paged_attention.cpp).
 
     KVGATE_EXT_DIR=... .venv/bin/python -m bench.attention_kernel [--rows 1 4 16] [--context 300 1000]
-        [--layers 30] [--repeats 5] [--kv-dtype float32]
+        [--layers 30] [--repeats 5] [--kv-dtype float32 | float16 | bfloat16 | int8]
 
 SmolLM2's geometry (9 query heads, 3 KV heads, head_dim 64, block size 16, float32). Each layer has its
 own K/V pool, as in serving, and all layers share one scattered block table; the caches are flushed
@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from kvgate.models.kv_int8 import head_bytes, random_pool
+
 H, KVH, D, BS = 9, 3, 64, 16
 
 
@@ -29,21 +31,19 @@ def cold_ms(
     nblk = -(-context // BS)
     tables = torch.randperm(rows * nblk, generator=gen).view(rows, nblk)
     lens = torch.full((rows,), context, dtype=torch.long)
-    pools = [
-        (
-            torch.randn(rows, H, D, generator=gen),
-            torch.randn(rows * nblk, BS, KVH, D, generator=gen).to(kv_dtype),
-            torch.randn(rows * nblk, BS, KVH, D, generator=gen).to(kv_dtype),
-        )
-        for _ in range(layers)
-    ]
+    shape = (rows * nblk, BS, KVH, D)
+    pools = []
+    for _ in range(layers):
+        q = torch.randn(rows, H, D, generator=gen)
+        (k, ks), (v, vs) = (random_pool(shape, gen, kv_dtype) for _ in range(2))
+        pools.append((q, k, v, ks, vs))
     flush = torch.ones(32 << 20)
     best = float("inf")
     for _ in range(repeats):
         flush.sum()
         t0 = time.perf_counter()
-        for q, k, v in pools:
-            op(q, k, v, tables, lens, D**-0.5)
+        for q, k, v, ks, vs in pools:
+            op(q, k, v, tables, lens, D**-0.5, ks, vs)
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
 
@@ -54,7 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, nargs="+", default=[300, 1000])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--kv-dtype", default="float32", help="float32 | float16 | bfloat16: the pools' dtype")
+    ap.add_argument(
+        "--kv-dtype", default="float32", help="float32 | float16 | bfloat16 | int8: the pools' dtype"
+    )
     a = ap.parse_args(argv)
     kv = getattr(torch, a.kv_dtype)
     from bench.cpu import cpu_line, machine_info
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
         for context in a.context:
             for rows in a.rows:
                 ms = cold_ms(op, rows, context, a.layers, a.repeats, kv)
-                gb = rows * context * KVH * D * kv.itemsize * 2 * a.layers / 1e9
+                gb = rows * context * KVH * head_bytes(kv, D) * 2 * a.layers / 1e9
                 print(f"| {rows} | {context} | {ms:.2f} | {gb / ms * 1e3:.1f} |")
     return 0
 

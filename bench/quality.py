@@ -43,6 +43,7 @@ VARIANTS = {
     "int8": ["--weights", "int8"],
     "int4": ["--weights", "int4"],
     "default": [],  # what `kvgate serve` runs: the file's blocks (gguf) and a float16 KV cache (CPU)
+    "kv-int8": ["--kv-dtype", "int8"],  # the default weights over an int8 KV cache (kvgate.models.kv_int8)
 }
 
 

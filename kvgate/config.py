@@ -43,9 +43,10 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """K and V, every layer: 2 x layers x kv_heads x (head_dim x bytes + a head's scale bytes: an int8
+        pool's float32 step and offset per position and KV head, `kvgate.models.kv_int8`)."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes + scale_bytes)
 
 
 @dataclass(slots=True)
@@ -72,7 +73,9 @@ class EngineConfig:
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
     decode_attention: str = "auto"  # auto | paged | gather (kvgate.models.paged_attention)
     prefill_attention: str = "auto"  # auto | kernel | sdpa (kvgate.models.prefill_attention)
-    kv_dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: float16 for a float32 model on CPU)
+    kv_dtype: str = (
+        "auto"  # auto | float32 | float16 | bfloat16 | int8 (auto: float16 for a float32 model on CPU)
+    )
     speculate: int = (
         0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
     )
@@ -222,10 +225,12 @@ ENGINE_FLAGS = [
         "--kv-dtype",
         str,
         "auto",
-        "auto | float32 | float16 | bfloat16: the KV cache's dtype (auto: float16 under a float32 model on "
-        "a CPU, as llama.cpp's default f16 cache, else the model's). float16 halves a float32 cache's bytes "
+        "auto | float32 | float16 | bfloat16 | int8: the KV cache's dtype (auto: float16 under a float32 model "
+        "on a CPU, as llama.cpp's default f16 cache, else the model's). float16 halves a float32 cache's bytes "
         "per token: twice the tokens in the same memory and half the reads per decode step; logprobs move "
-        "~1e-3. float32 keeps a float32 model's numbers to float32 rounding",
+        "~1e-3. int8 (CPU, float32 model): codes with a step and offset per position and KV head, like "
+        "llama.cpp's q8_0 cache: 1.78x a float16 cache's tokens in the same memory. float32 keeps a float32 model's numbers "
+        "to float32 rounding",
     ),
     (
         "--step-timeout",
@@ -275,7 +280,7 @@ def env_name(flag: str) -> str:
 # kvgate.core.placement / kvgate.models owns its list; tests/test_flags.py holds these to them)
 CHOICES = {
     "--dtype": ("auto", "bfloat16", "float16", "float32"),
-    "--kv-dtype": ("auto", "bfloat16", "float16", "float32"),
+    "--kv-dtype": ("auto", "bfloat16", "float16", "float32", "int8"),
     "--pack-weights": ("auto", "on", "off"),
     "--q8-head": ("auto", "on", "off"),
     "--weights": ("auto", "full", "int8", "int4", "gguf", "gguf-q8act"),

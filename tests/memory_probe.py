@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-limit", default="1GiB")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--weights", default="full", help="full | int8 | int4 | gguf | gguf-q8act")
-    ap.add_argument("--kv-dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    ap.add_argument("--kv-dtype", default="auto", help="auto | float32 | float16 | bfloat16 | int8")
     ap.add_argument("--speculate", type=int, default=0, help="draft tokens per greedy row and step")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-seqs", type=int, default=8)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvgate.models import native
+from kvgate.models import kv_int8, native
 
 pytestmark = pytest.mark.skipif(
     native.extension() is None, reason=f"kvgate's C++ kernels did not build: {native.unavailable()}"
@@ -45,8 +45,12 @@ def model_and_pool(path, fmt: str, kv_dtype=torch.float32):
     )  # fmt: skip
     kv = KVPool(loaded.spec, 300, BS, kv_dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    for pool, scales in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)):
+        if scales is None:
+            pool.copy_(torch.randn(pool.shape, generator=gen))
+        else:  # --kv-dtype int8: codes and their scales
+            codes, s = kv_int8.quantize(torch.randn(pool.shape, generator=gen))
+            pool.copy_(codes), scales.copy_(s)
     return model, kv
 
 
@@ -88,22 +92,30 @@ def step(model, kv, decodes, prefills=()):
     """One forward; the logits and the pools as it left them (the pools are restored afterwards)."""
     from kvgate.core.step_inputs import build_step
 
-    k0, v0 = kv.k.clone(), kv.v.clone()
+    pools = [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
+    before = [t.clone() for t in pools]
     batch, _, _, _ = build_step(list(decodes), list(prefills), BS, 4096, torch.device("cpu"))
     logits = model.forward(batch, kv)
-    after = kv.k.clone(), kv.v.clone()
-    kv.k.copy_(k0), kv.v.copy_(v0)
+    after = tuple(t.clone() for t in pools)
+    for t, t0 in zip(pools, before, strict=True):
+        t.copy_(t0)
     return logits, after
 
 
 @pytest.mark.parametrize(
     "fmt,kv_dtype",
-    [("gguf", torch.float32), ("gguf-q8act", torch.float32), ("gguf-q8act", torch.float16)],
+    [
+        ("gguf", torch.float32),
+        ("gguf-q8act", torch.float32),
+        ("gguf-q8act", torch.float16),
+        ("gguf", torch.int8),
+    ],
 )
 def test_a_decode_only_step_is_the_python_loop_bit_for_bit(q4_smol_dir, fmt, kv_dtype):
     """1 and 7 decode rows at contexts 3-40 (several blocks, partial last blocks): the stack's logits
-    and the K/V it writes equal the Python loop's exactly. Seen red: the stack returning x without the
-    last layer's down projection added."""
+    and the K/V it writes (an int8 cache's scales too) equal the Python loop's exactly. Seen red: the
+    stack returning x without the last layer's down projection added; the team writing an int8 cache
+    with the scales of the layer before (`ksl` one layer behind)."""
     model, kv = model_and_pool(q4_smol_dir, fmt, kv_dtype)
     stack = model.decode_stack
     assert stack is not None and stack.layers() == len(model.layers)
@@ -168,13 +180,15 @@ def test_models_the_stack_cannot_run_keep_the_loop(q4_smol_dir, tiny_dir, monkey
         ("gguf-q8act", torch.float16, 2),
         ("gguf-q8act", torch.bfloat16, 1),
         ("gguf-q8act", torch.float32, 3),
+        ("gguf", torch.int8, 2),
+        ("gguf-q8act", torch.int8, 3),
     ],
 )
 def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, fmt, kv_dtype, threads):
     """`--weights gguf` and `gguf-q8act` run decode-only steps on the stack's thread team (one parallel
     region for all layers); its logits and K/V writes equal the op-by-op stack's and the Python loop's
     exactly, with fewer rows than threads (every thread does every row on its own copy) and more (rows
-    split, shared buffers), on 1-3 threads, over float32, float16 and bfloat16 pools, with contexts of
+    split, shared buffers), on 1-3 threads, over float32, float16, bfloat16 and int8 pools, with contexts of
     one attention chunk and of several (up to 290 positions). gguf-q8act runs with the AVX-512 VNNI
     kernels where the build has them (pairs of tiles from 5 rows) and again with the AVX2 tiles only;
     `team_steps` confirms each step ran on the team.

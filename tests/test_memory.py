@@ -381,23 +381,38 @@ def test_quantized_int4_steps_stay_inside_their_planned_workspace(probes):
     assert_steps_within_plan(r)
 
 
+GATHER = ["--decode-attention", "gather", "--prefill-attention", "sdpa"]  # the PyTorch paths, not the kernels
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, kv", [("gguf", "auto"), ("gguf-q8act", "auto"), ("gguf-q8act", "float32")])
-def test_gguf_blocks_steps_stay_inside_their_planned_workspace(probes, fmt, kv):
+@pytest.mark.parametrize(
+    "fmt, kv, more",
+    [
+        ("gguf", "auto", []),
+        ("gguf-q8act", "auto", []),
+        ("gguf-q8act", "float32", []),
+        ("gguf", "int8", []),
+        ("gguf", "int8", GATHER),
+    ],
+)
+def test_gguf_blocks_steps_stay_inside_their_planned_workspace(probes, fmt, kv, more):
     """The exact probe with --weights gguf (`kvgate.models.q4_1`: every layer matrix as the file's own
     Q4_1 blocks, the tied embeddings as Q8_0) and gguf-q8act (the same blocks in tiles, times 8-bit
     activation blocks, `kvgate.models.q4_1_dot8`), under the default float16 KV cache (`--kv-dtype auto`
     on a CPU: half the bytes per token, prefill widening what it gathers) and the latter also with a
-    float32 one: the model holds
-    exactly the planned weights, under a fifth of full's, and every step stays within the plan's
-    formula at its composition.
+    float32 one; gguf also with an int8 cache (codes, a float32 step and offset per position and KV head), read
+    by the kernels and by the gather + SDPA paths (which widen the codes, the scales gathered with them):
+    the model holds exactly the planned weights, under a fifth of full's, and every step stays within the
+    plan's formula at its composition.
     (Charging the blocks as int4 went red in tests/test_q4_1.py, the tiles as gguf's in
-    tests/test_q4_1_dot8.py; not rerun through this probe.)"""
-    r = run_probe(EXACT + ["--weights", fmt, "--kv-dtype", kv])
+    tests/test_q4_1_dot8.py; not rerun through this probe. The int8 gather case went red with the
+    workspace charging the gathered codes without their scales or float32 copy.)"""
+    r = run_probe(EXACT + ["--weights", fmt, "--kv-dtype", kv] + more)
     assert r["exact"] and r["finish"] == ["length"] and r["requests"] == 32
     assert r["model_weight_bytes"] == r["plan"]["weights_bytes"]
     assert r["plan"]["weights_bytes"] < probes["exact"]["plan"]["weights_bytes"] / 3
-    assert r["plan"]["kv_bytes_per_token"] * (1 if kv == "float32" else 2) == 46_080  # auto: float16
+    per_token = {"float32": 46_080, "auto": 23_040, "int8": 2 * 30 * 3 * (64 + 8)}[kv]  # auto: float16
+    assert r["plan"]["kv_bytes_per_token"] == per_token
     assert_steps_within_plan(r)
 
 

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvgate.models import kv_int8
+
 if TYPE_CHECKING:
     from kvgate.config import ModelSpec
 
@@ -72,6 +74,10 @@ def prompt_block_hashes(tokens: list[int], block_size: int, root: bytes) -> list
 
 
 class KVPool:
+    """K and V for every layer; an int8 pool (`--kv-dtype int8`, `kvgate.models.kv_int8`) also holds a
+    float32 step and offset per (layer, block, position, KV head) in `k_scale` / `v_scale`
+    `[layers, blocks, block_size, kv_heads, 2]` (None otherwise)."""
+
     def __init__(
         self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ):
@@ -80,12 +86,35 @@ class KVPool:
         shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if dtype is torch.int8:
+            self.k_scale = torch.zeros((*shape[:-1], 2), dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros((*shape[:-1], 2), dtype=torch.float32, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
+    def scales(self, layer: int):
+        """Layer `layer`'s (k_scale, v_scale) `[blocks, block_size, kv_heads, 2]`, or (None, None)."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The PyTorch glue's K/V write (the C++ layer ops write their own): tokens' `k, v [T, kv_heads,
+        head_dim]` into layer `layer` at `slots`, rounded to the pool's dtype, or as int8 codes with
+        their steps and offsets (`kv_int8.write`: the C++ write's bits)."""
+        if self.k_scale is not None:
+            kv_int8.write(self.k[layer], self.k_scale[layer], slots, k)
+            kv_int8.write(self.v[layer], self.v_scale[layer], slots, v)
+            return
+        kvh, d = k.shape[-2:]
+        self.k[layer].view(-1, kvh, d).index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].view(-1, kvh, d).index_copy_(0, slots, v.to(self.v.dtype))
+
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        scales = 0 if self.k_scale is None else self.k_scale.numel() * 4 * 2
+        return self.k.numel() * self.k.element_size() * 2 + scales
 
 
 class DoubleRelease(AssertionError):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvgate.config import EngineConfig
+from kvgate.core.device_error import DeviceError
+from kvgate.core.kv_dtype import element_bytes, kv_note, resolve_kv_dtype
 from kvgate.core.speculate import MAX_SPECULATE
 from kvgate.memory.overhead import overhead_drift, process_peak_rss_bytes, runtime_overhead_bytes
 from kvgate.memory.plan import MemoryPlan, make_plan, matrices
@@ -21,7 +23,6 @@ from kvgate.models.block_formats import BLOCK_FORMATS, block_bytes, format_count
 from kvgate.models.lazy_weights import LazyWeights
 from kvgate.models.linear import bf16_batch_invariant, native_bf16, packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
-from kvgate.models.paged_attention import kernel as paged_attention_kernel
 from kvgate.models.paged_attention import position_seconds
 from kvgate.models.paged_attention import resolve as resolve_decode_attention
 from kvgate.models.prefill_attention import resolve as resolve_prefill_attention
@@ -32,10 +33,6 @@ from kvgate.models.quant import FORMATS, GGUF_FORMATS, probe_activation_dtype, s
 log = logging.getLogger("kvgate.engine")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class DeviceError(RuntimeError):
-    pass
 
 
 def resolve_device(name: str) -> torch.device:
@@ -240,33 +237,6 @@ def resolve_q8_head(
     return False, "off: a startup probe measured the plain head over 1.5x faster (--q8-head on insists)"
 
 
-def resolve_kv_dtype(
-    name: str, dtype: torch.dtype, device: torch.device, paged_kernel: bool | None = None
-) -> torch.dtype:
-    """auto: float16 under a float32 model on a CPU whose paged attention kernel built (llama.cpp's
-    default f16 cache: half the bytes a token, twice the positions in the same memory, half the decode
-    attention's reads; logprobs move ~1e-3, docs/DESIGN_NOTES.md), else the model's dtype (without the
-    kernel every step would gather and widen the narrow pool). Else the named one, when it is the
-    model's or a 16-bit cache under a float32 model (what the K/V write, the paged kernel and the gather
-    paths convert). `paged_kernel`: whether the kernel is there (None: look)."""
-    if name == "auto":
-        if device.type != "cpu" or dtype != torch.float32:
-            return dtype
-        if paged_kernel is None:
-            paged_kernel = paged_attention_kernel() is not None
-        return torch.float16 if paged_kernel else dtype
-    if name not in _DTYPES:
-        raise DeviceError(f"--kv-dtype {name!r} is not one of auto, {', '.join(_DTYPES)}")
-    kv = _DTYPES[name]
-    if kv != dtype and dtype != torch.float32:
-        model = str(dtype).removeprefix("torch.")
-        raise DeviceError(
-            f"--kv-dtype {name} under a {model} model: a KV cache other than the model's dtype must be a "
-            f"16-bit one under a float32 model. Use --kv-dtype auto ({model}), or --dtype float32."
-        )
-    return kv
-
-
 def plan_for(
     loaded: LoadedModel, cfg: EngineConfig, overhead_bytes: int | None = None, drift: bool = False
 ) -> Placement:
@@ -337,7 +307,8 @@ def plan_for(
         quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else (4 if fmt in GGUF_FORMATS else 2),
         speculate=cfg.speculate,
         q8_head=q8_head,
-        kv_dtype_bytes=torch.finfo(kv_dtype).bits // 8,
+        kv_dtype_bytes=element_bytes(kv_dtype)[0],
+        kv_scale_bytes=element_bytes(kv_dtype)[1],
         amx_prefill=amx,
         cuda_graphs=graphs,
         step_pieces=pieces,
@@ -369,14 +340,7 @@ def plan_for(
             "and float32 and kept the faster; the two round differently, so this choice is part of the numbers)"
         )
     if kv_dtype != dtype:
-        source = (
-            "--kv-dtype auto on a CPU, as llama.cpp's f16 cache; --kv-dtype float32 keeps the model's"
-            if cfg.kv_dtype == "auto"
-            else "--kv-dtype"
-        )
-        plan.notes.append(
-            f"KV cache in {str(kv_dtype).removeprefix('torch.')} ({source}), the model in {plan.dtype}"
-        )
+        plan.notes.append(kv_note(kv_dtype, cfg.kv_dtype, plan.dtype))
     return Placement(
         device,
         dtype,

@@ -163,6 +163,7 @@ def make_plan(
     speculate: int = 0,
     q8_head: bool = False,
     kv_dtype_bytes: int | None = None,
+    kv_scale_bytes: int = 0,
     amx_prefill: bool = False,
     cuda_graphs: bool = False,
     step_pieces: bool = False,
@@ -187,7 +188,8 @@ def make_plan(
         matrix_bytes=matrix_bytes,
     )
     overhead = runtime_overhead_bytes(device) if overhead_bytes is None else overhead_bytes
-    per_token = spec.kv_bytes_per_token(kv_dtype_bytes or dtype_bytes)  # --kv-dtype: the pool's own
+    # --kv-dtype: the pool's own bytes (int8: and a scale per position and KV head)
+    per_token = spec.kv_bytes_per_token(kv_dtype_bytes or dtype_bytes, kv_scale_bytes)
     block_bytes = per_token * block_size
     min_kv = -(-min(MIN_KV_POSITIONS, max_model_len) // block_size) * block_bytes
     notes: list[str] = []
@@ -209,6 +211,7 @@ def make_plan(
         "q8_head": q8_head,
         "flash_prefill": not device.startswith("cuda"),
         "kv_bytes": kv_dtype_bytes or dtype_bytes,
+        "kv_scale_bytes": kv_scale_bytes,
         "amx_prefill": amx_prefill,
         "grammars": AUTO_SLOTS if grammars is None else grammars,  # --max-grammars
     }

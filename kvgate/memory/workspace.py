@@ -45,6 +45,8 @@ class StepLimits:
     flash_prefill: bool = False
     # Bytes per K/V value in the pool (`--kv-dtype`); 0 = the model dtype's.
     kv_bytes: int = 0
+    # Bytes of scale per position and KV head (an int8 pool's float32 scales), gathered with the codes.
+    kv_scale_bytes: int = 0
     # --weights gguf's prompt rows on AMX bf16 tiles (kvgate/models/csrc/amx_q4_1.cpp): each call also
     # holds its prompt rows as three bf16 parts and block sums, and the matrix's codes widened to bf16.
     amx_prefill: bool = False
@@ -139,7 +141,7 @@ def step_workspace(
     kvb = limits.kv_bytes or b
     # one position's K (or V) across the KV heads, as gathered: in the pool's dtype, and converted to the
     # model's when the two differ (--kv-dtype; the paged decode kernel reads the pool in place)
-    kv_tok = KVH * D * (kvb + (b if kvb != b else 0))
+    kv_tok = KVH * D * (kvb + (b if kvb != b else 0)) + KVH * limits.kv_scale_bytes
     upcast = b != 4  # float16/bfloat16: math SDPA and RMSNorm work in float32, logits are cast
     gemms = [(h, (H + 2 * KVH) * D), (H * D, h), (h, 2 * inter), (inter, h), (h, V)]
     return {

@@ -298,6 +298,8 @@ class LlamaModel:
                 batch.slots,
                 batch.decode_tables,
                 batch.decode_lens,
+                kv.k_scale,
+                kv.v_scale,
             )
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(
             () if stacked else self.layers
@@ -306,7 +308,7 @@ class LlamaModel:
                 k_pool, v_pool = kv.k[li], kv.v[li]
                 h = ops.rms_norm(x, ln1, eps) if pending is None else ops.add_rms_norm_(x, pending, ln1, eps)
                 qkv = qkv_proj(h, n_dec)
-                ops.rope_write_kv_(qkv, H, KVH, cos, sin, batch.slots, k_pool, v_pool)
+                ops.rope_write_kv_(qkv, H, KVH, cos, sin, batch.slots, k_pool, v_pool, *kv.scales(li))
                 q = qkv[:, : H * D].view(T, H, D)
             else:
                 x, q = self.glue_in(li, x, pending, cos, sin, batch.slots, kv, n_dec)
@@ -350,10 +352,7 @@ class LlamaModel:
         qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
         rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
         qk = qk * cos + rot * sin
-        k_pool, v_pool = kv.k[li], kv.v[li]
-        v_new = qkv[:, (H + KVH) * D :].view(T, KVH, D)
-        k_pool.view(-1, KVH, D).index_copy_(0, slots, qk[:, H:].to(k_pool.dtype))
-        v_pool.view(-1, KVH, D).index_copy_(0, slots, v_new.to(v_pool.dtype))
+        kv.write(li, slots, qk[:, H:], qkv[:, (H + KVH) * D :].view(T, KVH, D))
         return x, qk[:, :H]
 
     def attend(self, li: int, q, batch: StepBatch, kv: KVPool, n_dec: int, out=None):
@@ -364,8 +363,11 @@ class LlamaModel:
         H, D = s.num_heads, s.head_dim
         T = batch.input_ids.shape[0]
         k_pool, v_pool = kv.k[li], kv.v[li]
+        scales = kv.scales(li)  # an int8 pool's (k_scale, v_scale); (None, None) otherwise
         if self.paged_attention and n_dec:  # every decode row in one call, reading the pool in place
-            od = paged_kernel()(q[:n_dec], k_pool, v_pool, batch.decode_tables, batch.decode_lens, D**-0.5)
+            od = paged_kernel()(
+                q[:n_dec], k_pool, v_pool, batch.decode_tables, batch.decode_lens, D**-0.5, *scales
+            )
             if n_dec == T and out is None:
                 return od.view(T, H * D)
             attn = out if out is not None else torch.empty((T, H * D), dtype=q.dtype, device=q.device)
@@ -374,15 +376,14 @@ class LlamaModel:
             attn = out if out is not None else torch.empty((T, H * D), dtype=q.dtype, device=q.device)
             for grp in batch.decode_groups:
                 qg = q[grp.start : grp.end]
-                og = gather_attention(qg, k_pool, v_pool, grp.block_tables, grp.mask)
+                og = gather_attention(qg, k_pool, v_pool, grp.block_tables, grp.mask, *scales)
                 attn[grp.start : grp.end] = og.reshape(grp.end - grp.start, H * D)
         for pf in batch.prefills:
             if self.prefill_kernel is not None:  # in place: no gathered context, no mask
-                run_prefill(
-                    self.prefill_kernel, attn[pf.start : pf.start + pf.q_len], q, k_pool, v_pool, pf, D**-0.5
-                )
+                out = attn[pf.start : pf.start + pf.q_len]
+                run_prefill(self.prefill_kernel, out, q, k_pool, v_pool, pf, D**-0.5, *scales)
             else:
-                attn[pf.start : pf.start + pf.q_len] = prefill_attention(q, k_pool, v_pool, pf)
+                attn[pf.start : pf.start + pf.q_len] = prefill_attention(q, k_pool, v_pool, pf, *scales)
         return attn
 
     def glue_out(self, li: int, x, attn, n_dec: int):

@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from kvgate.models import native
-from kvgate.models.paged_attention import race
+from kvgate.models import kv_int8, native
+from kvgate.models.paged_attention import gathered, race
 
 log = logging.getLogger("kvgate.models")
 
@@ -54,16 +54,25 @@ def unsupported(device, dtype: torch.dtype, head_dim: int) -> str | None:
     return None
 
 
-def run(
-    ext, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, span, scale: float
-):
-    """Span `span` (a `PrefillSpan`) of the step's `q [T, H, D]`, written into `out [q_len, H * D]`."""
+def run(ext, out, q, k_pool, v_pool, span, scale: float, k_scale=None, v_scale=None):
+    """Span `span` (a `PrefillSpan`) of the step's `q [T, H, D]`, written into `out [q_len, H * D]`
+    (an int8 pool with its scales, `kvgate.models.kv_int8`)."""
     ext.prefill_attention_(
-        out, q, k_pool, v_pool, span.block_table, span.start, span.q_len, span.ctx_len, scale
+        out,
+        q,
+        k_pool,
+        v_pool,
+        span.block_table,
+        span.start,
+        span.q_len,
+        span.ctx_len,
+        scale,
+        k_scale,
+        v_scale,
     )
 
 
-def sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf, k_scale=None, v_scale=None):
     """The gather + SDPA path: one prompt chunk's (`pf`, a `PrefillSpan`) attention, `[q_len, heads *
     head_dim]`, from the step's `q [T, heads, D]`:
     SDPA over the chunk's gathered context with grouped heads (`enable_gqa`), causal for a prompt's first
@@ -71,8 +80,18 @@ def sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf) -> tor
     which makes no score matrix (`kvgate.memory.workspace._prefill_attention` charges what it does make)."""
     n = pf.q_len
     qp = q[pf.start : pf.start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    kp = k_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
-    vp = v_pool.index_select(0, pf.block_table).flatten(0, 1)[: pf.ctx_len].transpose(0, 1).unsqueeze(0)
+    kp = (
+        gathered(k_pool, k_scale, pf.block_table, q.dtype)
+        .flatten(0, 1)[: pf.ctx_len]
+        .transpose(0, 1)
+        .unsqueeze(0)
+    )
+    vp = (
+        gathered(v_pool, v_scale, pf.block_table, q.dtype)
+        .flatten(0, 1)[: pf.ctx_len]
+        .transpose(0, 1)
+        .unsqueeze(0)
+    )
     if kp.dtype != q.dtype:  # a narrower KV cache (--kv-dtype)
         kp, vp = kp.to(q.dtype), vp.to(q.dtype)
     whole = pf.ctx_len == n  # a prompt's first chunk: plain causal, no mask to read
@@ -91,8 +110,8 @@ def probe(
     gen = torch.Generator().manual_seed(0)
     n = PROBE_TOKENS
     nblk = -(-n // block_size)
-    k = torch.randn(nblk, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
-    v = torch.randn(nblk, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    k, ks = kv_int8.random_pool((nblk, block_size, kv_heads, head_dim), gen, kv_dtype)
+    v, vs = kv_int8.random_pool((nblk, block_size, kv_heads, head_dim), gen, kv_dtype)
     q = torch.randn(n, heads, head_dim, generator=gen)
     table = torch.randperm(nblk, generator=gen)
     out = torch.empty(n, heads * head_dim)
@@ -100,10 +119,10 @@ def probe(
     span = SimpleNamespace(start=0, q_len=n, ctx_len=n, block_table=table, mask=None)  # a whole prompt
 
     def kernel():
-        ext.prefill_attention_(out, q, k, v, table, 0, n, n, scale)
+        ext.prefill_attention_(out, q, k, v, table, 0, n, n, scale, ks, vs)
 
     def gather():
-        sdpa(q, k, v, span)
+        sdpa(q, k, v, span, ks, vs)
 
     with torch.inference_mode():
         return race(kernel, (), gather, (), 7)

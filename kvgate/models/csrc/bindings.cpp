@@ -19,7 +19,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
-                    torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool);
+                    torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool,
+                    const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale);
 void bind_decode_stack(pybind11::module& mod);
 torch::Tensor draw_tokens(const torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& temps,
                           const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& min_p,
@@ -30,7 +31,8 @@ torch::Tensor draw_probs(const torch::Tensor& logits, const torch::Tensor& rows,
 int64_t prefill_attention_lanes();
 void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_pool,
                         const torch::Tensor& v_pool, const torch::Tensor& block_table, int64_t start, int64_t n,
-                        int64_t ctx, double scale);
+                        int64_t ctx, double scale, const c10::optional<torch::Tensor>& k_scale,
+                        const c10::optional<torch::Tensor>& v_scale);
 std::string int8_isa();
 namespace kvgate_amx {
 std::string isa();
@@ -67,7 +69,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of each row times w");
   mod.def("silu_mul", &silu_mul, "SiLU(gate) * up of fused [rows, 2 x intermediate] gate_up rows");
   mod.def("rope_write_kv_", &rope_write_kv_,
-          "rotate-half RoPE on the q and k heads of fused QKV rows in place, then k and v into the pools at slots");
+          "rotate-half RoPE on the q and k heads of fused QKV rows in place, then k and v into the pools at slots "
+          "(int8 pools: each head's codes, and its scale into k_scale / v_scale)",
+          pybind11::arg("qkv"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("cos"),
+          pybind11::arg("sin"), pybind11::arg("slots"), pybind11::arg("k_pool"), pybind11::arg("v_pool"),
+          pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   mod.def("int8_isa", &int8_isa, "the instruction set the gguf-q8act tile kernels run: avx512-vnni, avx2 or scalar");
   mod.def("set_int8_isa", &set_int8_isa,
           "'avx2' runs the AVX2 tile kernels in an AVX-512 VNNI build (same bits; tests and A/B benchmarks), "
@@ -88,8 +94,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("prefill_attention_lanes", &prefill_attention_lanes,
           "the vector lanes of prefill_attention_ in this build (head_dim must be a multiple); 0: not built");
   mod.def("prefill_attention_", &prefill_attention_,
-          "a prompt chunk's causal attention over the paged pool, written into out [n, heads * head_dim]",
-          pybind11::call_guard<pybind11::gil_scoped_release>());
+          "a prompt chunk's causal attention over the paged pool, written into out [n, heads * head_dim] (int8 "
+          "pools with k_scale and v_scale)",
+          pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("out"), pybind11::arg("q"),
+          pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("block_table"), pybind11::arg("start"),
+          pybind11::arg("n"), pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("k_scale") = pybind11::none(),
+          pybind11::arg("v_scale") = pybind11::none());
   mod.def("draw_tokens", &draw_tokens,
           "one token per row of float32 logits[rows] (temperature, top-k, top-p, min-p per row; u: each row's "
           "uniform), at most max_threads rows at a time",

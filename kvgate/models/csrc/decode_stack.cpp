@@ -40,9 +40,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
-                    torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool);
+                    torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool,
+                    const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale);
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+                                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
 
 int64_t paged_attention_team_floats(const int64_t* lens, int64_t R, int64_t H, int64_t D, int64_t threads);
 void paged_attention_check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t R,
@@ -50,7 +52,7 @@ void paged_attention_check_tables(const at::Tensor& block_tables, const at::Tens
 void paged_attention_team(const float* q, int64_t q_row_stride, int64_t q_head_stride, at::ScalarType pool,
                           const void* k, const void* v, bool tables64, const void* tables, int64_t maxblk,
                           const int64_t* lens, float* out, int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                          double scale, float* parts, void* scratch);
+                          double scale, float* parts, void* scratch, const float* k_scale, const float* v_scale);
 void* paged_attention_team_scratch(int64_t R, int64_t H, int64_t D, int64_t max_len);
 void paged_attention_team_scratch_free(void* scratch);
 namespace kvgate_team {
@@ -129,24 +131,38 @@ class DecodeStack {
 
   // x [T, hidden] float32 (updated in place, as the loop's add_rms_norm_ updates it); returns the last
   // layer's output added to it, as `x + pending` makes it.
-  // k_cache, v_cache: [layers, blocks, block_size, kv_heads, head_dim], each layer's pool a slice.
+  // k_cache, v_cache: [layers, blocks, block_size, kv_heads, head_dim], each layer's pool a slice; int8
+  // caches (`--kv-dtype int8`) come with k_scales, v_scales: [layers, blocks, block_size, kv_heads, 2]
+  // float32 (a step and an offset each).
   // cos_table, sin_table: the model's [max positions, head_dim] tables, looked up here at `positions`
   // (the loop's `cos[positions]`: the same rows), two torch calls fewer from Python a step.
   torch::Tensor run(torch::Tensor x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                     const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& positions,
-                    const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens) const {
+                    const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens,
+                    const c10::optional<torch::Tensor>& k_scales, const c10::optional<torch::Tensor>& v_scales) const {
+    const bool q8 = k_cache.scalar_type() == at::kChar;
+    TORCH_CHECK(q8 == k_scales.has_value() && q8 == v_scales.has_value(),
+                "DecodeStack.run: k_scales and v_scales come with int8 caches, and only with them");
+    if (q8)
+      TORCH_CHECK(k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
+                      k_scales->is_contiguous() && v_scales->is_contiguous() && k_scales->dim() == 5 &&
+                      k_scales->sizes().slice(0, 4) == k_cache.sizes().slice(0, 4) && k_scales->size(4) == 2 &&
+                      v_scales->sizes() == k_scales->sizes(),
+                  "DecodeStack.run: the scales of int8 caches ", k_cache.sizes(),
+                  " must be contiguous float32 [layers, blocks, block_size, kv_heads, 2]");
     if (team() && (dot8_ || !has_i24_ || kvgate_team::int24()) && k_cache.is_contiguous() && v_cache.is_contiguous() && x.is_contiguous() &&
         x.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() && cos_table.device().is_cpu() &&
         sin_table.device().is_cpu() && positions.device().is_cpu() && slots.device().is_cpu() &&
         tables.device().is_cpu() && lens.device().is_cpu() && distinct_slots(slots))
-      return run_team(x, k_cache, v_cache, cos_table, sin_table, positions, slots, tables, lens);
-    return run_ops(x, k_cache, v_cache, cos_table, sin_table, positions, slots, tables, lens);
+      return run_team(x, k_cache, v_cache, cos_table, sin_table, positions, slots, tables, lens, k_scales, v_scales);
+    return run_ops(x, k_cache, v_cache, cos_table, sin_table, positions, slots, tables, lens, k_scales, v_scales);
   }
 
   // The layers as one tensor op after another (each kernel with its own threads)
   torch::Tensor run_ops(torch::Tensor x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& positions,
-                        const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens) const {
+                        const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens,
+                        const c10::optional<torch::Tensor>& k_scales, const c10::optional<torch::Tensor>& v_scales) const {
     const int64_t L = layers(), T = x.size(0), H = heads_, D = head_dim_;
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == L && v_cache.sizes() == k_cache.sizes(),
                 "DecodeStack.run: want K and V caches [", L, " layers, blocks, block_size, kv_heads, head_dim], got ",
@@ -161,9 +177,11 @@ class DecodeStack {
       auto h = pending.defined() ? add_rms_norm_(x, pending, norms_[2 * li], eps_) : rms_norm(x, norms_[2 * li], eps_);
       auto qkv = m[0](h);
       const auto k_pool = k_cache.select(0, li), v_pool = v_cache.select(0, li);
-      rope_write_kv_(qkv, H, kv_heads_, cos, sin, slots, k_pool, v_pool);
+      c10::optional<torch::Tensor> ks, vs;
+      if (k_scales) ks = k_scales->select(0, li), vs = v_scales->select(0, li);
+      rope_write_kv_(qkv, H, kv_heads_, cos, sin, slots, k_pool, v_pool, ks, vs);
       auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
-      auto attn = paged_attention_rows(q, k_pool, v_pool, tables, lens, scale).view({T, H * D});
+      auto attn = paged_attention_rows(q, k_pool, v_pool, tables, lens, scale, ks, vs).view({T, H * D});
       h = add_rms_norm_(x, m[1](attn), norms_[2 * li + 1], eps_);
       pending = m[3](silu_mul(m[2](h)));
     }
@@ -179,7 +197,9 @@ class DecodeStack {
   // its first tiles of the next matrix while it finishes the current one.
   torch::Tensor run_team(torch::Tensor x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                          const torch::Tensor& cos_table, const torch::Tensor& sin_table, const torch::Tensor& positions,
-                         const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens) const {
+                         const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens,
+                         const c10::optional<torch::Tensor>& k_scales,
+                         const c10::optional<torch::Tensor>& v_scales) const {
     const int64_t L = layers(), R = x.size(0), hid = x.size(1), H = heads_, KVH = kv_heads_, D = head_dim_;
     const int64_t HD = H * D, KV = KVH * D, NQ = mats_[0].out_features, I2 = mats_[2].out_features, I = I2 / 2;
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && hid == mats_[0].nb * QB,
@@ -190,8 +210,8 @@ class DecodeStack {
                 "DecodeStack.run: want K and V caches [", L, " layers, blocks, block_size, ", KVH, ", ", D,
                 "] of one dtype, got ", k_cache.sizes(), " and ", v_cache.sizes());
     const auto pool = k_cache.scalar_type();
-    TORCH_CHECK(pool == at::kFloat || pool == at::kHalf || pool == at::kBFloat16,
-                "DecodeStack.run: the K/V caches must be float32, float16 or bfloat16, got ", pool);
+    TORCH_CHECK(pool == at::kFloat || pool == at::kHalf || pool == at::kBFloat16 || pool == at::kChar,
+                "DecodeStack.run: the K/V caches must be float32, float16, bfloat16 or int8, got ", pool);
     const int64_t N = k_cache.size(1), bs = k_cache.size(2);
     TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == R && slots.is_contiguous(),
                 "DecodeStack.run: slots must be a contiguous int64 [", R, "] tensor");
@@ -253,6 +273,9 @@ class DecodeStack {
     const void* tp = tables.data_ptr();
     char *kb = static_cast<char*>(k_cache.data_ptr()), *vb = static_cast<char*>(v_cache.data_ptr());
     const int64_t layer_bytes = k_cache.stride(0) * k_cache.element_size();
+    float* ksb = k_scales ? k_scales->data_ptr<float>() : nullptr;  // int8 caches: [layer][slot][KV head]
+    float* vsb = v_scales ? v_scales->data_ptr<float>() : nullptr;
+    const int64_t layer_scales = 2 * N * bs * KVH;
     const bool pairs = dot8_ && kvgate_int8::use_pairs(R);  // read once: every thread, every matrix the same
     team_steps_.fetch_add(1, std::memory_order_relaxed);
 
@@ -314,13 +337,15 @@ class DecodeStack {
         mm(mt[0], b.act, qp, &mt[1]);
 #pragma omp barrier
         char *kl = kb + li * layer_bytes, *vl = vb + li * layer_bytes;
+        float* ksl = ksb ? ksb + li * layer_scales : nullptr;
+        float* vsl = vsb ? vsb + li * layer_scales : nullptr;
         for (int64_t r = split.first; r < split.second; ++r) {
           kvgate_rows::rope(qp + r * NQ, H + KVH, cp + r * D, snp + r * D, D);
-          kvgate_rows::write_kv(qp + r * NQ + HD, KV, sp[r], pool, kl, vl);
+          kvgate_rows::write_kv(qp + r * NQ + HD, KV, sp[r], pool, kl, vl, ksl, vsl, D);
         }
 #pragma omp barrier
         paged_attention_team(qp, NQ, D, pool, kl, vl, t64, tp, maxblk, lp, ap, R, H, KVH, D, bs, scale, pp,
-                             scratch[tid].get());
+                             scratch[tid].get(), ksl, vsl);
         inputs_of(ap, nba, mt[1]);
         mm(mt[1], ap, op, &mt[2]);
 #pragma omp barrier
@@ -414,6 +439,9 @@ void bind_decode_stack(pybind11::module& mod) {
       .def("set_team", &DecodeStack::set_team, "False: run every decode step as one op after another (A/B, tests)")
       .def("team", &DecodeStack::team, "whether decode steps run on the thread team")
       .def("team_steps", &DecodeStack::team_steps, "how many steps ran on the thread team")
-      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"),
+           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("cos_table"), pybind11::arg("sin_table"),
+           pybind11::arg("positions"), pybind11::arg("slots"), pybind11::arg("tables"), pybind11::arg("lens"),
+           pybind11::arg("k_scales") = pybind11::none(), pybind11::arg("v_scales") = pybind11::none(),
            "the layer stack of a decode-only step; x is updated in place, x + the last layer's output returned");
 }

@@ -12,7 +12,8 @@
 //   their slots. Each value is round(round(x * cos) + round(-/+x' * sin)), the three roundings of the
 //   PyTorch expression `qk * cos + rotate_half(qk) * sin`: bit-identical to it. This file is compiled
 //   without FMA contraction for that reason. Float16 or bfloat16 pools (`--kv-dtype`) get each value
-//   rounded to nearest even, as `Tensor.to` rounds.
+//   rounded to nearest even, as `Tensor.to` rounds; int8 pools each head's codes, step and offset
+//   (`kvgate_rows::quantize_head`, with k_scale and v_scale).
 // - silu_mul(gu) -> act: the MLP's SiLU(gate) * up from the fused [rows, 2 inter] gate_up output, in
 //   one pass, 8 columns at a time: with e = exp(-|g|) (never overflowing), SiLU(g) = g / (1 + e) for
 //   g >= 0 and g e / (1 + e) below (the same value, stable at both ends). Within a few ulp of
@@ -127,13 +128,33 @@ void write_kv_typed(const float* kv_row, int64_t kv, int64_t slot, P* kp, P* vp)
   std::copy(kv_row + kv, kv_row + 2 * kv, vp + slot * kv);
 }
 
-void write_kv(const float* kv_row, int64_t kv, int64_t slot, at::ScalarType pool, void* k_pool, void* v_pool) {
-  if (pool == at::kFloat)
+void quantize_head(const float* x, int64_t D, int8_t* codes, float* scale) {
+  float lo = x[0], hi = x[0];
+  for (int64_t d = 1; d < D; ++d) lo = std::min(lo, x[d]), hi = std::max(hi, x[d]);
+  const float s = (hi - lo) / 255.f;
+  const float z = lo + 128.f * s;  // two roundings: this file is compiled without FMA contraction
+  scale[0] = s, scale[1] = z;
+  for (int64_t d = 0; d < D; ++d)
+    codes[d] = s > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint((x[d] - z) / s), -128.f, 127.f)) : int8_t{0};
+}
+
+void write_kv(const float* kv_row, int64_t kv, int64_t slot, at::ScalarType pool, void* k_pool, void* v_pool,
+              float* k_scale, float* v_scale, int64_t head_dim) {
+  if (pool == at::kFloat) {
     write_kv_typed(kv_row, kv, slot, static_cast<float*>(k_pool), static_cast<float*>(v_pool));
-  else if (pool == at::kHalf)
+  } else if (pool == at::kHalf) {
     write_kv_typed(kv_row, kv, slot, static_cast<at::Half*>(k_pool), static_cast<at::Half*>(v_pool));
-  else
+  } else if (pool == at::kChar) {
+    const int64_t heads = kv / head_dim;
+    auto* kc = static_cast<int8_t*>(k_pool) + slot * kv;
+    auto* vc = static_cast<int8_t*>(v_pool) + slot * kv;
+    for (int64_t h = 0; h < heads; ++h) {
+      quantize_head(kv_row + h * head_dim, head_dim, kc + h * head_dim, k_scale + 2 * (slot * heads + h));
+      quantize_head(kv_row + kv + h * head_dim, head_dim, vc + h * head_dim, v_scale + 2 * (slot * heads + h));
+    }
+  } else {
     write_kv_typed(kv_row, kv, slot, static_cast<at::BFloat16*>(k_pool), static_cast<at::BFloat16*>(v_pool));
+  }
 }
 
 }  // namespace kvgate_rows
@@ -167,7 +188,8 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
 }
 
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
-                    torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool) {
+                    torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool,
+                    const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat32 && qkv.dim() == 2 &&
                   qkv.is_contiguous(),
               "rope_write_kv_: qkv must be a contiguous float32 CPU [tokens, (heads + 2 kv_heads) * head_dim] tensor");
@@ -180,13 +202,23 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
               heads, " + 2 x ", kv_heads, ") x ", D);
   const auto pool_type = k_pool.scalar_type();
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.scalar_type() == pool_type &&
-                  (pool_type == torch::kFloat32 || pool_type == torch::kFloat16 || pool_type == torch::kBFloat16) &&
+                  (pool_type == torch::kFloat32 || pool_type == torch::kFloat16 || pool_type == torch::kBFloat16 ||
+                   pool_type == torch::kInt8) &&
                   k_pool.sizes() == v_pool.sizes() && k_pool.numel() % (kv_heads * D) == 0,
-              "rope_write_kv_: the pools must be contiguous float32, float16 or bfloat16 tensors (both the same) "
-              "of whole [kv_heads, head_dim] slots; got ", k_pool.scalar_type(), " and ", v_pool.scalar_type());
+              "rope_write_kv_: the pools must be contiguous float32, float16, bfloat16 or int8 tensors (both the "
+              "same) of whole [kv_heads, head_dim] slots; got ", k_pool.scalar_type(), " and ", v_pool.scalar_type());
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous(),
               "rope_write_kv_: slots must be a contiguous int64 [tokens] tensor");
   const int64_t nslots = k_pool.numel() / (kv_heads * D);
+  float *ks = nullptr, *vs = nullptr;
+  if (pool_type == torch::kInt8) {
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == torch::kFloat32 &&
+                    v_scale->scalar_type() == torch::kFloat32 && k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->numel() == 2 * nslots * kv_heads && v_scale->numel() == 2 * nslots * kv_heads,
+                "rope_write_kv_: int8 pools need contiguous float32 k_scale and v_scale of ", 2 * nslots * kv_heads,
+                " values (a step and an offset per slot and KV head)");
+    ks = k_scale->data_ptr<float>(), vs = v_scale->data_ptr<float>();
+  }
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "rope_write_kv_: slot ", sp[t], " of token ", t, " is outside the pool's ",
@@ -197,5 +229,6 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
   for (int64_t t = 0; t < T; ++t) kvgate_rows::rope(qp + t * width, heads + kv_heads, cp + t * D, snp + t * D, D);
   const int64_t kv = kv_heads * D;
   for (int64_t t = 0; t < T; ++t)
-    kvgate_rows::write_kv(qp + t * width + heads * D, kv, sp[t], pool_type, k_pool.data_ptr(), v_pool.data_ptr());
+    kvgate_rows::write_kv(qp + t * width + heads * D, kv, sp[t], pool_type, k_pool.data_ptr(), v_pool.data_ptr(), ks,
+                          vs, D);
 }

@@ -1,9 +1,11 @@
 // Prompt-chunk attention that reads the paged K/V pool in place (kvgate.models.prefill_attention).
 //
 // prefill_attention_(out [n, H * D], q [T, H, D], k_pool, v_pool [N, bs, KVH, D], block_table [blocks],
-// start, n, ctx, scale): the chunk's queries are q's rows [start, start + n), at positions
+// start, n, ctx, scale, k_scale?, v_scale?): the chunk's queries are q's rows [start, start + n), at positions
 // [ctx - n, ctx); query i attends keys [0, ctx - n + i] (causal by position, over a cached prefix or
-// earlier chunks too). float32 q and out; float32, float16 or bfloat16 pools. What it replaces: a gather
+// earlier chunks too). float32 q and out; float32, float16 or bfloat16 pools, or int8 ones with a float32
+// step s and offset z per (slot, KV head) in k_scale / v_scale, read as code * s + z (one fused multiply-
+// add: within an ulp of the PyTorch paths' two roundings). What it replaces: a gather
 // of the context's blocks and SDPA's CPU flash kernel, which with is_causal still scores every key of
 // its 256-key split (n = 256: as slow as no mask) and repeats K/V per query head.
 //
@@ -91,11 +93,19 @@ constexpr int KJ = 8;
 constexpr int KJ = 4;
 #endif
 
-// One key's D values as float32: float pools are read in place, others widened into `buf`.
+// One key's D values as float32: float pools are read in place, others widened into `buf`; an int8
+// pool's codes under their step and offset sz = {s, z} (c * s + z: kvgate.models.kv_int8).
 template <typename T>
-inline const float* widen(const T* src, float* buf, int64_t D) {
+inline const float* widen(const T* src, float* buf, int64_t D, const float* sz) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    const __m256 sv = _mm256_set1_ps(sz[0]), zv = _mm256_set1_ps(sz[1]);
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
+      _mm256_storeu_ps(buf + d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), sv, zv));
+    }
+    return buf;
   } else {
     for (int64_t d = 0; d < D; d += 8) {
       const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
@@ -123,10 +133,10 @@ struct Chunk {
   float* out;  // [n, H * D]
   int64_t start, n, ctx, H, KVH, D, bs;
   float scale;
+  const float *ks, *vs;  // int8 pools: a step and an offset per (slot, KV head); null for float pools
 
-  const T* key(const T* pool, int64_t j, int64_t kvh) const {
-    return pool + ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
-  }
+  // key j's KV head kvh: its index among the pool's [slot][KV head] vectors
+  int64_t at(int64_t j, int64_t kvh) const { return (table[j / bs] * bs + j % bs) * KVH + kvh; }
 
   // Tile `tile` (positions [tile W, tile W + W) of the chunk) of query heads [h0, h0 + NV) of KV head kvh.
   template <int NV>
@@ -153,8 +163,9 @@ struct Chunk {
     for (int64_t j0 = 0; j0 < keys; j0 += KB) {
       const int64_t kb = std::min(KB, keys - j0);
       for (int64_t jj = 0; jj < kb; ++jj) {
-        kr[jj] = widen(key(k, j0 + jj, kvh), s.kv.data() + jj * D, D);
-        vr[jj] = widen(key(v, j0 + jj, kvh), s.kv.data() + (KB + jj) * D, D);
+        const int64_t a = at(j0 + jj, kvh);
+        kr[jj] = widen(k + a * D, s.kv.data() + jj * D, D, ks ? ks + 2 * a : nullptr);
+        vr[jj] = widen(v + a * D, s.kv.data() + (KB + jj) * D, D, vs ? vs + 2 * a : nullptr);
       }
       for (int64_t jj = kb; jj < KB; ++jj) kr[jj] = kr[0];  // a last group's spare keys: never read back
       // scores: st[jj][lanes] = sum_d k_jj[d] * qt[d][lanes], KJ keys at a time
@@ -259,7 +270,8 @@ int64_t prefill_attention_lanes() {
 
 void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_pool,
                         const torch::Tensor& v_pool, const torch::Tensor& block_table, int64_t start, int64_t n,
-                        int64_t ctx, double scale) {
+                        int64_t ctx, double scale, const c10::optional<torch::Tensor>& k_scale,
+                        const c10::optional<torch::Tensor>& v_scale) {
 #ifndef KVGATE_PREFILL
   TORCH_CHECK(false, "prefill_attention_: this build has no vector prefill attention (it needs AVX2, FMA and F16C)");
 #else
@@ -286,6 +298,16 @@ void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 && block_table.is_contiguous() &&
                   block_table.size(0) * bs >= ctx,
               "prefill_attention_: block_table must be contiguous int64 covering ", ctx, " positions in blocks of ", bs);
+  const float *ks = nullptr, *vs = nullptr;
+  if (k_pool.scalar_type() == at::kChar) {
+    const int64_t want = 2 * N * bs * KVH;
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous() && k_scale->numel() == want &&
+                    v_scale->numel() == want,
+                "prefill_attention_: int8 pools need contiguous float32 k_scale and v_scale of ", want,
+                " values (a step and an offset per slot and KV head)");
+    ks = k_scale->data_ptr<float>(), vs = v_scale->data_ptr<float>();
+  }
   const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < (ctx + bs - 1) / bs; ++b)
     TORCH_CHECK(table[b] >= 0 && table[b] < N, "prefill_attention_: block table entry ", b, " is ", table[b],
@@ -294,7 +316,7 @@ void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::
     using T = decltype(tag);
     run_chunk(Chunk<T>{q.data_ptr<float>(), q.stride(0), q.stride(1), reinterpret_cast<const T*>(k_pool.data_ptr()),
                        reinterpret_cast<const T*>(v_pool.data_ptr()), table, out.data_ptr<float>(), start, n, ctx, H,
-                       KVH, D, bs, static_cast<float>(scale)});
+                       KVH, D, bs, static_cast<float>(scale), ks, vs});
   };
   if (k_pool.scalar_type() == at::kFloat)
     go(float{});
@@ -302,7 +324,9 @@ void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::
     go(c10::Half{});
   else if (k_pool.scalar_type() == at::kBFloat16)
     go(c10::BFloat16{});
+  else if (k_pool.scalar_type() == at::kChar)
+    go(int8_t{});
   else
-    TORCH_CHECK(false, "prefill_attention_: pools of float32, float16 or bfloat16, not ", k_pool.scalar_type());
+    TORCH_CHECK(false, "prefill_attention_: pools of float32, float16, bfloat16 or int8, not ", k_pool.scalar_type());
 #endif
 }
