@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="full", help="full | int8 | int4 | gguf | gguf-q8act")
     ap.add_argument("--kv-dtype", default="auto", help="auto | float32 | float16 | bfloat16 | int8")
     ap.add_argument("--speculate", type=int, default=0, help="draft tokens per greedy row and step")
+    ap.add_argument("--decode-attention", default="auto", help="auto | paged | gather")
+    ap.add_argument("--prefill-attention", default="auto", help="auto | kernel | sdpa")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-seqs", type=int, default=8)
     ap.add_argument("--prefill-chunk", type=int, default=256)
@@ -226,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_dtype=a.kv_dtype,
         speculate=a.speculate,
         max_grammars=a.max_grammars,
+        decode_attention=a.decode_attention,
+        prefill_attention=a.prefill_attention,
     )
     t0 = time.monotonic()
     engine = Engine.from_model(a.model, cfg)
