@@ -123,6 +123,8 @@ def test_console_in_headless_chromium(make_engine, tmp_path):
         assert got["kv-referenced"] == got["kv-cached"] == 0
         assert got["kv-free"] == roles["kv_cache"] == BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN
         assert got["unreserved"] == ledger["limit_bytes"] - ledger["reserved_bytes"]
+        # the KV cache's format beside its blocks (red before /v1/resources named it)
+        assert page.text_content("#kv-held-label") == f"KV blocks held ({res['kv']['dtype']})"
         assert page.get_attribute("#bar", "data-limit-bytes") == str(ledger["limit_bytes"])
         kv_zoom = page.eval_on_selector_all("#kv-bar rect", "rs => rs.map(r => Number(r.dataset.bytes))")
         assert sum(kv_zoom) == roles["kv_cache"] and len(kv_zoom) == 3  # the pool to its own scale

@@ -327,12 +327,14 @@ def test_body_limit_unknown_model_and_unknown_route(make_engine):
 
 
 def test_health_metrics_resources_tokenize(make_engine):
-    """Seen to fail when /v1/resources reported blocks_free from a stale copy of the allocator."""
+    """Seen to fail when /v1/resources reported blocks_free from a stale copy of the allocator; the KV
+    cache's dtype as resolved (float16 under auto on a CPU) is named (red without the field)."""
     engine = make_engine()
     with running_server(engine) as (base, _):
         assert httpx.get(base + "/health").json() == {"status": "ok"}
         res = httpx.get(base + "/v1/resources").json()
         assert res["kv"]["blocks_free"] == res["kv"]["blocks_total"] == engine.plan.kv_blocks
+        assert res["kv"]["dtype"] == str(engine.kv_dtype).removeprefix("torch.") == "float16"
         assert res["ledger"]["reserved_bytes"] <= res["ledger"]["limit_bytes"]
         assert set(res["ledger"]["reserved_by_role"]) >= {"weights", "kv_cache", "workspace"}
         proc = res["process"]  # measured beside the ledger: resident now <= the peak so far

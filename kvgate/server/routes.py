@@ -89,6 +89,7 @@ async def resources(request: Request):
             "blocks_peak": snap.counters.kv_blocks_peak,
             "block_size": plan.block_size,
             "bytes_per_token": plan.kv_bytes_per_token,
+            "dtype": str(eng.kv_dtype).removeprefix("torch."),  # --kv-dtype as resolved (int8: with scales)
             "prefix_cache": eng.sched_cfg.prefix_cache,
             "prefix_cache_queries_tokens": snap.counters.prefix_cache_queries_tokens,
             "prefix_cache_hits_tokens": snap.counters.prefix_cache_hits_tokens,

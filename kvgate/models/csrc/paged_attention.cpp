@@ -80,7 +80,7 @@ inline __m256 load8<c10::BFloat16>(const c10::BFloat16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
-// int8 codes as the float32 integers they are (their scale is applied to the scores and weights instead)
+// int8 codes as the float32 integers they are (steps and offsets go to the scores and weights instead)
 template <>
 inline __m256 load8<int8_t>(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -398,7 +398,8 @@ struct Attend {
     auto ahead = [&](const T* pool, int64_t t, int64_t n) {
       for (int64_t u = t; u < t + n && u < L; ++u) {
         prefetch(pos(pool, u), span);
-        if (sidx != nullptr) prefetch((pool == k ? ks : vs) + 2 * sidx[u], 2 * nh * static_cast<int64_t>(sizeof(float)));
+        if (sidx != nullptr)
+          prefetch((pool == k ? ks : vs) + 2 * sidx[u], 2 * nh * static_cast<int64_t>(sizeof(float)));
       }
     };
     // Pass 1: scores[i][t] = scale * q_i . k_t, i = (head - kh0) * g + j.
@@ -708,8 +709,7 @@ void run(const Q* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, co
 }
 
 // An int8 pool's scales, checked: float32, contiguous, a step and an offset per (slot, KV head) of an
-// [N, bs, KVH, D] pool.
-// Null for float pools (where no scales may be given).
+// [N, bs, KVH, D] pool. Null for float pools (where no scales may be given).
 const float* pool_scales(const c10::optional<at::Tensor>& scales, const at::Tensor& pool, const char* name) {
   if (pool.scalar_type() != at::kChar) {
     TORCH_CHECK(!scales.has_value(), "paged_decode_attention: ", name, " is for int8 pools; this pool is ",
@@ -819,7 +819,7 @@ void paged_attention_check_tables(const at::Tensor& block_tables, const at::Tens
 // The kernel inside a thread team the caller runs (decode_stack.cpp): every thread of the current
 // parallel region calls this with the same arguments, checked beforehand as paged_decode_attention
 // checks them; q float32 [R, H, D] at the strides given, out float32 [R, H, D] contiguous; the pools in
-// float32, float16, bfloat16 or int8 (with k_scale and v_scale: [slots * KVH] each, else null); tables
+// float32, float16, bfloat16 or int8 (with k_scale and v_scale: [slots * KVH * 2] each, else null); tables
 // int64 (tables64) or int32. Same tasks, same bits as the call.
 int64_t paged_attention_team_floats(const int64_t* lens, int64_t R, int64_t H, int64_t D, int64_t threads) {
   std::vector<int64_t> first;

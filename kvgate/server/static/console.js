@@ -102,6 +102,7 @@ function render(r) {
   // held: referenced by a running request; the prefix cache's blocks are evictable, so they are not held
   const cached = kv.blocks_cached ?? 0;
   const held = kv.blocks_referenced ?? kv.blocks_total - kv.blocks_free - cached;
+  if (kv.dtype) $("kv-held-label").textContent = `KV blocks held (${kv.dtype})`;
   $("kv-held").textContent = `${exact(held)} / ${exact(kv.blocks_total)} (peak ${exact(kv.blocks_peak)}; ` +
     `${exact(cached)} cached, evictable)`;
   if (r.live) {
