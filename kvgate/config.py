@@ -228,8 +228,9 @@ ENGINE_FLAGS = [
         "auto | float32 | float16 | bfloat16 | int8: the KV cache's dtype (auto: float16 under a float32 model "
         "on a CPU, as llama.cpp's default f16 cache, else the model's). float16 halves a float32 cache's bytes "
         "per token: twice the tokens in the same memory and half the reads per decode step; logprobs move "
-        "~1e-3. int8 (CPU, float32 model): codes with a step and offset per position and KV head, like "
-        "llama.cpp's q8_0 cache: 1.78x a float16 cache's tokens in the same memory. float32 keeps a float32 model's numbers "
+        "~1e-3. int8 (CPU, float32 model): 8-bit codes with a step and offset per position and KV head "
+        "(llama.cpp's q8_0 cache is a scale per 32 values): 1.78x a float16 cache's tokens in the same memory; "
+        "logprobs move ~0.025. float32 keeps a float32 model's numbers "
         "to float32 rounding",
     ),
     (

@@ -134,8 +134,9 @@ def test_structured_output_runs_through_the_cluster(cluster):
 @pytest.mark.timeout(60)
 def test_the_ingress_resources_add_up_the_replicas_and_say_the_plan_is_each_ones(cluster):
     """Two replicas of 8 rows: the cluster has 16 rows and twice one plan's KV blocks; the plan is
-    labelled as each replica's. Red with `cluster_resources` passing the single server's scheduler
-    through (max_seqs 8: a console read "running 0 / 8" of a 16-row cluster)."""
+    labelled as each replica's; the KV cache's dtype is the replicas'. Red with `cluster_resources`
+    passing the single server's scheduler through (max_seqs 8: a console read "running 0 / 8" of a
+    16-row cluster), and with the ingress's engine lacking `kv_dtype` (every /v1/resources a 500)."""
     from tests.cluster_util import settle
 
     settle(cluster)
@@ -144,6 +145,7 @@ def test_the_ingress_resources_add_up_the_replicas_and_say_the_plan_is_each_ones
     assert (r["scheduler"]["max_seqs"], r["scheduler"]["max_seqs_per_replica"]) == (16, 8)
     assert r["kv"]["blocks_total"] == 2 * per and "each replica (2 ready)" in r["plan"]["scope"]
     assert sum(v["kv_blocks_total"] for v in r["replicas"]) == r["kv"]["blocks_total"]
+    assert r["kv"]["dtype"] == "float16"  # --kv-dtype auto on a CPU
 
 
 @pytest.mark.timeout(120)

@@ -31,10 +31,18 @@ def test_auto_is_float16_under_a_float32_model_on_cpu_else_the_models_and_mixed_
     assert resolve_kv_dtype("int8", torch.float32, cpu) is torch.int8
     with pytest.raises(DeviceError, match="not one of auto, bfloat16, float16, float32, int8"):
         resolve_kv_dtype("int4", torch.float32, cpu)
-    for dtype, device in ((torch.bfloat16, cpu), (torch.float32, cuda)):
+    refusals = (  # what each says to use is itself accepted (a review found float16 advised to a
+        # bfloat16 model, which the next check refuses)
+        (torch.bfloat16, cpu, r"Use --kv-dtype auto \(bfloat16\) here \(or --dtype float32 to allow int8\)"),
+        (torch.float32, cuda, r"Use --kv-dtype auto or float16 here\.$"),
+        (torch.bfloat16, cuda, r"Use --kv-dtype auto \(bfloat16\) here\.$"),
+    )
+    for dtype, device, advice in refusals:
         with pytest.raises(
             DeviceError, match="int8 is written and read by kvgate's CPU kernels under a float32"
         ):
+            resolve_kv_dtype("int8", dtype, device)
+        with pytest.raises(DeviceError, match=advice):
             resolve_kv_dtype("int8", dtype, device)
     with pytest.raises(DeviceError, match="under a bfloat16 model.*--kv-dtype auto"):
         resolve_kv_dtype("float16", torch.bfloat16, cpu)
@@ -179,7 +187,9 @@ def test_the_cpp_int8_write_is_the_pytorch_quantize_bit_for_bit():
     float32 write's values, bit for bit (the decode stack, the layer ops and the PyTorch glue must agree:
     a token written by one is read after steps of the others). Seen red: the PyTorch offset taken as
     lo + 127 s (every code one from the C++ write's). A multiply by the step's reciprocal instead of the
-    division moved no code on these 19,200 values, so it is not what this test guards."""
+    division moved no code on these 19,200 values, so it is not what this test guards. The NaN head was
+    added after a review found the C++ min/max skipping NaNs (a finite step, then an undefined cast of
+    the NaN's code) where torch.amin/amax spread them; not run against the old build."""
     from kvgate.models import kv_int8
 
     ops = native.extension()
@@ -189,6 +199,7 @@ def test_the_cpp_int8_write_is_the_pytorch_quantize_bit_for_bit():
     T, H, KVH, D, N = 300, 4, 2, 16, 100  # 19,200 values: enough for rounding differences to show
     qkv = torch.randn(T, (H + 2 * KVH) * D, generator=gen) * 3
     qkv[2, (H + KVH) * D : (H + KVH + 1) * D] = 0.0  # one value head all zero (step 0)
+    qkv[4, (H + KVH) * D + 5] = float("nan")  # a NaN in another: NaN step and offset, codes 0, in both
     cos, sin = torch.rand(T, D, generator=gen), torch.rand(T, D, generator=gen)
     slots = torch.randperm(N * 4, generator=gen)[:T]
     k32, v32 = torch.zeros(N, 4, KVH, D), torch.zeros(N, 4, KVH, D)
@@ -198,12 +209,18 @@ def test_the_cpp_int8_write_is_the_pytorch_quantize_bit_for_bit():
     ops.rope_write_kv_(qkv, H, KVH, cos, sin, slots, k8, v8, ks, vs)
     for codes, scales, values in ((k8, ks, k32), (v8, vs, v32)):
         want_codes, want_scales = kv_int8.quantize(values)
-        assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+        assert torch.equal(codes, want_codes)
+        assert torch.equal(scales.isnan(), want_scales.isnan())
+        assert torch.equal(scales.nan_to_num(), want_scales.nan_to_num())
+    nan_head = slots[4] * KVH  # token 4's first V head
+    assert vs.view(-1, 2)[nan_head].isnan().all() and (v8.view(-1, D)[nan_head] == 0).all()
     glue_k, glue_ks = torch.zeros_like(k8), torch.zeros_like(ks)
     kv_int8.write(glue_k, glue_ks, slots, k32.view(-1, KVH, D)[slots])  # the PyTorch glue's write
     assert torch.equal(glue_k, k8) and torch.equal(glue_ks, ks)
     with pytest.raises(RuntimeError, match="int8 pools need contiguous float32 k_scale and v_scale"):
         ops.rope_write_kv_(qkv, H, KVH, cos, sin, slots, k8, v8)
+    with pytest.raises(RuntimeError, match="k_scale and v_scale are for int8 pools"):
+        ops.rope_write_kv_(qkv, H, KVH, cos, sin, slots, k32, v32, ks, vs)
 
 
 @pytest.mark.parametrize("dim", [64, 24, 12])

@@ -145,38 +145,50 @@ def draw(ext) -> list[torch.Tensor]:
     ]
 
 
+def pools(shape, g, dt):
+    """K and V pools and their scales (None but for int8: `kvgate.models.kv_int8`)."""
+    from kvgate.models.kv_int8 import quantize
+
+    out = []
+    for _ in range(2):
+        x = torch.randn(*shape, generator=g)
+        out.append(quantize(x) if dt is torch.int8 else (x.to(dt), None))
+    (k, ks), (v, vs) = out
+    return k, v, ks, vs
+
+
 def prefill(ext) -> list[torch.Tensor]:
-    """Prompt-chunk attention over float32, float16 and bfloat16 pools (SmolLM2's heads): a whole
+    """Prompt-chunk attention over float32, float16, bfloat16 and int8 pools (SmolLM2's heads): a whole
     prompt of 45 tokens and a chunk of 21 after a prefix of 80 (lanes left spare in both)."""
     g = torch.Generator().manual_seed(6)
     out = []
-    for dt in (torch.float32, torch.float16, torch.bfloat16):
-        k = torch.randn(12, 16, 3, 64, generator=g).to(dt)
-        v = torch.randn(12, 16, 3, 64, generator=g).to(dt)
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
+        k, v, ks, vs = pools((12, 16, 3, 64), g, dt)
         table = torch.randperm(12, generator=g)[:7].contiguous()
         q = torch.randn(50, 9, 64, generator=g)
         for start, n, ctx in ((2, 45, 45), (0, 21, 101)):
             o = torch.empty(n, 9 * 64)
-            ext.prefill_attention_(o, q, k, v, table, start, n, ctx, 0.125)
+            ext.prefill_attention_(o, q, k, v, table, start, n, ctx, 0.125, ks, vs)
             out.append(o)
     return out
 
 
 def attention() -> list[torch.Tensor]:
-    """Paged decode attention over float32, float16 and bfloat16 pools (SmolLM2's heads), 7 rows of
+    """Paged decode attention over float32, float16, bfloat16 and int8 pools (SmolLM2's heads), 7 rows of
     1-128 positions (one chunk each) and, alone, a row of 300 (three chunks, merged)."""
     g = torch.Generator().manual_seed(5)
     out = []
-    for dt in (torch.float32, torch.float16, torch.bfloat16):
-        k = torch.randn(64, 16, 3, 64, generator=g).to(dt)
-        v = torch.randn(64, 16, 3, 64, generator=g).to(dt)
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.int8):
+        k, v, ks, vs = pools((64, 16, 3, 64), g, dt)
         tables = torch.randperm(64, generator=g)[:56].view(7, 8).contiguous()
         lens = torch.tensor([1, 7, 8, 9, 33, 100, 128])
         q = torch.randn(7, 9, 64, generator=g)
-        out.append(torch.ops.kvgate.paged_decode_attention(q, k, v, tables, lens, 0.125))
+        out.append(torch.ops.kvgate.paged_decode_attention(q, k, v, tables, lens, 0.125, ks, vs))
         long = torch.randperm(64, generator=g)[:19].view(1, 19).contiguous()
         q1 = torch.randn(1, 9, 64, generator=g) * 4
-        out.append(torch.ops.kvgate.paged_decode_attention(q1, k, v, long, torch.tensor([300]), 0.125))
+        out.append(
+            torch.ops.kvgate.paged_decode_attention(q1, k, v, long, torch.tensor([300]), 0.125, ks, vs)
+        )
     return out
 
 

@@ -79,6 +79,7 @@ class ClusterEngine:
         self.tokenizer = TextTokenizer(d["tokenizer"])
         self._sched_cfg = d["sched_cfg"]
         self.plan = d["plan"]
+        self.kv_dtype = d["kv_dtype"]  # every replica runs the describing one's flags
         self.model_name = d["model_name"]
         self.dispatcher.observe(d["view"])
         self._last = d["view"].snapshot

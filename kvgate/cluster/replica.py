@@ -112,6 +112,7 @@ class KvgateReplica:
             "tokenizer": eng.tokenizer.info,
             "sched_cfg": eng.sched_cfg,
             "plan": eng.plan,
+            "kv_dtype": eng.kv_dtype,  # /v1/resources names it (kv.dtype)
             "view": self._view(),
         }
 

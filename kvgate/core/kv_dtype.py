@@ -2,8 +2,8 @@
 
 auto is float16 under a float32 model on a CPU whose paged kernel built (llama.cpp's default f16 cache);
 float32, float16 and bfloat16 name the pool's dtype; int8 is codes with a float32 step and offset per
-position and KV head (`kvgate.models.kv_int8`), 56% of a float16 pool's bytes for a head of 64, written
-and read by the CPU kernels.
+position and KV head (`kvgate.models.kv_int8`), 56% of a float16 pool's bytes for a head of 64, on a CPU
+under a float32 model (the C++ kernels write and read it; without them, PyTorch's glue and gather paths).
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ def resolve_kv_dtype(
         return torch.float16 if paged_kernel else dtype
     if name == "int8":
         if device.type != "cpu" or dtype != torch.float32:
-            where = f"a {str(dtype).removeprefix('torch.')} model on {device}"
+            model = str(dtype).removeprefix("torch.")
+            other = "auto or float16" if dtype == torch.float32 else f"auto ({model})"
             raise DeviceError(
                 f"--kv-dtype int8 is written and read by kvgate's CPU kernels under a float32 model; this is "
-                f"{where}. Use --kv-dtype auto or float16 here (on CPU, --dtype float32 allows int8)."
+                f"a {model} model on {device}. Use --kv-dtype {other} here"
+                + (" (or --dtype float32 to allow int8)." if device.type == "cpu" else ".")
             )
         return torch.int8
     if name not in _DTYPES:

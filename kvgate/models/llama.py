@@ -380,8 +380,8 @@ class LlamaModel:
                 attn[grp.start : grp.end] = og.reshape(grp.end - grp.start, H * D)
         for pf in batch.prefills:
             if self.prefill_kernel is not None:  # in place: no gathered context, no mask
-                out = attn[pf.start : pf.start + pf.q_len]
-                run_prefill(self.prefill_kernel, out, q, k_pool, v_pool, pf, D**-0.5, *scales)
+                rows = attn[pf.start : pf.start + pf.q_len]
+                run_prefill(self.prefill_kernel, rows, q, k_pool, v_pool, pf, D**-0.5, *scales)
             else:
                 attn[pf.start : pf.start + pf.q_len] = prefill_attention(q, k_pool, v_pool, pf, *scales)
         return attn

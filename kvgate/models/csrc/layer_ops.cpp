@@ -130,12 +130,16 @@ void write_kv_typed(const float* kv_row, int64_t kv, int64_t slot, P* kp, P* vp)
 
 void quantize_head(const float* x, int64_t D, int8_t* codes, float* scale) {
   float lo = x[0], hi = x[0];
-  for (int64_t d = 1; d < D; ++d) lo = std::min(lo, x[d]), hi = std::max(hi, x[d]);
+  for (int64_t d = 1; d < D && lo == lo; ++d) {
+    if (x[d] != x[d]) lo = hi = x[d];  // a NaN makes step and offset NaN, as torch.amin / amax do
+    else lo = std::min(lo, x[d]), hi = std::max(hi, x[d]);
+  }
   const float s = (hi - lo) / 255.f;
   const float z = lo + 128.f * s;  // two roundings: this file is compiled without FMA contraction
   scale[0] = s, scale[1] = z;
+  const bool coded = s > 0.f && std::isfinite(s);  // else every code 0 (NaN or infinite values too)
   for (int64_t d = 0; d < D; ++d)
-    codes[d] = s > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint((x[d] - z) / s), -128.f, 127.f)) : int8_t{0};
+    codes[d] = coded ? static_cast<int8_t>(std::clamp(std::nearbyint((x[d] - z) / s), -128.f, 127.f)) : int8_t{0};
 }
 
 void write_kv(const float* kv_row, int64_t kv, int64_t slot, at::ScalarType pool, void* k_pool, void* v_pool,
@@ -211,6 +215,8 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
               "rope_write_kv_: slots must be a contiguous int64 [tokens] tensor");
   const int64_t nslots = k_pool.numel() / (kv_heads * D);
   float *ks = nullptr, *vs = nullptr;
+  TORCH_CHECK(pool_type == torch::kInt8 || (!k_scale && !v_scale),
+              "rope_write_kv_: k_scale and v_scale are for int8 pools; these pools are ", pool_type);
   if (pool_type == torch::kInt8) {
     TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == torch::kFloat32 &&
                     v_scale->scalar_type() == torch::kFloat32 && k_scale->is_contiguous() && v_scale->is_contiguous() &&

@@ -16,11 +16,12 @@ void rope(float* row, int64_t heads, const float* cos, const float* sin, int64_t
 // int8 pool (`--kv-dtype int8`) takes each head's D values as codes and writes the head's step and offset
 // into k_scale / v_scale ([slots, kv / D, 2] float32) at 2 (slot * (kv / D) + head) (`quantize_head`)
 void write_kv(const float* kv_row, int64_t kv, int64_t slot, at::ScalarType pool, void* k_pool, void* v_pool,
-              float* k_scale = nullptr, float* v_scale = nullptr, int64_t head_dim = 0);
+              float* k_scale, float* v_scale, int64_t head_dim);
 // One head's D float32 values (lo = min, hi = max) as int8 codes, a step s = (hi - lo) / 255 and an
 // offset z = lo + 128 s (written to scale[0], scale[1]): code = round((x - z) / s) to nearest even, within
-// [-128, 127]; codes 0 and z = lo where s = 0. A code stands for code * s + z. PyTorch's
-// `kvgate.models.kv_int8.quantize` is the same expressions: the same bits.
+// [-128, 127]; codes 0 and z = lo where s = 0 (codes 0 also where a value is NaN or infinite: s is then
+// NaN or infinite). A code stands for code * s + z. PyTorch's `kvgate.models.kv_int8.quantize` is the
+// same expressions: the same bits.
 void quantize_head(const float* x, int64_t D, int8_t* codes, float* scale);
 
 }  // namespace kvgate_rows

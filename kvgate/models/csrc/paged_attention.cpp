@@ -26,7 +26,7 @@
 // positions 9.3-9.6 -> 8.3 ms; at 300 positions and for 2 or 16 rows within the noise (0.6-0.8 ms,
 // 1.2-1.4, 9-11): there every thread already reads at the ~22 GB/s this access pattern gets.
 //
-// With AVX2 and head_dim % 8 == 0 (float32, float16 and bfloat16 pools) the loops are vector code:
+// With AVX2 and head_dim % 8 == 0 (float32, float16, bfloat16 and int8 pools) the loops are vector code:
 // scores of 8 positions at once with one accumulator each, summed across lanes together (`sum8`),
 // and the weighted V sums of up to 3 queries of a head held in registers 32 columns at a time, so a
 // V value is loaded once for the three (`wsum32`). Against the plain loops' per-dot horizontal sums
@@ -300,6 +300,15 @@ inline void axpy(float* __restrict y, float p, const float* __restrict x, int64_
   for (int64_t d = 0; d < D; ++d) y[d] += p * x[d];
 }
 
+// sum_t a[t] (b == nullptr) or sum_t a[t] b[t], t < n, in eight partial sums (t % 8) added in a fixed tree:
+// the same bits in every build (an `omp simd` reduction's order follows the vector width the compiler
+// picks, so an AVX-512 build and an AVX2 one would differ), and eight chains instead of one.
+inline float sum_fixed(const float* a, const float* b, int64_t n) {
+  float p[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t t = 0; t < n; ++t) p[t % 8] += b != nullptr ? a[t] * b[t] : a[t];
+  return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+}
+
 // How many positions ahead of its use a task asks for K/V: a row's blocks are scattered by its table,
 // so the hardware prefetcher loses the stream at every block (and 4 KiB page) boundary.
 constexpr int64_t kAhead = 16;
@@ -374,7 +383,7 @@ struct Attend {
       const Q* src = q + r * q_row_stride + (kh0 * g + i) * q_head_stride;
       for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(src[d]);
     }
-    bool vec = false;  // the AVX2 loops: float32, float16 or bfloat16 pools with head_dim % 8 == 0
+    bool vec = false;  // the AVX2 loops: float32, float16, bfloat16 or int8 pools with head_dim % 8 == 0
 #ifdef KVGATE_AVX2_EXP
     vec = kVectorPool<T> && D % 8 == 0;
 #endif
@@ -484,10 +493,7 @@ struct Attend {
     if (ks != nullptr) {
       const float* f = gather_scales(ks);
       for (int64_t i = 0; i < gq; ++i) {
-        float qsum = 0.f;
-#pragma omp simd reduction(+ : qsum)
-        for (int64_t d = 0; d < D; ++d) qsum += qf[i * D + d];
-        const float qz = scale * qsum;
+        const float qz = scale * sum_fixed(qf + i * D, nullptr, D);
         float* si = scores + i * L;
         const float *step = f + (i / g) * L, *off = f + (nh + i / g) * L;
 #pragma omp simd
@@ -540,10 +546,7 @@ struct Attend {
       for (int64_t i = 0; i < gq; ++i) {
         float* si = scores + i * L;
         const float *step = f + (i / g) * L, *off = f + (nh + i / g) * L;
-        float zs = 0.f;
-#pragma omp simd reduction(+ : zs)
-        for (int64_t t = 0; t < L; ++t) zs += si[t] * off[t];
-        s.zsum[i] = zs;
+        s.zsum[i] = sum_fixed(si, off, L);
 #pragma omp simd
         for (int64_t t = 0; t < L; ++t) si[t] *= step[t];
       }

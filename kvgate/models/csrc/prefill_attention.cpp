@@ -299,6 +299,8 @@ void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::
                   block_table.size(0) * bs >= ctx,
               "prefill_attention_: block_table must be contiguous int64 covering ", ctx, " positions in blocks of ", bs);
   const float *ks = nullptr, *vs = nullptr;
+  TORCH_CHECK(k_pool.scalar_type() == at::kChar || (!k_scale && !v_scale),
+              "prefill_attention_: k_scale and v_scale are for int8 pools; these pools are ", k_pool.scalar_type());
   if (k_pool.scalar_type() == at::kChar) {
     const int64_t want = 2 * N * bs * KVH;
     TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
