@@ -73,9 +73,7 @@ class EngineConfig:
     q8_head: str = "auto"  # auto | on | off: the tied embeddings as their exact Q8_0 blocks (models.q8_head)
     decode_attention: str = "auto"  # auto | paged | gather (kvgate.models.paged_attention)
     prefill_attention: str = "auto"  # auto | kernel | sdpa (kvgate.models.prefill_attention)
-    kv_dtype: str = (
-        "auto"  # auto | float32 | float16 | bfloat16 | int8 (auto: float16 for a float32 model on CPU)
-    )
+    kv_dtype: str = "auto"  # auto | float32 | float16 | bfloat16 | int8 (kvgate.core.kv_dtype)
     speculate: int = (
         0  # draft tokens per greedy row and step, by prompt lookup (kvgate.core.speculate); 0 = off
     )
@@ -230,8 +228,7 @@ ENGINE_FLAGS = [
         "per token: twice the tokens in the same memory and half the reads per decode step; logprobs move "
         "~1e-3. int8 (CPU, float32 model): 8-bit codes with a step and offset per position and KV head "
         "(llama.cpp's q8_0 cache is a scale per 32 values): 1.78x a float16 cache's tokens in the same memory; "
-        "logprobs move ~0.025. float32 keeps a float32 model's numbers "
-        "to float32 rounding",
+        "logprobs move ~0.025. float32 keeps a float32 model's numbers to float32 rounding",
     ),
     (
         "--step-timeout",

@@ -105,22 +105,30 @@ def test_an_engine_with_a_float16_cache_is_batch_invariant_and_close_to_float32(
     """The tiny model with --kv-dtype float16: each prompt's greedy tokens alone equal them batched, and
     with a 4-token prefill chunk (chunks after the first read the narrow cache through the prefill
     path); the float32 cache's first tokens mostly agree (random weights: near-ties are common)."""
+    assert_batch_invariant_and_close_to_float32(make_engine, "float16")
+
+
+def assert_batch_invariant_and_close_to_float32(make_engine, kv_dtype: str, **more) -> None:
+    """The tiny model with `--kv-dtype kv_dtype` (and `more` engine settings): each prompt's greedy
+    tokens alone equal them batched and with a 4-token prefill chunk, and the float32 cache's first 3
+    tokens agree for at least 3 of the 4 prompts."""
     from kvgate.request import GenerationRequest
     from kvgate.sampling import SamplingParams
 
     prompts = [[5, 6, 7, 8, 9], [40, 41] * 6, list(range(60, 90)), [3]]
 
-    def reqs():
-        return [GenerationRequest(p, SamplingParams(temperature=0), 12, ignore_eos=True) for p in prompts]
+    def request(p):
+        return GenerationRequest(p, SamplingParams(temperature=0), 12, ignore_eos=True)
 
-    e = make_engine(kv_dtype="float16")
-    assert e.kv.k.dtype == torch.float16
-    batched = [h.result(60).token_ids for h in [e.submit(r) for r in reqs()]]
-    alone = [e.submit(r).result(60).token_ids for r in reqs()]
-    chunked_engine = make_engine(kv_dtype="float16", prefill_chunk=4)
-    chunked = [h.result(60).token_ids for h in [chunked_engine.submit(r) for r in reqs()]]
-    wide = make_engine(kv_dtype="float32")
-    full = [h.result(60).token_ids for h in [wide.submit(r) for r in reqs()]]
+    def tokens(engine):  # every prompt submitted at once: they share steps
+        return [h.result(60).token_ids for h in [engine.submit(request(p)) for p in prompts]]
+
+    e = make_engine(kv_dtype=kv_dtype, **more)
+    assert e.kv.k.dtype == getattr(torch, kv_dtype)
+    batched = tokens(e)
+    alone = [e.submit(request(p)).result(60).token_ids for p in prompts]
+    chunked = tokens(make_engine(kv_dtype=kv_dtype, prefill_chunk=4, **more))
+    full = tokens(make_engine(kv_dtype="float32"))
     assert batched == alone
     assert chunked == batched
     assert sum(a[:3] == b[:3] for a, b in zip(batched, full, strict=True)) >= 3
@@ -291,26 +299,8 @@ def test_an_engine_with_an_int8_cache_is_batch_invariant_and_close_to_float32(ma
     greedy tokens alone equal them batched and with a 4-token prefill chunk (later chunks read the codes
     written by earlier ones), and the float32 cache's first tokens mostly agree. Seen red: the gather
     paths widening the codes without their scales (`paged_attention.gathered`)."""
-    from kvgate.request import GenerationRequest
-    from kvgate.sampling import SamplingParams
-
-    prompts = [[5, 6, 7, 8, 9], [40, 41] * 6, list(range(60, 90)), [3]]
     more = {} if attention == "kernels" else {"decode_attention": "gather", "prefill_attention": "sdpa"}
-
-    def reqs():
-        return [GenerationRequest(p, SamplingParams(temperature=0), 12, ignore_eos=True) for p in prompts]
-
-    e = make_engine(kv_dtype="int8", **more)
-    assert e.kv.k.dtype == torch.int8
-    batched = [h.result(60).token_ids for h in [e.submit(r) for r in reqs()]]
-    alone = [e.submit(r).result(60).token_ids for r in reqs()]
-    chunked_engine = make_engine(kv_dtype="int8", prefill_chunk=4, **more)
-    chunked = [h.result(60).token_ids for h in [chunked_engine.submit(r) for r in reqs()]]
-    wide = make_engine(kv_dtype="float32")
-    full = [h.result(60).token_ids for h in [wide.submit(r) for r in reqs()]]
-    assert batched == alone
-    assert chunked == batched
-    assert sum(a[:3] == b[:3] for a, b in zip(batched, full, strict=True)) >= 3
+    assert_batch_invariant_and_close_to_float32(make_engine, "int8", **more)
 
 
 @pytest.mark.slow

@@ -87,7 +87,7 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.k_scale = self.v_scale = None
-        if dtype is torch.int8:
+        if kv_int8.is_int8(dtype):
             self.k_scale = torch.zeros((*shape[:-1], 2), dtype=torch.float32, device=device)
             self.v_scale = torch.zeros((*shape[:-1], 2), dtype=torch.float32, device=device)
         self.num_blocks = num_blocks
@@ -113,8 +113,8 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        scales = 0 if self.k_scale is None else self.k_scale.numel() * 4 * 2
-        return self.k.numel() * self.k.element_size() * 2 + scales
+        tensors = [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class DoubleRelease(AssertionError):

@@ -1,4 +1,5 @@
-"""`--kv-dtype`: which dtype the KV pool holds, what a position costs in it, and the plan's note on it.
+"""`--kv-dtype`: which dtype the KV pool holds, and the plan's note on it (what a position costs in
+it: `kvgate.models.kv_int8.element_bytes`).
 
 auto is float16 under a float32 model on a CPU whose paged kernel built (llama.cpp's default f16 cache);
 float32, float16 and bfloat16 name the pool's dtype; int8 is codes with a float32 step and offset per
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvgate.core.device_error import DeviceError
-from kvgate.models.kv_int8 import SCALE_BYTES, is_int8
+from kvgate.models.kv_int8 import is_int8
 from kvgate.models.paged_attention import kernel as paged_attention_kernel
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -54,13 +55,6 @@ def resolve_kv_dtype(
             f"16-bit one under a float32 model. Use --kv-dtype auto ({model}), or --dtype float32."
         )
     return kv
-
-
-def element_bytes(kv_dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes a value, bytes of scale a position and KV head) in a pool of `kv_dtype`."""
-    if is_int8(kv_dtype):
-        return 1, SCALE_BYTES
-    return torch.finfo(kv_dtype).bits // 8, 0
 
 
 def kv_note(kv_dtype: torch.dtype, setting: str, model_dtype: str) -> str:

@@ -14,12 +14,13 @@ import torch
 
 from kvgate.config import EngineConfig
 from kvgate.core.device_error import DeviceError
-from kvgate.core.kv_dtype import element_bytes, kv_note, resolve_kv_dtype
+from kvgate.core.kv_dtype import kv_note, resolve_kv_dtype
 from kvgate.core.speculate import MAX_SPECULATE
 from kvgate.memory.overhead import overhead_drift, process_peak_rss_bytes, runtime_overhead_bytes
 from kvgate.memory.plan import MemoryPlan, make_plan, matrices
 from kvgate.models import LoadedModel, native
 from kvgate.models.block_formats import BLOCK_FORMATS, block_bytes, format_counts, layer_matrix_formats
+from kvgate.models.kv_int8 import element_bytes
 from kvgate.models.lazy_weights import LazyWeights
 from kvgate.models.linear import bf16_batch_invariant, native_bf16, packs_weights, warm_kernels
 from kvgate.models.llama import matmul_shapes
@@ -288,6 +289,7 @@ def plan_for(
             overhead_bytes += overhead_drift(str(device))
     ext = native.extension() if fmt == "gguf" and device.type == "cpu" else None  # gguf's kernels
     amx = ext is not None and ext.prefill_isa() == "amx-bf16"
+    kv_value_bytes, kv_scale_bytes = element_bytes(kv_dtype)
     plan = make_plan(
         spec,
         device=str(device),
@@ -307,8 +309,8 @@ def plan_for(
         quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else (4 if fmt in GGUF_FORMATS else 2),
         speculate=cfg.speculate,
         q8_head=q8_head,
-        kv_dtype_bytes=element_bytes(kv_dtype)[0],
-        kv_scale_bytes=element_bytes(kv_dtype)[1],
+        kv_dtype_bytes=kv_value_bytes,
+        kv_scale_bytes=kv_scale_bytes,
         amx_prefill=amx,
         cuda_graphs=graphs,
         step_pieces=pieces,

@@ -4,15 +4,15 @@ A head's D values x at one position, from lo = min x to hi = max x, become 256 l
 `s = (hi - lo) / 255`, the offset `z = lo + 128 s`, and codes `round((x - z) / s)` (to nearest even,
 within [-128, 127]); code c stands for the value `c * s + z`. A head whose values are all equal gets
 s = 0, codes 0 and z = lo (exact); one with a NaN or infinite value gets codes 0 and a NaN or infinite
-step, so the NaN spreads as a float pool would spread it. The C++ write (`kvgate_rows::quantize_head`, csrc/layer_ops.cpp)
-computes the same expressions in the same float32 operations, so both writers give the same bits
-(tests/test_kv_dtype.py holds them to it).
+step, so the NaN spreads as a float pool would spread it. The C++ write (`kvgate_rows::quantize_head`,
+csrc/layer_ops.cpp) computes the same expressions in the same float32 operations, so both writers give
+the same bits (tests/test_kv_dtype.py holds them to it).
 
 What it costs and buys: D + 8 bytes a head and position instead of 2 D for float16 (72 against 128 for
 SmolLM2's head_dim 64), so the same memory holds 1.78x the positions, and the paged decode kernel, which
 is bound by its K/V reads at 16 rows, reads 44% fewer bytes. Each value is within about s / 2 =
-(hi - lo) / 510 of what was written (the float32 roundings of z and of c * s + z aside). The offset is what the bytes buy: on SmolLM2's K/V over 1,000 positions of English
-text, the relative error of a head was 0.0105 (K) and 0.0069 (V) with a symmetric scale (max|x| / 127)
+(hi - lo) / 510 of what was written (the float32 roundings of z and of c * s + z aside). The offset is
+what the bytes buy: on SmolLM2's K/V over 1,000 positions of English text, the relative error of a head was 0.0105 (K) and 0.0069 (V) with a symmetric scale (max|x| / 127)
 per head, 0.0082 / 0.0060 with one per 32 values (llama.cpp's q8_0 cache), and 0.0075 / 0.0058 with
 this step and offset per head. The stated tolerance against the float32 cache is in
 tests/test_kv_dtype.py.
@@ -33,11 +33,17 @@ def is_int8(kv_dtype) -> bool:
     return kv_dtype is torch.int8
 
 
+def element_bytes(kv_dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes a value, bytes of scale a position and KV head) in a pool of `kv_dtype`."""
+    if is_int8(kv_dtype):
+        return 1, SCALE_BYTES
+    return torch.finfo(kv_dtype).bits // 8, 0
+
+
 def head_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
     """Bytes one KV head's K (or V) takes at one position in a pool of `kv_dtype`."""
-    if is_int8(kv_dtype):
-        return head_dim + SCALE_BYTES
-    return head_dim * (torch.finfo(kv_dtype).bits // 8)
+    value, scale = element_bytes(kv_dtype)
+    return head_dim * value + scale
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

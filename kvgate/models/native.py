@@ -50,6 +50,7 @@ SOURCES = (
 )  # one module
 HEADERS = (
     "int8_layout.h",
+    "kv_scales.h",
     "layer_rows.h",
     "q4_1_int24.h",
     "vec_exp.h",

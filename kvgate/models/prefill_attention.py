@@ -80,20 +80,13 @@ def sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf, k_scal
     which makes no score matrix (`kvgate.memory.workspace._prefill_attention` charges what it does make)."""
     n = pf.q_len
     qp = q[pf.start : pf.start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    kp = (
-        gathered(k_pool, k_scale, pf.block_table, q.dtype)
-        .flatten(0, 1)[: pf.ctx_len]
-        .transpose(0, 1)
-        .unsqueeze(0)
-    )
-    vp = (
-        gathered(v_pool, v_scale, pf.block_table, q.dtype)
-        .flatten(0, 1)[: pf.ctx_len]
-        .transpose(0, 1)
-        .unsqueeze(0)
-    )
-    if kp.dtype != q.dtype:  # a narrower KV cache (--kv-dtype)
-        kp, vp = kp.to(q.dtype), vp.to(q.dtype)
+
+    def context(pool, scales):  # [1, KVH, ctx, D] in q's dtype (a narrower or int8 cache widened)
+        return (
+            gathered(pool, scales, pf.block_table, q.dtype).flatten(0, 1)[: pf.ctx_len].transpose(0, 1)[None]
+        )
+
+    kp, vp = context(k_pool, k_scale), context(v_pool, v_scale)
     whole = pf.ctx_len == n  # a prompt's first chunk: plain causal, no mask to read
     mask = None if whole else pf.mask
     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=whole, enable_gqa=True)

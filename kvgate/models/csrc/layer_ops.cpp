@@ -33,6 +33,7 @@
 #define KVGATE_AVX2 1
 #endif
 #include "vec_exp.h"
+#include "kv_scales.h"
 #include "layer_rows.h"
 
 namespace {
@@ -214,17 +215,8 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous(),
               "rope_write_kv_: slots must be a contiguous int64 [tokens] tensor");
   const int64_t nslots = k_pool.numel() / (kv_heads * D);
-  float *ks = nullptr, *vs = nullptr;
-  TORCH_CHECK(pool_type == torch::kInt8 || (!k_scale && !v_scale),
-              "rope_write_kv_: k_scale and v_scale are for int8 pools; these pools are ", pool_type);
-  if (pool_type == torch::kInt8) {
-    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == torch::kFloat32 &&
-                    v_scale->scalar_type() == torch::kFloat32 && k_scale->is_contiguous() && v_scale->is_contiguous() &&
-                    k_scale->numel() == 2 * nslots * kv_heads && v_scale->numel() == 2 * nslots * kv_heads,
-                "rope_write_kv_: int8 pools need contiguous float32 k_scale and v_scale of ", 2 * nslots * kv_heads,
-                " values (a step and an offset per slot and KV head)");
-    ks = k_scale->data_ptr<float>(), vs = v_scale->data_ptr<float>();
-  }
+  const auto scales = int8_pool_scales("rope_write_kv_", k_pool, D, k_scale, v_scale);
+  float *ks = scales.first, *vs = scales.second;
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "rope_write_kv_: slot ", sp[t], " of token ", t, " is outside the pool's ",

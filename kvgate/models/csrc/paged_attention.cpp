@@ -54,6 +54,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_scales.h"
 #include "vec_exp.h"  // defines KVGATE_AVX2_EXP and exp8 where AVX2 and FMA are on
 
 void paged_attention_check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t R,
@@ -711,22 +712,6 @@ void run(const Q* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, co
   }
 }
 
-// An int8 pool's scales, checked: float32, contiguous, a step and an offset per (slot, KV head) of an
-// [N, bs, KVH, D] pool. Null for float pools (where no scales may be given).
-const float* pool_scales(const c10::optional<at::Tensor>& scales, const at::Tensor& pool, const char* name) {
-  if (pool.scalar_type() != at::kChar) {
-    TORCH_CHECK(!scales.has_value(), "paged_decode_attention: ", name, " is for int8 pools; this pool is ",
-                pool.scalar_type());
-    return nullptr;
-  }
-  const int64_t want = 2 * pool.size(0) * pool.size(1) * pool.size(2);
-  TORCH_CHECK(scales.has_value() && scales->device().is_cpu() && scales->scalar_type() == at::kFloat &&
-                  scales->is_contiguous() && scales->numel() == want,
-              "paged_decode_attention: an int8 pool needs ", name, ", a contiguous float32 tensor of ", want,
-              " floats (a step and an offset per slot and KV head)");
-  return scales->data_ptr<float>();
-}
-
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
@@ -750,8 +735,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   TORCH_CHECK(k_pool.size(3) == D, "head_dim of q (", D, ") and of the pool (", k_pool.size(3), ") differ");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
   TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
-  const float* ks = pool_scales(k_scale, k_pool, "k_scale");
-  const float* vs = pool_scales(v_scale, v_pool, "v_scale");
+  const auto scales = int8_pool_scales("paged_decode_attention", k_pool, D, k_scale, v_scale);
+  float *ks = scales.first, *vs = scales.second;
   paged_attention_check_tables(block_tables, context_lens, R, k_pool.size(0), bs);
   const int64_t maxblk = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();

@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_scales.h"
 #include "vec_exp.h"
 
 namespace {
@@ -298,18 +299,8 @@ void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 && block_table.is_contiguous() &&
                   block_table.size(0) * bs >= ctx,
               "prefill_attention_: block_table must be contiguous int64 covering ", ctx, " positions in blocks of ", bs);
-  const float *ks = nullptr, *vs = nullptr;
-  TORCH_CHECK(k_pool.scalar_type() == at::kChar || (!k_scale && !v_scale),
-              "prefill_attention_: k_scale and v_scale are for int8 pools; these pools are ", k_pool.scalar_type());
-  if (k_pool.scalar_type() == at::kChar) {
-    const int64_t want = 2 * N * bs * KVH;
-    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat && v_scale->scalar_type() == at::kFloat &&
-                    k_scale->is_contiguous() && v_scale->is_contiguous() && k_scale->numel() == want &&
-                    v_scale->numel() == want,
-                "prefill_attention_: int8 pools need contiguous float32 k_scale and v_scale of ", want,
-                " values (a step and an offset per slot and KV head)");
-    ks = k_scale->data_ptr<float>(), vs = v_scale->data_ptr<float>();
-  }
+  const auto scales = int8_pool_scales("prefill_attention_", k_pool, D, k_scale, v_scale);
+  float *ks = scales.first, *vs = scales.second;
   const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < (ctx + bs - 1) / bs; ++b)
     TORCH_CHECK(table[b] >= 0 && table[b] < N, "prefill_attention_: block table entry ", b, " is ", table[b],
