@@ -35,9 +35,10 @@ def test_rope_and_the_kv_write_are_the_pytorch_expressions_bit_for_bit(ext, head
     """The rotated q and k heads equal `qk * cos + rotate_half(qk) * sin` exactly, and the pools hold
     the rotated k and the plain v at each token's slot (every other slot untouched). Seen red: building
     layer_ops.cpp without its `fp-contract=off` pragma (GCC fused x * cos + x' * sin into one FMA:
-    a rounding fewer, 2.4e-7 away), and v copied from the k columns."""
+    a rounding fewer, 2.4e-7 away), and v copied from the k columns; the AVX2 loop (8 pairs at a time)
+    with an FMA for its second product. 70 tokens: the op splits them over its threads."""
     gen = torch.Generator().manual_seed(heads)
-    T, bs, blocks = 11, 4, 6
+    T, bs, blocks = 70, 4, 20
     qkv = torch.randn(T, (heads + 2 * kv_heads) * dim, generator=gen)
     cos, sin = torch.randn(T, dim, generator=gen), torch.randn(T, dim, generator=gen)
     slots = torch.randperm(blocks * bs, generator=gen)[:T]

@@ -64,13 +64,23 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what
               what, ": the norm weight must be float32 [", x.size(1), "], got ", w.sizes());
 }
 
-torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+// Rows a thread takes at least: a prompt chunk's rows split over the threads, a decode step's few stay on
+// the caller's (a row's arithmetic is its own either way, so its bits do not depend on the split).
+constexpr int64_t ROW_GRAIN = 32;
+
+// x += y (when y is given), then h = RMSNorm(x) * w, row by row.
+torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps, const float* y = nullptr) {
   const int64_t R = x.size(0), n = x.size(1);
   auto h = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* hp = h.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) kvgate_rows::norm(xp + r * n, wp, n, eps, hp + r * n);
+  at::parallel_for(0, R, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (y != nullptr) kvgate_rows::add(xp + r * n, y + r * n, n);
+      kvgate_rows::norm(xp + r * n, wp, n, eps, hp + r * n);
+    }
+  });
   return h;
 }
 
@@ -113,7 +123,20 @@ void rope(float* row, int64_t heads, const float* c, const float* s, int64_t D) 
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; ++h) {
     float* x = row + h * D;
-    for (int64_t i = 0; i < half; ++i) {
+    int64_t i = 0;
+#ifdef KVGATE_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (; i + 8 <= half; i += 8) {  // the scalar loop's products and sum, 8 at a time: the same bits
+      const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + half);
+      const __m256 lo = _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)),
+                                      _mm256_mul_ps(_mm256_xor_ps(b, sign), _mm256_loadu_ps(s + i)));
+      const __m256 hi = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + i + half)),
+                                      _mm256_mul_ps(a, _mm256_loadu_ps(s + i + half)));
+      _mm256_storeu_ps(x + i, lo);
+      _mm256_storeu_ps(x + i + half, hi);
+    }
+#endif
+    for (; i < half; ++i) {
       const float a = x[i], b = x[i + half];
       const float lo = a * c[i] + (-b) * s[i];
       const float hi = b * c[i + half] + a * s[i + half];
@@ -188,8 +211,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
   check_rows(x, w, "add_rms_norm_");
   TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.sizes() == x.sizes() && y.is_contiguous(),
               "add_rms_norm_: y must be a contiguous float32 tensor shaped like x ", x.sizes(), ", got ", y.sizes());
-  kvgate_rows::add(x.data_ptr<float>(), y.data_ptr<float>(), x.numel());
-  return norm_rows(x, w, eps);
+  return norm_rows(x, w, eps, y.data_ptr<float>());
 }
 
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
@@ -224,9 +246,12 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) kvgate_rows::rope(qp + t * width, heads + kv_heads, cp + t * D, snp + t * D, D);
   const int64_t kv = kv_heads * D;
-  for (int64_t t = 0; t < T; ++t)
-    kvgate_rows::write_kv(qp + t * width + heads * D, kv, sp[t], pool_type, k_pool.data_ptr(), v_pool.data_ptr(), ks,
-                          vs, D);
+  void *kp = k_pool.data_ptr(), *vp = v_pool.data_ptr();
+  at::parallel_for(0, T, ROW_GRAIN, [&](int64_t t0, int64_t t1) {  // tokens' slots are distinct
+    for (int64_t t = t0; t < t1; ++t) {
+      kvgate_rows::rope(qp + t * width, heads + kv_heads, cp + t * D, snp + t * D, D);
+      kvgate_rows::write_kv(qp + t * width + heads * D, kv, sp[t], pool_type, kp, vp, ks, vs, D);
+    }
+  });
 }
