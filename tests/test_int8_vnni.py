@@ -3,8 +3,9 @@ AVX2 kernels' bits, in one build: the same exact integer sums, then the same flo
 
 Runs only where the build has them (a CPU listing avx512f, avx512bw, avx512vl and avx512_vnni: Zen 4/5,
 Ice Lake and later Xeons); an AVX2-only machine skips it, and tests/test_q4_1_dot8.py still checks the
-AVX2 kernels against the exact integer product there. Calls of 5 rows and more take the VNNI kernels
-(up to 4 take the AVX2 tiles in both modes); the cases cover groups of 8 rows with every remainder
+AVX2 kernels against the exact integer product there. The VNNI runs take the pairs at every row count
+(from 5 rows always; at 1-4 rows where kvgate.models.q8act_rows's probe finds them faster); the cases
+cover groups of 8 rows with every remainder
 (1-7 rows, with their 4-, 2- and 1-row chain splits), an odd tile count (the lone last tile runs as a
 pair with itself), a partial last tile, a NaN row, and SmolLM2's own matrix shapes.
 
@@ -38,13 +39,16 @@ SHAPES = [(203, 96), (17, 64), (8, 32), (24, 64), (576, 576), (192, 576), (1536,
 
 def both(fn, *args) -> tuple[torch.Tensor, torch.Tensor]:
     """`fn(*args)` with the AVX2 kernels, then with the VNNI ones (auto is left on afterwards)."""
+    small = ext.int8_small_rows()
     try:
         assert ext.set_int8_isa("avx2") == "avx2"
         plain = fn(*args)
         assert ext.set_int8_isa("avx512-vnni") == "avx512-vnni"
+        ext.set_int8_small_rows(0b11110)  # calls of 1-4 rows take the pairs too (kvgate.models.q8act_rows)
         return plain, fn(*args)
     finally:
         ext.set_int8_isa("auto")
+        ext.set_int8_small_rows(small)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -52,7 +56,7 @@ def test_vnni_tiles_give_the_avx2_bits(n, k):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w4 = q4_1_pack8(*q4_1_blocks(ggml_q4_1(torch.randn(n, k, generator=g) * 0.05)))
     w8 = q8_pack8(*q8_blocks(ggml_q8_0(torch.randn(n, k, generator=g) * 0.05)))
-    for rows in (1, 4, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 19):  # 5+ rows: the VNNI kernels
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 19):
         x = torch.randn(rows, k, generator=g) * 2
         if rows > 4:
             x[4, 3] = float("nan")

@@ -13,8 +13,8 @@ Contract between threads:
 One step is three typed phases (nano-vllm's and vLLM v1's shape):
     schedule() -> SchedulerOutput;  ModelRunner.execute() -> ModelOutput;  update(ModelOutput)
 
-A watchdog needs no thread of its own: the worker records when a step starts, and `stalled()` (read
-by /health, `submit`) reports a step past the step timeout.
+A watchdog needs no thread of its own: the worker records when a step starts, and `stalled()` (read by
+/health, `submit`) reports a step past the step timeout.
 
 NOTE: the worker is a thread, not a process. Every heavy op (matmul, attention) releases the GIL, so the
 HTTP event loop keeps running on the other core, with no IPC or token copies. On 2 cores a process would
@@ -44,7 +44,7 @@ from kvgate.core.stepper import EngineCore
 from kvgate.memory.graphs import graph_shapes
 from kvgate.memory.ledger import MemoryLedger
 from kvgate.memory.plan import MemoryPlan, PlanError
-from kvgate.models import LoadedModel, decode_prefetch, load_model
+from kvgate.models import LoadedModel, decode_prefetch, load_model, q8act_rows
 from kvgate.models.decode_graphs import DecodeGraphs, GraphStep
 from kvgate.models.llama import LlamaModel, StepBatch
 from kvgate.models.step_pieces import StepPieces
@@ -103,9 +103,9 @@ class Engine:
         # A step shrunk by the plan below what was warmed: one unwarmed bucket (MiB, in the overhead's slack)
         self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_logit_rows)
         loaded.weights.clear()
-        # gguf's float decode loops, per CPU; not a plan note: `kvgate plan` (no model built, no probe)
-        # must give the engine's plan, and this choice changes speed only, never memory
-        self.prefetch_note = decode_prefetch.choose(self.model)
+        # kernels per CPU, speed only (not plan notes: `kvgate plan` builds no model and runs no probe)
+        notes = (decode_prefetch.choose(self.model), q8act_rows.choose(self.model))
+        self.prefetch_note = "; ".join(n for n in notes if n) or None
         if self.device.type != "cpu":  # its logits are drawn on the host: the C++ draw, built once
             log.info(host_draw_kernels())
         if self.model.weight_bytes > p.weights_bytes:

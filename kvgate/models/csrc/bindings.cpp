@@ -40,6 +40,8 @@ std::string set_isa(const std::string& name);
 std::string unavailable();
 }  // namespace kvgate_amx
 std::string set_int8_isa(const std::string& isa);
+int64_t int8_small_rows();
+int64_t set_int8_small_rows(int64_t bits);
 std::tuple<int64_t, int64_t> decode_prefetch();
 std::tuple<int64_t, int64_t> set_decode_prefetch(int64_t one_row, int64_t more_rows);
 std::string q4_1_decode();
@@ -78,6 +80,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_int8_isa", &set_int8_isa,
           "'avx2' runs the AVX2 tile kernels in an AVX-512 VNNI build (same bits; tests and A/B benchmarks), "
           "'auto' the fastest built; returns int8_isa()");
+  mod.def("int8_small_rows", &int8_small_rows,
+          "a mask: bit R set where gguf-q8act calls of R rows (1-4) take the VNNI pairs instead of the AVX2 tiles");
+  mod.def("set_int8_small_rows", &set_int8_small_rows,
+          "set that mask (the same bits either way; kvgate.models.q8act_rows measures which is faster at load); "
+          "returns int8_small_rows()");
   mod.def("prefill_isa", &kvgate_amx::isa,
           "what q4_1_matmul's prompt rows run on: amx-bf16 (amx_q4_1.cpp) or float32 (tile_matmul.cpp's loop)");
   mod.def("set_prefill_isa", &kvgate_amx::set_isa,

@@ -307,11 +307,13 @@ namespace {
 // The shared driver: checks the shapes, rounds x to 8-bit blocks, then runs every (tile, group of up
 // to MR rows) through `group(rows, xq, xd, xs, K, tile, y, ldy, width)`. Threads split the tiles.
 // With the VNNI kernels enabled (an AVX-512 VNNI build, set_int8_isa) and more than MR rows, `vnni` fills
-// y instead. Up to 4 rows the weights stream from memory once per call and the AVX2 tiles, one stream
-// per thread, read them faster (SmolLM2's 30 layers cold, 1 row: 1.7-1.9 ms against 2.0 for the pairs,
-// whose two streams per thread the prefetchers follow less well); from 5 rows on the pairs win (16
-// rows: 9.2-9.5 -> 5.4-5.5 ms; the LM head 3.2-3.4 -> 1.9 ms). Both give the same bits, so which one
-// a call takes never changes a row's result.
+// y instead; from 5 rows on the pairs win (Zen 4: 16 rows 9.2-9.5 -> 5.4-5.5 ms; the LM head 3.2-3.4 ->
+// 1.9 ms). Up to 4 rows it depends on the CPU, so calls of R <= MR rows take the pairs where bit R of
+// `small_pairs` is set (set_int8_small_rows; kvgate.models.q8act_rows probes it at load): on Zen 4 one
+// row's weights streamed faster through the AVX2 tiles, one stream per thread (SmolLM2's 30 layers
+// cold: 1.7-1.9 ms against 2.0 for the pairs, whose two streams per thread the prefetchers follow less
+// well), on an AMX Xeon the pairs were faster at 1-4 rows. Both give the same bits, so which one a call
+// takes never changes a row's result.
 using VnniFn = void (*)(const Rounded&, const uint8_t*, int64_t, int64_t, float*);
 
 // Tiles [t0, t1) of w against every group of up to MR rows of x, through `group`
@@ -346,7 +348,7 @@ torch::Tensor run_tiles(const char* name, torch::Tensor x, torch::Tensor packed,
   const float *xdp = xd.data_ptr<float>(), *xsp = xs.data_ptr<float>();
   const uint8_t* wp = pc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (vnni_enabled() && M > MR) {
+  if (kvgate_int8::use_pairs(M)) {
     vnni(Rounded{qp, xdp, xsp, M, K}, wp, T, N, yp);
     return y;
   }
@@ -364,7 +366,12 @@ void round_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, fl
   for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, q + r * K, d + r * nb, s + r * nb);
 }
 
-bool use_pairs(int64_t M) { return vnni_enabled() && M > MR; }
+unsigned& small_pairs() {
+  static unsigned bits = 0;
+  return bits;
+}
+
+bool use_pairs(int64_t M) { return vnni_enabled() && (M > MR || ((small_pairs() >> M) & 1u)); }
 
 int64_t units(int64_t T, bool pairs) { return pairs ? (T + 1) / 2 : T; }
 
@@ -395,6 +402,18 @@ std::string int8_isa() {
 #else
   return "scalar";
 #endif
+}
+
+int64_t int8_small_rows() { return kvgate_int8::small_pairs(); }
+
+int64_t set_int8_small_rows(int64_t bits) {
+  constexpr int64_t allowed = ((1 << (MR + 1)) - 1) & ~1;  // bits 1..MR: calls of that many rows
+  TORCH_CHECK((bits & ~allowed) == 0, "set_int8_small_rows: bit R says whether calls of R rows take the VNNI "
+              "pairs, for R = 1..", MR, " (a mask within ", allowed, "); got ", bits);
+  TORCH_CHECK(bits == 0 || kvgate_int8::vnni_built(),
+              "set_int8_small_rows: this build has no AVX-512 VNNI kernels to take them");
+  kvgate_int8::small_pairs() = static_cast<unsigned>(bits);
+  return int8_small_rows();
 }
 
 std::string set_int8_isa(const std::string& isa) {

@@ -36,7 +36,7 @@ void q4_1_dot8_vnni_pairs(const Rounded& x, const uint8_t* w, int64_t T, int64_t
 // parallel region: the same roundings and tiles, hence the same bits.
 // - round_rows: rows [r0, r1) of x (K floats a row) as q8_rows rounds them, into q [.., K] and d, s [.., K/32]
 // - use_pairs: whether q4_1_dot8 would take the VNNI pairs of tiles for M rows now (read it once, before
-//   the team's region: set_int8_isa may flip the switch from another thread meanwhile)
+//   the team's region: set_int8_isa or set_int8_small_rows may flip a switch from another thread meanwhile)
 // - units: how many pieces T tiles split into (pairs of tiles, or tiles); run_units runs pieces [u0, u1)
 //   on the calling thread
 void round_rows(const float* x, int64_t r0, int64_t r1, int64_t K, int8_t* q, float* d, float* s);
