@@ -192,8 +192,9 @@ ENGINE_FLAGS = [
         "--speculate",
         at_least(int, 0, 8),
         0,
-        "prompt-lookup speculative decoding: up to K draft tokens per greedy row and step, verified in one "
-        "pass; output unchanged (0 = off, at most 8)",
+        "prompt-lookup speculative decoding: up to K draft tokens per row and step, verified in one pass; "
+        "greedy output unchanged, sampled rows keep the distribution by the rejection rule (a seeded "
+        "request's tokens differ from a server without it); 0 = off, at most 8",
     ),
     (
         "--weights",

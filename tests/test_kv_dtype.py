@@ -46,6 +46,10 @@ def test_auto_is_float16_under_a_float32_model_on_cpu_else_the_models_and_mixed_
             resolve_kv_dtype("int8", dtype, device)
     with pytest.raises(DeviceError, match="under a bfloat16 model.*--kv-dtype auto"):
         resolve_kv_dtype("float16", torch.bfloat16, cpu)
+    # a dtype the user never named is said to be --dtype auto's (QA, session 43: `--weights int8
+    # --kv-dtype int8` was told "this is a bfloat16 model")
+    with pytest.raises(DeviceError, match=r"a bfloat16 model \(--dtype auto chose it\) on cpu"):
+        resolve_kv_dtype("int8", torch.bfloat16, cpu, auto_dtype=True)
 
 
 def test_the_plan_charges_the_pools_bytes_and_holds_twice_the_tokens(make_engine):

@@ -19,7 +19,11 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 def resolve_kv_dtype(
-    name: str, dtype: torch.dtype, device: torch.device, paged_kernel: bool | None = None
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    paged_kernel: bool | None = None,
+    auto_dtype: bool = False,
 ) -> torch.dtype:
     """auto: float16 under a float32 model on a CPU whose paged attention kernel built (llama.cpp's
     default f16 cache: half the bytes a token, twice the positions in the same memory, half the decode
@@ -28,7 +32,8 @@ def resolve_kv_dtype(
     model's or a 16-bit cache under a float32 model (what the K/V write, the paged kernel and the gather
     paths convert), or int8 codes with a step and offset per position and KV head
     (`kvgate.models.kv_int8`: 56% of a float16 cache's bytes for a head of 64) under a float32 model on
-    a CPU. `paged_kernel`: whether the kernel is there (None: look)."""
+    a CPU. `paged_kernel`: whether the kernel is there (None: look). `auto_dtype`: `--dtype auto` chose
+    the model's dtype (a refusal says so: the user never named it)."""
     if name == "auto":
         if device.type != "cpu" or dtype != torch.float32:
             return dtype
@@ -39,9 +44,10 @@ def resolve_kv_dtype(
         if device.type != "cpu" or dtype != torch.float32:
             model = str(dtype).removeprefix("torch.")
             other = "auto or float16" if dtype == torch.float32 else f"auto ({model})"
+            chose = " (--dtype auto chose it)" if auto_dtype else ""
             raise DeviceError(
                 f"--kv-dtype int8 is written and read by kvgate's CPU kernels under a float32 model; this is "
-                f"a {model} model on {device}. Use --kv-dtype {other} here"
+                f"a {model} model{chose} on {device}. Use --kv-dtype {other} here"
                 + (" (or --dtype float32 to allow int8)." if device.type == "cpu" else ".")
             )
         return torch.int8

@@ -253,7 +253,7 @@ def plan_for(
         name = cfg.weights
     fmt, act = resolve_weights(name, device)
     dtype = resolve_dtype(cfg.dtype, device, fmt)
-    kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype, device)
+    kv_dtype = resolve_kv_dtype(cfg.kv_dtype, dtype, device, auto_dtype=cfg.dtype == "auto")
     graphs, pieces = resolve_cuda_graphs(cfg.cuda_graphs, device)
     if not 0 <= cfg.speculate <= MAX_SPECULATE:
         raise DeviceError(

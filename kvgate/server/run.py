@@ -172,8 +172,12 @@ def serve(args) -> int:
     servers.append(server)
     if stop_when_up.is_set():  # the load failed before the server existed
         server.should_exit = True
-    print(
-        f"kvgate: serving on http://{args.host}:{args.port}/v1 (health: /health)", file=sys.stderr, flush=True
-    )
+    else:  # not "serving on": a load that fails next printed that line before its error (QA, session 43)
+        print(
+            f"kvgate: listening on http://{args.host}:{args.port}/v1 while the model loads (/health says when "
+            "it is ready)",
+            file=sys.stderr,
+            flush=True,
+        )
     server.run()
     return 0 if app.state.load_error is None else 1

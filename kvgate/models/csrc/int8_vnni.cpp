@@ -9,7 +9,8 @@
 //   broadcast activation dword meets 16 outputs; up to 8 rows share every widened weight vector
 //   (their 8 integer and 8 float accumulators fit the 32 registers). A lone last tile is paired with
 //   itself and its high half is not stored. Both tiles are prefetched 8 blocks ahead (see PF).
-// - int8_dot.cpp calls these from 5 rows on; up to 4 rows its AVX2 tiles stream the weights faster.
+// - int8_dot.cpp calls these from 5 rows on, and at 1-4 rows where kvgate.models.q8act_rows's probe at
+//   load found them faster than its AVX2 tiles (Zen 4: the tiles; an AMX Xeon: these).
 // - Q8_0 tiles (the LM head) are signed x signed: |w| times x with w's sign moved onto x (a masked
 //   negate: AVX-512 has no `sign_epi8`), as the AVX2 kernel does with `sign_epi8`.
 #include "int8_layout.h"
