@@ -9,7 +9,7 @@ the choice changes speed only, and which is faster depends on the CPU:
 - on an AMX Xeon (session 43, one thread) a one-row step took 12.1-12.5 ms with the tiles and 10.7-11.0
   with the pairs, a four-row step 23.4-24.5 against 18.0-18.1.
 So `choose` times the model's own q8act matrices (the head, then layers until PROBE_BYTES of tiles) at
-1, 2, 3 and 4 rows with each kernel, in rotating order for ROUNDS rounds, and keeps the faster one for
+1, 2, 3 and 4 rows with each kernel, in rotating order for ROUNDS rounds (5), and keeps the faster one for
 each row count (the best run of each: what disturbs a run on a shared machine only slows it).
 
 `KVGATE_Q8ACT_SMALL_ROWS=tiles|pairs` sets every row count without a probe (A/B runs).
@@ -32,7 +32,7 @@ log = logging.getLogger("kvgate.models")
 ENV = "KVGATE_Q8ACT_SMALL_ROWS"
 KERNELS = ("tiles", "pairs")
 ROWS = (1, 2, 3, 4)  # the calls the AVX2 tiles can take; 5 rows and more always take the pairs
-ROUNDS = 3
+ROUNDS = 5  # ~60 ms a round on SmolLM2; with another process busy, 3 rounds once kept the slower kernel
 PROBE_BYTES = 256 << 20  # as kvgate.models.decode_prefetch: a bigger model's first matrices only
 
 
