@@ -192,8 +192,9 @@ ENGINE_FLAGS = [
         "--speculate",
         at_least(int, 0, 8),
         0,
-        "prompt-lookup speculative decoding: up to K draft tokens per row and step, verified in one pass; "
-        "greedy output unchanged, sampled rows keep the distribution by the rejection rule (a seeded "
+        "prompt-lookup speculative decoding: up to K draft tokens per row and step (requests without "
+        "penalties, grammar, logprobs or min_tokens), verified in one pass; greedy output unchanged (exactly "
+        "on the default CPU path), sampled rows keep the distribution by the rejection rule (a seeded "
         "request's tokens differ from a server without it); 0 = off, at most 8",
     ),
     (

@@ -26,5 +26,5 @@ def test_blocks_the_prefix_cache_keeps_are_not_left_behind():
 def test_a_referenced_block_a_lost_block_a_row_or_a_waiter_is_left_behind():
     assert "1 blocks referenced" in left_behind(kv(40, 7, 1), 0, 0)
     assert "40 free + 7 cached of 48" in left_behind(kv(40, 7, 0), 0, 0)  # one block in no count
-    assert "1 rows running" in left_behind(kv(48, 0, 0), 1, 0)
-    assert "2 requests waiting" in left_behind(kv(48, 0, 0), 0, 2)
+    assert "rows running: 1" in left_behind(kv(48, 0, 0), 1, 0)
+    assert "requests waiting: 2" in left_behind(kv(48, 0, 0), 0, 2)

@@ -50,6 +50,8 @@ def test_auto_is_float16_under_a_float32_model_on_cpu_else_the_models_and_mixed_
     # --kv-dtype int8` was told "this is a bfloat16 model")
     with pytest.raises(DeviceError, match=r"a bfloat16 model \(--dtype auto chose it\) on cpu"):
         resolve_kv_dtype("int8", torch.bfloat16, cpu, auto_dtype=True)
+    with pytest.raises(DeviceError, match=r"under a bfloat16 model \(--dtype auto chose it\): a KV cache"):
+        resolve_kv_dtype("float16", torch.bfloat16, cpu, auto_dtype=True)
 
 
 def test_the_plan_charges_the_pools_bytes_and_holds_twice_the_tokens(make_engine):

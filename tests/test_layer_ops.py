@@ -30,13 +30,14 @@ def plain_rope(qkv, heads, kv_heads, cos, sin):
     return qk * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (3, 3, 8)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (3, 3, 8), (3, 1, 40)])
 def test_rope_and_the_kv_write_are_the_pytorch_expressions_bit_for_bit(ext, heads, kv_heads, dim):
     """The rotated q and k heads equal `qk * cos + rotate_half(qk) * sin` exactly, and the pools hold
     the rotated k and the plain v at each token's slot (every other slot untouched). Seen red: building
     layer_ops.cpp without its `fp-contract=off` pragma (GCC fused x * cos + x' * sin into one FMA:
     a rounding fewer, 2.4e-7 away), and v copied from the k columns; the AVX2 loop (8 pairs at a time)
-    with an FMA for its second product. 70 tokens: the op splits them over its threads."""
+    with an FMA for its second product. 70 tokens: the op splits them over its threads; a head of 40:
+    the vector loop and the scalar tail."""
     gen = torch.Generator().manual_seed(heads)
     T, bs, blocks = 70, 4, 20
     qkv = torch.randn(T, (heads + 2 * kv_heads) * dim, generator=gen)
@@ -54,6 +55,39 @@ def test_rope_and_the_kv_write_are_the_pytorch_expressions_bit_for_bit(ext, head
     assert torch.equal(got[:, : (heads + kv_heads) * dim].view(T, heads + kv_heads, dim), want_qk)
     assert torch.equal(got[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
     assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.int8])
+def test_tokens_that_share_a_slot_leave_the_last_ones_write(ext, pool_dtype):
+    """Steps never repeat a slot, but the decode stack's run_ops promises row order when they do (the last
+    row's write stays): with a repeated slot the op writes on one thread. Seen red: tokens 34 and 35
+    (the two threads' halves of 70) sharing a slot, written in parallel (the slot kept token 34's k in
+    some of 50 runs)."""
+    from kvgate.models import kv_int8
+
+    gen = torch.Generator().manual_seed(1)
+    T, H, KVH, D, bs, blocks = 70, 3, 1, 16, 4, 20
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=gen)
+    ang = torch.rand(T, D, generator=gen) * 6.28
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+    slots = torch.arange(T)
+    slots[35] = slots[34]
+    want_k = plain_rope(qkv, H, KVH, cos, sin)[35, H:]
+    for _ in range(50):
+        k_pool = torch.zeros(blocks, bs, KVH, D, dtype=pool_dtype)
+        v_pool = torch.zeros_like(k_pool)
+        scales = (
+            (torch.zeros(blocks, bs, KVH, 2), torch.zeros(blocks, bs, KVH, 2))
+            if pool_dtype == torch.int8
+            else ()
+        )
+        ext.rope_write_kv_(qkv.clone(), H, KVH, cos, sin, slots, k_pool, v_pool, *scales)
+        got = k_pool.view(-1, KVH, D)[34]
+        if pool_dtype == torch.int8:
+            codes, steps = kv_int8.quantize(want_k)
+            assert torch.equal(got, codes) and torch.equal(scales[0].view(-1, KVH, 2)[34], steps)
+        else:
+            assert torch.equal(got, want_k)
 
 
 def test_rms_norm_is_f_rms_norm_to_an_ulp_and_row_invariant(ext):

@@ -2,8 +2,9 @@
 (kvgate.models.q8act_rows); the switch changes speed only.
 
 The bits of the two kernels at 1-4 rows are tests/test_int8_vnni.py's (its VNNI runs take the pairs at
-every row count). Seen red: `faster` keeping the slower kernel (the decision test), the engine's call to
-`choose` removed (the engine test), the env setting's mask inverted (the env test).
+every row count) and tests/test_decode_stack.py's (the thread team under either mask). Seen red:
+`faster` keeping the slower kernel (the decision test), the engine's call to `choose` removed (the engine
+test), the env setting's mask inverted (the env test), `use_pairs` ignoring the mask (the switch test).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from kvgate.models import native, q8act_rows
 from tests.test_q4_1 import engine, q4_tiny_dir  # noqa: F401 - the fixture
 
 ext = native.extension()
-pytestmark = pytest.mark.skipif(
+vnni = pytest.mark.skipif(
     ext is None or ext.set_int8_isa("auto") != "avx512-vnni",
     reason="this build has no AVX-512 VNNI kernels (the CPU does not list avx512_vnni): no choice to make",
 )
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture()
 def restore():
     before = ext.int8_small_rows()
     yield
@@ -39,15 +40,26 @@ def test_the_probe_keeps_the_faster_kernel_per_row_count():
     assert q8act_rows.mask([1, 4]) == 0b10010
 
 
-def test_the_switch_takes_bits_1_to_4_only():
+@vnni
+def test_the_switch_takes_bits_1_to_4_only_and_calls_follow_it(restore):
     assert ext.set_int8_small_rows(0b11110) == 0b11110
+    assert all(ext.int8_uses_pairs(r) for r in range(1, 20))
+    assert ext.set_int8_small_rows(0b00100) == 0b00100
+    assert [ext.int8_uses_pairs(r) for r in range(1, 7)] == [False, True, False, False, True, True]
     assert ext.set_int8_small_rows(0) == 0
+    assert not any(ext.int8_uses_pairs(r) for r in range(1, 5)) and ext.int8_uses_pairs(5)
     for bad in (1, 0b100000, -1):
         with pytest.raises(RuntimeError, match="bit R says whether calls of R rows take the VNNI pairs"):
             ext.set_int8_small_rows(bad)
 
 
-def test_the_engine_runs_the_probe_under_gguf_q8act_and_an_env_setting_skips_it(q4_tiny_dir, monkeypatch):  # noqa: F811
+@vnni
+def test_the_engine_runs_the_probe_under_gguf_q8act_and_an_env_setting_skips_it(
+    q4_tiny_dir,  # noqa: F811
+    monkeypatch,
+    restore,
+):
+    monkeypatch.delenv(q8act_rows.ENV, raising=False)
     e = engine(q4_tiny_dir, weights="gguf-q8act")
     try:
         note = e.prefetch_note
@@ -71,17 +83,3 @@ def test_the_engine_runs_the_probe_under_gguf_q8act_and_an_env_setting_skips_it(
         assert "gguf-q8act" not in (e.prefetch_note or "")
     finally:
         e.shutdown()
-
-
-def test_greedy_tokens_are_the_same_under_either_kernel(q4_tiny_dir, monkeypatch):  # noqa: F811
-    from tests.test_q4_1 import greedy
-
-    out = {}
-    for setting in ("tiles", "pairs"):
-        monkeypatch.setenv(q8act_rows.ENV, setting)
-        e = engine(q4_tiny_dir, weights="gguf-q8act")
-        try:
-            out[setting] = greedy(e, 12)
-        finally:
-            e.shutdown()
-    assert out["tiles"] == out["pairs"]

@@ -315,8 +315,8 @@ def test_the_api_never_opens_a_path_taken_from_a_request(keyed, monkeypatch):
 
 def test_a_busy_port_is_refused_before_the_model_loads_with_what_to_do(tiny_dir):
     """A second server on a port another process listens on: exit 2 at once, saying the port is held
-    and to stop that process or pass another --port; never "serving on" (QA pass 7: it claimed to
-    serve, then died on uvicorn's raw bind error). Red without `port_taken`."""
+    and to stop that process or pass another --port; never that it is starting (QA pass 7: it printed
+    "serving on", then died on uvicorn's raw bind error). Red without `port_taken`."""
     exe = shutil.which("kvgate", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "kvgate"]
     with socket.socket() as holder:
@@ -331,4 +331,4 @@ def test_a_busy_port_is_refused_before_the_model_loads_with_what_to_do(tiny_dir)
         )
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert f"cannot listen on 127.0.0.1:{port}" in p.stderr and "another --port" in p.stderr
-    assert "serving on" not in p.stderr and "Traceback" not in p.stderr
+    assert "starting on" not in p.stderr and "Traceback" not in p.stderr

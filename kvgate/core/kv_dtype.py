@@ -56,8 +56,9 @@ def resolve_kv_dtype(
     kv = _DTYPES[name]
     if kv != dtype and dtype != torch.float32:
         model = str(dtype).removeprefix("torch.")
+        chose = " (--dtype auto chose it)" if auto_dtype else ""
         raise DeviceError(
-            f"--kv-dtype {name} under a {model} model: a KV cache other than the model's dtype must be a "
+            f"--kv-dtype {name} under a {model} model{chose}: a KV cache other than the model's dtype must be a "
             f"16-bit one under a float32 model. Use --kv-dtype auto ({model}), or --dtype float32."
         )
     return kv

@@ -10,7 +10,9 @@ the choice changes speed only, and which is faster depends on the CPU:
   with the pairs, a four-row step 23.4-24.5 against 18.0-18.1.
 So `choose` times the model's own q8act matrices (the head, then layers until PROBE_BYTES of tiles) at
 1, 2, 3 and 4 rows with each kernel, in rotating order for ROUNDS rounds (5), and keeps the faster one for
-each row count (the best run of each: what disturbs a run on a shared machine only slows it).
+each row count (the best run of each: what disturbs a run on a shared machine only slows it). It times
+the op path (a fork and join per matrix) at the load's thread count, and one switch serves the layers
+and the head; decode-only steps run the same kernels on the decode stack's thread team.
 
 `KVGATE_Q8ACT_SMALL_ROWS=tiles|pairs` sets every row count without a probe (A/B runs).
 """
@@ -31,7 +33,7 @@ log = logging.getLogger("kvgate.models")
 
 ENV = "KVGATE_Q8ACT_SMALL_ROWS"
 KERNELS = ("tiles", "pairs")
-ROWS = (1, 2, 3, 4)  # the calls the AVX2 tiles can take; 5 rows and more always take the pairs
+ROWS = (1, 2, 3, 4)  # the calls where the kernel is a choice; 5 rows and more always take the pairs
 ROUNDS = 5  # ~60 ms a round on SmolLM2; with another process busy, 3 rounds once kept the slower kernel
 PROBE_BYTES = 256 << 20  # as kvgate.models.decode_prefetch: a bigger model's first matrices only
 
@@ -67,9 +69,13 @@ def choose(model) -> str | None:
     times), or None where there is no choice (not gguf-q8act, no C++ build, no VNNI kernels)."""
     ext = native.ready()
     calls = _calls(model)
-    if ext is None or not calls or ext.int8_isa() != "avx512-vnni":
-        return None
     setting = os.environ.get(ENV, "auto")
+    if ext is None or not calls or ext.int8_isa() != "avx512-vnni":
+        if calls and setting != "auto":
+            log.warning(
+                "%s=%s ignored: the gguf-q8act kernels here have no VNNI pairs to choose", ENV, setting
+            )
+        return None
     if setting in KERNELS:
         ext.set_int8_small_rows(mask(list(ROWS)) if setting == "pairs" else 0)
         return f"gguf-q8act calls of 1-4 rows: {setting} ({ENV}={setting})"
@@ -84,13 +90,17 @@ def choose(model) -> str | None:
         return time.perf_counter() - t
 
     times: dict[int, dict[str, list[float]]] = {r: {k: [] for k in KERNELS} for r in ROWS}
-    with torch.inference_mode():
-        run(1)  # first touch of the outputs' allocations
-        for i in range(ROUNDS):
-            for kernel in KERNELS[i % 2 :] + KERNELS[: i % 2]:  # each round starts with the other
-                ext.set_int8_small_rows(mask(list(ROWS)) if kernel == "pairs" else 0)
-                for rows in ROWS:
-                    times[rows][kernel].append(run(rows))
+    before = ext.int8_small_rows()
+    try:
+        with torch.inference_mode():
+            run(1)  # first touch of the outputs' allocations
+            for i in range(ROUNDS):
+                for kernel in KERNELS[i % 2 :] + KERNELS[: i % 2]:  # each round starts with the other
+                    ext.set_int8_small_rows(mask(list(ROWS)) if kernel == "pairs" else 0)
+                    for rows in ROWS:
+                        times[rows][kernel].append(run(rows))
+    finally:  # a failed call leaves the switch as it was (the same bits either way: speed only)
+        ext.set_int8_small_rows(before)
     pairs_at = faster(times)
     ext.set_int8_small_rows(mask(pairs_at))
     best = "; ".join(

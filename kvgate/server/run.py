@@ -173,9 +173,10 @@ def serve(args) -> int:
     if stop_when_up.is_set():  # the load failed before the server existed
         server.should_exit = True
     else:  # not "serving on": a load that fails next printed that line before its error (QA, session 43)
+        host = f"[{args.host}]" if ":" in args.host else args.host
         print(
-            f"kvgate: listening on http://{args.host}:{args.port}/v1 while the model loads (/health says when "
-            "it is ready)",
+            f"kvgate: starting on http://{host}:{args.port}/v1 while the model loads (/health says when it "
+            "is ready)",
             file=sys.stderr,
             flush=True,
         )

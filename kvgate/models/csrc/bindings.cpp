@@ -42,6 +42,7 @@ std::string unavailable();
 std::string set_int8_isa(const std::string& isa);
 int64_t int8_small_rows();
 int64_t set_int8_small_rows(int64_t bits);
+bool int8_uses_pairs(int64_t rows);
 std::tuple<int64_t, int64_t> decode_prefetch();
 std::tuple<int64_t, int64_t> set_decode_prefetch(int64_t one_row, int64_t more_rows);
 std::string q4_1_decode();
@@ -85,6 +86,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_int8_small_rows", &set_int8_small_rows,
           "set that mask (the same bits either way; kvgate.models.q8act_rows measures which is faster at load); "
           "returns int8_small_rows()");
+  mod.def("int8_uses_pairs", &int8_uses_pairs, "whether a gguf-q8act call of this many rows takes the VNNI pairs now");
   mod.def("prefill_isa", &kvgate_amx::isa,
           "what q4_1_matmul's prompt rows run on: amx-bf16 (amx_q4_1.cpp) or float32 (tile_matmul.cpp's loop)");
   mod.def("set_prefill_isa", &kvgate_amx::set_isa,

@@ -406,6 +406,8 @@ std::string int8_isa() {
 
 int64_t int8_small_rows() { return kvgate_int8::small_pairs(); }
 
+bool int8_uses_pairs(int64_t rows) { return kvgate_int8::use_pairs(rows); }
+
 int64_t set_int8_small_rows(int64_t bits) {
   constexpr int64_t allowed = ((1 << (MR + 1)) - 1) & ~1;  // bits 1..MR: calls of that many rows
   TORCH_CHECK((bits & ~allowed) == 0, "set_int8_small_rows: bit R says whether calls of R rows take the VNNI "

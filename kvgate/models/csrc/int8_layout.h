@@ -24,7 +24,8 @@ struct Rounded {
 
 // The AVX-512 VNNI kernels, compiled where the build has them (int8_vnni.cpp): each fills y [M, N]
 // from T packed tiles, threads splitting pairs of tiles, and gives the AVX2 kernels' bits. `vnni_built`
-// says whether they exist in this build; `vnni_enabled` whether calls take them (set_int8_isa).
+// says whether they exist in this build; `vnni_enabled` whether calls take them (set_int8_isa): calls of
+// more than 4 rows always, calls of 1-4 rows where `use_pairs` finds their bit (set_int8_small_rows).
 bool vnni_built();
 bool& vnni_enabled();
 void q4_1_dot8_vnni(const Rounded& x, const uint8_t* w, int64_t T, int64_t N, float* y);

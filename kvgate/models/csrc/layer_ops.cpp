@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #define KVGATE_AVX2 1
@@ -68,7 +69,7 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what
 // the caller's (a row's arithmetic is its own either way, so its bits do not depend on the split).
 constexpr int64_t ROW_GRAIN = 32;
 
-// x += y (when y is given), then h = RMSNorm(x) * w, row by row.
+// x += y in place (when y is given: add_rms_norm_), then h = RMSNorm(x) * w, row by row.
 torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps, const float* y = nullptr) {
   const int64_t R = x.size(0), n = x.size(1);
   auto h = torch::empty_like(x);
@@ -248,7 +249,12 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
   const float* snp = sin.data_ptr<float>();
   const int64_t kv = kv_heads * D;
   void *kp = k_pool.data_ptr(), *vp = v_pool.data_ptr();
-  at::parallel_for(0, T, ROW_GRAIN, [&](int64_t t0, int64_t t1) {  // tokens' slots are distinct
+  // Tokens writing one slot (never in the engine's steps) go in order on one thread, the last token's
+  // write staying (the decode stack's run_ops promises that): threads would race on the slot.
+  std::vector<int64_t> sorted(sp, sp + T);
+  std::sort(sorted.begin(), sorted.end());
+  const int64_t grain = std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end() ? ROW_GRAIN : T;
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       kvgate_rows::rope(qp + t * width, heads + kv_heads, cp + t * D, snp + t * D, D);
       kvgate_rows::write_kv(qp + t * width + heads * D, kv, sp[t], pool_type, kp, vp, ks, vs, D);
