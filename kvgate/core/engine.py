@@ -13,8 +13,8 @@ Contract between threads:
 One step is three typed phases (nano-vllm's and vLLM v1's shape):
     schedule() -> SchedulerOutput;  ModelRunner.execute() -> ModelOutput;  update(ModelOutput)
 
-A watchdog needs no thread of its own: the worker records when a step starts, and `stalled()` (read by
-/health, `submit`) reports a step past the step timeout.
+A watchdog needs no thread of its own: the worker records when a step starts, and `stalled()` (read
+by /health, `submit`) reports a step past the step timeout.
 
 NOTE: the worker is a thread, not a process. Every heavy op (matmul, attention) releases the GIL, so the
 HTTP event loop keeps running on the other core, with no IPC or token copies. On 2 cores a process would

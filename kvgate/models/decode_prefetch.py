@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -43,20 +44,41 @@ def fastest(times: dict[str, list[float]]) -> str:
     return min(MODES, key=lambda m: (min(times[m]), MODES.index(m)))
 
 
-def _calls(model) -> list[tuple[object, int]]:
-    """(matrix, in_features) for the matrices of `model` the switches govern, in the forward's order
-    (the head first, then layers until PROBE_BYTES of tiles)."""
+def probe_matrices(model, head_type: type, head_tiles: str, layer_type: type) -> list[tuple[object, int]]:
+    """(matrix, in_features) of `model`'s head and layer matrices of exactly these types, in the forward's
+    order: the head first (its tiles in attribute `head_tiles`), then layers (`packed`) until PROBE_BYTES
+    of tiles. Blocks of 32 values: in_features is 32 x the tiles' second dimension."""
     out, total = [], 0
     head = getattr(model, "lm_head", None)
-    if type(head) is Q8Table:  # not Q8DotTable (gguf-q8act): its kernel has no such switch
-        out.append((head, head.tiles.shape[1] * 32))
-        total += head.tiles.numel()
+    if type(head) is head_type:
+        tiles = getattr(head, head_tiles)
+        out.append((head, tiles.shape[1] * 32))
+        total += tiles.numel()
     for layer in model.layers:
         for lin in layer:
-            if type(lin) is Q41Linear and total < PROBE_BYTES:
+            if type(lin) is layer_type and total < PROBE_BYTES:
                 out.append((lin, lin.packed.shape[1] * 32))
                 total += lin.packed.numel()
     return out
+
+
+def pass_timer(calls: list[tuple[object, int]], row_counts) -> Callable[[int], float]:
+    """`run(rows)`: the seconds one pass over `calls` takes at that many rows of zeros."""
+    xs = {(rows, k): torch.zeros(rows, k) for rows in row_counts for k in {k for _, k in calls}}
+
+    def run(rows: int) -> float:
+        t = time.perf_counter()
+        for mat, k in calls:
+            mat(xs[rows, k])
+        return time.perf_counter() - t
+
+    return run
+
+
+def _calls(model) -> list[tuple[object, int]]:
+    """The matrices the switches govern: a Q8 head (not Q8DotTable, gguf-q8act's: its kernel has no such
+    switch) and Q4_1 layers."""
+    return probe_matrices(model, Q8Table, "tiles", Q41Linear)
 
 
 def choose(model) -> str | None:
@@ -74,13 +96,7 @@ def choose(model) -> str | None:
         return f"decode prefetch {setting} for every row count ({ENV}={os.environ[ENV]})"
     if setting != "auto":
         log.warning("%s=%s ignored: want auto, %s or on", ENV, setting, ", ".join(MODES))
-    xs = {(rows, k): torch.zeros(rows, k) for rows in (1, MORE_ROWS) for k in {k for _, k in calls}}
-
-    def run(rows: int) -> float:
-        t = time.perf_counter()
-        for mat, k in calls:
-            mat(xs[rows, k])
-        return time.perf_counter() - t
+    run = pass_timer(calls, (1, MORE_ROWS))
 
     times: dict[int, dict[str, list[float]]] = {r: {m: [] for m in MODES} for r in (1, MORE_ROWS)}
     with torch.inference_mode():

@@ -8,7 +8,7 @@ the choice changes speed only, and which is faster depends on the CPU:
   against 2.0 on the pairs;
 - on an AMX Xeon (session 43, one thread) a one-row step took 12.1-12.5 ms with the tiles and 10.7-11.0
   with the pairs, a four-row step 23.4-24.5 against 18.0-18.1.
-So `choose` times the model's own q8act matrices (the head, then layers until PROBE_BYTES of tiles) at
+So `choose` times the model's own q8act matrices (the head, then layers up to decode_prefetch's PROBE_BYTES) at
 1, 2, 3 and 4 rows with each kernel, in rotating order for ROUNDS rounds (5), and keeps the faster one for
 each row count (the best run of each: what disturbs a run on a shared machine only slows it). It times
 the op path (a fork and join per matrix) at the load's thread count, and one switch serves the layers
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 
 from kvgate.models import native
+from kvgate.models.decode_prefetch import pass_timer, probe_matrices
 from kvgate.models.q4_1_dot8 import Q41Dot8Linear
 from kvgate.models.q8_head import Q8DotTable
 
@@ -35,10 +35,9 @@ ENV = "KVGATE_Q8ACT_SMALL_ROWS"
 KERNELS = ("tiles", "pairs")
 ROWS = (1, 2, 3, 4)  # the calls where the kernel is a choice; 5 rows and more always take the pairs
 ROUNDS = 5  # ~60 ms a round on SmolLM2; with another process busy, 3 rounds once kept the slower kernel
-PROBE_BYTES = 256 << 20  # as kvgate.models.decode_prefetch: a bigger model's first matrices only
 
 
-def mask(pairs_at: list[int]) -> int:
+def mask(pairs_at) -> int:
     """The kernel's switch: bit R set where calls of R rows take the pairs."""
     return sum(1 << r for r in pairs_at)
 
@@ -49,19 +48,8 @@ def faster(times: dict[int, dict[str, list[float]]]) -> list[int]:
 
 
 def _calls(model) -> list[tuple[object, int]]:
-    """(matrix, in_features) of `model`'s q8act matrices in the forward's order: the head first, then
-    layers until PROBE_BYTES of tiles."""
-    out, total = [], 0
-    head = getattr(model, "lm_head", None)
-    if type(head) is Q8DotTable:
-        out.append((head, head.packed.shape[1] * 32))
-        total += head.packed.numel()
-    for layer in model.layers:
-        for lin in layer:
-            if type(lin) is Q41Dot8Linear and total < PROBE_BYTES:
-                out.append((lin, lin.packed.shape[1] * 32))
-                total += lin.packed.numel()
-    return out
+    """`model`'s q8act matrices: the head first, then layers until PROBE_BYTES of tiles."""
+    return probe_matrices(model, Q8DotTable, "packed", Q41Dot8Linear)
 
 
 def choose(model) -> str | None:
@@ -77,17 +65,11 @@ def choose(model) -> str | None:
             )
         return None
     if setting in KERNELS:
-        ext.set_int8_small_rows(mask(list(ROWS)) if setting == "pairs" else 0)
+        ext.set_int8_small_rows(mask(ROWS) if setting == "pairs" else 0)
         return f"gguf-q8act calls of 1-4 rows: {setting} ({ENV}={setting})"
     if setting != "auto":
         log.warning("%s=%s ignored: want auto, tiles or pairs", ENV, setting)
-    xs = {(r, k): torch.zeros(r, k) for r in ROWS for k in {k for _, k in calls}}
-
-    def run(rows: int) -> float:
-        t = time.perf_counter()
-        for mat, k in calls:
-            mat(xs[rows, k])
-        return time.perf_counter() - t
+    run = pass_timer(calls, ROWS)
 
     times: dict[int, dict[str, list[float]]] = {r: {k: [] for k in KERNELS} for r in ROWS}
     before = ext.int8_small_rows()
@@ -96,7 +78,7 @@ def choose(model) -> str | None:
             run(1)  # first touch of the outputs' allocations
             for i in range(ROUNDS):
                 for kernel in KERNELS[i % 2 :] + KERNELS[: i % 2]:  # each round starts with the other
-                    ext.set_int8_small_rows(mask(list(ROWS)) if kernel == "pairs" else 0)
+                    ext.set_int8_small_rows(mask(ROWS) if kernel == "pairs" else 0)
                     for rows in ROWS:
                         times[rows][kernel].append(run(rows))
     finally:  # a failed call leaves the switch as it was (the same bits either way: speed only)

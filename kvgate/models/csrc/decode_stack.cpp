@@ -374,10 +374,7 @@ class DecodeStack {
   // order (the last row's stays); the team's threads would race on it.
   static bool distinct_slots(const torch::Tensor& slots) {
     if (slots.scalar_type() != torch::kLong || slots.dim() != 1 || !slots.is_contiguous()) return false;
-    const int64_t* p = slots.data_ptr<int64_t>();
-    std::vector<int64_t> s(p, p + slots.numel());
-    std::sort(s.begin(), s.end());
-    return std::adjacent_find(s.begin(), s.end()) == s.end();
+    return kvgate_rows::distinct(slots.data_ptr<int64_t>(), slots.numel());
   }
 
   // Whether run_team can take this stack: every matrix "q4_1" or "block" (any mix: a k-quant file's), or every

@@ -153,6 +153,12 @@ void write_kv_typed(const float* kv_row, int64_t kv, int64_t slot, P* kp, P* vp)
   std::copy(kv_row + kv, kv_row + 2 * kv, vp + slot * kv);
 }
 
+bool distinct(const int64_t* slots, int64_t n) {
+  std::vector<int64_t> sorted(slots, slots + n);
+  std::sort(sorted.begin(), sorted.end());
+  return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+}
+
 void quantize_head(const float* x, int64_t D, int8_t* codes, float* scale) {
   float lo = x[0], hi = x[0];
   for (int64_t d = 1; d < D && lo == lo; ++d) {
@@ -250,11 +256,10 @@ void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::T
   const int64_t kv = kv_heads * D;
   void *kp = k_pool.data_ptr(), *vp = v_pool.data_ptr();
   // Tokens writing one slot (never in the engine's steps) go in order on one thread, the last token's
-  // write staying (the decode stack's run_ops promises that): threads would race on the slot.
-  std::vector<int64_t> sorted(sp, sp + T);
-  std::sort(sorted.begin(), sorted.end());
-  const int64_t grain = std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end() ? ROW_GRAIN : T;
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+  // write staying (the decode stack's run_ops promises that): threads would race on the slot. Up to
+  // ROW_GRAIN tokens run on one thread anyway, so only a split call looks.
+  const bool split = T > ROW_GRAIN && kvgate_rows::distinct(sp, T);
+  at::parallel_for(0, T, split ? ROW_GRAIN : T, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       kvgate_rows::rope(qp + t * width, heads + kv_heads, cp + t * D, snp + t * D, D);
       kvgate_rows::write_kv(qp + t * width + heads * D, kv, sp[t], pool_type, kp, vp, ks, vs, D);

@@ -17,6 +17,7 @@ void rope(float* row, int64_t heads, const float* cos, const float* sin, int64_t
 // into k_scale / v_scale ([slots, kv / D, 2] float32) at 2 (slot * (kv / D) + head) (`quantize_head`)
 void write_kv(const float* kv_row, int64_t kv, int64_t slot, at::ScalarType pool, void* k_pool, void* v_pool,
               float* k_scale, float* v_scale, int64_t head_dim);
+bool distinct(const int64_t* slots, int64_t n);  // no slot twice among n (writes that threads may split)
 // One head's D float32 values (lo = min, hi = max) as int8 codes, a step s = (hi - lo) / 255 and an
 // offset z = lo + 128 s (written to scale[0], scale[1]): code = round((x - z) / s) to nearest even, within
 // [-128, 127]; codes 0 and z = lo where s = 0 (codes 0 also where a value is NaN or infinite: s is then
