@@ -191,8 +191,9 @@ def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, fmt, kv_
     split, shared buffers), on 1-3 threads, over float32, float16, bfloat16 and int8 pools, with contexts of
     one attention chunk and of several (up to 290 positions). gguf-q8act runs with the AVX-512 VNNI
     kernels where the build has them (pairs of tiles from 5 rows, and at 1-4 rows under either setting
-    of the few-row switch, kvgate.models.q8act_rows) and again with the AVX2 tiles only; `team_steps`
-    confirms each step ran on the team.
+    of the few-row switch, kvgate.models.q8act_rows) and again with the AVX2 tiles only. gguf runs, where
+    AMX's int8 tiles are built and granted, with them at no row count, every one and from 3 rows
+    (kvgate.models.amx_rows). `team_steps` confirms each step ran on the team.
     Seen red (with the other gguf case above): the team's post-attention norm taken before the
     o-projection's output was added to the residual; for gguf-q8act, the team's rounding writing each
     block's scale where its code sum belongs and the sum where the scale does."""
@@ -206,6 +207,8 @@ def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, fmt, kv_
     rows += [DecodeInput(7, 11, 290, list(range(100, 173))), DecodeInput(8, 12, 140, list(range(180, 216)))]
     isas = ["avx2", "auto"] if fmt == "gguf-q8act" and ext.int8_isa() != "scalar" else [None]
     was, was_isa, was_small = torch.get_num_threads(), ext.int8_isa(), ext.int8_small_rows()
+    was_amx = ext.q4_1_amx_rows()
+    tiles = fmt == "gguf" and ext.q4_1_amx_built() and ext.amx_unavailable() == ""
     torch.set_num_threads(threads)
     try:
         for isa in isas:
@@ -214,11 +217,14 @@ def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, fmt, kv_
             vnni = isa == "auto" and ext.int8_isa() == "avx512-vnni"
             for small in (0, 0b11110) if vnni else (was_small,):
                 ext.set_int8_small_rows(small)
-                for decodes in ([rows[4]], [rows[7]], rows[:2], rows[6:9], rows):
-                    assert_team_is_ops_and_loop(model, kv, decodes)
+                for amx in (0, 1, 3) if tiles else (was_amx,):  # AMX int8 tiles: never, always, from 3 rows
+                    ext.set_q4_1_amx_rows(amx)
+                    for decodes in ([rows[4]], [rows[7]], rows[:2], rows[6:9], rows):
+                        assert_team_is_ops_and_loop(model, kv, decodes)
     finally:
         torch.set_num_threads(was)
         ext.set_int8_small_rows(was_small)
+        ext.set_q4_1_amx_rows(was_amx)
         if was_isa != "scalar":
             ext.set_int8_isa(was_isa)
 

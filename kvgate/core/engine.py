@@ -44,7 +44,7 @@ from kvgate.core.stepper import EngineCore
 from kvgate.memory.graphs import graph_shapes
 from kvgate.memory.ledger import MemoryLedger
 from kvgate.memory.plan import MemoryPlan, PlanError
-from kvgate.models import LoadedModel, decode_prefetch, load_model, q8act_rows
+from kvgate.models import LoadedModel, amx_rows, decode_prefetch, load_model, q8act_rows
 from kvgate.models.decode_graphs import DecodeGraphs, GraphStep
 from kvgate.models.llama import LlamaModel, StepBatch
 from kvgate.models.step_pieces import StepPieces
@@ -104,7 +104,7 @@ class Engine:
         self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_logit_rows)
         loaded.weights.clear()
         # kernels per CPU, speed only (not plan notes: `kvgate plan` builds no model and runs no probe)
-        notes = (decode_prefetch.choose(self.model), q8act_rows.choose(self.model))
+        notes = [pick(self.model) for pick in (decode_prefetch.choose, q8act_rows.choose, amx_rows.choose)]
         self.prefetch_note = "; ".join(n for n in notes if n) or None
         if self.device.type != "cpu":  # its logits are drawn on the host: the C++ draw, built once
             log.info(host_draw_kernels())

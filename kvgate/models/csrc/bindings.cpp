@@ -47,6 +47,11 @@ std::tuple<int64_t, int64_t> decode_prefetch();
 std::tuple<int64_t, int64_t> set_decode_prefetch(int64_t one_row, int64_t more_rows);
 std::string q4_1_decode();
 std::string set_q4_1_decode(const std::string& how);
+namespace kvgate_amx8 {
+bool built();
+int64_t min_rows();
+int64_t set_min_rows(int64_t rows);
+}  // namespace kvgate_amx8
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_matmul", &q8_matmul, "float32 x times a Q8_0 table in tiles of 16 rows (q8_pack16) for N outputs");
@@ -62,6 +67,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "q4_1_int24.cpp) or float");
   mod.def("set_q4_1_decode", &set_q4_1_decode,
           "'float' runs q4_1_matmul's decode rows on the float loop instead of int24 (other bits: tests and A/B runs)");
+  mod.def("q4_1_amx_built", &kvgate_amx8::built,
+          "whether this build has amx_i24.cpp's AMX int8 tiles for --weights gguf's decode rows");
+  mod.def("q4_1_amx_rows", &kvgate_amx8::min_rows,
+          "decode calls of this many rows and more (q4_1_matmul, block_matmul's Q4F, the decode stack) run their "
+          "integer products on AMX's int8 tiles: the same bits as the VNNI loop; 0: never");
+  mod.def("set_q4_1_amx_rows", &kvgate_amx8::set_min_rows,
+          "set that row count (kvgate.models.amx_rows measures it at load; refused where the tiles are not built "
+          "or granted); returns q4_1_amx_rows()");
   mod.def("q8_rows", &q8_rows, "float32 rows as 8-bit blocks of 32: (codes int8, d, s = d * sum of codes)");
   mod.def("q4_1_dot8", &q4_1_dot8,
           "float32 x, rounded to 8-bit blocks, times Q4_1 weights repacked in tiles of 8 rows (q4_1_pack8)");

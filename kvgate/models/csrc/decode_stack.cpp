@@ -31,6 +31,7 @@
 
 #include "int8_layout.h"
 #include "layer_rows.h"
+#include "amx_i24.h"
 #include "q4_1_int24.h"
 
 torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t decode_rows);
@@ -57,9 +58,9 @@ void* paged_attention_team_scratch(int64_t R, int64_t H, int64_t D, int64_t max_
 void paged_attention_team_scratch_free(void* scratch);
 namespace kvgate_team {
 bool int24();
-void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, float* sc);
+void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, float* sc, bool amx);
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
-           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes, bool q4f);
+           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes, bool q4f, bool amx);
 void block_sums(int64_t bytes, const float* x, int64_t i0, int64_t i1, float* xs);
 void block_tiles(int64_t bytes, const float* x, const float* xs, int64_t M, int64_t N, int64_t nb, const uint8_t* w,
                  float* y, int64_t t0, int64_t t1);
@@ -245,7 +246,7 @@ class DecodeStack {
         keep.push_back(torch::empty({R * wide}, f32.dtype(torch::kInt8)));
         return Rows{xp, a, a + R * wide, a + R * wide + R * nbw, nullptr, keep.back().data_ptr<int8_t>()};
       }
-      keep.push_back(torch::empty({R * nbw * kvgate_i24::XDW}, f32.dtype(torch::kInt32)));
+      keep.push_back(torch::empty({R * nbw * std::max(kvgate_i24::XDW, kvgate_amx8::XDW)}, f32.dtype(torch::kInt32)));
       return Rows{xp, a, a + R * wide, a + R * wide + R * nbw, keep.back().data_ptr<int32_t>(), nullptr};
     };
     std::vector<torch::Tensor> keep;
@@ -277,6 +278,7 @@ class DecodeStack {
     float* vsb = v_scales ? v_scales->data_ptr<float>() : nullptr;
     const int64_t layer_scales = 2 * N * bs * KVH;
     const bool pairs = dot8_ && kvgate_int8::use_pairs(R);  // read once: every thread, every matrix the same
+    const bool amx8 = !dot8_ && kvgate_amx8::takes(R);  // the same: digits and tiles agree on the layout
     team_steps_.fetch_add(1, std::memory_order_relaxed);
 
 #pragma omp parallel
@@ -311,7 +313,8 @@ class DecodeStack {
           nxb = std::min<int64_t>(4, u.second - u.first) * next->per;
         }
         if (t.first < t.second)
-          kvgate_team::tiles(b.xd, b.sc, b.xs, R, M.out_features, M.nb, M.w, y, t.first, t.second, nx, nxb, M.block);
+          kvgate_team::tiles(b.xd, b.sc, b.xs, R, M.out_features, M.nb, M.w, y, t.first, t.second, nx, nxb, M.block,
+                             amx8);
       };
       // this thread's rows of src (nbk blocks a row) as matrix M's input; with rows split, the others'
       // too before it runs (a float format's sums: xs, up to 2 a block, runs on into sc's floats)
@@ -319,7 +322,7 @@ class DecodeStack {
         if (dot8_)
           kvgate_int8::round_rows(src, r0, r1, nbk * QB, b.q8, b.sc, b.xs);
         else if (M.i24)
-          kvgate_team::prepare(src, r0 * nbk, r1 * nbk, b.xs, b.xd, b.sc);
+          kvgate_team::prepare(src, r0 * nbk, r1 * nbk, b.xs, b.xd, b.sc, amx8);
         else
           kvgate_team::block_sums(M.bytes, src, r0 * nbk, r1 * nbk, b.xs);
         if (!every) {

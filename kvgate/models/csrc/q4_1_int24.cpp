@@ -115,29 +115,6 @@ inline float scale_at(const uint8_t* p, int64_t j) {
   }
 }
 
-// A block's scale, or false (sc set) for a block written as zero digits. The scale is the power of two
-// 2^-s with s the largest integer for which a * 2^s <= M, so x_k * 2^s is exact and only its rounding to
-// an integer rounds (the largest value keeps 23-24 significant bits), and S * sc is exact.
-inline bool block_scale(float amax, bool finite, float& sc, float& inv) {
-  if (!finite) {
-    sc = std::numeric_limits<float>::quiet_NaN();
-    return false;
-  }
-  uint32_t bits;
-  std::memcpy(&bits, &amax, 4);
-  const int32_t e = static_cast<int32_t>(bits >> 23) - 127;  // amax >= 0: no sign bit
-  if (e < -104) {  // zero, or below 2^-104 (~5e-32): 2^s would leave float32's normal range
-    sc = 0.f;
-    return false;
-  }
-  const uint32_t mant = (bits & 0x7FFFFF) | 0x800000;  // amax = mant * 2^(e - 23)
-  const int32_t shift = (mant > 2u * M24 ? 21 : 22) - e;  // amax * 2^shift = mant * 2^(shift + e - 23) <= M
-  const uint32_t ib = static_cast<uint32_t>(shift + 127) << 23, sb = static_cast<uint32_t>(127 - shift) << 23;
-  std::memcpy(&inv, &ib, 4);
-  std::memcpy(&sc, &sb, 4);
-  return true;
-}
-
 // q's three balanced base-256 digits (q in [-M24, M24])
 inline void split(int32_t q, int8_t& d0, int8_t& d1, int8_t& d2) {
   const int32_t a = ((q + 128) & 255) - 128;
@@ -460,6 +437,29 @@ void cols(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_
 }
 
 }  // namespace
+
+// A block's scale, or false (sc set) for a block written as zero digits. The scale is the power of two
+// 2^-s with s the largest integer for which a * 2^s <= M, so x_k * 2^s is exact and only its rounding to
+// an integer rounds (the largest value keeps 23-24 significant bits), and S * sc is exact.
+bool block_scale(float amax, bool finite, float& sc, float& inv) {
+  if (!finite) {
+    sc = std::numeric_limits<float>::quiet_NaN();
+    return false;
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &amax, 4);
+  const int32_t e = static_cast<int32_t>(bits >> 23) - 127;  // amax >= 0: no sign bit
+  if (e < -104) {  // zero, or below 2^-104 (~5e-32): 2^s would leave float32's normal range
+    sc = 0.f;
+    return false;
+  }
+  const uint32_t mant = (bits & 0x7FFFFF) | 0x800000;  // amax = mant * 2^(e - 23)
+  const int32_t shift = (mant > 2u * M24 ? 21 : 22) - e;  // amax * 2^shift = mant * 2^(shift + e - 23) <= M
+  const uint32_t ib = static_cast<uint32_t>(shift + 127) << 23, sb = static_cast<uint32_t>(127 - shift) << 23;
+  std::memcpy(&inv, &ib, 4);
+  std::memcpy(&sc, &sb, 4);
+  return true;
+}
 
 const char* isa() {
 #if defined(KVGATE_I24_VNNI)

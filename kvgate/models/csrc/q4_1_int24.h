@@ -9,6 +9,9 @@ namespace kvgate_i24 {
 constexpr int64_t XDW = 24;  // activation dwords per row and block: 3 digits x (4 groups x low, high)
 
 const char* isa();  // "avx512-vnni", "avx2" or "scalar": which loop this build runs
+// A block's scale: false (sc set to NaN or 0) for a block written as zero digits, else sc = 2^-s and
+// inv = 2^s with s the largest integer for which amax * 2^s <= 0x7F7F7F (q4_1_int24.cpp's opening)
+bool block_scale(float amax, bool finite, float& sc, float& inv);
 // blocks [i0, i1) of x (32 values each) as each block's three digit bytes per value (xd: XDW dwords a
 // block) and scale (sc: one a block)
 void digits(const float* x, int64_t i0, int64_t i1, int32_t* xd, float* sc);

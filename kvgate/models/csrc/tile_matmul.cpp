@@ -54,6 +54,7 @@
 // 2.16-2.48 -> 1.89-2.39 ms, 4 rows 3.7-4.1 -> 3.0-3.96, 8 rows 8.1-8.4 -> 5.3-5.4, 16 rows 15.4-16.3 ->
 // 10.0-11.5; at 0.625 B a weight. Without the software prefetch the tiles' 8 streams ran at 23 GB/s (1
 // row 2.9 ms).
+#include "amx_i24.h"     // the same products on AMX's int8 tiles, for calls of many rows
 #include "q4_1_int24.h"  // the decode rows as exact integer products (the default)
 
 #include <torch/extension.h>
@@ -784,16 +785,22 @@ namespace kvgate_team {  // q4_1_matmul's decode rows in pieces, for decode_stac
 
 bool int24() { return g_decode_int24.load(std::memory_order_relaxed); }
 
-// blocks [i0, i1) of x: their float sums and 24-bit digits, as q4_1_matmul's first pass makes them
-void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, float* sc) {
+// blocks [i0, i1) of x: their float sums and 24-bit digits, as q4_1_matmul's first pass makes them (amx:
+// in amx_i24.cpp's layout, for a call that kvgate_amx8::takes)
+void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, float* sc, bool amx) {
   for (int64_t i = i0; i < i1; ++i) xs[i] = block_sum(x + i * QBLOCK);
-  kvgate_i24::digits(x, i0, i1, xd, sc);
+  if (amx)
+    kvgate_amx8::digits(x, i0, i1, xd, sc);
+  else
+    kvgate_i24::digits(x, i0, i1, xd, sc);
 }
 
 // decode rows [0, M) against tiles [t0, t1): q4_1_matmul's second pass on one thread's share; nx: the
 // span of the next matrix this thread reads first, asked for during its last group
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
-           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes, bool q4f) {
+           const uint8_t* w, float* y, int64_t t0, int64_t t1, const uint8_t* nx, int64_t nx_bytes, bool q4f,
+           bool amx) {
+  if (amx) return kvgate_amx8::decode_cols(xd, sc, xs, M, N, nb, w, y, t0, t1, q4f);
   kvgate_i24::decode_cols(xd, sc, xs, M, N, nb, w, y, t0, t1, g_prefetch_one.load(std::memory_order_relaxed),
                           g_prefetch_more.load(std::memory_order_relaxed), nx, nx_bytes, q4f);
 }
@@ -822,14 +829,15 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
   const uint8_t* wp = pc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const bool int24 = g_decode_int24.load(std::memory_order_relaxed);
+  const bool amx8 = int24 && Md > 0 && kvgate_amx8::takes(Md);  // read once: digits and tiles agree
   std::vector<float> xs(static_cast<size_t>(Md * nb));  // each decode row's block sums
-  std::vector<int32_t> xd(int24 ? static_cast<size_t>(Md * nb * kvgate_i24::XDW) : 0);  // 24-bit digits
+  std::vector<int32_t> xd(int24 ? static_cast<size_t>(Md * nb * (amx8 ? kvgate_amx8::XDW : kvgate_i24::XDW)) : 0);
   std::vector<float> sc(int24 ? static_cast<size_t>(Md * nb) : 0);
   // one pass over the decode rows' blocks, split across threads (each block's numbers are its own); on
   // one thread it ran 2-12 us a call at 8-16 rows while the other waited for the tiles' parallel_for
   at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) {
     if (int24)
-      kvgate_team::prepare(xp, i0, i1, xs.data(), xd.data(), sc.data());
+      kvgate_team::prepare(xp, i0, i1, xs.data(), xd.data(), sc.data(), amx8);
     else
       for (int64_t i = i0; i < i1; ++i) xs[i] = block_sum(xp + i * QBLOCK);
   });
@@ -838,7 +846,9 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
   const bool amx = M > Md && kvgate_amx::active();
   if (Md > 0 || !amx)
     at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-      if (int24)
+      if (amx8)
+        kvgate_amx8::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, false);
+      else if (int24)
         kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more);
       else
         decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
@@ -888,16 +898,20 @@ void block_rows(const float* xp, float* yp, int64_t M, int64_t Md, int64_t N, in
   const int64_t K = nb * QBLOCK, per = sums_per_block<F>();
   if constexpr (std::is_same_v<F, Q4F>) {
     if (Md > 0 && g_decode_int24.load(std::memory_order_relaxed)) {  // Q4_1's integer decode rows, then panels
+      const bool amx8 = kvgate_amx8::takes(Md);
       std::vector<float> xs(static_cast<size_t>(Md * nb)), sc(static_cast<size_t>(Md * nb));
-      std::vector<int32_t> xd(static_cast<size_t>(Md * nb * kvgate_i24::XDW));
+      std::vector<int32_t> xd(static_cast<size_t>(Md * nb * (amx8 ? kvgate_amx8::XDW : kvgate_i24::XDW)));
       at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) {
-        kvgate_team::prepare(xp, i0, i1, xs.data(), xd.data(), sc.data());
+        kvgate_team::prepare(xp, i0, i1, xs.data(), xd.data(), sc.data(), amx8);
       });
       const int pf_one = g_prefetch_one.load(std::memory_order_relaxed);
       const int pf_more = g_prefetch_more.load(std::memory_order_relaxed);
       at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-        kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more,
-                                nullptr, 0, true);
+        if (amx8)
+          kvgate_amx8::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, true);
+        else
+          kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more,
+                                  nullptr, 0, true);
         prefill_cols<F>(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
       });
       return;
