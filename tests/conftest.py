@@ -30,6 +30,19 @@ def _isolated_cache(tmp_path_factory):
         os.environ["KVGATE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvgate-cache"))
 
 
+@pytest.fixture(autouse=True)
+def _decode_rows_off_the_tiles_after_each_test():
+    """A gguf engine's load-time probe (kvgate.models.amx_rows) sets a process-wide switch that sends
+    decode calls of many rows to AMX's int8 tiles (the same bits). Back to the default (off) after every
+    test, so a later test of the VNNI loop's row groups runs that loop unless it sets the switch itself."""
+    yield
+    from kvgate.models import native
+
+    ext = native._state.get("module")  # only where a test loaded the kernels: never a build from here
+    if ext is not None:
+        ext.set_q4_1_amx_rows(0)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny"))

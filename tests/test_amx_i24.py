@@ -2,13 +2,14 @@
 bits (csrc/q4_1_int24.cpp) for every row count, so the probe that picks the kernel by row count
 (kvgate.models.amx_rows) changes speed only.
 
-The AMX tests run where the build has the tiles and Linux grants them (a CPU listing amx_tile, amx_int8
-and AVX-512 VBMI); the probe's decision rule and the refusal elsewhere run everywhere. The thread team's
+The AMX tests run where the build has the tiles and Linux grants them (a CPU listing amx_tile, amx_int8,
+amx_bf16, avx512_bf16 and AVX-512 VBMI); the probe's decision rule and the refusal elsewhere run everywhere. The thread team's
 bits under the switch are tests/test_decode_stack.py's. Seen red, each with the code broken on purpose:
 the high digit pair weighted 4095 instead of 4096 (every row's bits moved), the B operand's second half
 not multiplied by 16 (errors ~1e-2), the pair of tiles writing the second tile's outputs into the first's
 (n = 203), `fewest` keeping the tiles where the loop won at a larger row count, the engine's call to
-`choose` removed.
+`choose` removed, `choose` ignoring KVGATE_Q4_1_DECODE=float, the prefetch probe timing with the tiles
+on.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.test_q4_1_int24 import hard_rows, matrix
 ext = native.extension()
 amx = pytest.mark.skipif(
     ext is None or not ext.q4_1_amx_built() or ext.amx_unavailable() != "",
-    reason="no AMX int8 tiles here (the CPU must list amx_tile, amx_int8 and avx512vbmi, and Linux grant them)",
+    reason="no AMX int8 tiles here (kvgate.models.native's KVGATE_AMX_INT8, and Linux's grant of the tiles)",
 )
 
 
@@ -47,10 +48,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @amx
-@pytest.mark.parametrize("n,k", [(203, 96), (576, 576), (64, 1536), (48, 576)])
+@pytest.mark.parametrize("n,k", [(203, 96), (576, 576), (64, 1536), (48, 576), (40, 32), (33, 64)])
 def test_the_tiles_give_the_loops_bits_at_every_row_count(switch, n, k):
     """1-40 rows (one group of 16, several, a partial last group), odd and even tile counts (203
-    outputs: 13 tiles, the last one partial), with hard rows (an outlier 300x the rest, a largest value
+    outputs: 13 tiles, the last one partial), one and two blocks (fewer than the codes' three ahead),
+    with hard rows (an outlier 300x the rest, a largest value
     just under a power of two, magnitudes over six decades)."""
     _, packed = matrix(n, k, seed=n + k)
     x = hard_rows(40, k)
@@ -158,3 +160,58 @@ def test_the_engine_runs_the_probe_under_gguf_and_an_env_setting_skips_it(
             assert f"{amx_rows.ENV}={setting}" in e.prefetch_note
         finally:
             e.shutdown()
+
+
+@amx
+def test_a_setting_that_cannot_apply_is_logged_and_the_float_loop_keeps_the_tiles_off(
+    q4_tiny_dir,  # noqa: F811
+    monkeypatch,
+    caplog,
+    switch,
+):
+    """Under KVGATE_Q4_1_DECODE=float the decode rows are not integer products: no tiles, whatever the
+    setting says (and the log says why); a row count too large is logged and the probe runs instead."""
+    monkeypatch.delenv(amx_rows.ENV, raising=False)
+    e = engine(q4_tiny_dir, weights="gguf")
+    try:
+        ext.set_q4_1_amx_rows(0)
+        ext.set_q4_1_decode("float")
+        monkeypatch.setenv(amx_rows.ENV, "12")
+        with caplog.at_level("WARNING", logger="kvgate.models"):
+            assert amx_rows.choose(e.model) is None
+        assert "KVGATE_Q4_1_DECODE=float keeps the decode rows off the tiles" in caplog.text
+        assert ext.q4_1_amx_rows() == 0
+        ext.set_q4_1_decode("int24")
+        monkeypatch.setenv(amx_rows.ENV, "99999999999999999999")
+        with caplog.at_level("WARNING", logger="kvgate.models"):
+            note = amx_rows.choose(e.model)
+        assert f"{amx_rows.ENV}=99999999999999999999 ignored" in caplog.text
+        assert note and "(probe over the model's" in note
+    finally:
+        ext.set_q4_1_decode("int24")
+        e.shutdown()
+
+
+@amx
+def test_the_prefetch_probe_times_the_loop_and_puts_the_switch_back(q4_tiny_dir, monkeypatch, switch):  # noqa: F811
+    """decode_prefetch's probe times the VNNI loop's prefetch modes at 8 rows; calls on the tiles ignore
+    the prefetch, so it turns the tiles off while it times and restores the switch after. Seen red with
+    the switch left on during the probe."""
+    from kvgate.models import decode_prefetch
+
+    e = engine(q4_tiny_dir, weights="gguf")
+    try:
+        seen = []
+        timer = decode_prefetch.pass_timer
+
+        def watched(calls, rows):
+            run = timer(calls, rows)
+            return lambda r: (seen.append(ext.q4_1_amx_rows()), run(r))[1]
+
+        monkeypatch.setattr(decode_prefetch, "pass_timer", watched)
+        ext.set_q4_1_amx_rows(7)
+        assert decode_prefetch.choose(e.model)
+        assert seen and set(seen) == {0}
+        assert ext.q4_1_amx_rows() == 7
+    finally:
+        e.shutdown()

@@ -205,6 +205,7 @@ def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, fmt, kv_
     assert stack.team(), f"a {fmt} stack should run on its thread team"
     rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
     rows += [DecodeInput(7, 11, 290, list(range(100, 173))), DecodeInput(8, 12, 140, list(range(180, 216)))]
+    many = [DecodeInput(i, 3 + i, 3 + 2 * i, list(range(i * 14, i * 14 + 14))) for i in range(20)]  # 16 + 4
     isas = ["avx2", "auto"] if fmt == "gguf-q8act" and ext.int8_isa() != "scalar" else [None]
     was, was_isa, was_small = torch.get_num_threads(), ext.int8_isa(), ext.int8_small_rows()
     was_amx = ext.q4_1_amx_rows()
@@ -219,7 +220,9 @@ def test_the_thread_team_is_the_op_by_op_stack_bit_for_bit(q4_smol_dir, fmt, kv_
                 ext.set_int8_small_rows(small)
                 for amx in (0, 1, 3) if tiles else (was_amx,):  # AMX int8 tiles: never, always, from 3 rows
                     ext.set_q4_1_amx_rows(amx)
-                    for decodes in ([rows[4]], [rows[7]], rows[:2], rows[6:9], rows):
+                    for decodes in ([rows[4]], [rows[7]], rows[:2], rows[6:9], rows) + (
+                        (many,) if amx else ()
+                    ):
                         assert_team_is_ops_and_loop(model, kv, decodes)
     finally:
         torch.set_num_threads(was)
@@ -270,7 +273,8 @@ def test_a_k_quant_models_stack_runs_its_block_tiles_on_the_team_as_the_loop(
     and Q4_1 layers beside the recipe's Q6_K ones (Q4_1 tiles and block tiles in one stack): the stack
     takes their matrices on its thread team (Q4F on the 24-bit integer decode rows, the other formats on their float loop, one
     parallel region for a mix), and its logits and K/V writes equal the op-by-op stack's and the Python
-    loop's bit for bit, with fewer rows than threads and more. Seen red with `_parts` refusing
+    loop's bit for bit, with fewer rows than threads and more (where AMX's int8 tiles are built, with Q4F's
+    decode rows on them and off). Seen red with `_parts` refusing
     BlockLinear (no stack: the loop), and with the team's float formats given Q4F's block sums (one a
     block, where Q8S takes one a half block and Q5F its own: 4 of 5 cases red)."""
     from kvgate.core.step_inputs import DecodeInput
@@ -284,10 +288,14 @@ def test_a_k_quant_models_stack_runs_its_block_tiles_on_the_team_as_the_loop(
     stack = model.decode_stack
     assert stack is not None and stack.team(), "a block-format stack should run on its thread team"
     rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(7)]
-    was = torch.get_num_threads()
+    was, was_amx = torch.get_num_threads(), native.extension().q4_1_amx_rows()
+    tiles = native.extension().q4_1_amx_built() and native.extension().amx_unavailable() == ""
     torch.set_num_threads(threads)
     try:
-        for decodes in ([rows[4]], rows[:2], rows):
-            assert_team_is_ops_and_loop(model, kv, decodes)
+        for amx in (0, 1) if tiles else (was_amx,):  # Q4F decode rows on AMX's int8 tiles too (amx_rows)
+            native.extension().set_q4_1_amx_rows(amx)
+            for decodes in ([rows[4]], rows[:2], rows):
+                assert_team_is_ops_and_loop(model, kv, decodes)
     finally:
         torch.set_num_threads(was)
+        native.extension().set_q4_1_amx_rows(was_amx)

@@ -32,7 +32,7 @@ import torch
 
 from kvgate.models import native
 from kvgate.models.block_formats import BlockLinear
-from kvgate.models.decode_prefetch import PROBE_BYTES, pass_timer
+from kvgate.models.decode_prefetch import pass_timer, probe_matrices
 from kvgate.models.q4_1 import Q41Linear
 
 log = logging.getLogger("kvgate.models")
@@ -50,13 +50,7 @@ def takes_tiles(lin) -> bool:
 
 def _calls(model) -> list[tuple[object, int]]:
     """(matrix, in_features) of `model`'s layers that take these kernels, up to PROBE_BYTES of tiles."""
-    out, total = [], 0
-    for layer in getattr(model, "layers", ()):
-        for lin in layer:
-            if takes_tiles(lin) and total < PROBE_BYTES:
-                out.append((lin, lin.packed.shape[1] * 32))
-                total += lin.packed.numel()
-    return out
+    return probe_matrices(model, None, "", takes_tiles)
 
 
 def fewest(times: dict[int, dict[str, list[float]]]) -> int:
@@ -79,17 +73,22 @@ def choose(model) -> str | None:
     setting = os.environ.get(ENV, "auto")
     if ext is None or not calls:
         return None
-    tiles = ext.q4_1_amx_built() and ext.amx_unavailable() == ""
-    if not tiles or not ext.q4_1_decode().startswith("int24"):
+    if not (ext.q4_1_amx_built() and ext.amx_unavailable() == ""):
         if setting != "auto":
-            log.warning("%s=%s ignored: no AMX int8 tiles for the integer decode rows here", ENV, setting)
+            log.warning("%s=%s ignored: this build or process has no AMX int8 tiles", ENV, setting)
         return None
-    if setting == "off" or setting.isdigit():
+    if not ext.q4_1_decode().startswith("int24"):
+        if setting != "auto":
+            log.warning(
+                "%s=%s ignored: KVGATE_Q4_1_DECODE=float keeps the decode rows off the tiles", ENV, setting
+            )
+        return None
+    if setting == "off" or (setting.isdigit() and len(setting) <= 6):
         ext.set_q4_1_amx_rows(0 if setting == "off" else int(setting))
         rows = ext.q4_1_amx_rows() or "no"
         return f"gguf decode calls on AMX int8 tiles from {rows} rows ({ENV}={setting})"
     if setting != "auto":
-        log.warning("%s=%s ignored: want auto, off or a row count", ENV, setting)
+        log.warning("%s=%s ignored: want auto, off or a row count (at most 6 digits)", ENV, setting)
     run = pass_timer(calls, ROWS)
     kernels = ("loop", "tiles")
     times: dict[int, dict[str, list[float]]] = {r: {k: [] for k in kernels} for r in ROWS}

@@ -44,11 +44,15 @@ def fastest(times: dict[str, list[float]]) -> str:
     return min(MODES, key=lambda m: (min(times[m]), MODES.index(m)))
 
 
-def probe_matrices(model, head_type: type, head_tiles: str, layer_type: type) -> list[tuple[object, int]]:
+def probe_matrices(
+    model, head_type: type | None, head_tiles: str, layer_type: type | Callable[[object], bool]
+) -> list[tuple[object, int]]:
     """(matrix, in_features) of `model`'s head and layer matrices of exactly these types, in the forward's
-    order: the head first (its tiles in attribute `head_tiles`), then layers (`packed`) until PROBE_BYTES
-    of tiles. Blocks of 32 values: in_features is 32 x the tiles' second dimension."""
+    order: the head first (its tiles in attribute `head_tiles`; None: no head), then layers (`packed`)
+    until PROBE_BYTES of tiles; `layer_type` may be a test of a matrix instead of its type. Blocks of 32
+    values: in_features is 32 x the tiles' second dimension."""
     out, total = [], 0
+    takes = layer_type if not isinstance(layer_type, type) else lambda lin: type(lin) is layer_type
     head = getattr(model, "lm_head", None)
     if type(head) is head_type:
         tiles = getattr(head, head_tiles)
@@ -56,7 +60,7 @@ def probe_matrices(model, head_type: type, head_tiles: str, layer_type: type) ->
         total += tiles.numel()
     for layer in model.layers:
         for lin in layer:
-            if type(lin) is layer_type and total < PROBE_BYTES:
+            if takes(lin) and total < PROBE_BYTES:
                 out.append((lin, lin.packed.shape[1] * 32))
                 total += lin.packed.numel()
     return out
@@ -99,13 +103,18 @@ def choose(model) -> str | None:
     run = pass_timer(calls, (1, MORE_ROWS))
 
     times: dict[int, dict[str, list[float]]] = {r: {m: [] for m in MODES} for r in (1, MORE_ROWS)}
-    with torch.inference_mode():
-        run(1)  # first touch of the outputs' allocations
-        for i in range(ROUNDS):
-            for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:  # each round starts elsewhere
-                ext.set_decode_prefetch(MODES.index(mode), MODES.index(mode))
-                for rows in (1, MORE_ROWS):
-                    times[rows][mode].append(run(rows))
+    tiles = ext.q4_1_amx_rows()  # calls on AMX's int8 tiles (amx_rows) ignore the prefetch: time the loop
+    ext.set_q4_1_amx_rows(0)
+    try:
+        with torch.inference_mode():
+            run(1)  # first touch of the outputs' allocations
+            for i in range(ROUNDS):
+                for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:  # each round starts elsewhere
+                    ext.set_decode_prefetch(MODES.index(mode), MODES.index(mode))
+                    for rows in (1, MORE_ROWS):
+                        times[rows][mode].append(run(rows))
+    finally:
+        ext.set_q4_1_amx_rows(tiles)
     one, more = fastest(times[1]), fastest(times[MORE_ROWS])
     ext.set_decode_prefetch(MODES.index(one), MODES.index(more))
 

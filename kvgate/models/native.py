@@ -5,8 +5,8 @@ into `$KVGATE_EXT_DIR` (default `~/.cache/kvgate/ext`)`/<key>`, where the key co
 torch version and the CPU's vector flags: a cache carried to another CPU class is rebuilt, never run.
 Flags come from /proc/cpuinfo (AVX2, FMA and F16C when listed; AVX-512 F, BW and VL, and VNNI, when
 listed, for the zmm paths; -DKVGATE_AMX where amx_tile, amx_bf16 and avx512_bf16 are listed, for
-amx_q4_1.cpp's own target attributes, and -DKVGATE_AMX_INT8 where amx_tile, amx_int8 and avx512vbmi
-are, for amx_i24.cpp's), never `-march=native`: an AMX machine is one of the CPU classes these
+amx_q4_1.cpp's own target attributes, and -DKVGATE_AMX_INT8 where amx_int8 and avx512vbmi are listed
+too, for amx_i24.cpp's), never `-march=native`: an AMX machine is one of the CPU classes these
 kernels must run on. The kernels need nothing beyond AVX2; the AVX-512 paths give the AVX2 build's
 bits (tests/test_scalar_fallback.py builds both on an AVX-512 CPU and compares every kernel bit for
 bit, and the scalar build too: bit for bit but for RMSNorm and paged attention, within 1e-5).
@@ -80,8 +80,8 @@ def compile_flags() -> list[str]:
         isa += ["-mavx512vbmi"] if "avx512vbmi" in flags else []  # q4_1_int24.cpp's byte permute
         if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:  # amx_q4_1.cpp (its own target attributes)
             isa += ["-DKVGATE_AMX"]
-        if {"amx_tile", "amx_int8", "avx512vbmi"} <= flags:  # amx_i24.cpp (the same)
-            isa += ["-DKVGATE_AMX_INT8"]
+            if {"amx_int8", "avx512vbmi"} <= flags:  # amx_i24.cpp (the same; amx_q4_1.cpp asks for the tiles)
+                isa += ["-DKVGATE_AMX_INT8"]
     return ["-O3", "-fopenmp", *isa]
 
 

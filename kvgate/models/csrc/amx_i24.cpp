@@ -23,12 +23,12 @@
 //   behind, and the codes are laid out AHEAD blocks ahead (a tile load right after the stores that
 //   wrote its bytes waits for them: one block ahead cost 1.5x at one row).
 //
-// Measured on the AMX Xeon (2 threads, SmolLM2's four layer shapes x 30, cache-warm): 16 rows 10.5 ->
-// 5.5 ms, 8 rows 5.0 -> 3.6, 1 row 0.93 -> 2.6 (the VNNI loop keeps the few-row calls).
+// Measured on the AMX Xeon (2 threads, SmolLM2's four layer shapes x 30, cache-warm): 16 rows 10.6 ->
+// 5.7 ms, 8 rows 5.4 -> 3.5, 1 row 0.93 -> 2.6 (the VNNI loop keeps the few-row calls).
 //
-// Built where /proc/cpuinfo lists amx_tile and amx_int8 with AVX-512 VBMI (KVGATE_AMX_INT8 from
-// kvgate/models/native.py); the functions carry their own target attributes. The tile state is
-// amx_q4_1.cpp's grant.
+// Built (KVGATE_AMX_INT8 from kvgate/models/native.py) where /proc/cpuinfo lists amx_int8 and AVX-512
+// VBMI besides what amx_q4_1.cpp needs (amx_tile, amx_bf16, avx512_bf16, AVX-512 F/BW/VL): the tile
+// state is amx_q4_1.cpp's grant. The functions carry their own target attributes.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -73,8 +73,8 @@ int64_t min_rows() { return g_min_rows.load(); }
 int64_t set_min_rows(int64_t rows) {
   TORCH_CHECK(rows >= 0, "set_q4_1_amx_rows: a row count >= 1, or 0 for never; got ", rows);
   TORCH_CHECK(rows == 0 || (built() && kvgate_amx::available()),
-              "set_q4_1_amx_rows: this build or process has no AMX int8 tiles (the CPU must list amx_tile and "
-              "amx_int8, and Linux must grant the tile state)");
+              "set_q4_1_amx_rows: this build or process has no AMX int8 tiles (the CPU must list amx_tile, "
+              "amx_int8, amx_bf16, avx512_bf16 and avx512vbmi, and Linux must grant the tile state)");
   g_min_rows.store(rows);
   return rows;
 }

@@ -8,7 +8,7 @@ namespace kvgate_amx8 {
 
 constexpr int64_t XDW = 32;  // digit dwords per row and block: four planes of 32 bytes
 
-bool built();                     // compiled in (the CPU lists amx_tile, amx_int8 and AVX-512 VBMI)
+bool built();                     // compiled in (native.py's KVGATE_AMX_INT8)
 bool takes(int64_t rows);         // whether a decode call of this many rows runs here
 int64_t min_rows();               // the switch: calls of this many rows and more (0: none)
 int64_t set_min_rows(int64_t rows);
