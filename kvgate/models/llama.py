@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.config import ModelSpec
-from kvgate.models import decode_stack, huge_pages, native
+from kvgate.models import decode_stack, huge_pages, native, rope
 from kvgate.models.block_formats import BlockLinear, fused_names, fused_scales
 from kvgate.models.block_formats import held as held_blocks
 from kvgate.models.linear import Linear, packs_weights
@@ -222,14 +222,8 @@ class LlamaModel:
             self.lm_head = lin(
                 self.embed if "lm_head.weight" not in weights else w("lm_head.weight"), head=True
             )
-        inv_freq = 1.0 / (
-            spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim)
-        )
-        pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device=self.device, dtype=dtype)
-        self.sin = emb.sin().to(device=self.device, dtype=dtype)
+        cos, sin = rope.tables(spec.rope_theta, spec.head_dim, spec.max_position_embeddings)  # see rope.py
+        self.cos, self.sin = cos.to(device=self.device, dtype=dtype), sin.to(device=self.device, dtype=dtype)
         # the Q4_1 layer tiles and the Q8 table, streamed whole by every decode step, on huge pages
         self.huge_page_bytes = huge_pages.move(self._streamed()) if self.device.type == "cpu" else 0
         # decode-only steps run the layers in one C++ call where every kernel is kvgate's own
