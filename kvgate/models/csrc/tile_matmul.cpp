@@ -795,6 +795,9 @@ void prepare(const float* x, int64_t i0, int64_t i1, float* xs, int32_t* xd, flo
     kvgate_i24::digits(x, i0, i1, xd, sc);
 }
 
+// the digit dwords per row and block that `prepare` writes for such a call
+int64_t digit_dwords(bool amx) { return amx ? kvgate_amx8::XDW : kvgate_i24::XDW; }
+
 // decode rows [0, M) against tiles [t0, t1): q4_1_matmul's second pass on one thread's share; nx: the
 // span of the next matrix this thread reads first, asked for during its last group
 void tiles(const int32_t* xd, const float* sc, const float* xs, int64_t M, int64_t N, int64_t nb,
@@ -831,7 +834,7 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
   const bool int24 = g_decode_int24.load(std::memory_order_relaxed);
   const bool amx8 = int24 && Md > 0 && kvgate_amx8::takes(Md);  // read once: digits and tiles agree
   std::vector<float> xs(static_cast<size_t>(Md * nb));  // each decode row's block sums
-  std::vector<int32_t> xd(int24 ? static_cast<size_t>(Md * nb * (amx8 ? kvgate_amx8::XDW : kvgate_i24::XDW)) : 0);
+  std::vector<int32_t> xd(int24 ? static_cast<size_t>(Md * nb * kvgate_team::digit_dwords(amx8)) : 0);
   std::vector<float> sc(int24 ? static_cast<size_t>(Md * nb) : 0);
   // one pass over the decode rows' blocks, split across threads (each block's numbers are its own); on
   // one thread it ran 2-12 us a call at 8-16 rows while the other waited for the tiles' parallel_for
@@ -841,15 +844,11 @@ torch::Tensor q4_1_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int6
     else
       for (int64_t i = i0; i < i1; ++i) xs[i] = block_sum(xp + i * QBLOCK);
   });
-  const int pf_one = g_prefetch_one.load(std::memory_order_relaxed);
-  const int pf_more = g_prefetch_more.load(std::memory_order_relaxed);
   const bool amx = M > Md && kvgate_amx::active();
   if (Md > 0 || !amx)
     at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-      if (amx8)
-        kvgate_amx8::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, false);
-      else if (int24)
-        kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more);
+      if (int24)
+        kvgate_team::tiles(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, nullptr, 0, false, amx8);
       else
         decode_cols<Q41>(xp, xs.data(), Md, N, nb, wp, yp, t0, t1);
       if (!amx) prefill_cols<Q41>(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
@@ -900,18 +899,12 @@ void block_rows(const float* xp, float* yp, int64_t M, int64_t Md, int64_t N, in
     if (Md > 0 && g_decode_int24.load(std::memory_order_relaxed)) {  // Q4_1's integer decode rows, then panels
       const bool amx8 = kvgate_amx8::takes(Md);
       std::vector<float> xs(static_cast<size_t>(Md * nb)), sc(static_cast<size_t>(Md * nb));
-      std::vector<int32_t> xd(static_cast<size_t>(Md * nb * (amx8 ? kvgate_amx8::XDW : kvgate_i24::XDW)));
+      std::vector<int32_t> xd(static_cast<size_t>(Md * nb * kvgate_team::digit_dwords(amx8)));
       at::parallel_for(0, Md * nb, 96, [&](int64_t i0, int64_t i1) {
         kvgate_team::prepare(xp, i0, i1, xs.data(), xd.data(), sc.data(), amx8);
       });
-      const int pf_one = g_prefetch_one.load(std::memory_order_relaxed);
-      const int pf_more = g_prefetch_more.load(std::memory_order_relaxed);
       at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-        if (amx8)
-          kvgate_amx8::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, true);
-        else
-          kvgate_i24::decode_cols(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, pf_one, pf_more,
-                                  nullptr, 0, true);
+        kvgate_team::tiles(xd.data(), sc.data(), xs.data(), Md, N, nb, wp, yp, t0, t1, nullptr, 0, true, amx8);
         prefill_cols<F>(xp + Md * K, yp + Md * N, M - Md, N, nb, wp, t0, t1);
       });
       return;
