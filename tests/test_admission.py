@@ -125,9 +125,11 @@ def test_context_overflow_reported_before_budget_overflow(make_engine):
         e.submit(req(10, 40))  # 50 > 48 context and > 32 pool
     r = ei.value
     assert (r.code, r.status) == ("context_length_exceeded", 400)
+    # bytes as the pool's 400 counts them: 50 positions are 13 blocks; the most one sequence can hold is
+    # the pool's 8 blocks, not the context's 48 positions (red with the context's unrounded bytes)
     assert r.details() == {
-        "estimated_bytes": 50 * BPT,
-        "limit_bytes": 48 * BPT,
+        "estimated_bytes": 52 * BPT,
+        "limit_bytes": 32 * BPT,
         "positions": 50,
         "positions_limit": 48,
     }

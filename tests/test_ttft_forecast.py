@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvgate.core import admission, forecast
+from kvgate.core import admission, forecast, ttft_refusals
 from kvgate.core.prefill_rate import PrefillFit, prefill_seconds
 from kvgate.core.snapshot import RowView, WaiterView
 from kvgate.core.state import StepTimes
@@ -38,7 +38,7 @@ def test_the_forecast_multiplies_remaining_steps_by_the_typical_decode_step(make
     )
     admit, prefill, ahead = forecast.predicted_ttft(cfg, snap, [], 8, 4)
     assert admit == pytest.approx(31 * 0.04) and (prefill, ahead) == (0.0, 8)
-    assert admission.ttft_refusal(cfg, (admit, prefill, ahead), timed=False) is None
+    assert ttft_refusals.ttft_refusal(cfg, (admit, prefill, ahead), timed=False) is None
 
 
 def test_the_ttft_retry_after_rounds_the_excess_up_and_the_message_shows_hundredths(make_engine):
@@ -46,10 +46,10 @@ def test_the_ttft_retry_after_rounds_the_excess_up_and_the_message_shows_hundred
     again); a forecast of 1.04 s against a 1 s budget reads 1.04s, not "1.0s ... more than 1s". Red
     with `round` back (1) and with one decimal in the message."""
     cfg = cfg_for(make_engine, max_ttft=1.0)
-    r = admission.ttft_refusal(cfg, (2.0, 0.3, 40), timed=True)
+    r = ttft_refusals.ttft_refusal(cfg, (2.0, 0.3, 40), timed=True)
     assert (r.status, r.retry_after) == (429, 2)
     assert "about 2.30s for its first token" in r.message and "about 0.30s at the measured" in r.message
-    r = admission.ttft_refusal(cfg, (1.04, 0.0, 4), timed=False)
+    r = ttft_refusals.ttft_refusal(cfg, (1.04, 0.0, 4), timed=False)
     assert "about 1.04s" in r.message and r.retry_after == 1
 
 
@@ -97,10 +97,10 @@ def test_after_a_long_prompt_a_short_one_is_forecast_at_the_cost_of_its_own_posi
     )
     est = forecast.predicted_ttft(cfg, snap, [], 64, 16)
     assert est[1] == pytest.approx(64 * 1e-4 + 1.3e-6 * 64 * 64 / 2, rel=0.01)
-    assert admission.ttft_refusal(cfg, est, timed=True) is None
+    assert ttft_refusals.ttft_refusal(cfg, est, timed=True) is None
     # the same newcomer behind a waiter that has the whole 6,000-token prompt to prefill: refused
     est = forecast.predicted_ttft(cfg, snap, [WaiterView(6000, 10)], 64, 16)
-    assert est[1] > 0.5 and admission.ttft_refusal(cfg, est, timed=True).status == 429
+    assert est[1] > 0.5 and ttft_refusals.ttft_refusal(cfg, est, timed=True).status == 429
 
 
 def test_the_worker_times_each_prefill_chunk_at_its_position(make_engine):
@@ -124,9 +124,9 @@ def test_the_400_advises_a_prompt_length_that_fits_on_the_fitted_line(make_engin
     session 31's, to the line's, 1-3% over. Red with the line left out of the advice (950), and with
     no margin (732)."""
     cfg = cfg_for(make_engine, max_ttft=1.0)
-    r = admission.ttft_never_refusal(cfg, 3000, 1e-3, (1e-3, 1e-6))
+    r = ttft_refusals.ttft_never_refusal(cfg, 3000, 1e-3, (1e-3, 1e-6))
     assert r.status == 400 and "Shorten the prompt to about 695 tokens" in r.message
-    assert admission.tokens_within((1e-3, 0.0), 1.0) == 1000
+    assert ttft_refusals.tokens_within((1e-3, 0.0), 1.0) == 1000
 
 
 def test_a_cluster_snapshot_averages_the_replicas_prefill_lines():
@@ -254,7 +254,7 @@ def test_waiters_ahead_take_the_freed_rows_and_then_end_themselves(make_engine):
     admit, _, _ = forecast.predicted_ttft(cfg, snap, [], 8, 4)
     # 30 ticks walked with the running rows, then 3 plain steps of simulated waiters
     assert admit == pytest.approx(0.33)
-    assert admission.ttft_refusal(cfg, (admit, 0.0, 8), timed=False) is None
+    assert ttft_refusals.ttft_refusal(cfg, (admit, 0.0, 8), timed=False) is None
     # blocks bind too: the whole pool (64) only after both waiters end (tick 82); more never fits
     assert forecast.admission_tick(cfg, snap, list(waiters), 64, 1) == 82
     assert forecast.admission_tick(cfg, snap, list(waiters), 65, 1) is None
@@ -289,11 +289,11 @@ def test_rows_and_waiters_that_may_stop_are_walked_to_their_likely_ends_as_retry
     assert forecast.admission_tick(cfg, forecast.likely_rows(snap), [waiter], 4, 1) == 62
     admit, _, _ = forecast.predicted_ttft(cfg, snap, [], 8, 16)
     assert admit == pytest.approx(0.63)
-    assert admission.ttft_refusal(cfg, (admit, 0.0, 8), timed=False) is None
+    assert ttft_refusals.ttft_refusal(cfg, (admit, 0.0, 8), timed=False) is None
     # with the first row forced as well, the same request is refused: both rows run to their ceilings
     forced = tuple(dataclasses.replace(r, may_stop=False) for r in rows)
     late = forecast.predicted_ttft(cfg, dataclasses.replace(snap, rows=forced), [], 8, 16)
-    refusal = admission.ttft_refusal(cfg, late, timed=False)
+    refusal = ttft_refusals.ttft_refusal(cfg, late, timed=False)
     assert late[0] > 60 and refusal is not None and refusal.retry_after == 60
     # Retry-After and the TTFT walk agree on when the first row frees: 20 steps of 10 ms
     assert forecast.retry_after(snap) == 1

@@ -167,6 +167,8 @@ def test_min_tokens_past_what_can_be_generated_and_with_echos_prompt_alone(tiny_
     r = httpx.post(tiny_base + CHAT, json={"messages": msg, "min_tokens": 100_000}, timeout=30)
     err = r.json()["error"]
     assert (r.status_code, err["param"]) == (400, "min_tokens") and "context" in err["message"], err
+    # with its numbers, as every context 400 (session 45: this one had none; red without them)
+    assert err["positions"] > 100_000 > err["positions_limit"] and err["estimated_bytes"] > err["limit_bytes"]
     body = {"prompt": "Hi there", "echo": True, "logprobs": 1, "max_tokens": 0, "min_tokens": 1}
     assert error(tiny_base, "/v1/completions", body) == (400, "min_tokens")
     r = httpx.post(

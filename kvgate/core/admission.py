@@ -19,13 +19,11 @@ Refusals, in the order a request meets them:
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from kvgate.config import SchedulerConfig
 from kvgate.core import logprob_budget, side_waits
-from kvgate.core.kv_cache import cacheable_blocks, choice_blocks, prompt_block_hashes
-from kvgate.core.prefill_rate import tokens_within
+from kvgate.core.kv_cache import blocks_for, cacheable_blocks, choice_blocks, prompt_block_hashes
 from kvgate.core.rows import WaitEntry
 from kvgate.request import LIST_KEYS, BudgetCap, GenerationRequest, Refusal, RequestHandle
 
@@ -132,12 +130,20 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None, n: int
         "context_length_exceeded",
         msg,
         400,
-        estimated_bytes=want * cfg.kv_bytes_per_token,
-        limit_bytes=cfg.max_model_len * cfg.kv_bytes_per_token,
+        **context_bytes(cfg, want),
         positions=want,
         positions_limit=cfg.max_model_len,
         param="prompt" if P == 0 or P >= cfg.max_model_len else "max_tokens",
     )
+
+
+def context_bytes(cfg: SchedulerConfig, want: int) -> dict[str, int]:
+    """A context 400's bytes, in the pool 400's terms: `want` positions rounded up to whole blocks, and
+    the most one sequence could ever hold, the context's blocks or the whole pool, whichever is less
+    (session 45; before, the context's unrounded bytes, more than a small server's whole pool)."""
+    bs, bpt = cfg.block_size, cfg.kv_bytes_per_token
+    ceiling = min(blocks_for(cfg.max_model_len, bs), cfg.total_blocks)
+    return {"estimated_bytes": blocks_for(want, bs) * bs * bpt, "limit_bytes": ceiling * bs * bpt}
 
 
 def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, given: bool = True) -> Refusal:
@@ -323,78 +329,4 @@ def engine_error_refusal() -> Refusal:
         "engine_error",
         "the engine failed while admitting this request; the details are in the server log",
         500,
-    )
-
-
-ADVICE_MARGIN = 0.95
-
-
-def ttft_never_refusal(
-    cfg: SchedulerConfig, own_tokens: int, per_token: float | None, line: tuple[float, float] | None = None
-) -> Refusal | None:
-    """The 400 for a prompt whose own prefill, on an idle server, is forecast over `--max-ttft` at the
-    fastest rate measured (`per_token`, a lower bound): no retry of the same request can pass, so no
-    Retry-After. The prompt length it advises comes from the fitted line where there is one (a prompt
-    cut to the lower bound's length still ran about 25% over the budget, session 30's QA)."""
-    if cfg.max_ttft is None or per_token is None or own_tokens * per_token <= cfg.max_ttft:
-        return None
-    most = int(cfg.max_ttft / per_token)
-    if line is not None:
-        most = min(most, tokens_within(line, cfg.max_ttft))
-    # 5% under: a prompt of exactly the fitted length ran 1.01-1.03 s under a 1 s budget (session 31's QA)
-    most = int(most * ADVICE_MARGIN)
-    return Refusal(
-        "ttft_budget_exceeded",
-        f"this request's {own_tokens} prompt tokens to prefill would take at least "
-        f"{own_tokens * per_token:.1f}s at the fastest rate this server has measured ({1 / per_token:.0f} "
-        f"tokens/s), even on an idle server, more than this server's --max-ttft {cfg.max_ttft:g}s. "
-        f"Shorten the prompt to about {most} tokens (not counting a prefix the server has cached), or "
-        "send it to a server with a larger --max-ttft.",
-        400,
-        param="prompt",
-    )
-
-
-# of the budget, added to a TTFT 429's wait: a retry due exactly at the budget is a coin toss
-RETRY_MARGIN = 0.1
-MIN_RETRY_MS = 100
-
-
-def ttft_refusal(
-    cfg: SchedulerConfig,
-    estimate: tuple[float, float, int],
-    timed: bool,
-    later: tuple[float, float, int] | None = None,
-    told: int = 0,
-) -> Refusal | None:
-    """The 429 for a forecast over `--max-ttft`, or None when it is within the budget. `timed`: a
-    prefill was timed (else the prefill counted 0 s). `later`: the forecast with the `told` requests
-    refused before this one, and told to come back sooner, counted ahead of it (the gate's promises):
-    the wait it is given comes from that one, so a herd refused together does not come back together
-    (session 31's QA: 4 of 35 first retries admitted). The wait is the excess over the budget plus
-    RETRY_MARGIN of the budget: Retry-After in whole seconds rounded up (to the nearest, a forecast
-    0.4 s over said "retry in 0 s"), retry-after-ms to the millisecond."""
-    admit, prefill, ahead = estimate
-    if cfg.max_ttft is None or admit + prefill <= cfg.max_ttft:
-        return None
-    back_admit, back_prefill, _ = later or estimate
-    wait_s = min(back_admit + back_prefill, 3600) - cfg.max_ttft + RETRY_MARGIN * cfg.max_ttft
-    wait = "no room is in sight" if admit == float("inf") else f"{admit:.2f}s until rows and KV free up"
-    rate = f"about {prefill:.2f}s at the measured prefill rate" if timed else "not timed yet, counted as 0s"
-    them = (
-        "1 request refused before this one was"
-        if told == 1
-        else f"{told} requests refused before this one were"
-    )
-    herd = (
-        f" {them} told to come back sooner; its wait counts them ahead of it ({wait_s:.2f}s)." if told else ""
-    )
-    return Refusal(
-        "ttft_budget_exceeded",
-        f"this request would wait about {admit + prefill:.2f}s for its first token ({wait}, then {ahead} "
-        f"prompt tokens to prefill, {rate}), more than this server's --max-ttft "
-        f"{cfg.max_ttft:g}s.{herd} Retry after the Retry-After interval.",
-        429,
-        retry_after=int(min(60, max(1, math.ceil(wait_s)))),
-        retry_after_ms=int(min(60_000, max(MIN_RETRY_MS, math.ceil(wait_s * 1000)))),
     )

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from kvgate.config import SchedulerConfig
-from kvgate.core import admission, forecast
+from kvgate.core import admission, forecast, ttft_refusals
 from kvgate.core.inbox import Inbox
 from kvgate.core.kv_cache import cacheable_blocks
 from kvgate.core.snapshot import Counters, EngineSnapshot, WaiterView
@@ -81,7 +81,7 @@ class AdmissionGate:
                 cached = cached_prefix(entry.hashes, snap.cached_hashes, entry.prompt_len, cfg.block_size)
                 # a prompt whose own prefill is over the budget can never pass: a 400 before any 503,
                 # which would only send it back to fail again (rate: the fastest prompt-only step)
-                never = admission.ttft_never_refusal(
+                never = ttft_refusals.ttft_never_refusal(
                     cfg, entry.prompt_len - cached, snap.prefill_token_time_best, snap.prefill_line
                 )
                 if never is not None:
@@ -102,7 +102,7 @@ class AdmissionGate:
             if ttft and not (snap.idle and not ahead):
                 est = forecast.predicted_ttft(cfg, snap, ahead, entry.prompt_len, entry.max_tokens, cached, n)
                 timed = snap.prefill_line is not None
-                refusal = None if est is None else admission.ttft_refusal(cfg, est, timed)
+                refusal = None if est is None else ttft_refusals.ttft_refusal(cfg, est, timed)
                 if refusal is not None:
                     c.rejected_ttft_budget += n
                     raise self._spread(refusal, est, snap, ahead, entry, cached, n, timed)
@@ -118,7 +118,7 @@ class AdmissionGate:
         if told:
             back = ahead + [v for _, v in self._promised]
             later = forecast.predicted_ttft(cfg, snap, back, entry.prompt_len, entry.max_tokens, cached, n)
-            refusal = admission.ttft_refusal(cfg, est, timed, later, told) or refusal
+            refusal = ttft_refusals.ttft_refusal(cfg, est, timed, later, told) or refusal
         if told < MAX_PROMISES:
             blocks = admission.group_blocks(cfg, entry.prompt_len, entry.max_tokens, n)
             view = entry.view(blocks)
@@ -153,5 +153,8 @@ def check_min_tokens(cfg: SchedulerConfig, req) -> None:
             f"more than the {max(0, L - P)} this {P}-token prompt leaves: lower min_tokens or shorten the "
             "prompt.",
             400,
+            **admission.context_bytes(cfg, P + req.min_tokens),
+            positions=P + req.min_tokens,
+            positions_limit=L,
             param="min_tokens",
         )
