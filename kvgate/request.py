@@ -205,7 +205,9 @@ class Result:
     finished_at: float
     token_times: list[float]
     error: str | None = None
-    stop_reason: str | None = None  # the stop string or "token:<id>" that ended generation
+    # how a "stop" ended: "string", "token:<id>" (an end or stop_token_ids token) or "grammar"
+    stop_reason: str | None = None
+    stop_string: str | None = None  # with "string": which of the request's stop strings it was
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (or a sibling choice)
     # with `prompt_logprobs`: prompt tokens 1..P-1 scored in order (a choice of n > 1 other than the
     # first shares its leader's prompt positions, so only the first choice's list is whole)

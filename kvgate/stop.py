@@ -24,6 +24,7 @@ class StopMatcher:
         self.held = ""
         self.exempt = exempt
         self.inside = False
+        self.matched: str | None = None  # the stop string that completed (the earliest, then first listed)
 
     def is_stop_token(self, token_id: int) -> bool:
         return token_id in self.stop_ids
@@ -43,7 +44,7 @@ class StopMatcher:
         if self.exempt is not None:
             return self._push_regions(text, final)
         pending = self.held + text
-        cut = min((i for i in (pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut = self._first_stop(pending, len(pending))
         if cut >= 0:
             self.held = ""
             return pending[:cut], True
@@ -54,6 +55,15 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.held = self.held, ""
         return out
+
+    def _first_stop(self, text: str, before: int) -> int:
+        """Where the earliest stop string in `text` starts (below `before`), noting it in `matched`;
+        -1 when none does."""
+        hits = [(i, s) for s in self.stops if 0 <= (i := text.find(s)) < before]
+        if not hits:
+            return -1
+        cut, self.matched = min(hits, key=lambda h: h[0])
+        return cut
 
     def _longest_partial(self, text: str) -> int:
         return max((_partial(text, s) for s in self.stops), default=0)
@@ -78,9 +88,9 @@ class StopMatcher:
             at = pending.find(opening)
             if at < 0:  # where an opening may be starting (the end, when none can)
                 at = len(pending) - (0 if final else _partial(pending, opening))
-            hits = [i for i in (pending.find(s) for s in self.stops) if 0 <= i < at]
-            if hits:
-                out.append(pending[: min(hits)])
+            cut = self._first_stop(pending, at)
+            if cut >= 0:
+                out.append(pending[:cut])
                 return "".join(out), True
             if not pending.startswith(opening, at):
                 keep = max(self._longest_partial(pending), _partial(pending, opening))

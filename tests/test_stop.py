@@ -69,6 +69,18 @@ def test_with_several_stops_the_earliest_occurrence_wins():
     assert m.push("a zz b") == ("a ", True)
 
 
+def test_the_matcher_names_the_stop_string_that_ended_the_text():
+    """`matched` (vLLM's stop_reason, Anthropic's stop_sequence) is the earliest stop in the text, not the
+    first listed; with exempt regions, the first outside them. Red with `matched` set to the first
+    listed stop that occurs."""
+    m = StopMatcher(set(), ["world", "lo"])
+    assert m.push("hello world") == ("hel", True) and m.matched == "lo"
+    m = StopMatcher(set(), ["}", "Obs"], exempt=("<t>", "</t>"))
+    assert m.push("<t>{}</t> Obs }") == ("<t>{}</t> ", True) and m.matched == "Obs"
+    m = StopMatcher(set(), ["x"])
+    assert m.push("abc") == ("abc", False) and m.matched is None
+
+
 def test_hold_back_is_only_the_longest_tail_that_is_a_prefix_of_some_stop():
     """Seen to fail when the matcher holds max(len(stop)) - 1 characters regardless of content, and
     when it holds the shortest matching prefix instead of the longest."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvgate.core import admission, forecast, ttft_refusals
+from kvgate.core import forecast, ttft_refusals
 from kvgate.core.prefill_rate import PrefillFit, prefill_seconds
 from kvgate.core.snapshot import RowView, WaiterView
 from kvgate.core.state import StepTimes

@@ -212,6 +212,7 @@ class EngineState:
             token_times=list(times),
             error=error,
             stop_reason=stop_reason,
+            stop_string=row.stop.matched if stop_reason == "string" else None,
             cached_tokens=row.cached_tokens,
             prompt_logprobs=row.prompt_logprobs,
             prediction_tokens=row.prediction_tokens,

@@ -17,6 +17,16 @@ def finish_reason(reason: str) -> str:
     return _FINISH[reason]
 
 
+def stop_reason(result: Result, stop_token_ids=()) -> str | int | None:
+    """vLLM's `stop_reason` of a choice: the stop string that ended it, or the id of the request's
+    `stop_token_ids` token that did; None when it ended otherwise (the model's own end token included)."""
+    if result.stop_string is not None:
+        return result.stop_string
+    why = result.stop_reason or ""
+    token = int(why[6:]) if why.startswith("token:") else None
+    return token if token is not None and token in stop_token_ids else None
+
+
 def usage(results: list[Result], n: int = 1) -> dict:
     """Usage of one response. `results` come prompt by prompt, `n` choices each: a prompt (and the
     part of it the prefix cache held, OpenAI's `prompt_tokens_details.cached_tokens`) counts once."""
@@ -47,22 +57,21 @@ def usage(results: list[Result], n: int = 1) -> dict:
     }
 
 
-def completion_body(kind: str, rid: str, created: int, model: str, results: list[Result], n: int = 1) -> dict:
-    if kind == "chat":
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "finish_reason": finish_reason(r.finish_reason),
-                "logprobs": None,
-            }
-            for i, r in enumerate(results)
-        ]
-    else:
-        choices = [
-            {"index": i, "text": r.text, "finish_reason": finish_reason(r.finish_reason), "logprobs": None}
-            for i, r in enumerate(results)
-        ]
+def completion_body(
+    kind: str, rid: str, created: int, model: str, results: list[Result], n: int = 1, stop_ids=()
+) -> dict:
+    """`stop_ids`: the request's `stop_token_ids` (for `stop_reason`)."""
+    payload = "message" if kind == "chat" else "text"
+    choices = [
+        {
+            "index": i,
+            payload: {"role": "assistant", "content": r.text} if kind == "chat" else r.text,
+            "finish_reason": finish_reason(r.finish_reason),
+            "stop_reason": stop_reason(r, stop_ids),
+            "logprobs": None,
+        }
+        for i, r in enumerate(results)
+    ]
     return {
         "id": rid,
         "object": "chat.completion" if kind == "chat" else "text_completion",
@@ -98,8 +107,11 @@ class ChunkMaker:
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
         return {**self.base, "choices": [choice]}
 
-    def finish(self, i: int, reason: str) -> dict:
-        return self.choice(i, None if self.kind == "chat" else "", finish=finish_reason(reason))
+    def finish(self, i: int, reason: str, stop: str | int | None = None) -> dict:
+        """`stop`: the choice's `stop_reason` (vLLM's field, on its finish chunk)."""
+        chunk = self.choice(i, None if self.kind == "chat" else "", finish=finish_reason(reason))
+        chunk["choices"][0]["stop_reason"] = stop
+        return chunk
 
     def usage(self, results: list[Result]) -> dict:
         return {**self.base, "choices": [], "usage": usage(results, self.n)}

@@ -117,7 +117,8 @@ async def generate(request: Request, cls, raw: bytes | None = None, whole: bool 
         return APIError(500, ENGINE_ERROR, "engine_error").response()
     if prepared.candidates > prepared.n:
         results, token_logprobs = best_of(results, token_logprobs, prepared.candidates, prepared.n)
-    body = completion_body(kind, rid, created, settings.model_name, results, prepared.n)
+    stop_ids = prepared.request.stop_token_ids or ()
+    body = completion_body(kind, rid, created, settings.model_name, results, prepared.n, stop_ids)
     body["usage"] = usage(every, prepared.candidates)  # every candidate generated counts
     if prepared.features.tools is not None:
         for choice, res in zip(body["choices"], results, strict=True):

@@ -25,7 +25,7 @@ import string
 from kvgate.request import Result, Token
 from kvgate.server import logprobs as L
 from kvgate.server import tool_parser as TP
-from kvgate.server.responses import ChunkMaker, finish_reason
+from kvgate.server.responses import ChunkMaker, finish_reason, stop_reason
 
 OBFUSCATION_BLOCK = 64  # bytes: a chunk's JSON is padded to a multiple of this
 _PAD_CHARS = string.ascii_letters + string.digits
@@ -88,7 +88,8 @@ class StreamShaper:
             in_remark = parser.state == "tail"
             out += self._tool_events(i, parser.end(cut=not TP.model_ended(result)))
             reason = TP.finish_reason(reason, parser.calls, in_remark)
-        return out + [self._dress(self.chunks.finish(i, reason))]
+        stop_ids = (getattr(self.p.request, "stop_token_ids", None) or ()) if self.p is not None else ()
+        return out + [self._dress(self.chunks.finish(i, reason, stop_reason(result, stop_ids)))]
 
     # ---- helpers --------------------------------------------------------------------------------
     def _parser(self, i: int) -> TP.ToolCallParser:
