@@ -101,6 +101,8 @@ def test_every_v1_route_needs_the_key_and_health_metrics_stay_open(keyed):
         "/tokenize": {"prompt": "hi"},
         "/detokenize": {"tokens": [5, 6]},
         "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+        "/v1/messages": {"model": "tiny", "messages": MSG, "max_tokens": 2},
+        "/v1/messages/count_tokens": {"model": "tiny", "messages": MSG},
     }
     wrong = [
         None,

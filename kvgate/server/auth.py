@@ -1,12 +1,13 @@
 """API-key check, request ids and request counting, as a pure ASGI middleware.
 
 Pure ASGI, not Starlette's BaseHTTPMiddleware, which would interfere with streaming and disconnects.
-`/v1/*` needs `Authorization: Bearer <key>` when a key is set (a constant-time compare); `/`, `/health`
-and `/metrics` stay open. Every response is counted in `kvgate_requests_total{endpoint,status}`, with a
-client that left before any status counted as 499. Every response carries `X-Request-Id`: the
-client's own (up to 128 printable ASCII characters; a proxy's or tracer's id comes back unchanged),
-else a fresh one, so a client can quote it against the server's log and a proxy can correlate. The
-log lines a request causes (its refusal, its failure, its client leaving) name it (`REQUEST_ID`).
+`/v1/*` needs `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) when a key is set (a
+constant-time compare); `/`, `/health` and `/metrics` stay open. Every response is counted in
+`kvgate_requests_total{endpoint,status}`, with a client that left before any status counted as 499.
+Every response carries `X-Request-Id`: the client's own (up to 128 printable ASCII characters; a
+proxy's or tracer's id comes back unchanged), else a fresh one, so a client can quote it against the
+server's log and a proxy can correlate. The log lines a request causes (its refusal, its failure, its
+client leaving) name it (`REQUEST_ID`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ ENDPOINTS = {
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/models",
     "/v1/tokenize",
     "/v1/detokenize",
@@ -84,11 +87,14 @@ class AuthAndCount:
         key = self.settings.api_key
         if key and keyed_path(path):
             given = headers.get(b"authorization", b"")
-            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            token = given[7:] if given[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
             if not hmac.compare_digest(token, key.encode()):
                 self.metrics.requests.labels(endpoint, "401").inc()
                 err = APIError(
-                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>', "
+                    "as the anthropic SDKs do)",
+                    "invalid_api_key",
                 )
                 return await err.response()(scope, receive, send)
         status = {"code": 499}

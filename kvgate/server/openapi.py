@@ -81,8 +81,8 @@ _USAGE = {
 }
 _FINISH = {"enum": ["stop", "length", "tool_calls"]}
 _LOGPROBS = {"anyOf": [_NULL, {"type": "object"}]}  # OpenAI's chat or completions shape (logprobs.py)
-# vLLM's: the stop string, or the request's stop_token_ids token, that ended the choice
-_STOP_REASON = {"anyOf": [_NULL, _STR, _INT]}
+# stop_reason, vLLM's: the stop string, or the request's stop_token_ids token, that ended the choice
+_ENDING = {"finish_reason": _FINISH, "stop_reason": {"anyOf": [_NULL, _STR, _INT]}, "logprobs": _LOGPROBS}
 
 
 def _completion_schema(obj: str, payload: dict) -> dict:
@@ -101,13 +101,7 @@ def _completion_schema(obj: str, payload: dict) -> dict:
                 "items": {
                     "type": "object",
                     "required": ["index", *payload, "finish_reason"],
-                    "properties": {
-                        "index": _INT,
-                        **payload,
-                        "finish_reason": _FINISH,
-                        "stop_reason": _STOP_REASON,
-                        "logprobs": _LOGPROBS,
-                    },
+                    "properties": {"index": _INT, **payload, **_ENDING},
                 },
             },
             "usage": _USAGE,

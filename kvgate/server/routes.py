@@ -16,6 +16,7 @@ from kvgate.memory.overhead import process_peak_rss_bytes, process_rss_bytes
 from kvgate.server import protocol as P
 from kvgate.server.bodies import read_body
 from kvgate.server.context import check_model, ready_engine
+from kvgate.server.messages_route import count_tokens, messages
 from kvgate.server.prepare import prepare_detokenize, prepare_tokenize
 from kvgate.server.responses_route import cancel_response, input_items, responses, stored_response
 from kvgate.server.serving import generate
@@ -179,6 +180,12 @@ ROUTES = [
     ("GET", "/v1/responses/{response_id}/input_items", input_items),
     ("POST", "/v1/responses/{response_id}/cancel", cancel_response),
 ]
+# Anthropic's Messages API (kvgate.server.messages_route): outside the OpenAPI document, which
+# describes the OpenAI API
+MESSAGES_ROUTES = [
+    ("POST", "/v1/messages", messages),
+    ("POST", "/v1/messages/count_tokens", count_tokens),
+]
 
 
 # vLLM serves these at the root too, and clients look for them there (lm-eval's remote tokenizer); the
@@ -195,5 +202,5 @@ def install_routes(app: FastAPI) -> None:
     # opaque route, which would hide the paths from anything that lists `app.routes`.
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=method.split("|"))
-    for method, path, endpoint in ROOT_ALIASES:
+    for method, path, endpoint in ROOT_ALIASES + MESSAGES_ROUTES:
         app.add_api_route(path, endpoint, methods=[method], include_in_schema=False)

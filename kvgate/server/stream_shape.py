@@ -129,10 +129,12 @@ class StreamShaper:
         if self.continuous:
             n = max(1, self.chunks.n if hasattr(self.chunks, "n") else 1)
             prompt = sum(getattr(h.admission, "prompt_tokens", 0) for h in self.handles[::n])
+            cached = sum(getattr(h.admission, "cached_tokens", 0) for h in self.handles[::n])
             chunk["usage"] = {
                 "prompt_tokens": prompt,
                 "completion_tokens": self.generated,
                 "total_tokens": prompt + self.generated,
+                "prompt_tokens_details": {"cached_tokens": cached},  # as the final usage chunk has it
             }
         if self.obfuscate:
             chunk["obfuscation"] = obfuscation(chunk)
