@@ -15,10 +15,10 @@ decode to, never the length of their `token` strings. A token that carries part 
 gets the offset where that character starts (its text comes with the token that completes it), as
 a stream's running count of the text sent so far gives it (vLLM's streamed offsets); bytes that
 are not UTF-8 count as the U+FFFD the text shows, a special token the output leaves out as nothing.
-The offsets never decrease and never pass the end of `text`. A stream sends each token's offset
-before the tokens after it show what held-back bytes become, so there a token whose text was held
-back with text before it (a space with a partial character, an invalid byte's U+FFFD) gets the start
-of that held text; the whole response puts it after, where its own text starts.
+The offsets never decrease and never pass the end of `text`, and a stream gives each token the offset
+the whole response does (`streamed_offset`; QA of session 45: a space with a partial character, then
+the byte that completed it, streamed as 0, 0 where the whole response said 0, 1), except where a stop
+string held text back.
 
 What the numbers are (kvgate.sampling): the log-softmax of the logits the sampler drew from, after
 logit bias, penalties and the grammar mask, before temperature and top-k/top-p/min-p.
@@ -110,6 +110,16 @@ def text_offsets(tok, ids, start=0, context=(), limit=None, keep_special=False) 
             out += _place(tok, held, at, text)
             at, held = at + len(text), []
     return out if limit is None else [min(o, limit) for o in out]
+
+
+def streamed_offset(tok, held: list[int], at: int, text: str) -> int:
+    """A streamed token's offset, placed as `text_offsets` places it in the whole response: `held` are
+    the ids since text was last released (this token last), which start at `at`; `text` is what this
+    token released ("" while its bytes are held back)."""
+    if text:
+        return _place(tok, held, at, text)[-1]
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    return at + sum(len(dec.decode(tok.token_bytes(t))) for t in held[:-1])
 
 
 def _place(tok, held: list[int], at: int, text: str) -> list[int]:

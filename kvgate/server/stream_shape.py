@@ -44,6 +44,7 @@ class StreamShaper:
         self.generated = 0
         self.parsers: dict[int, TP.ToolCallParser] = {}
         self.offsets: dict[int, int] = {}  # characters sent so far per choice (completion text_offset)
+        self.held: dict[int, list[int]] = {}  # per choice, the ids since text was last sent
 
     # ---- events -> chunks -----------------------------------------------------------------------
     def start(self, n: int) -> list[dict]:
@@ -70,8 +71,12 @@ class StreamShaper:
         if not ev.text and lp is None:
             return []
         chunk = self.chunks.choice(i, ev.text)
+        held = self.held.setdefault(i, [])
+        held.append(ev.token_id)
         if lp is not None:
-            chunk["choices"][0]["logprobs"] = self._logprobs(i, lp)
+            chunk["choices"][0]["logprobs"] = self._logprobs(i, lp, ev.text)
+        if ev.text:
+            held.clear()
         self.offsets[i] = self.offsets.get(i, 0) + len(ev.text)
         return [self._dress(chunk)]
 
@@ -119,10 +124,11 @@ class StreamShaper:
             out.append(chunk)
         return out
 
-    def _logprobs(self, i: int, lp) -> dict:
+    def _logprobs(self, i: int, lp, text: str = "") -> dict:
         if self.chunks.kind == "chat":
             return L.chat_logprobs(self.tok, [lp])
-        return L.completion_logprobs(self.tok, [lp], self.offsets.get(i, 0))
+        at = L.streamed_offset(self.tok, self.held.get(i) or [lp.token_id], self.offsets.get(i, 0), text)
+        return L.completion_logprobs(self.tok, [lp], at)
 
     def _dress(self, chunk: dict) -> dict:
         """The per-chunk extras the client asked for: running usage, then the obfuscation padding."""
