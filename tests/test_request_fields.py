@@ -19,6 +19,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessage
 
 from kvgate.core.admission import too_many_choices
+from kvgate.server import chat_messages as CM
 from kvgate.server import protocol as P
 from kvgate.server.app import ServerSettings, create_app
 from kvgate.server.errors import APIError, from_refusal
@@ -38,7 +39,7 @@ def check(cls, body: dict):
     req = P.parse(cls, body)
     P.check_common(req)
     if cls is CHAT:
-        P.chat_messages(req)
+        CM.chat_messages(req)
     else:
         P.check_completion(req)
     return req
@@ -89,7 +90,7 @@ def test_a_replayed_sdk_message_is_accepted():
     dump = sdk_replay()
     assert {"annotations", "audio", "function_call"} <= {k for k, v in dump.items() if v is None}
     msgs = check(CHAT, {"messages": [*MSG, dump, *MSG]}).messages
-    assert P.chat_messages(CHAT(messages=msgs))[1] == {"role": "assistant", "content": "Hello!"}
+    assert CM.chat_messages(CHAT(messages=msgs))[1] == {"role": "assistant", "content": "Hello!"}
     check(CHAT, {"messages": [*MSG, {**dump, "annotations": []}, *MSG]})
 
 
@@ -108,7 +109,7 @@ def test_a_message_from_the_sdks_parse_and_stream_helpers_is_accepted():
     dump = dump.model_dump()
     dump["tool_calls"][0]["index"] = 0
     tool = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
-    shown = P.chat_messages(check(CHAT, {"messages": [*MSG, dump, tool]}))
+    shown = CM.chat_messages(check(CHAT, {"messages": [*MSG, dump, tool]}))
     plain = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     assert shown[1] == {"role": "assistant", "content": "", "tool_calls": [plain]}
 
@@ -279,3 +280,28 @@ def test_the_openai_sdk_replays_a_response_with_stream_null(make_engine):
         assert text.choices[0].text is not None
     assert sent[1]["stream"] is None and sent[1]["messages"][1]["audio"] is None  # what the QA saw
     assert sent[2]["stream"] is None
+
+
+def test_messages_openai_refuses_are_refused_naming_the_message():
+    """Session 45's QA: a user message without content, and a tool message that answers no call, were
+    rendered as if valid (OpenAI: 400 for each). An assistant call turn may have null content, and tool
+    messages may follow one another after the call turn. Red with each check removed."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    answer = {"role": "tool", "tool_call_id": "c1", "content": "ok"}
+    ok = [*MSG, turn, answer, {**answer, "content": "again"}, {"role": "user", "content": ""}]
+    assert [m["role"] for m in CM.chat_messages(check(CHAT, {"messages": ok}))][-3:] == [
+        "tool",
+        "tool",
+        "user",
+    ]
+    cases = [
+        ([{"role": "user"}], "messages.0.content"),
+        ([*MSG, {"role": "system", "content": None}], "messages.1.content"),
+        ([*MSG, answer], "messages.1"),
+        ([*MSG, {"role": "assistant", "content": "no call"}, answer], "messages.2"),
+        ([*MSG, turn, {"role": "tool", "content": "ok"}], "messages.2.tool_call_id"),
+    ]
+    for messages, param in cases:
+        err = refused(CHAT, {"messages": messages})
+        assert err["param"] == param and "messages[" in err["message"], (messages, err)

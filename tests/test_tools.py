@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
+from kvgate.server import chat_messages as CM
 from kvgate.server import protocol as P
 from kvgate.server import tool_parser as TP
 from kvgate.server import tools as T
@@ -317,7 +318,7 @@ def test_tool_turns_render_with_the_generic_preamble_for_a_template_without_tool
             "tools": TOOLS,
         }
     )
-    msgs, tools = T.render(P.chat_messages(req), T.plan_tools(req), native=False)
+    msgs, tools = T.render(CM.chat_messages(req), T.plan_tools(req), native=False)
     assert tools is None and [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert (
         msgs[0]["content"].startswith("Be brief.\n\n# Tools")
@@ -325,13 +326,13 @@ def test_tool_turns_render_with_the_generic_preamble_for_a_template_without_tool
     )
     assert msgs[2]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     assert msgs[3]["content"] == "<tool_response>\n12:00\n</tool_response>"
-    native, tools = T.render(P.chat_messages(req), T.plan_tools(req), native=True)
+    native, tools = T.render(CM.chat_messages(req), T.plan_tools(req), native=True)
     assert tools[0]["function"]["name"] == "get_weather" and native[3]["role"] == "tool"
     assert native[2]["tool_calls"][0]["function"]["arguments"] == {}
     # a call kvgate returned cut before its arguments (`length`) replays as {} (QA pass 6: the model was
     # shown `"arguments": }`); red with the arguments pasted as they are
     req.messages[2].tool_calls[0].function.arguments = ""
-    msgs, _ = T.render(P.chat_messages(req), T.plan_tools(req), native=False)
+    msgs, _ = T.render(CM.chat_messages(req), T.plan_tools(req), native=False)
     assert msgs[2]["content"] == '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 
 

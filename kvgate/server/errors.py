@@ -1,4 +1,4 @@
-"""One stable public error shape: `{"error": {"message", "type", "code", "param"?, ...numbers}}`.
+"""One stable public error shape: `{"error": {"message", "type", "code", "param", ...numbers}}`.
 
 Bodies carry what the client can act on (cause, numbers, next step) and never internal ids, file
 paths or stack traces; those go to the server log.
@@ -38,9 +38,8 @@ class APIError(Exception):
             "message": self.message,
             "type": _TYPES.get(self.status, "invalid_request_error"),
             "code": self.code,
+            "param": self.param,  # null when no one field is at fault, as OpenAI's always has it
         }
-        if self.param is not None:
-            err["param"] = self.param
         err.update(self.extra)
         return {"error": err}
 

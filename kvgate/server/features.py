@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kvgate.sampling import MAX_TOP_LOGPROBS
 from kvgate.server import protocol as P
 from kvgate.server import tools as T
+from kvgate.server.chat_messages import chat_messages
 from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.server.guided import check_counts, constraint_of, guided_error, lark_of
 from kvgate.structured.compiler import Grammar, GrammarError, check_lengths, compiler_for
@@ -194,4 +195,4 @@ def render_chat(
     engine, req: P.ChatCompletionRequest, plan: T.ToolPlan | None
 ) -> tuple[list[dict], list | None]:
     """The messages (and `tools`, for templates that take them) to give the chat template."""
-    return T.render(P.chat_messages(req), plan, engine.tokenizer.supports_tools)
+    return T.render(chat_messages(req), plan, engine.tokenizer.supports_tools)

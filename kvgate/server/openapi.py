@@ -117,13 +117,13 @@ _RESPONSES = {
         "properties": {
             "error": {
                 "type": "object",
-                "required": ["message", "type", "code"],
+                "required": ["message", "type", "code", "param"],
                 "additionalProperties": False,  # nothing beyond these: no ids, paths or traces
                 "properties": {
                     "message": {"type": "string", "minLength": 1},
                     "type": {"enum": _ERROR_TYPES},
                     "code": {"type": "string", "minLength": 1},
-                    "param": _STR,
+                    "param": {"anyOf": [_STR, _NULL]},
                     "estimated_bytes": _INT,
                     "limit_bytes": _INT,
                     "positions": _INT,

@@ -324,69 +324,6 @@ def stop_list(req: _Common) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    if not req.messages:
-        raise invalid("messages must contain at least one message", param="messages")
-    out = []
-    for i, m in enumerate(req.messages):
-        extra = sorted(m.model_extra or {})
-        if extra:
-            raise unsupported(f"messages.{i}.{extra[0]}", "unknown message field; remove it")
-        _check_replayed(m, i)
-        if m.role not in ROLES:
-            raise invalid(
-                f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(ROLES))}",
-                param=f"messages.{i}.role",
-            )
-        if isinstance(m.content, list):
-            texts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text":
-                    raise unsupported(
-                        f"messages.{i}.content", f"content part type {part.type!r}: only 'text'"
-                    )
-                if part.text is None:
-                    raise invalid(
-                        f"messages[{i}].content[{j}] is a text part without its 'text' field: send "
-                        '{"type": "text", "text": "..."}',
-                        param=f"messages.{i}.content.{j}.text",
-                    )
-                texts.append(part.text)
-            content = "".join(texts)
-        else:
-            content = m.content or ""
-        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        if m.name is not None:  # the template decides what a name means (most ignore it)
-            msg["name"] = m.name
-        if m.tool_calls:  # rendered by kvgate.server.tools
-            msg["tool_calls"] = [c.model_dump(exclude=SDK_CALL_FIELDS) for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        out.append(msg)
-    return out
-
-
-def _check_replayed(m: ChatMessage, i: int) -> None:
-    """A replayed response's own fields: null (annotations also empty) is accepted, as not given."""
-    if m.function_call is not None:
-        raise unsupported(
-            f"messages.{i}.function_call",
-            "the deprecated form of tool_calls: send the call as tool_calls "
-            '[{"id": "...", "type": "function", "function": {"name": "...", "arguments": "..."}}]',
-        )
-    if m.audio is not None:
-        raise unsupported(
-            f"messages.{i}.audio",
-            "an earlier audio answer cannot be replayed (kvgate has no audio): send its transcript as "
-            "content, and audio null or left out",
-        )
-    if m.annotations:
-        raise unsupported(
-            f"messages.{i}.annotations",
-            "kvgate takes no message annotations: send [] or null, or leave it out",
-        )
-
-
 def max_tokens_of(req: _Common) -> tuple[int | None, str]:
     """The output limit and the field it came from (`max_completion_tokens` wins over `max_tokens`);
     its range is checked by `kvgate.request.check_max_tokens`, the rule's one owner."""

@@ -194,7 +194,7 @@ class _RequestDeadlines:
             f"they cannot hold its connections; send the whole request without pausing {seconds:g} s "
             "(and as many body bytes as Content-Length says)."
         )
-        err = {"message": message, "type": "invalid_request_error", "code": "request_timeout"}
+        err = {"message": message, "type": "invalid_request_error", "code": "request_timeout", "param": None}
         body = json.dumps({"error": {**err, "timeout_seconds": seconds, **extra}}).encode()
         client = self._kv_client()
         log.info("%s: 408: %s", client, what)  # info: a slowloris is many
