@@ -222,3 +222,35 @@ def test_output_config_format_holds_the_answer_to_the_schema(base):
     )
     assert m.stop_reason == "end_turn", m
     jsonschema.validate(json.loads(m.content[0].text), schema)
+
+
+def test_claude_codes_body_fields_are_read(base):
+    """What Claude Code (2.1, recorded session 45) sends beside the turns: system turns between them
+    (the beta API's), thinking adaptive, output_config.effort, context_management, metadata and
+    cache_control blocks. A system turn with clear_at next_user_message is shown only until a later user
+    turn exists. Red with role system refused (Claude Code's first request was a 400) and with clear_at
+    ignored (the prompt counts the cleared turn)."""
+    note = {"role": "system", "content": "Agents: none.", "clear_at": "next_user_message"}
+    later = [*TURN, {"role": "assistant", "content": "Rain."}, {"role": "user", "content": "And tomorrow?"}]
+    body = {
+        "model": "tiny",
+        "max_tokens": 4,
+        "messages": [*TURN, note],
+        "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+        "metadata": {"user_id": "{}"},
+        "thinking": {"type": "adaptive"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+    r = httpx.post(base + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+    def counted(turns: list[dict]) -> int:
+        body = {"model": "tiny", "messages": turns}
+        return httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=30).json()["input_tokens"]
+
+    assert counted([*TURN, note]) > counted(TURN)  # no user turn after it: shown
+    cleared = [*later[:1], note, *later[1:]]
+    assert counted(cleared) == counted(later)  # a user turn after it: not shown
+    kept = [*later[:1], {**note, "clear_at": "never"}, *later[1:]]
+    assert counted(kept) > counted(later)

@@ -9,8 +9,10 @@ endpoints cannot drift apart (the Responses API is served the same way).
 Turns become messages in order: `system` (a string, or text blocks joined by a newline) is a system
 message; a user turn's `tool_result` blocks become tool messages (an `is_error` result's text begins
 "Error: ") and its text blocks one user message after them; an assistant turn's text blocks are its
-content and its `tool_use` blocks its `tool_calls`. A conversation that ends on an assistant turn is a
-prefill: the answer continues that turn's text (the chat path's `continue_final_message`).
+content and its `tool_use` blocks its `tool_calls`; a `system` turn between them (the beta API's, which
+Claude Code sends) is a system message where it stands, left out once a later user turn exists when
+its `clear_at` is `next_user_message`. A conversation that ends on an assistant turn is a prefill: the
+answer continues that turn's text (the chat path's `continue_final_message`).
 
 `tool_choice`: auto, any (the chat path's `required`), tool (one named tool), none;
 `disable_parallel_tool_use` is `parallel_tool_calls: false`. `output_config.format` (a JSON schema) is
@@ -36,7 +38,7 @@ from kvgate.server.messages_protocol import (
     ToolUseBlock,
 )
 
-BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use"), "system": ("text",)}
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -57,7 +59,14 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
         text = req.system if isinstance(req.system, str) else "\n".join(b.text for b in req.system)
         messages.append({"role": "system", "content": text})
         origin.append("system")
+    last_user = max((i for i, t in enumerate(req.messages) if t.role == "user"), default=-1)
     for i, turn in enumerate(req.messages):
+        if turn.role != "system" and (turn.clear_at is not None or turn.output_config is not None):
+            raise invalid(
+                f"messages.{i}: clear_at and output_config go on system turns only", param=f"messages.{i}"
+            )
+        if turn.role == "system" and turn.clear_at == "next_user_message" and i < last_user:
+            continue  # a later user turn exists: no longer shown (Anthropic's rule)
         made = _turn(turn, i)
         messages += made
         origin += [f"messages.{i}"] * len(made)
@@ -121,6 +130,8 @@ def _turn(turn, i: int) -> list[dict]:
     if isinstance(turn.content, str):
         return [{"role": turn.role, "content": turn.content}]
     texts = [{"type": "text", "text": b.text} for b in turn.content if isinstance(b, TextBlock)]
+    if turn.role == "system":
+        return [{"role": "system", "content": texts}]
     if turn.role == "assistant":
         calls = [
             {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}

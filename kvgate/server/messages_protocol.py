@@ -56,9 +56,14 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 
 class Message(_Body):
+    """A turn. `system` turns (the beta API's, which Claude Code sends between the others) carry text
+    only; `clear_at: next_user_message` shows one only until a later user turn exists."""
+
     model_config = _STRICT
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
+    clear_at: Literal["next_user_message", "never"] | None = None
+    output_config: dict[str, Any] | None = None  # a system turn's per-turn effort: unused
 
 
 class Tool(_Body):
@@ -138,6 +143,7 @@ class MessagesRequest(_Conversation):
     speed: Literal["standard", "fast"] | None = None
     inference_geo: str | None = None
     cache_control: Any = None
+    context_management: Any = None  # edits of thinking or tool results: this server makes none
     diagnostics: dict[str, Any] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
