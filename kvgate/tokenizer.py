@@ -104,6 +104,11 @@ class TextTokenizer:
             self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
 
+    def longest_token_bytes(self) -> int:
+        """The most bytes one token decodes to: no output of n tokens has more characters than n times this."""
+        self.token_bytes(0)
+        return max(map(len, self._bytes), default=1)
+
     def broken_tail(self, ids: list[int]) -> int:
         """How many characters at the end of `decode(ids)` stand for an incomplete UTF-8 character
         (its first bytes, which a later token would have completed): 0 when the text ends whole.

@@ -395,8 +395,9 @@ def test_string_length_bounds_fit_the_lexer_or_are_refused_up_front(tiny_engine,
     assert r.status_code == 200, r.text
     big = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 2000}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}
+    # max_tokens 400: 400 tokens of at most 13 bytes (the tiny model's longest) can reach 2,000 characters
     r = httpx.post(
-        tiny_base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 8}, timeout=60
+        tiny_base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 400}, timeout=60
     )
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "unsupported_schema", r.text
@@ -410,7 +411,7 @@ def test_string_length_bounds_fit_the_lexer_or_are_refused_up_front(tiny_engine,
         "json_schema": {"name": "x", "schema": {"type": "object", "properties": fields}},
     }
     r = httpx.post(
-        tiny_base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 8}, timeout=60
+        tiny_base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 400}, timeout=60
     )
     assert r.status_code == 400 and "3,600 characters" in r.json()["error"]["message"], r.text
     # a pattern's counted repeats cost the same (seen red without COUNTS: admitted)
@@ -420,3 +421,26 @@ def test_string_length_bounds_fit_the_lexer_or_are_refused_up_front(tiny_engine,
         tiny_base + CHAT, json={"messages": MSG, "response_format": rf, "max_tokens": 8}, timeout=60
     )
     assert r.status_code == 400 and "2,000 at properties.p" in r.json()["error"]["message"], r.text
+
+
+def test_a_max_length_no_output_can_reach_is_no_bound(tiny_engine, tiny_base):
+    """A maxLength at or past max_tokens x the longest token's bytes can never bind, so it is not
+    enforced and costs no lexer states: such a schema (an agent's "file contents up to 100,000") is
+    served instead of refused, and the refusal of one within reach says how far to lower max_tokens.
+    Session 45: Claude Code's tools carry maxLength 524,288. Red with `unreachable` always false (the
+    first request refused) and with `>` for `>=` (the boundary refused)."""
+    per = tiny_engine.tokenizer.longest_token_bytes()
+
+    def ask(max_length: int, max_tokens: int) -> httpx.Response:
+        schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": max_length}}}
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        body = {"messages": MSG, "response_format": rf, "max_tokens": max_tokens, "temperature": 0}
+        return httpx.post(tiny_base + CHAT, json=body, timeout=60)
+
+    r = ask(100_000, 8)
+    assert r.status_code == 200, r.text
+    assert ask(100 * per, 100).status_code == 200  # 100 tokens reach 100 x per characters: no bound
+    refused = ask(100 * per - 1, 100)
+    assert (
+        refused.status_code == 400 and f"max_tokens x {per} characters" in refused.json()["error"]["message"]
+    )

@@ -60,7 +60,14 @@ def features_of(engine, req) -> Features:
             "echo with logprobs (the prompt's log-probabilities) is answered whole, not streamed: "
             "send stream=false",
         )
-    answer = _answer_rule(req.response_format)
+    # the most characters this output can have (its tokens times the longest token's bytes): a maxLength
+    # at or past it cannot bind, and is dropped (lexer states are planned memory: `check_lengths`)
+    limit = P.max_tokens_of(req)[0]
+    tokens = (
+        min(limit, engine.max_model_len) if isinstance(limit, int) and limit > 0 else engine.max_model_len
+    )
+    reach = tokens * engine.tokenizer.longest_token_bytes()
+    answer = _answer_rule(req.response_format, reach)
     guided = constraint_of(req)  # vLLM's structured_outputs / guided_*, llama.cpp's json_schema / grammar
     if guided is not None and (answer is not None or f.tools is not None):
         other = "tools" if f.tools is not None else "response_format"
@@ -68,11 +75,11 @@ def features_of(engine, req) -> Features:
             f"{guided.param} and {other} each constrain the output: send only one of them", param=guided.param
         )
     if f.tools is not None:
-        text = T.grammar(f.tools, answer)
+        text = T.grammar(f.tools, answer, reach)
     elif answer is not None:
         text = f"start: {answer}\n"
     elif guided is not None:
-        text = lark_of(guided, T.JSON_STYLE)
+        text = lark_of(guided, T.JSON_STYLE, reach)
     else:
         return f
     if getattr(req, "min_tokens", None):  # a grammar that allows only its end could then go nowhere
@@ -98,7 +105,9 @@ def features_of(engine, req) -> Features:
     if guided is not None and guided.kind == "json":
         schemas.append(guided.value)
     try:
-        check_lengths([b for schema in schemas for b in length_bounds(schema)])
+        check_lengths(
+            [b for s in schemas for b in length_bounds(s, reach)], engine.tokenizer.longest_token_bytes()
+        )
         if guided is not None:
             check_counts(guided)
         f.grammar = compiler.check(text)
@@ -139,7 +148,7 @@ def _unenforceable(req, plan: T.ToolPlan | None, why: str) -> APIError:
     return APIError(400, f"{what} cannot be enforced: {why}{where}{hint}", "unsupported_schema", param=param)
 
 
-def _answer_rule(rf: P.ResponseFormat | None) -> str | None:
+def _answer_rule(rf: P.ResponseFormat | None, reach: int | None = None) -> str | None:
     """The Lark rule body for a non-tool answer, or None for free text."""
     if rf is None or rf.type == "text":
         return None
@@ -150,7 +159,7 @@ def _answer_rule(rf: P.ResponseFormat | None) -> str | None:
             raise invalid(
                 "response_format of type 'json_schema' needs json_schema.schema", param="response_format"
             )
-        schema = grammar_schema(rf.json_schema.schema_, T.JSON_STYLE)
+        schema = grammar_schema(rf.json_schema.schema_, T.JSON_STYLE, reach)
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 

@@ -132,10 +132,11 @@ def _schema(param: str, value) -> dict:
     return value
 
 
-def lark_of(c: Constraint, json_style: dict) -> str:
+def lark_of(c: Constraint, json_style: dict, reach: int | None = None) -> str:
     """The grammar text for the compiler (a 400 naming the field where it cannot be made)."""
     if c.kind == "json":
-        return "start: %json " + json.dumps(grammar_schema(c.value, json_style), ensure_ascii=False) + "\n"
+        schema = grammar_schema(c.value, json_style, reach)
+        return "start: %json " + json.dumps(schema, ensure_ascii=False) + "\n"
     size = len(c.value) if isinstance(c.value, str) else sum(len(x) for x in c.value or [])
     if size > MAX_GRAMMAR_CHARS:  # before any parsing: the compiler's bound
         raise invalid(

@@ -157,10 +157,10 @@ def _native_turn(m: dict) -> dict:
     return {**m, "tool_calls": calls}
 
 
-def args_schema(f: P.FunctionDef) -> dict:
+def args_schema(f: P.FunctionDef, reach: int | None = None) -> dict:
     # no parameters: the function takes none (an empty object, not any object)
     if f.parameters:
-        return grammar_schema(f.parameters, JSON_STYLE)
+        return grammar_schema(f.parameters, JSON_STYLE, reach)
     return {"type": "object", "properties": {}, "additionalProperties": False, "x-guidance": JSON_STYLE}
 
 
@@ -179,7 +179,7 @@ def not_containing(word: str) -> str:
     return f"({unit})+({piece})*|({piece})+"
 
 
-def grammar(plan: ToolPlan, answer_rule: str | None) -> str:
+def grammar(plan: ToolPlan, answer_rule: str | None, reach: int | None = None) -> str:
     """llguidance Lark text: `answer_rule` (a rule body, or None for free text) or the calls.
 
     Neither side commits on one character the model also writes in text: an answer may hold anything
@@ -216,5 +216,5 @@ def grammar(plan: ToolPlan, answer_rule: str | None) -> str:
         lines.append(f"next: NEWLINES {json.dumps(OPEN)} body")
     for i, f in enumerate(plan.functions):
         head = '{"name": ' + json.dumps(f.name, ensure_ascii=False) + ARGS_AT
-        lines.append(f"fn_{i}: {json.dumps(head)} %json {json.dumps(args_schema(f))}")
+        lines.append(f"fn_{i}: {json.dumps(head)} %json {json.dumps(args_schema(f, reach))}")
     return "\n".join(lines) + "\n"

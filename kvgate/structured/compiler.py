@@ -264,9 +264,11 @@ class GrammarCompiler:
 SOURCE_LINE = re.compile(r"^\s*\d+\s*\|")  # `  8 | next: NEWLINES "<tool_call>..."`
 
 
-def check_lengths(bounds: list[tuple[str, int]]) -> None:
+def check_lengths(bounds: list[tuple[str, int]], per_token: int | None = None) -> None:
     """Raise `GrammarError` when the string length bounds (path, characters) of a request's schemas
-    would need more lexer states than a grammar has (`LEXER_STATES`; the module's doc says why)."""
+    would need more lexer states than a grammar has (`LEXER_STATES`; the module's doc says why).
+    `per_token`: the longest token's bytes, for the advice (a maxLength of max_tokens times it or more
+    cannot bind, and is not enforced: `schema_prep.unreachable`)."""
     need = STATES_PER_CHAR * sum(n for _, n in bounds) + OTHER_STATES
     if need <= LEXER_STATES:
         return
@@ -278,6 +280,12 @@ def check_lengths(bounds: list[tuple[str, int]]) -> None:
         f"in all) would need about {need:,} lexer states while generating, and a grammar has {LEXER_STATES:,} "
         f"(its planned memory). Lower them to {most:,} characters in all, or drop maxLength (max_tokens still "
         "bounds the output)"
+        + (
+            f", or lower max_tokens: a maxLength of max_tokens x {per_token} characters or more (this model's "
+            "longest token) can never bind and costs nothing"
+            if per_token
+            else ""
+        )
     )
 
 

@@ -136,22 +136,25 @@ INTEGER_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", 
 MAX_INTEGER = 10**16 - 1
 
 
-def grammar_schema(schema: dict, style: dict) -> dict:
+def grammar_schema(schema: dict, style: dict, reach: int | None = None) -> dict:
     """A client's JSON schema as the grammar takes it: its open objects closed (`closed_objects`), the
     engine's copy (`engine_schema`), and the generated JSON's `style` (llguidance's `x-guidance`). One
-    place for tools' parameters, `response_format` and vLLM's / llama.cpp's schema fields."""
-    out = engine_schema(closed_objects(schema))
+    place for tools' parameters, `response_format` and vLLM's / llama.cpp's schema fields. `reach`: the
+    most characters any output here can have; a `maxLength` at or past it can never bind, and goes."""
+    out = engine_schema(closed_objects(schema), reach)
     out["x-guidance"] = style
     return out
 
 
-def engine_schema(schema):
+def engine_schema(schema, reach: int | None = None):
     """A copy of `schema` for the engine: without the `format`s it does not know, nor the annotations
     that never change what is generated (`ANNOTATIONS`: a grammar's text holds its schema, and the
     32 KiB bound on it counted descriptions, so verbose simple schemas were refused)."""
     if not isinstance(schema, dict):
         return schema
     out = {k: v for k, v in schema.items() if k not in ANNOTATIONS}
+    if unreachable(out.get("maxLength"), reach):  # Claude Code's 524,288 on a 8k-token model
+        del out["maxLength"]
     fmt = out.get("format")
     if isinstance(fmt, str) and not known_format(fmt):
         del out["format"]
@@ -170,13 +173,13 @@ def engine_schema(schema):
     _record_keys(out)
     for key in NAMED_SCHEMAS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: engine_schema(sub) for name, sub in out[key].items()}
+            out[key] = {name: engine_schema(sub, reach) for name, sub in out[key].items()}
     for key in SUBSCHEMAS:
         sub = out.get(key)
         if isinstance(sub, list):
-            out[key] = [engine_schema(s) for s in sub]
+            out[key] = [engine_schema(s, reach) for s in sub]
         elif isinstance(sub, dict):
-            out[key] = engine_schema(sub)
+            out[key] = engine_schema(sub, reach)
     return out
 
 
@@ -216,7 +219,12 @@ def _property_names(out: dict, rule: dict) -> None:
 COUNTS = re.compile(r"(?<!\\)\{(\d+)(?:,(\d+))?\}")  # a regex's {n} and {n,m} (not {n,}: no count)
 
 
-def length_bounds(schema) -> list[tuple[str, int]]:
+def unreachable(max_length, reach: int | None) -> bool:
+    """Whether a `maxLength` is one no output can reach (`reach`: its most characters), so no bound."""
+    return reach is not None and isinstance(max_length, int) and max_length >= reach
+
+
+def length_bounds(schema, reach: int | None = None) -> list[tuple[str, int]]:
     """(path, characters) for each distinct string lexeme that counts characters in `schema`: its
     `minLength` / `maxLength` (the larger) plus its `pattern`'s counted repeats, the first path it is
     found at (`compiler.check_lengths`). Strings of one lexeme share its states (measured: ten fields of
@@ -228,6 +236,7 @@ def length_bounds(schema) -> list[tuple[str, int]]:
         if not isinstance(node, dict):
             return
         lo, hi, pattern = node.get("minLength"), node.get("maxLength"), node.get("pattern")
+        hi = None if unreachable(hi, reach) else hi
         bound = max((b for b in (lo, hi) if isinstance(b, int)), default=0)
         if isinstance(pattern, str):  # a pattern's counted repeats are counted the same way
             bound += sum(int(b or a) for a, b in COUNTS.findall(pattern))
