@@ -254,3 +254,20 @@ def test_claude_codes_body_fields_are_read(base):
     assert counted(cleared) == counted(later)  # a user turn after it: not shown
     kept = [*later[:1], {**note, "clear_at": "never"}, *later[1:]]
     assert counted(kept) > counted(later)
+
+
+def test_a_tool_result_must_answer_the_previous_turns_call(base):
+    """Anthropic's rule: each tool_result answers a tool_use block of the assistant turn just before
+    it; else a 400 naming the block. Red with `_check_results` not called (the chat path's 400 then
+    named a tool message, a word this API does not use)."""
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "x"}
+    use = {"type": "tool_use", "id": "t2", "name": "get_weather", "input": {}}
+    for turns in (
+        [{"role": "user", "content": [result]}],
+        [*TURN, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}],
+    ):
+        body = {"model": "tiny", "max_tokens": 2, "messages": turns}
+        r = httpx.post(base + "/v1/messages", json=body, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == f"messages.{len(turns) - 1}.content.0", r.text
+        assert "tool_result" in err["message"] and "'t1'" in err["message"]

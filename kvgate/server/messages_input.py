@@ -60,6 +60,7 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
         messages.append({"role": "system", "content": text})
         origin.append("system")
     last_user = max((i for i, t in enumerate(req.messages) if t.role == "user"), default=-1)
+    calls: set[str] = set()  # the tool_use ids of the assistant turn before, which results may answer
     for i, turn in enumerate(req.messages):
         if turn.role != "system" and (turn.clear_at is not None or turn.output_config is not None):
             raise invalid(
@@ -67,6 +68,7 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
             )
         if turn.role == "system" and turn.clear_at == "next_user_message" and i < last_user:
             continue  # a later user turn exists: no longer shown (Anthropic's rule)
+        calls = _check_results(turn, i, calls)
         made = _turn(turn, i)
         messages += made
         origin += [f"messages.{i}"] * len(made)
@@ -150,6 +152,24 @@ def _turn(turn, i: int) -> list[dict]:
     if texts or not out:
         out.append({"role": "user", "content": texts})
     return out
+
+
+def _check_results(turn, i: int, calls: set[str]) -> set[str]:
+    """Each `tool_result` answers a `tool_use` of the assistant turn before it (Anthropic's rule); the
+    ids the next turn's results may answer."""
+    if turn.role == "system" or isinstance(turn.content, str):
+        return calls if turn.role == "system" else set()
+    if turn.role == "assistant":
+        return {b.id for b in turn.content if isinstance(b, ToolUseBlock)}
+    for j, b in enumerate(turn.content):
+        if isinstance(b, ToolResultBlock) and b.tool_use_id not in calls:
+            raise invalid(
+                f"messages.{i}.content.{j}: a tool_result for tool_use_id {b.tool_use_id!r}, which the "
+                "assistant turn before it did not call: each tool_result answers a tool_use block of the "
+                "previous assistant turn",
+                param=f"messages.{i}.content.{j}",
+            )
+    return set()
 
 
 def _result_text(block: ToolResultBlock) -> str:
