@@ -271,3 +271,59 @@ def test_a_tool_result_must_answer_the_previous_turns_call(base):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == f"messages.{len(turns) - 1}.content.0", r.text
         assert "tool_result" in err["message"] and "'t1'" in err["message"]
+
+
+def test_a_thread_is_refused_so_the_sdks_tool_runner_goes_on_without_one(base):
+    """kvgate holds no conversation state: `thread` is a 400 with Anthropic's thread_unsupported_request
+    details, on which the SDK's tool runner re-sends the turn unthreaded (the real model's test below
+    runs it). Red with the details left out (the runner raised the 400)."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": TURN, "thread": {"type": "create"}}
+    r = httpx.post(base + "/v1/messages", json=body, timeout=30)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (400, "thread"), r.text
+    assert err["details"] == {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
+
+
+@pytest.fixture(scope="module")
+def real_base():
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from tests.server_util import running_server
+
+    engine = Engine.from_model("default", EngineConfig(memory_limit="2GiB", max_model_len=2048)).start()
+    with running_server(engine, model_name="SmolLM2-135M-Instruct") as (b, _app):
+        yield b
+    engine.shutdown()
+
+
+@pytest.mark.slow
+def test_the_sdks_tool_runner_runs_on_smollm2(real_base):
+    """The anthropic SDK's own agent loop, unmodified (`client.beta.messages.tool_runner` with a
+    `@beta_tool` function): its first request asks for a thread, the 400 says none is held, and it goes
+    on unthreaded; SmolLM2 calls the tool with a city, gets its answer back, and the loop runs its turns.
+    Red with `thread` refused without Anthropic's details (the runner raised)."""
+    called: list[str] = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city.
+
+        Args:
+            city: the city's name
+        """
+        called.append(city)
+        return f"It is sunny in {city}."
+
+    c = anthropic.Anthropic(base_url=real_base, api_key="unused", max_retries=0)
+    runner = c.beta.messages.tool_runner(
+        model="SmolLM2-135M-Instruct",
+        max_tokens=60,
+        tools=[get_weather],
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        extra_body=GREEDY,
+        max_iterations=2,
+    )
+    replies = list(runner)
+    assert len(replies) == 2 and all(m.stop_reason == "tool_use" for m in replies), replies
+    assert len(called) == 2 and all(isinstance(city, str) and city for city in called), called

@@ -19,7 +19,9 @@ answer continues that turn's text (the chat path's `continue_final_message`).
 the chat path's strict `response_format`. Refused by name (400): image, document and other non-text
 blocks, thinking blocks and `thinking` `enabled` or `between_tools` (this model does not think in
 separate blocks; `adaptive` is served: it never decides to), Anthropic's own tool types (`bash_...`,
-`web_search_...`: only client tools with an `input_schema`), `defer_loading` tools and `container`.
+`web_search_...`: only client tools with an `input_schema`), `defer_loading` tools and `container`, and
+`thread` (server-held conversations) with Anthropic's `thread_unsupported_request` details, on which
+the SDK's tool runner goes on without a thread.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import re
 from typing import Any
 
 from kvgate.server import protocol as P
-from kvgate.server.errors import invalid, unsupported
+from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.server.messages_protocol import (
     CountTokensRequest,
     MessagesRequest,
@@ -201,6 +203,15 @@ def _refuse_what_is_not_done(body: Any) -> None:
                         )
     if body.get("container") is not None:
         raise unsupported("container", "kvgate runs no code execution containers")
+    if body.get("thread") is not None:  # the SDK's tool runner then sends the whole history, unthreaded
+        raise APIError(
+            400,
+            "'thread' is not supported by kvgate: it holds no conversation state; send the whole conversation "
+            "in messages (its prefix cache keeps the earlier turns' work)",
+            "unsupported_parameter",
+            param="thread",
+            details={"error_code": "thread_unsupported_request", "unsupported": ["thread"]},
+        )
     tools = body.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         if isinstance(tool, dict) and tool.get("defer_loading") is True:
