@@ -35,6 +35,7 @@ ENGINE_ERROR = {
     "message": "generation failed inside the engine; the details are in the server log",
     "type": "server_error",
     "code": "engine_error",
+    "param": None,  # always present, null here (OpenAI's body)
 }
 SECRET = "injected fault at /work/kvgate/secret_module.py:42 handle 0xdeadbeefcafe"
 
@@ -313,3 +314,26 @@ def test_tiny_sampling_values_are_served_not_failed(make_engine, extra):
             r = cl.post(CHAT, json={"messages": MSG, "max_tokens": 4, "seed": 1, **extra})
             assert r.status_code == 200, (extra, r.text)
             assert engine.snapshot().counters.failed == 0
+
+
+def test_a_failed_step_on_the_messages_api_is_anthropics_error(make_engine):
+    """/v1/messages: the same failure is a 500 in Anthropic's body (`api_error`), or, streamed, an
+    `error` event with no message_delta or message_stop after it; nothing of the fault leaks. Red with
+    the stream's error chunk not read (message_delta and message_stop followed) (session 45's review read this path only)."""
+    engine = make_engine(max_seqs=2, block_size=16)
+    fault = Fault(engine, 0.01)
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 101, "temperature": 0}
+    with running_server(engine) as (base, _):
+        x = start(base, body, "/v1/messages")
+        y = start(base, {**body, "max_tokens": 102, "stream": True}, "/v1/messages")
+        assert wait_until(lambda: engine.snapshot().running == 2)
+        fault.arm(lambda rows: len(rows) == 2 and all(r.generated >= 3 for r in rows))
+        finish(x, y)
+        assert x.status == 500 and x.json["type"] == "error" and x.json["error"]["type"] == "api_error"
+        assert x.json["error"]["code"] == "engine_error"
+        kinds = [ln[7:] for ln in y.lines if ln.startswith("event: ")]
+        assert y.status == 200 and kinds[0] == "message_start" and kinds[-1] == "error", kinds
+        assert "message_delta" not in kinds and "message_stop" not in kinds
+        last = json.loads(y.lines[-1][6:])
+        assert last["type"] == "error" and last["error"]["type"] == "api_error", last
+        assert SECRET not in "".join(y.lines) + json.dumps(x.json)

@@ -201,6 +201,7 @@ def test_overload_types_and_the_api_key_header(make_engine):
         for key, status in (("sekret", 200), ("wrong", 401)):
             r = httpx.post(base + "/v1/messages", json=body, headers={"x-api-key": key}, timeout=30)
             assert r.status_code == status, r.text
+        assert r.json()["error"]["type"] == "authentication_error"  # Anthropic's body on its paths
 
 
 def test_output_config_format_holds_the_answer_to_the_schema(base):
@@ -327,3 +328,65 @@ def test_the_sdks_tool_runner_runs_on_smollm2(real_base):
     replies = list(runner)
     assert len(replies) == 2 and all(m.stop_reason == "tool_use" for m in replies), replies
     assert len(called) == 2 and all(isinstance(city, str) and city for city in called), called
+
+
+def test_anthropics_conversation_rules_and_error_body_everywhere_on_its_paths(base):
+    """Session 45's review: a non-string role was a 500 (in OpenAI's body); Anthropic's conversation
+    rules were not held (a tool_use left unanswered, a tool_result after text, empty content, a prefill
+    ending in whitespace, a bad tool name or schema); count_tokens refused fields the SDK documents for
+    it; a call cut by max_tokens was dropped whole but streamed; 401/404/405 on these paths came in
+    OpenAI's body; max_tokens 0 (a cache warm-up) was a 400. Red with each fix undone in turn."""
+
+    def post(body: dict, path: str = "/v1/messages", **kw) -> httpx.Response:
+        return httpx.post(base + path, json={"model": "tiny", "max_tokens": 4, **body}, timeout=30, **kw)
+
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "x"}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}
+    cases = [
+        ([{"role": [], "content": [{"type": "text", "text": "hi"}]}], "messages.0.role"),
+        ([*TURN, {"role": "assistant", "content": [use]}, {"role": "user", "content": "next"}], "messages.2"),
+        (
+            [
+                *TURN,
+                {"role": "assistant", "content": [use]},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, result]},
+            ],
+            "messages.2.content.1",
+        ),
+        ([{"role": "user", "content": ""}], "messages.0.content"),
+        ([{"role": "user", "content": [{"type": "text", "text": ""}]}], "messages.0.content.0.text"),
+        ([*TURN, {"role": "assistant", "content": "It is "}], "messages.1.content"),
+    ]
+    for turns, param in cases:
+        r = post({"messages": turns})
+        body = r.json()
+        assert (r.status_code, body["type"], body["error"]["param"]) == (400, "error", param), (turns, r.text)
+    bad_tools = [
+        ({**TOOLS[0], "name": "f\u00e9"}, "tools.0.name"),
+        ({**TOOLS[0], "input_schema": {}}, "tools.0.input_schema.type"),
+    ]
+    for tool, param in bad_tools:
+        assert post({"messages": TURN, "tools": [tool]}).json()["error"]["param"] == param
+    fields = {"output_config": {"effort": "low"}, "cache_control": {"type": "ephemeral"}, "speed": "standard"}
+    counted = httpx.post(
+        base + "/v1/messages/count_tokens", json={"model": "tiny", "messages": TURN, **fields}, timeout=30
+    )
+    assert counted.status_code == 200, counted.text
+    for method, path, status in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)):
+        r = httpx.request(method, base + path, timeout=30)
+        assert (r.status_code, r.json()["type"]) == (status, "error"), r.text
+    warm = post({"messages": TURN, "max_tokens": 0, "temperature": 0})
+    assert (
+        warm.status_code == 200
+        and warm.json()["content"] == []
+        and warm.json()["usage"]["output_tokens"] == 0
+    )
+    c = client(base)
+    for limit in range(30, 66, 4):  # cut at every stage of a call (a character-level model): name, arguments
+        cut = dict(model="tiny", max_tokens=limit, messages=TURN, tools=TOOLS, tool_choice={"type": "any"})
+        whole = c.messages.create(**cut, extra_body=GREEDY)
+        with c.messages.stream(**cut, extra_body=GREEDY) as s:
+            streamed = s.get_final_message()
+        assert whole.stop_reason == streamed.stop_reason
+        got = [(b.type, b.input) for b in whole.content]
+        assert got == [(b.type, b.input) for b in streamed.content], (limit, whole, streamed)

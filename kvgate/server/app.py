@@ -52,7 +52,7 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return exc.response_for(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _query_error(request: Request, exc: RequestValidationError):  # a query parameter's type
@@ -60,20 +60,20 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         return APIError(
             400, f"{where}: {first.get('msg', 'invalid')}", "invalid_value", param=where
-        ).response()
+        ).response_for(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             path = request.url.path
             hint = f"; did you mean {path.rstrip('/')}?" if path.endswith("/") and len(path) > 1 else ""
-            return APIError(404, f"no route {request.method} {path}{hint}", "not_found").response()
+            return APIError(404, f"no route {request.method} {path}{hint}", "not_found").response_for(path)
         if exc.status_code == 405:  # keep Starlette's Allow header (RFC 9110 requires it on a 405)
             err = APIError(
                 405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
             )
-            return err.response(headers=exc.headers)
-        return APIError(exc.status_code, str(exc.detail), "http_error").response()
+            return err.response_for(request.url.path, headers=exc.headers)
+        return APIError(exc.status_code, str(exc.detail), "http_error").response_for(request.url.path)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_gone(request: Request, exc: ClientDisconnect):  # left while its body came in:
@@ -82,6 +82,6 @@ def create_app(settings: ServerSettings, engine=None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("request %s: unhandled error on %s", REQUEST_ID.get(), request.url.path)
-        return APIError(500, INTERNAL_ERROR, "internal_error").response()
+        return APIError(500, INTERNAL_ERROR, "internal_error").response_for(request.url.path)
 
     return app

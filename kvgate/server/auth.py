@@ -96,7 +96,7 @@ class AuthAndCount:
                     "as the anthropic SDKs do)",
                     "invalid_api_key",
                 )
-                return await err.response()(scope, receive, send)
+                return await err.response_for(path)(scope, receive, send)
         status = {"code": 499}
         counted = api_path(path) and "app" in scope  # the API requests in flight (a drain waits)
         if counted:

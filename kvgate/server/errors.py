@@ -51,6 +51,17 @@ class APIError(Exception):
             h["retry-after-ms"] = str(int(self.extra["retry_after_ms"]))
         return JSONResponse(self.body(), status_code=self.status, headers=h)
 
+    def response_for(self, path: str, headers: dict | None = None) -> JSONResponse:
+        """`response()`, in Anthropic's error body on its Messages API's paths (a 401, 404, 405 or
+        500 there is read by the anthropic SDKs)."""
+        out = self.response(headers)
+        if path.startswith("/v1/messages"):
+            from kvgate.server.messages_output import error_body
+
+            kept = {k: v for k, v in out.headers.items() if k not in ("content-length", "content-type")}
+            out = JSONResponse(error_body(self.status, self.body()["error"]), self.status, kept)
+        return out
+
 
 RETRY_WORDS = re.compile(r"the Retry-After (interval|seconds)")
 

@@ -39,6 +39,7 @@ from kvgate.server.messages_protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from kvgate.server.messages_rules import check_conversation
 
 BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use"), "system": ("text",)}
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -49,7 +50,8 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
     (`system` or `messages.i`, for `messages_param`). `count`: a count_tokens body (no sampling)."""
     _refuse_what_is_not_done(body)
     req = P.parse(CountTokensRequest if count else MessagesRequest, body)
-    if req.thinking is not None and req.thinking.type in ("enabled", "between_tools"):
+    check_conversation(req.messages, req.tools)
+    if not count and req.thinking is not None and req.thinking.type in ("enabled", "between_tools"):
         raise unsupported(
             "thinking",
             f"{req.thinking.type}: this model does not think in separate blocks; send thinking "
@@ -62,7 +64,7 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
         messages.append({"role": "system", "content": text})
         origin.append("system")
     last_user = max((i for i, t in enumerate(req.messages) if t.role == "user"), default=-1)
-    calls: set[str] = set()  # the tool_use ids of the assistant turn before, which results may answer
+    prefill = bool(req.messages) and req.messages[-1].role == "assistant"
     for i, turn in enumerate(req.messages):
         if turn.role != "system" and (turn.clear_at is not None or turn.output_config is not None):
             raise invalid(
@@ -70,13 +72,14 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
             )
         if turn.role == "system" and turn.clear_at == "next_user_message" and i < last_user:
             continue  # a later user turn exists: no longer shown (Anthropic's rule)
-        calls = _check_results(turn, i, calls)
+        if turn.role == "assistant" and i == len(req.messages) - 1 and turn.content in ("", []):
+            prefill = False  # an empty final assistant turn asks for none
+            break
         made = _turn(turn, i)
         messages += made
         origin += [f"messages.{i}"] * len(made)
     chat: dict = {"model": req.model, "messages": messages}
-    last = req.messages[-1] if req.messages else None
-    if last is not None and last.role == "assistant":  # a prefill: the answer continues it
+    if prefill:  # the conversation ends on an assistant turn: the answer continues it
         if messages[-1].get("tool_calls"):
             raise invalid(
                 f"messages.{len(req.messages) - 1}: the conversation ends on an assistant turn that calls "
@@ -110,7 +113,8 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
             chat["parallel_tool_calls"] = False
     if count:
         return chat, origin
-    chat["max_tokens"] = req.max_tokens
+    # 0 (a cache warm-up, as Anthropic's): one token, which the answer leaves out
+    chat["max_tokens"] = 1 if req.max_tokens == 0 else req.max_tokens
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             chat[name] = getattr(req, name)
@@ -156,24 +160,6 @@ def _turn(turn, i: int) -> list[dict]:
     return out
 
 
-def _check_results(turn, i: int, calls: set[str]) -> set[str]:
-    """Each `tool_result` answers a `tool_use` of the assistant turn before it (Anthropic's rule); the
-    ids the next turn's results may answer."""
-    if turn.role == "system" or isinstance(turn.content, str):
-        return calls if turn.role == "system" else set()
-    if turn.role == "assistant":
-        return {b.id for b in turn.content if isinstance(b, ToolUseBlock)}
-    for j, b in enumerate(turn.content):
-        if isinstance(b, ToolResultBlock) and b.tool_use_id not in calls:
-            raise invalid(
-                f"messages.{i}.content.{j}: a tool_result for tool_use_id {b.tool_use_id!r}, which the "
-                "assistant turn before it did not call: each tool_result answers a tool_use block of the "
-                "previous assistant turn",
-                param=f"messages.{i}.content.{j}",
-            )
-    return set()
-
-
 def _result_text(block: ToolResultBlock) -> str:
     content = block.content or ""
     text = content if isinstance(content, str) else "\n".join(b.text for b in content)
@@ -191,7 +177,12 @@ def _refuse_what_is_not_done(body: Any) -> None:
         blocks = turn.get("content") if isinstance(turn, dict) else None
         for j, block in enumerate(blocks if isinstance(blocks, list) else []):
             kind = block.get("type") if isinstance(block, dict) else None
-            if isinstance(kind, str) and role in BLOCKS and kind not in BLOCKS[role]:
+            if (
+                isinstance(kind, str)
+                and isinstance(role, str)
+                and role in BLOCKS
+                and kind not in BLOCKS[role]
+            ):
                 raise unsupported(f"messages.{i}.content.{j}", _why_not(kind, role))
             if kind == "tool_result" and isinstance(block.get("content"), list):
                 for k, part in enumerate(block["content"]):

@@ -58,13 +58,13 @@ def skeleton(mid: str, model: str) -> dict:
     }
 
 
-def usage(chat_usage: dict | None) -> dict:
+def usage(chat_usage: dict | None, warm: bool = False) -> dict:
     if not chat_usage:
         return {"input_tokens": 0, "output_tokens": 0}
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {
         "input_tokens": chat_usage["prompt_tokens"] - cached,
-        "output_tokens": chat_usage.get("completion_tokens", 0),
+        "output_tokens": 0 if warm else chat_usage.get("completion_tokens", 0),
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
     }
@@ -80,34 +80,36 @@ def stop_fields(finish_reason: str | None, stop_reason) -> dict:
     return {"stop_reason": "end_turn", "stop_sequence": None}
 
 
-def message_body(chat: dict, skel: dict) -> dict:
-    """A whole chat completion as a Messages `message`."""
+def message_body(chat: dict, skel: dict, warm: bool = False) -> dict:
+    """A whole chat completion as a Messages `message`. `warm`: max_tokens 0 (the prompt computed and
+    cached, nothing answered): the one token generated is left out."""
     choice = chat["choices"][0]
-    msg = choice["message"]
+    msg = {} if warm else choice["message"]
     content: list[dict] = []
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or []:
         try:
             args = json.loads(call["function"]["arguments"] or "{}")
-        except json.JSONDecodeError:  # a call cut by max_tokens: its stop_reason says so; no block
-            continue
+        except json.JSONDecodeError:  # cut by max_tokens, which stop_reason says: {} as a stream gives it
+            args = {}
         content.append(
             {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": args}
         )
     return {
         **skel,
         "content": content,
-        **stop_fields(choice["finish_reason"], choice.get("stop_reason")),
-        "usage": usage(chat.get("usage")),
+        **stop_fields("length" if warm else choice["finish_reason"], choice.get("stop_reason")),
+        "usage": usage(chat.get("usage"), warm),
     }
 
 
 class MessageEvents:
     """The chat stream's chunks in, Anthropic's stream events out."""
 
-    def __init__(self, skel: dict):
+    def __init__(self, skel: dict, warm: bool = False):
         self.message = skel
+        self.warm = warm  # max_tokens 0: no block, no output tokens (`message_body`)
         self.started = False
         self.index = -1  # the open block's index
         self.open: str | None = None  # "text" or "tool_use"
@@ -127,7 +129,7 @@ class MessageEvents:
         if c.get("usage"):
             self.usage = c["usage"]
         out = self._start()
-        for choice in c.get("choices") or []:
+        for choice in [] if self.warm else c.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 if self.open != "text":
@@ -149,15 +151,15 @@ class MessageEvents:
         if self.failed:
             return []
         out = self._start() + self._close()
-        delta = stop_fields(*self.finish)
-        out.append(self.event("message_delta", delta=delta, usage=usage(self.usage)))
+        delta = stop_fields(*(("length", None) if self.warm else self.finish))
+        out.append(self.event("message_delta", delta=delta, usage=usage(self.usage, self.warm)))
         return out + [self.event("message_stop")]
 
     def _start(self) -> list[str]:
         if self.started:
             return []
         self.started = True  # the first chunk carries the usage so far: the prompt's tokens
-        return [self.event("message_start", message={**self.message, "usage": usage(self.usage)})]
+        return [self.event("message_start", message={**self.message, "usage": usage(self.usage, self.warm)})]
 
     def _open(self, block: dict, kind: str) -> list[str]:
         out = self._close()

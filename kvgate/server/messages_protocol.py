@@ -150,4 +150,12 @@ class MessagesRequest(_Conversation):
 
 
 class CountTokensRequest(_Conversation):
-    """`POST /v1/messages/count_tokens`: the prompt a Messages request with this conversation would have."""
+    """`POST /v1/messages/count_tokens`: the prompt a Messages request with this conversation would have
+    (the fields the SDK documents for it besides the conversation are accepted and count nothing)."""
+
+    output_config: OutputConfig | None = None
+    cache_control: Any = None
+    context_management: Any = None
+    speed: Literal["standard", "fast"] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None

@@ -32,7 +32,9 @@ async def messages(request: Request) -> Response:
     try:
         settings = request.app.state.settings
         raw = await read_body(request, settings.max_body_bytes)
-        chat, origin = to_chat(parse_json(raw))
+        body = parse_json(raw)
+        chat, origin = to_chat(body)
+        warm = body.get("max_tokens") == 0  # a cache warm-up: the prompt computed, nothing answered
         answer = await generate(request, P.ChatCompletionRequest, raw=json.dumps(chat).encode(), whole=True)
     except APIError as e:
         return _error(e.status, e.body()["error"], origin, e.response().headers)
@@ -44,11 +46,11 @@ async def messages(request: Request) -> Response:
     skel = skeleton(new_id(), settings.model_name)
     if isinstance(answer, StreamingResponse):
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        events = _events(answer.body_iterator, MessageEvents(skel))
+        events = _events(answer.body_iterator, MessageEvents(skel, warm))
         return HandledStream(
             events, answer.handles, answer.on_result, began=lambda: answer.began, headers=headers
         )
-    return JSONResponse(message_body(json.loads(answer.body), skel), headers=headers)
+    return JSONResponse(message_body(json.loads(answer.body), skel, warm), headers=headers)
 
 
 async def count_tokens(request: Request) -> Response:
