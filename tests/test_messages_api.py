@@ -123,6 +123,11 @@ def test_tool_use_and_its_result_round_trip(base):
     calls = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(calls) == 1, m
     assert calls[0].name == "get_weather" and isinstance(calls[0].input.get("city"), str)
+    assert calls[0].id.startswith("toolu_")  # Anthropic's form of an id (red: call_...)
+    hot = httpx.post(
+        base + "/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": TURN, "temperature": 1.5}
+    )
+    assert (hot.status_code, hot.json()["error"]["param"]) == (400, "temperature")  # Anthropic's range, 0-1
     with c.messages.stream(**ask, tool_choice={"type": "tool", "name": "get_weather"}) as s:
         final = s.get_final_message()
     streamed = [b for b in final.content if b.type == "tool_use"]
@@ -390,3 +395,17 @@ def test_anthropics_conversation_rules_and_error_body_everywhere_on_its_paths(ba
         assert whole.stop_reason == streamed.stop_reason
         got = [(b.type, b.input) for b in whole.content]
         assert got == [(b.type, b.input) for b in streamed.content], (limit, whole, streamed)
+
+
+def test_turns_of_one_role_in_a_row_are_one_turn(base):
+    """Anthropic combines consecutive user (or assistant) turns into one; so does this server: two user
+    turns in a row count as one turn holding both texts. Red without `merged` (two turns: more tokens)."""
+
+    def counted(turns: list[dict]) -> int:
+        body = {"model": "tiny", "messages": turns}
+        return httpx.post(base + "/v1/messages/count_tokens", json=body, timeout=30).json()["input_tokens"]
+
+    a, b = {"type": "text", "text": "What is"}, {"type": "text", "text": " the weather?"}
+    one = counted([{"role": "user", "content": [a, b]}])
+    assert counted([{"role": "user", "content": [a]}, {"role": "user", "content": [b]}]) == one
+    assert counted([{"role": "user", "content": "What is"}, {"role": "user", "content": [b]}]) == one

@@ -39,7 +39,7 @@ from kvgate.server.messages_protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from kvgate.server.messages_rules import check_conversation
+from kvgate.server.messages_rules import check_conversation, merged
 
 BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use"), "system": ("text",)}
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -50,7 +50,8 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
     (`system` or `messages.i`, for `messages_param`). `count`: a count_tokens body (no sampling)."""
     _refuse_what_is_not_done(body)
     req = P.parse(CountTokensRequest if count else MessagesRequest, body)
-    check_conversation(req.messages, req.tools)
+    turns, where = merged(req.messages)
+    check_conversation(turns, req.tools, where)
     if not count and req.thinking is not None and req.thinking.type in ("enabled", "between_tools"):
         raise unsupported(
             "thinking",
@@ -63,16 +64,17 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
         text = req.system if isinstance(req.system, str) else "\n".join(b.text for b in req.system)
         messages.append({"role": "system", "content": text})
         origin.append("system")
-    last_user = max((i for i, t in enumerate(req.messages) if t.role == "user"), default=-1)
-    prefill = bool(req.messages) and req.messages[-1].role == "assistant"
-    for i, turn in enumerate(req.messages):
+    last_user = max((k for k, t in enumerate(turns) if t.role == "user"), default=-1)
+    prefill = bool(turns) and turns[-1].role == "assistant"
+    for k, turn in enumerate(turns):
+        i = where[k]
         if turn.role != "system" and (turn.clear_at is not None or turn.output_config is not None):
             raise invalid(
                 f"messages.{i}: clear_at and output_config go on system turns only", param=f"messages.{i}"
             )
-        if turn.role == "system" and turn.clear_at == "next_user_message" and i < last_user:
+        if turn.role == "system" and turn.clear_at == "next_user_message" and k < last_user:
             continue  # a later user turn exists: no longer shown (Anthropic's rule)
-        if turn.role == "assistant" and i == len(req.messages) - 1 and turn.content in ("", []):
+        if turn.role == "assistant" and k == len(turns) - 1 and turn.content in ("", []):
             prefill = False  # an empty final assistant turn asks for none
             break
         made = _turn(turn, i)
@@ -115,6 +117,10 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
         return chat, origin
     # 0 (a cache warm-up, as Anthropic's): one token, which the answer leaves out
     chat["max_tokens"] = 1 if req.max_tokens == 0 else req.max_tokens
+    if req.temperature is not None and not 0 <= req.temperature <= 1:
+        raise invalid(
+            f"temperature={req.temperature:g} is out of range: 0 <= temperature <= 1", "temperature"
+        )
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             chat[name] = getattr(req, name)

@@ -38,6 +38,11 @@ def new_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]
 
 
+def tool_id(call_id: str) -> str:
+    """A chat call id (`call_...`) in Anthropic's form (`toolu_...`); ids only go back to this server."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def error_body(status: int, chat_error: dict) -> dict:
     """kvgate's error object (its `error` member) as Anthropic's error body."""
     err = {"type": _ERROR_TYPES.get(status, "api_error"), "message": chat_error.get("message", "")}
@@ -94,7 +99,7 @@ def message_body(chat: dict, skel: dict, warm: bool = False) -> dict:
         except json.JSONDecodeError:  # cut by max_tokens, which stop_reason says: {} as a stream gives it
             args = {}
         content.append(
-            {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": args}
+            {"type": "tool_use", "id": tool_id(call["id"]), "name": call["function"]["name"], "input": args}
         )
     return {
         **skel,
@@ -139,7 +144,12 @@ class MessageEvents:
                 index, fn = call.get("index", 0), call.get("function") or {}
                 if index not in self.calls:
                     self.calls.add(index)
-                    block = {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": {}}
+                    block = {
+                        "type": "tool_use",
+                        "id": tool_id(call.get("id") or ""),
+                        "name": fn.get("name"),
+                        "input": {},
+                    }
                     out += self._open(block, "tool_use")
                 if fn.get("arguments"):
                     out.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))

@@ -8,6 +8,9 @@ the turn or block), so a client that works here works there and the reverse.
   assistant turn just before it; every `tool_use` of an assistant turn is answered by the next turn
   (system turns between them aside).
 - A tool's name matches `^[a-zA-Z0-9_-]{1,128}$` and its `input_schema` is an object schema.
+
+Consecutive user turns, or assistant turns, are one turn (`merged`, Anthropic's rule), and the rules
+hold for the merged turn (a 400 names its first turn).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from kvgate.server.messages_protocol import TextBlock, ToolResultBlock, ToolUseB
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 
 
-def check_conversation(turns: list, tools: list | None) -> None:
+def check_conversation(turns: list, tools: list | None, where: list[int] | None = None) -> None:
+    """`where`: each turn's index in the request (turns of one role in a row come merged, `merged`)."""
     for i, tool in enumerate(tools or []):
         if not TOOL_NAME.match(tool.name):
             raise invalid(
@@ -33,8 +37,8 @@ def check_conversation(turns: list, tools: list | None) -> None:
                 param=f"tools.{i}.input_schema.type",
             )
     pending: tuple[int, set[str]] | None = None  # the last assistant turn's unanswered tool_use ids
-    for i, turn in enumerate(turns):
-        final = i == len(turns) - 1
+    for k, turn in enumerate(turns):
+        final, i = k == len(turns) - 1, where[k] if where else k
         _check_content(turn, i, final)
         if turn.role == "system":
             continue
@@ -56,6 +60,26 @@ def check_conversation(turns: list, tools: list | None) -> None:
             else set()
         )
         pending = (i, ids) if turn.role == "assistant" and ids else None
+
+
+def merged(turns: list) -> tuple[list, list[int]]:
+    """The turns with each run of user turns, or of assistant turns, as one (their blocks in order; a
+    string as a text block), and where each starts in the request."""
+    out: list = []
+    where: list[int] = []
+    for i, turn in enumerate(turns):
+        if out and turn.role == out[-1].role and turn.role in ("user", "assistant"):
+            out[-1] = out[-1].model_copy(update={"content": _blocks(out[-1]) + _blocks(turn)})
+            continue
+        out.append(turn)
+        where.append(i)
+    return out, where
+
+
+def _blocks(turn) -> list:
+    return (
+        [TextBlock(type="text", text=turn.content)] if isinstance(turn.content, str) else list(turn.content)
+    )
 
 
 def _check_content(turn, i: int, final: bool) -> None:
