@@ -114,6 +114,21 @@ def test_the_context_400_begins_as_openai_and_vllm_word_it(make_engine):
         assert msg.startswith("This model's maximum context length is 48 tokens. However, "), msg
 
 
+def test_a_context_400s_estimate_exceeds_its_limit_at_any_block_size():
+    """The review of session 45: with a context that is not a multiple of the block size, both numbers
+    rounded up to whole blocks came out equal (100,800 and 100,800 for 1,001 positions against 1,000).
+    The limit is the context's own positions now. Red with it rounded up."""
+    from types import SimpleNamespace
+
+    from kvgate.core.admission import context_bytes
+
+    cfg = SimpleNamespace(block_size=16, total_blocks=1000, max_model_len=1000, kv_bytes_per_token=100)
+    got = context_bytes(cfg, 1001)
+    assert got == {"estimated_bytes": 1008 * 100, "limit_bytes": 1000 * 100}
+    small = SimpleNamespace(block_size=16, total_blocks=10, max_model_len=1000, kv_bytes_per_token=100)
+    assert context_bytes(small, 1001)["limit_bytes"] == 160 * 100  # the whole pool, when less
+
+
 def test_context_overflow_reported_before_budget_overflow(make_engine):
     """When both the context and the pool are exceeded, the client hears about the context (it can fix
     that); each refusal is counted once, in its own counter.

@@ -294,6 +294,10 @@ def test_a_streamed_offset_is_placed_inside_the_text_its_token_completes():
     assert L.streamed_offset(tok, [0], 5, "") == 5
     assert L.streamed_offset(tok, [0, 1], 5, " \U0001f60f") == 6
     assert L.streamed_offset(tok, [2, 3], 5, "") == 5  # two bytes of one character: its start
+    # held back as maybe a stop string, which may then be cut: the text sent so far (the review: a
+    # count of the held bytes put "b" of a cut stop "abc" past the end of the text)
+    tok = SimpleNamespace(token_bytes={0: b"a", 1: b"b"}.get)
+    assert L.streamed_offset(tok, [0, 1], 1, "") == 1
 
 
 def test_streamed_text_offsets_are_the_whole_responses(tiny_base):
@@ -321,9 +325,12 @@ def test_streamed_text_offsets_are_the_whole_responses(tiny_base):
     for i, c in enumerate(whole):
         want = c["logprobs"]["text_offset"]
         assert sent[i] == c["text"] and len(chunks[i]) == len(want) == 8
-        for j, (offset, _text) in enumerate(chunks[i]):
-            assert offset == want[j], (i, j)
-            held += j > 0 and not chunks[i][j - 1][1]
+        for j, (offset, text) in enumerate(chunks[i]):
+            if text or j == 0 or chunks[i][j - 1][1]:  # released text, or the first of a held group
+                assert offset == want[j], (i, j)
+            else:  # held back: the text sent so far, at or before the whole response's place
+                held += 1
+                assert offset <= want[j], (i, j)
     assert held  # a character split across tokens was streamed
 
 

@@ -397,6 +397,21 @@ def test_anthropics_conversation_rules_and_error_body_everywhere_on_its_paths(ba
         assert got == [(b.type, b.input) for b in streamed.content], (limit, whole, streamed)
 
 
+def test_a_system_turn_between_a_call_and_its_result_is_served(base):
+    """The review of session 45: messages_rules allowed it, the chat path's check then refused it."""
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "x"}}
+    turns = [
+        *TURN,
+        {"role": "assistant", "content": [use]},
+        {"role": "system", "content": "reminder"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
+    ]
+    r = httpx.post(
+        base + "/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": turns}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+
+
 def test_turns_of_one_role_in_a_row_are_one_turn(base):
     """Anthropic combines consecutive user (or assistant) turns into one; so does this server: two user
     turns in a row count as one turn holding both texts. Red without `merged` (two turns: more tokens)."""

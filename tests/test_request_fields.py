@@ -295,6 +295,10 @@ def test_messages_openai_refuses_are_refused_naming_the_message():
         "tool",
         "user",
     ]
+    # text or a system note between the call turn and its answers (a replayed Responses message after
+    # its calls, a Messages system turn: the review found both refused)
+    for between in ({"role": "assistant", "content": "calling"}, {"role": "system", "content": "note"}):
+        CM.chat_messages(check(CHAT, {"messages": [*MSG, turn, between, answer]}))
     cases = [
         ([{"role": "user"}], "messages.0.content"),
         ([*MSG, {"role": "system", "content": None}], "messages.1.content"),

@@ -138,12 +138,13 @@ def context_refusal(cfg: SchedulerConfig, P: int, max_tokens: int | None, n: int
 
 
 def context_bytes(cfg: SchedulerConfig, want: int) -> dict[str, int]:
-    """A context 400's bytes, in the pool 400's terms: `want` positions rounded up to whole blocks, and
-    the most one sequence could ever hold, the context's blocks or the whole pool, whichever is less
-    (session 45; before, the context's unrounded bytes, more than a small server's whole pool)."""
+    """A context 400's bytes: `want` positions rounded up to whole blocks (as the pool 400 counts them),
+    and the most one sequence can hold, the context's positions or the whole pool, whichever is less
+    (session 45; before, the context's bytes even past a small server's whole pool). The context is
+    not rounded up, so the estimate always exceeds it (the review: both rounded could be equal)."""
     bs, bpt = cfg.block_size, cfg.kv_bytes_per_token
-    ceiling = min(blocks_for(cfg.max_model_len, bs), cfg.total_blocks)
-    return {"estimated_bytes": blocks_for(want, bs) * bs * bpt, "limit_bytes": ceiling * bs * bpt}
+    ceiling = min(cfg.max_model_len, cfg.total_blocks * bs)
+    return {"estimated_bytes": blocks_for(want, bs) * bs * bpt, "limit_bytes": ceiling * bpt}
 
 
 def budget_refusal(cfg: SchedulerConfig, P: int, max_tokens: int, n: int = 1, given: bool = True) -> Refusal:

@@ -84,20 +84,27 @@ def _check_replayed(m: ChatMessage, i: int) -> None:
         )
 
 
+# what may stand between a call turn and its answers besides assistant text (a Messages system turn)
+SKIPPED = ("tool", "system", "developer")
+
+
 def _check_answers_a_call(messages: list[ChatMessage], i: int) -> None:
-    """A tool message names the call it answers and follows the assistant message that made it (other
-    tool messages may come between), as OpenAI requires. QA of session 45: an answer to no call was
-    rendered as if one had been made."""
+    """A tool message names the call it answers and follows the assistant message that made it, as
+    OpenAI requires; other answers, system notes and assistant text without calls may come between (a
+    Responses conversation replays a message after its calls; a Messages one a system turn: review of
+    session 45). QA of session 45: an answer to no call was rendered as if one had been made."""
     if messages[i].tool_call_id is None:
         raise invalid(
             f"messages[{i}] is a tool message without 'tool_call_id': name the call it answers (the id "
             "of one of the preceding assistant message's tool_calls)",
             param=f"messages.{i}.tool_call_id",
         )
-    j = i - 1
-    while j >= 0 and messages[j].role == "tool":
+    j = i - 1  # back over other answers, notes and the caller's text after its calls, to the call turn
+    while j >= 0 and (
+        messages[j].role in SKIPPED or (messages[j].role == "assistant" and not messages[j].tool_calls)
+    ):
         j -= 1
-    if j < 0 or messages[j].role != "assistant" or not messages[j].tool_calls:
+    if j < 0 or messages[j].role != "assistant":
         raise invalid(
             f"messages[{i}] is a tool message, but no assistant message with 'tool_calls' comes before "
             "it: a tool message answers one of those calls. Send the assistant's call turn before it, or "

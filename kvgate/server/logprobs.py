@@ -15,10 +15,12 @@ decode to, never the length of their `token` strings. A token that carries part 
 gets the offset where that character starts (its text comes with the token that completes it), as
 a stream's running count of the text sent so far gives it (vLLM's streamed offsets); bytes that
 are not UTF-8 count as the U+FFFD the text shows, a special token the output leaves out as nothing.
-The offsets never decrease and never pass the end of `text`, and a stream gives each token the offset
-the whole response does (`streamed_offset`; QA of session 45: a space with a partial character, then
-the byte that completed it, streamed as 0, 0 where the whole response said 0, 1), except where a stop
-string held text back.
+The offsets never decrease and never pass the end of `text`. A stream gives a token that releases text
+the offset the whole response does (`streamed_offset`; QA of session 45: a space with a partial
+character, then the byte that completed it, streamed as 0, 0 where the whole response said 0, 1); a
+token whose text is held back gets the length of the text sent so far, since what it holds may still
+be cut as a stop string (the whole response can place it further in, before a U+FFFD or a space held
+with a partial character that was not cut).
 
 What the numbers are (kvgate.sampling): the log-softmax of the logits the sampler drew from, after
 logit bias, penalties and the grammar mask, before temperature and top-k/top-p/min-p.
@@ -113,13 +115,11 @@ def text_offsets(tok, ids, start=0, context=(), limit=None, keep_special=False) 
 
 
 def streamed_offset(tok, held: list[int], at: int, text: str) -> int:
-    """A streamed token's offset, placed as `text_offsets` places it in the whole response: `held` are
-    the ids since text was last released (this token last), which start at `at`; `text` is what this
-    token released ("" while its bytes are held back)."""
-    if text:
-        return _place(tok, held, at, text)[-1]
-    dec = codecs.getincrementaldecoder("utf-8")("replace")
-    return at + sum(len(dec.decode(tok.token_bytes(t))) for t in held[:-1])
+    """A streamed token's offset: `held` are the ids since text was last released (this token last),
+    which start at `at`; `text` is what this token released. A token that releases text is placed in
+    it as `text_offsets` places it in the whole response; one whose text is held back gets `at`, the
+    text sent so far (what it holds may yet be cut as a stop string: review of session 45)."""
+    return _place(tok, held, at, text)[-1] if text else at
 
 
 def _place(tok, held: list[int], at: int, text: str) -> list[int]:
