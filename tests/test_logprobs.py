@@ -301,11 +301,11 @@ def test_a_streamed_offset_is_placed_inside_the_text_its_token_completes():
 
 
 def test_streamed_text_offsets_are_the_whole_responses(tiny_base):
-    """A stream of two choices: each logprobs chunk's offset is the one the whole response gives its
-    token, also for tokens whose bytes were held back as part of a character (vLLM's running count of
-    the text sent before a token is that offset for a token after a chunk with text), and its
-    top_logprobs holds its sampled token. Seen red with a chunk's offset left at 0 (the running count
-    not passed on)."""
+    """A stream of two choices: a logprobs chunk that releases text, or follows one that did, has the
+    offset the whole response gives its token (also a token that completes a character held back with
+    text before it: session 45's QA, red with the running count alone); one whose bytes are held back
+    has the text sent so far, at or before it. Its top_logprobs holds its sampled token. Seen red with
+    a chunk's offset left at 0 (the running count not passed on)."""
     body = {"prompt": PROMPTS[0], "n": 2, "logprobs": 0, "max_tokens": 8, "seed": 3}
     whole = httpx.post(tiny_base + COMP, json=body, timeout=60).json()["choices"]
     sent: dict[int, str] = {0: "", 1: ""}
