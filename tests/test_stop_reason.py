@@ -48,3 +48,19 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(tiny_bas
     got = httpx.post(tiny_base + "/v1/completions", json={**text, "stop": [word]}, timeout=30).json()
     assert got["choices"][0]["stop_reason"] == word, got
     assert streamed_finish(tiny_base, "/v1/completions", {**text, "stop": [word]})["stop_reason"] == word
+
+
+def test_the_models_own_end_is_named_by_no_stop_reason(tiny_base):
+    """vLLM checks the model's end token before stop_token_ids: an answer it ended has stop_reason null
+    even when the request also listed that token; with ignore_eos the listed token is what stopped it,
+    and is named. Red with the end token named (review of session 45)."""
+    eos = httpx.get(tiny_base + "/tokenizer_info", timeout=30).json()["eos_token"]
+    eos_id = httpx.post(
+        tiny_base + "/v1/tokenize", json={"prompt": eos, "add_special_tokens": False}, timeout=30
+    ).json()["tokens"][0]
+    forced = {**BASE, "logit_bias": {str(eos_id): 100}, "stop_token_ids": [eos_id]}
+    for ignore_eos, named in ((False, None), (True, eos_id)):
+        got = httpx.post(tiny_base + CHAT, json={**forced, "ignore_eos": ignore_eos}, timeout=30).json()
+        choice = got["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", named), got
+        assert streamed_finish(tiny_base, CHAT, {**forced, "ignore_eos": ignore_eos})["stop_reason"] == named

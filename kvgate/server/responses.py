@@ -17,6 +17,13 @@ def finish_reason(reason: str) -> str:
     return _FINISH[reason]
 
 
+def named_stop_ids(req, tok) -> frozenset[int]:
+    """The ids a `stop_reason` names: the request's `stop_token_ids`, less the model's own end tokens
+    where those end it anyway (vLLM checks the end first and names none)."""
+    ids = frozenset(getattr(req, "stop_token_ids", None) or ())
+    return ids if getattr(req, "ignore_eos", False) or tok is None else ids - tok.eog_ids
+
+
 def stop_reason(result: Result, stop_token_ids=()) -> str | int | None:
     """vLLM's `stop_reason` of a choice: the stop string that ended it, or the id of the request's
     `stop_token_ids` token that did; None when it ended otherwise (the model's own end token included)."""

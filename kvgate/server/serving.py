@@ -32,7 +32,7 @@ from kvgate.server.held import hold
 from kvgate.server.logprob_body import choice_writer, logprob_response
 from kvgate.server.logprobs import decorate_body
 from kvgate.server.prepare import prepare_generation, submit_all
-from kvgate.server.responses import ChunkMaker, completion_body, usage
+from kvgate.server.responses import ChunkMaker, completion_body, named_stop_ids, usage
 from kvgate.server.sse import ENGINE_ERROR, HandledStream, observe_after_cancel, sse_stream
 from kvgate.server.stream_shape import StreamShaper
 from kvgate.server.tool_parser import model_ended, read_calls
@@ -117,7 +117,7 @@ async def generate(request: Request, cls, raw: bytes | None = None, whole: bool 
         return APIError(500, ENGINE_ERROR, "engine_error").response()
     if prepared.candidates > prepared.n:
         results, token_logprobs = best_of(results, token_logprobs, prepared.candidates, prepared.n)
-    stop_ids = prepared.request.stop_token_ids or ()
+    stop_ids = named_stop_ids(prepared.request, eng.tokenizer)
     body = completion_body(kind, rid, created, settings.model_name, results, prepared.n, stop_ids)
     body["usage"] = usage(every, prepared.candidates)  # every candidate generated counts
     if prepared.features.tools is not None:

@@ -25,7 +25,7 @@ import string
 from kvgate.request import Result, Token
 from kvgate.server import logprobs as L
 from kvgate.server import tool_parser as TP
-from kvgate.server.responses import ChunkMaker, finish_reason, stop_reason
+from kvgate.server.responses import ChunkMaker, finish_reason, named_stop_ids, stop_reason
 
 OBFUSCATION_BLOCK = 64  # bytes: a chunk's JSON is padded to a multiple of this
 _PAD_CHARS = string.ascii_letters + string.digits
@@ -93,7 +93,7 @@ class StreamShaper:
             in_remark = parser.state == "tail"
             out += self._tool_events(i, parser.end(cut=not TP.model_ended(result)))
             reason = TP.finish_reason(reason, parser.calls, in_remark)
-        stop_ids = (getattr(self.p.request, "stop_token_ids", None) or ()) if self.p is not None else ()
+        stop_ids = named_stop_ids(self.p.request, self.tok) if self.p is not None else ()
         return out + [self._dress(self.chunks.finish(i, reason, stop_reason(result, stop_ids)))]
 
     # ---- helpers --------------------------------------------------------------------------------
