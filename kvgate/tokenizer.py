@@ -56,6 +56,7 @@ class TextTokenizer:
         # a template that reads `tools` renders tool definitions itself (kvgate.server.tools)
         self.supports_tools = "tools" in (info.chat_template or "")
         self._bytes: list[bytes] | None = None
+        self._longest: int | None = None
         spec = json.loads(info.tokenizer_json)
         added = spec.get("added_tokens", [])
         self._added = {a["id"]: a["content"] for a in added}
@@ -105,9 +106,12 @@ class TextTokenizer:
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
 
     def longest_token_bytes(self) -> int:
-        """The most bytes one token decodes to: no output of n tokens has more characters than n times this."""
-        self.token_bytes(0)
-        return max(map(len, self._bytes), default=1)
+        """The most bytes one token decodes to: no output of n tokens has more characters than n times
+        this (read once: every structured request asks)."""
+        if self._longest is None:
+            self.token_bytes(0)
+            self._longest = max(map(len, self._bytes), default=1)
+        return self._longest
 
     def broken_tail(self, ids: list[int]) -> int:
         """How many characters at the end of `decode(ids)` stand for an incomplete UTF-8 character

@@ -92,3 +92,16 @@ def tiny_base(tiny_dir):
     with running_server(e) as (b, _app):
         yield b
     e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def real_base():
+    """A server on the real SmolLM2 (2 GiB, 2k context), one per test module: its base URL."""
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from tests.server_util import running_server
+
+    engine = Engine.from_model("default", EngineConfig(memory_limit="2GiB", max_model_len=2048)).start()
+    with running_server(engine, model_name="SmolLM2-135M-Instruct") as (b, _app):
+        yield b
+    engine.shutdown()

@@ -290,18 +290,6 @@ def test_a_thread_is_refused_so_the_sdks_tool_runner_goes_on_without_one(base):
     assert err["details"] == {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
 
 
-@pytest.fixture(scope="module")
-def real_base():
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-    from tests.server_util import running_server
-
-    engine = Engine.from_model("default", EngineConfig(memory_limit="2GiB", max_model_len=2048)).start()
-    with running_server(engine, model_name="SmolLM2-135M-Instruct") as (b, _app):
-        yield b
-    engine.shutdown()
-
-
 @pytest.mark.slow
 def test_the_sdks_tool_runner_runs_on_smollm2(real_base):
     """The anthropic SDK's own agent loop, unmodified (`client.beta.messages.tool_runner` with a

@@ -355,15 +355,6 @@ def test_a_refusal_names_the_responses_fields_in_its_message_too(base):
 
 
 # ---- real clients on the real model --------------------------------------------------------------
-@pytest.fixture(scope="module")
-def real_base():
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-
-    engine = Engine.from_model("default", EngineConfig(memory_limit="2GiB", max_model_len=2048)).start()
-    with running_server(engine, model_name="SmolLM2-135M-Instruct") as (b, _app):
-        yield b
-    engine.shutdown()
 
 
 @pytest.mark.slow

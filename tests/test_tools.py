@@ -747,15 +747,6 @@ def test_a_stop_string_does_not_cut_a_call(base):
 
 
 # ---- the real model ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def real_base():
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-
-    engine = Engine.from_model("default", EngineConfig(memory_limit="2GiB", max_model_len=2048)).start()
-    with running_server(engine, model_name="SmolLM2-135M-Instruct") as (b, _app):
-        yield b
-    engine.shutdown()
 
 
 @pytest.mark.slow

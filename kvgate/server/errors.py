@@ -80,6 +80,25 @@ def from_refusal(r: Refusal, field_names: dict[str, str] | None = None) -> APIEr
     return APIError(r.status, message, r.code, param=param, retry_after=r.retry_after, **extra)
 
 
+def translated_param(
+    param: str | None, origin: list[str], whole: str, fallback: str, renamed: dict[str, str], bare: tuple = ()
+) -> str | None:
+    """A chat error's `param` in the names of an API served as a chat request (Responses, Messages):
+    `messages.i.rest` as the field message i came from (`origin[i]`, its `rest` kept unless it came
+    from the `whole` field, such as `instructions`), else `fallback`; another field by `renamed`, its
+    rest dropped for the `bare` ones."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head == "messages":
+        index, _, tail = rest.partition(".")
+        if index.isdigit() and int(index) < len(origin):
+            where = origin[int(index)]
+            return where + (f".{tail}" if tail and where != whole else "")
+        return fallback
+    return renamed.get(head, head) + (f".{rest}" if rest and head not in bare else "")
+
+
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, code, param=param)
 

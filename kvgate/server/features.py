@@ -66,7 +66,8 @@ def features_of(engine, req) -> Features:
     tokens = (
         min(limit, engine.max_model_len) if isinstance(limit, int) and limit > 0 else engine.max_model_len
     )
-    reach = tokens * engine.tokenizer.longest_token_bytes()
+    per_token = engine.tokenizer.longest_token_bytes()
+    reach = tokens * per_token
     answer = _answer_rule(req.response_format, reach)
     guided = constraint_of(req)  # vLLM's structured_outputs / guided_*, llama.cpp's json_schema / grammar
     if guided is not None and (answer is not None or f.tools is not None):
@@ -105,9 +106,7 @@ def features_of(engine, req) -> Features:
     if guided is not None and guided.kind == "json":
         schemas.append(guided.value)
     try:
-        check_lengths(
-            [b for s in schemas for b in length_bounds(s, reach)], engine.tokenizer.longest_token_bytes()
-        )
+        check_lengths([b for s in schemas for b in length_bounds(s, reach)], per_token)
         if guided is not None:
             check_counts(guided)
         f.grammar = compiler.check(text)

@@ -31,7 +31,7 @@ import re
 from typing import Any
 
 from kvgate.server import protocol as P
-from kvgate.server.errors import APIError, invalid, unsupported
+from kvgate.server.errors import APIError, invalid, translated_param, unsupported
 from kvgate.server.messages_protocol import (
     CountTokensRequest,
     MessagesRequest,
@@ -236,23 +236,18 @@ def _why_not(kind: str, role: str) -> str:
 
 def messages_param(param: str | None, origin: list[str]) -> str | None:
     """A chat error's `param` in the Messages body's names (`origin`: from `to_chat`)."""
-    if param is None:
-        return None
-    head, _, rest = param.partition(".")
-    if head == "messages":
-        index, _, tail = rest.partition(".")
-        if index.isdigit() and int(index) < len(origin):
-            where = origin[int(index)]
-            return where + (f".{tail}" if tail and where != "system" else "")
-        return "messages"
-    if head == "tools":
-        return "tools" + ("." + re.sub(r"\.function\.parameters\b", ".input_schema", rest) if rest else "")
-    renamed = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
-    renamed["response_format"] = "output_config.format"
-    renamed["parallel_tool_calls"] = "tool_choice.disable_parallel_tool_use"
-    return renamed.get(head, head) + (
-        f".{rest}" if rest and head not in ("stop", "parallel_tool_calls") else ""
-    )
+    if param is not None and param.startswith("tools."):
+        return re.sub(r"\.function\.parameters\b", ".input_schema", param)
+    return translated_param(param, origin, "system", "messages", RENAMED, bare=BARE)
+
+
+RENAMED = {
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "response_format": "output_config.format",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+}
+BARE = ("stop", "parallel_tool_calls")
 
 
 _CHAT_NAMES = [

@@ -22,7 +22,7 @@ from kvgate.server.messages_input import messages_message, messages_param, to_ch
 from kvgate.server.messages_output import MessageEvents, error_body, message_body, new_id, skeleton
 from kvgate.server.prepare import chat_ids, plan_tools, render_chat
 from kvgate.server.serving import generate
-from kvgate.server.sse import HandledStream
+from kvgate.server.sse import HandledStream, chat_chunks
 
 _KEPT_HEADERS = ("retry-after", "retry-after-ms", "x-kvgate-budget-cap")
 
@@ -84,13 +84,9 @@ async def _events(chat_stream, shaper: MessageEvents):
     """The chat stream's SSE lines in, Anthropic's events out; closing it closes the chat stream (a
     client that leaves cancels the generation, as on the chat endpoint)."""
     try:
-        async for piece in chat_stream:
-            text = piece.decode() if isinstance(piece, bytes) else piece
-            for line in text.splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                for e in shaper.chunk(json.loads(line[6:])):
-                    yield e
+        async for chunk in chat_chunks(chat_stream):
+            for e in shaper.chunk(chunk):
+                yield e
         for e in shaper.end():
             yield e
     finally:

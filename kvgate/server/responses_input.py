@@ -26,7 +26,7 @@ from typing import Any
 
 from kvgate.sampling_params import MAX_TOP_LOGPROBS
 from kvgate.server import protocol as P
-from kvgate.server.errors import APIError, invalid, unsupported
+from kvgate.server.errors import APIError, invalid, translated_param, unsupported
 from kvgate.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -193,20 +193,14 @@ def _text(content) -> str:
 
 def responses_param(param: str | None, origin: list[str]) -> str | None:
     """A chat error's `param` in the Responses body's names (`origin`: from `to_chat`)."""
-    if param is None:
-        return None
-    head, _, rest = param.partition(".")
-    if head == "messages":
-        index, _, tail = rest.partition(".")
-        if index.isdigit() and int(index) < len(origin):
-            return origin[int(index)] + (f".{tail}" if tail and origin[int(index)] != "instructions" else "")
-        return "input"
-    renamed = {
-        "max_completion_tokens": "max_output_tokens",
-        "response_format": "text.format",
-        "logprobs": "include",
-    }
-    return renamed.get(head, head) + (f".{rest}" if rest and head != "response_format" else "")
+    return translated_param(param, origin, "instructions", "input", RENAMED, bare=("response_format",))
+
+
+RENAMED = {
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "logprobs": "include",
+}
 
 
 _CHAT_NAMES = [

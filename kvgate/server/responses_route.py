@@ -31,7 +31,7 @@ from kvgate.server.responses_output import ResponseEvents, new_id, response_body
 from kvgate.server.responses_store import ResponseStore, page, shown
 from kvgate.server.responses_truncation import fit
 from kvgate.server.serving import generate
-from kvgate.server.sse import HandledStream
+from kvgate.server.sse import HandledStream, chat_chunks
 from kvgate.units import fmt_bytes
 
 _KEPT_HEADERS = ("retry-after", "retry-after-ms", "x-kvgate-budget-cap")
@@ -237,13 +237,9 @@ async def _events(chat_stream, shaper: ResponseEvents):
     try:
         for e in shaper.start():
             yield e
-        async for piece in chat_stream:
-            text = piece.decode() if isinstance(piece, bytes) else piece
-            for line in text.splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                for e in shaper.chunk(json.loads(line[6:])):
-                    yield e
+        async for chunk in chat_chunks(chat_stream):
+            for e in shaper.chunk(chunk):
+                yield e
         for e in shaper.end():
             yield e
     finally:

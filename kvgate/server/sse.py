@@ -29,6 +29,16 @@ DONE = "data: [DONE]\n\n"
 ENGINE_ERROR = "generation failed inside the engine; the details are in the server log"
 
 
+async def chat_chunks(chat_stream):
+    """The chunk objects of a chat stream's SSE body (`[DONE]` left out): what the Responses and
+    Messages APIs rewrite into their own events."""
+    async for piece in chat_stream:
+        text = piece.decode() if isinstance(piece, bytes) else piece
+        for line in text.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def event(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 

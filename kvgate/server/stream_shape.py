@@ -127,7 +127,7 @@ class StreamShaper:
     def _logprobs(self, i: int, lp, text: str = "") -> dict:
         if self.chunks.kind == "chat":
             return L.chat_logprobs(self.tok, [lp])
-        at = L.streamed_offset(self.tok, self.held.get(i) or [lp.token_id], self.offsets.get(i, 0), text)
+        at = L.streamed_offset(self.tok, self.held[i], self.offsets.get(i, 0), text)
         return L.completion_logprobs(self.tok, [lp], at)
 
     def _dress(self, chunk: dict) -> dict:
