@@ -71,6 +71,10 @@ class GenerationRequest:
     # row's first draft source (kvgate.core.predicted); it changes how fast, never what, is generated
     prediction_ids: list[int] | None = None
     skip_special_tokens: bool = True  # false: special tokens the model writes stay in the text
+    # vLLM's: the stop string (or stop token's text) that ended the output stays in its text
+    include_stop_str: bool = False
+    # vLLM's `cache_salt`: roots this prompt's block hashes, so only prompts of the same salt share blocks
+    cache_salt: str | None = None
     # (opening, closing) of output regions the stop strings do not apply in: tool calls (kvgate.stop)
     stop_exempt: tuple[str, str] | None = None
     # a prompt of a list, its max_tokens unset: the KV blocks it may take at most (its share of the pool,

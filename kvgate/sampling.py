@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+from array import array
+from collections import deque
 
 import torch
 
@@ -46,6 +48,14 @@ class Sampler:
             or params.frequency_penalty != 0.0
         )
         self.bias = _bias_tensors(params.logit_bias)
+        # vLLM's allowed_token_ids (packed ids; the mask of the others is built at the first draw) and
+        # bad_words, with the drawn tokens a sequence's rest could end with (kvgate.memory.workspace's
+        # `penalty_state` charges both)
+        params.pack()
+        self.allowed: bytes | None = params.allowed_token_ids
+        self.bad_words = params.bad_words or None
+        rest = max((len(w) - 1 for w in self.bad_words or ()), default=0)
+        self.out: deque[int] = deque(maxlen=rest)
         # the row's own grammar state (a copy of the shared compiled grammar), advanced only here
         self.matcher = params.grammar.matcher() if params.grammar is not None else None
         self.grammar_error: str | None = None
@@ -87,7 +97,13 @@ class Sampler:
     @property
     def processed(self) -> bool:
         """Whether this row's logits change before sampling (bias, penalties, min_tokens; masks aside)."""
-        return self.penalized or self.bias is not None or self.generated < self.min_tokens
+        return (
+            self.penalized
+            or self.bias is not None
+            or self.generated < self.min_tokens
+            or self.allowed is not None
+            or self.bad_words is not None
+        )
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` with the bias and penalties applied, and the stop tokens forbidden before min_tokens
@@ -103,8 +119,43 @@ class Sampler:
             logits[ids[ok]] += values[ok]
         if self.generated < self.min_tokens and len(self.suppressed):
             logits = logits if copied else logits.clone()
+            copied = True
             logits[self.suppressed[self.suppressed < logits.shape[-1]]] = float("-inf")
+        banned = self.banned()
+        if self.allowed is not None or banned:
+            logits = logits if copied else logits.clone()
+            if self.allowed is not None:
+                logits.masked_fill_(self._outside_mask(logits.shape[-1]), float("-inf"))  # transient
+            if banned:
+                logits[[t for t in banned if t < logits.shape[-1]]] = float("-inf")
         return logits
+
+    def _outside_mask(self, n: int) -> torch.Tensor:
+        """True for the `n` token ids allowed_token_ids leaves out (made per draw, not kept: a row
+        keeps only the bitmask)."""
+        packed = torch.frombuffer(bytearray(self.allowed), dtype=torch.uint8)
+        bits = (packed.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)).bitwise_and_(1).flatten()
+        outside = torch.ones(n, dtype=torch.bool)
+        k = min(n, bits.shape[0])
+        outside[:k] = bits[:k] == 0
+        return outside
+
+    def banned(self) -> list[int]:
+        """vLLM's bad_words now: each sequence's last token where the output ends with the rest of it."""
+        out, tail = [], array("i", self.out)
+        for seq in self.bad_words or ():
+            k = len(seq) - 1
+            if k == 0 or (len(tail) >= k and tail[-k:] == array("i", seq[:-1])):
+                out.append(seq[-1])
+        return out
+
+    def forbids(self, token: int) -> bool:
+        """Whether allowed_token_ids or bad_words rule `token` out now (a row whose every token was
+        ruled out falls back to its argmax, which these must not let through)."""
+        a = self.allowed
+        if a is not None and not (token >> 3 < len(a) and a[token >> 3] >> (token & 7) & 1):
+            return True
+        return token in self.banned()
 
     @property
     def grammar_done(self) -> bool:
@@ -116,6 +167,8 @@ class Sampler:
         """Remember a generated token for the penalties and advance the grammar (never raises: a token
         the grammar refuses marks the row, whose next draw then fails)."""
         self.generated += 1
+        if self.bad_words is not None:
+            self.out.append(token)
         if self.penalized:
             self.seen[token] = True
             self.counts[token] += 1
@@ -167,6 +220,12 @@ def sample_batch(samplers: list[Sampler], logits: torch.Tensor, rows: list[int] 
     for i, m in bitmasks.items():  # checked before any row's state moves: a failure redoes the batch
         if not masks.allows(m, tokens[i]):
             raise ValueError(f"the grammar allows no token here (drew {tokens[i]}); the output cannot go on")
+    for i, s in enumerate(samplers):
+        if (s.allowed is not None or s.bad_words is not None) and s.forbids(tokens[i]):
+            raise ValueError(
+                f"allowed_token_ids and bad_words (with the grammar, or min_tokens' held stop tokens) leave no "
+                f"token to draw here (drew {tokens[i]}); the output cannot go on"
+            )
     for i, s in enumerate(samplers):
         k = s.p.logprobs
         s.last_logprobs = None if k is None else token_logprobs(row_logits(i), tokens[i], k)

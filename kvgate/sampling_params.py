@@ -86,6 +86,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
     grammar: object | None = None  # kvgate.structured.compiler.Grammar: every token must keep it valid
+    # vLLM's: only these may be drawn (`pack`, run by `validate`, makes them a bitmask)
+    allowed_token_ids: list[int] | bytes | None = None
+    # vLLM's `bad_words` as token sequences: a sequence's last token may not follow the rest of it
+    bad_words: list[list[int]] | tuple[array, ...] | None = None
 
     def validate(self) -> SamplingParams:
         def finite(name, v):
@@ -124,10 +128,32 @@ class SamplingParams:
                 or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
             ):
                 raise SamplingError("logit_bias", {t: b}, _RANGES["logit_bias"])
+        self.pack()
         return self
 
+    def pack(self) -> None:
+        """What a row keeps of allowed_token_ids and bad_words, made small: the allowed ids as a bitmask
+        (bit t of byte t // 8, little-endian: at most a bit per vocabulary entry, however many ids were
+        sent) and each bad word as packed 32-bit ids (kvgate.memory.workspace's `penalty_state`)."""
+        ids = self.allowed_token_ids
+        if isinstance(ids, list):
+            ok = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ids)
+            if not ids or not ok:
+                raise SamplingError("allowed_token_ids", ids[:3], "at least one token id, 0 <= id < 2**31")
+            bits = bytearray(max(ids) // 8 + 1)
+            for t in ids:
+                bits[t >> 3] |= 1 << (t & 7)
+            self.allowed_token_ids = bytes(bits)
+        if self.bad_words and isinstance(self.bad_words, list):
+            self.bad_words = tuple(array("i", w) for w in self.bad_words)
+
     def check_vocab(self, vocab_size: int) -> None:
-        """logit_bias keys must be token ids of this model."""
+        """logit_bias keys and allowed_token_ids must be token ids of this model."""
         for t in self.logit_bias or {}:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise SamplingError("logit_bias", t, f"token ids 0 <= id < {vocab_size}")
+        if isinstance(self.allowed_token_ids, list) and not self.allowed_token_ids:
+            raise SamplingError("allowed_token_ids", [], "at least one token id")
+        for t in self.allowed_token_ids if isinstance(self.allowed_token_ids, list) else ():
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise SamplingError("allowed_token_ids", t, f"token ids 0 <= id < {vocab_size}")

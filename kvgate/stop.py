@@ -15,10 +15,13 @@ class StopMatcher:
         stop_ids: frozenset[int] | set[int],
         stop_strings: list[str],
         exempt: tuple[str, str] | None = None,
+        include: bool = False,
     ):
         """`exempt`: (opening, closing) of regions where stop strings do not apply: a tool call's
         `<tool_call>` ... `</tool_call>`, whose arguments a grammar writes (a stop string there cut
-        a call's JSON in two, and agents ran the broken call: QA pass 6)."""
+        a call's JSON in two, and agents ran the broken call: QA pass 6). `include`: the text is cut
+        after the stop string, not before it (vLLM's `include_stop_str_in_output`)."""
+        self.include = include
         self.stop_ids = frozenset(stop_ids)
         self.stops = [s for s in stop_strings if s]
         self.held = ""
@@ -47,7 +50,7 @@ class StopMatcher:
         cut = self._first_stop(pending, len(pending))
         if cut >= 0:
             self.held = ""
-            return pending[:cut], True
+            return pending[: self._end(cut)], True
         keep = self._longest_partial(pending)
         self.held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False
@@ -64,6 +67,10 @@ class StopMatcher:
             return -1
         cut, self.matched = min(hits, key=lambda h: h[0])
         return cut
+
+    def _end(self, cut: int) -> int:
+        """Where the output ends when the matched stop string starts at `cut`."""
+        return cut + len(self.matched) if self.include else cut
 
     def _longest_partial(self, text: str) -> int:
         return max((_partial(text, s) for s in self.stops), default=0)
@@ -90,7 +97,7 @@ class StopMatcher:
                 at = len(pending) - (0 if final else _partial(pending, opening))
             cut = self._first_stop(pending, at)
             if cut >= 0:
-                out.append(pending[:cut])
+                out.append(pending[: self._end(cut)])
                 return "".join(out), True
             if not pending.startswith(opening, at):
                 keep = max(self._longest_partial(pending), _partial(pending, opening))

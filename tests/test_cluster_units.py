@@ -64,6 +64,9 @@ def test_the_longest_prefix_sent_before_wins_over_free_blocks():
     assert routing.rank_now(views, Demand(4, 1, prefix), Holds(), aff) == ["warm", "cold"]
     other = routing.prefix_chain(list(range(100, 164)), 16)
     assert routing.rank_now(views, Demand(4, 1, other), Holds(), aff) == ["cold", "warm"]
+    # the same prompt under a cache_salt shares no blocks with it (red with the salt left out)
+    salted = routing.prefix_chain(list(range(64)), 16, "tenant-a")
+    assert routing.rank_now(views, Demand(4, 1, salted), Holds(), aff) == ["cold", "warm"]
 
 
 def test_a_prefix_sent_before_counts_as_room_there_for_the_replica_to_confirm():

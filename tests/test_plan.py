@@ -165,7 +165,8 @@ def test_workspace_terms_cover_the_tensors_they_name():
     assert W._prefill_attention(C, 1024, 9, 3, 64, 4, 3 * 64 * 4, flash=False) >= 2 * 9 * C * 1024 * 4
     assert bd["layer_activations"] >= 2 * L.attn_token_cap * 3 * 64 * 4 + T * (2 * 576 + 960 + 2 * 1536) * 4
     assert bd["mlp"] >= 2 * T * 1536 * 4
-    assert bd["penalty_state"] == S * 49152 * 5
+    # penalties' seen-mask and counts, allowed_token_ids' bitmask, bad_words' ids and tail
+    assert bd["penalty_state"] == S * (49152 * 5 + 49152 // 8 + 1 + W.BAD_WORDS_BYTES)
     standing = sum(bd[k] for k in W.STANDING_TERMS)
     assert plan.workspace_bytes == standing + max(bd[k] for k in W.TRANSIENT_TERMS)
     assert set(bd) == set(W.STANDING_TERMS) | set(W.TRANSIENT_TERMS)
@@ -350,12 +351,19 @@ def test_loading_the_default_model_stays_under_a_tight_limit(default_model_cache
     and the Q8 table checked whole), and a first start (the GGUF converted, a cold cache) 1,065 MiB.
     `kvgate plan` loads and places the model as serve does and reports its peak. Seen red with the
     eager checkpoint (836 MiB), the whole-table check (1,046 MiB) and the one-piece conversion (cold:
-    1,065 MiB)."""
+    1,065 MiB).
+
+    The limit was 720 MiB until session 46, when the plan itself stopped fitting there in one launch
+    mode: run as `python -c` with no bytecode cache (PYTHONDONTWRITEBYTECODE, as on these machines),
+    the measured runtime overhead came out 542-547 MiB instead of 526 (the load thread took a malloc
+    arena of its own while the main thread compiled the server's modules; with MALLOC_ARENA_MAX=1 or
+    the bytecode cached, 522-528), and 720 MiB had left 10.8 MiB over the plan. 740 MiB keeps this test
+    about the load peak: every peak it was red with is above it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if cache == "cold":
         env["KVGATE_CACHE_DIR"] = str(tmp_path / "cache")
     out = subprocess.run(
-        [sys.executable, "-c", CLI, "plan", "--model", "default", "--memory-limit", "720MiB", "--json"],
+        [sys.executable, "-c", CLI, "plan", "--model", "default", "--memory-limit", "740MiB", "--json"],
         capture_output=True,
         text=True,
         cwd=ROOT,

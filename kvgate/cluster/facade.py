@@ -162,7 +162,8 @@ class ClusterEngine:
             least = entry.max_tokens if entry.explicit else min(entry.max_tokens, max(1, cfg.min_cap_tokens))
             blocks += n * blocks_for(P + least, cfg.block_size)
             positions += P + least
-        prefix = prefix_chain(requests[0].prompt_ids, cfg.block_size) if len(requests) == 1 else ()
+        one = requests[0]
+        prefix = prefix_chain(one.prompt_ids, cfg.block_size, one.cache_salt) if len(requests) == 1 else ()
         demand = Demand(blocks, n * len(requests), prefix, positions)
         call = RemoteCall(self.dispatcher, requests, n, demand)
         return call.handles

@@ -54,9 +54,11 @@ def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
-def prefix_chain(ids: list[int], block_size: int) -> tuple[int, ...]:
-    """A chained hash per full prompt block: equal leading entries mean an equal prefix."""
-    out, h = [], 0
+def prefix_chain(ids: list[int], block_size: int, salt: str | None = None) -> tuple[int, ...]:
+    """A chained hash per full prompt block: equal leading entries mean an equal prefix. A `cache_salt`
+    starts the chain, as it does the replicas' block hashes: prompts of other salts share no blocks, so
+    they are no reason to route together."""
+    out, h = [], 0 if salt is None else hash(("salt", salt))
     for i in range(0, len(ids) - block_size + 1, block_size):
         h = hash((h, tuple(ids[i : i + block_size])))
         out.append(h)

@@ -71,7 +71,7 @@ def plan_entry(cfg: SchedulerConfig, handle: RequestHandle, followers: list[Requ
         cap = BudgetCap(requested, lp.admitted_max_tokens, lp.reason)
         ceiling = lp.admitted_max_tokens
     hashes = (
-        prompt_block_hashes(req.prompt_ids, cfg.block_size, cfg.cache_root)
+        prompt_block_hashes(req.prompt_ids, cfg.block_size, cfg.cache_root, req.cache_salt)
         if cfg.prefix_cache or n > 1
         else []
     )

@@ -62,10 +62,17 @@ def choice_blocks(prompt_len: int, max_tokens: int, n: int, block_size: int) -> 
     return per + (n - 1) * (per - shared)
 
 
-def prompt_block_hashes(tokens: list[int], block_size: int, root: bytes) -> list[bytes]:
-    """The chained hash of every full block of `tokens`: block i's hash covers blocks 0..i."""
+def prompt_block_hashes(
+    tokens: list[int], block_size: int, root: bytes, salt: str | None = None
+) -> list[bytes]:
+    """The chained hash of every full block of `tokens`: block i's hash covers blocks 0..i. A `salt`
+    (vLLM's `cache_salt`) joins the root, so no salted block hash equals an unsalted one or one of
+    another salt: such prompts never share blocks (the length prefix keeps `a` + `bc` from `ab` + `c`)."""
     out: list[bytes] = []
     parent = root
+    if salt is not None:
+        raw = salt.encode()
+        parent = root + b"\x00salt" + len(raw).to_bytes(4, "little") + raw
     for i in range(len(tokens) // block_size):
         ids = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
         parent = hashlib.blake2b(parent + ids, digest_size=16).digest()

@@ -235,7 +235,7 @@ class Scheduler:
             ngrams=NgramIndex() if speculates else None,
             gate=DraftGate() if speculates else None,
             prediction=self._prediction(req) if speculates and req.prediction_ids else None,
-            stop=StopMatcher(stop_ids, req.stop, req.stop_exempt),
+            stop=StopMatcher(stop_ids, req.stop, req.stop_exempt, req.include_stop_str),
             detok=IncrementalDetokenizer(self.tok, req.prompt_ids, skip_special=req.skip_special_tokens),
             budget_cap=cap,
             admitted_at=time.monotonic(),

@@ -54,9 +54,16 @@ PAUSE_MAX = 128
 
 
 def eligible(sampler: Sampler) -> bool:
-    """Rows whose token depends only on their logits: no penalties, grammar, logprobs or min_tokens."""
+    """Rows whose token depends only on their logits: no penalties, grammar, logprobs, min_tokens or
+    bad_words (whose ban depends on the tokens before)."""
     s = sampler
-    return not s.penalized and s.matcher is None and s.p.logprobs is None and not s.min_tokens
+    return (
+        not s.penalized
+        and s.matcher is None
+        and s.p.logprobs is None
+        and not s.min_tokens
+        and s.bad_words is None
+    )
 
 
 class NgramIndex:

@@ -96,6 +96,13 @@ class Updater:
         row.token_times.append(now)
         s.counters.generated_tokens += 1
         if row.stop.is_stop_token(token):
+            if row.handle.request.include_stop_str:  # vLLM's: the stop token's own text is output too
+                emit = row.stop.flush() + row.detok.push(token) + row.detok.flush()
+                if emit:
+                    row.text.append(emit)
+                    s.emit(row.handle, Token(token, emit, now))
+                s.finish(row, "stop", stop_reason=f"token:{token}", flush=False)
+                return
             s.finish(row, "stop", stop_reason=f"token:{token}")
             return
         # vLLM's min_tokens: no stop string counts until more than that many tokens are out

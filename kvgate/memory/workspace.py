@@ -95,6 +95,10 @@ KERNEL_SLACK = 1 << 20  # flash-attention per-thread blocks, small index tempora
 # draw (kvgate/models/csrc/draw.cpp) at most 3.1 a thread, one thread a row of up to SAMPLE_ROWS, plus
 # one processed row's copy; rounded up
 SAMPLING_TEMPS = 5
+# a row's bad_words (kvgate.server.vllm_extras, packed by SamplingParams.pack): at most 1,024 token ids
+# as 32-bit arrays (up to 128 of them, 64 B each) and a deque of up to 1,023 drawn ids (8 B slots, the
+# ints the row's token list holds); rounded up
+BAD_WORDS_BYTES = 24 << 10
 ROW_FIXED_BYTES = 16 << 10  # per running row: Row, sampler + torch.Generator, stop matcher, detokenizer
 # per position of a row: prompt ids / prompt / tokens list slots (3 x 8 B) and the int (28 B); for a
 # generated token also its time (24 B + a slot), text piece and the Token event until it is read
@@ -171,8 +175,10 @@ def step_workspace(
         "row_state": S * (Lp * ROW_BYTES_PER_POSITION + ROW_FIXED_BYTES)
         + (S * Lp * (NGRAM_BYTES_PER_POSITION + PREDICTION_BYTES_PER_POSITION) if limits.speculate else 0),
         # a row with repetition/presence/frequency penalties: a bool seen-mask and float32 counts over
-        # the vocabulary (zero pages until written: a row reaches this after touching most of the vocab)
-        "penalty_state": S * V * 5,
+        # the vocabulary (zero pages until written: a row reaches this after touching most of the vocab);
+        # with vLLM's allowed_token_ids, a bit per vocabulary entry (the mask a draw unpacks is one of
+        # SAMPLING_TEMPS' vocab-sized temporaries); with bad_words, their ids and the tail they match
+        "penalty_state": S * (V * 5 + V // 8 + 1 + BAD_WORDS_BYTES),
         # structured output (kvgate.structured): the grammar engine's token trie, the grammars kept (a
         # slot each, shared by all the rows of one grammar) and one compile in hand, each row's matcher
         # and packed mask, and one row's unpacked mask; none of it with --max-grammars 0

@@ -71,12 +71,12 @@ def completion_json(
     lead = {}
     if first is not None:  # the echoed prompt's first token: no log-probability (null)
         lead = {
-            "tokens": [L.token_text(tok.token_bytes(first))],
+            "tokens": [L.token_name(tok, first)],
             "token_logprobs": [None],
             "top_logprobs": [None],
         }
     columns = {
-        "tokens": lambda lp: dumps(L.token_text(tok.token_bytes(lp.token_id))),
+        "tokens": lambda lp: dumps(L.token_name(tok, lp.token_id)),
         "token_logprobs": lambda lp: dumps(L.json_logprob(lp.logprob)),
         "top_logprobs": lambda lp: dumps(L.completion_top(tok, lp)),
     }

@@ -45,6 +45,14 @@ def token_text(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+def token_name(tok, token_id: int) -> str:
+    """A token as a logprob entry names it: its text, or `token_id:<id>` where the request asked for
+    ids (`vllm_extras.TokenIdNames`)."""
+    if getattr(tok, "names_by_id", False):
+        return f"token_id:{token_id}"
+    return token_text(tok.token_bytes(token_id))
+
+
 def json_logprob(v: float) -> float:
     return v if math.isfinite(v) else FLOOR
 
@@ -52,11 +60,11 @@ def json_logprob(v: float) -> float:
 def chat_entry(tok, lp: TokenLogprobs) -> dict:
     raw = tok.token_bytes(lp.token_id)
     return {
-        "token": token_text(raw),
+        "token": token_name(tok, lp.token_id),
         "logprob": json_logprob(lp.logprob),
         "bytes": list(raw),
         "top_logprobs": [
-            {"token": token_text(b := tok.token_bytes(i)), "logprob": json_logprob(v), "bytes": list(b)}
+            {"token": token_name(tok, i), "logprob": json_logprob(v), "bytes": list(tok.token_bytes(i))}
             for i, v in lp.top
         ],
     }
@@ -68,9 +76,9 @@ def chat_logprobs(tok, lps: list[TokenLogprobs]) -> dict:
 
 def completion_top(tok, lp: TokenLogprobs) -> dict[str, float]:
     """The top k by logprob, then the chosen token when it is not among them."""
-    top = {token_text(tok.token_bytes(i)): json_logprob(v) for i, v in lp.top}
+    top = {token_name(tok, i): json_logprob(v) for i, v in lp.top}
     if all(i != lp.token_id for i, _ in lp.top):
-        top.setdefault(token_text(tok.token_bytes(lp.token_id)), json_logprob(lp.logprob))
+        top.setdefault(token_name(tok, lp.token_id), json_logprob(lp.logprob))
     return top
 
 
@@ -86,7 +94,7 @@ def completion_logprobs(
 
 def _entries(tok, lps: list[TokenLogprobs]) -> dict:
     return {
-        "tokens": [token_text(tok.token_bytes(lp.token_id)) for lp in lps],
+        "tokens": [token_name(tok, lp.token_id) for lp in lps],
         "token_logprobs": [json_logprob(lp.logprob) for lp in lps],
         "top_logprobs": [completion_top(tok, lp) for lp in lps],
     }
@@ -153,7 +161,7 @@ def echoed_logprobs(
     """An echoed, scored prompt and its output in the completions shape: the prompt's first token has
     no log-probability (null, as OpenAI's echo gives it); `scored` holds the scores of the prompt's
     later tokens. Offsets index `prompt_text` followed by the output's text (at most `limit`)."""
-    first = token_text(tok.token_bytes(prompt_ids[0]))
+    first = token_name(tok, prompt_ids[0])
     out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None]}
     for lps in (scored, output):
         for key, values in _entries(tok, lps).items():
@@ -199,6 +207,8 @@ def echo_text(prepared, tok, choice: int) -> str:
     """The prompt of a choice as text (OpenAI's `echo`): as sent when it was text, else decoded."""
     k = choice // prepared.n
     prompt = prepared.request.prompt
+    if getattr(prepared, "truncated", False):  # truncate_prompt_tokens: the part kept
+        return tok.decode(prepared.generations[k].prompt_ids, skip_special_tokens=False)
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):

@@ -20,7 +20,7 @@ import copy
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from kvgate.server.openapi_fields import tighten_features, tighten_message
+from kvgate.server.openapi_fields import VLLM_CHOICE, tighten_features, tighten_message
 from kvgate.server.openapi_responses import RESPONSES_RANGES, SCHEMAS, responses_route_docs, stored_route_docs
 
 _BODIES = {
@@ -81,8 +81,7 @@ _USAGE = {
 }
 _FINISH = {"enum": ["stop", "length", "tool_calls"]}
 _LOGPROBS = {"anyOf": [_NULL, {"type": "object"}]}  # OpenAI's chat or completions shape (logprobs.py)
-# stop_reason, vLLM's: the stop string, or the request's stop_token_ids token, that ended the choice
-_ENDING = {"finish_reason": _FINISH, "stop_reason": {"anyOf": [_NULL, _STR, _INT]}, "logprobs": _LOGPROBS}
+_ENDING = {"finish_reason": _FINISH, "logprobs": _LOGPROBS, **VLLM_CHOICE}  # openapi_fields.VLLM_CHOICE
 
 
 def _completion_schema(obj: str, payload: dict) -> dict:
@@ -105,6 +104,7 @@ def _completion_schema(obj: str, payload: dict) -> dict:
                 },
             },
             "usage": _USAGE,
+            "prompt_token_ids": VLLM_CHOICE["prompt_token_ids"],  # chat's, with return_token_ids
         },
     }
 

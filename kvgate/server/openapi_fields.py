@@ -13,8 +13,15 @@ from __future__ import annotations
 from kvgate.sampling import LOGIT_BIAS_LIMIT, MAX_TOP_LOGPROBS
 from kvgate.server.features import MAX_COMPLETION_LOGPROBS
 from kvgate.server.protocol import NULL_ONLY
+from kvgate.server.vllm_extras import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_SALT_CHARS
 
 _NULL = {"type": "null"}
+_IDS = {"type": "array", "items": {"type": "integer"}}
+# a choice's vLLM fields: `stop_reason` (the stop string, or the request's stop_token_ids token, that
+# ended it) and `return_token_ids`' ids (chat's prompt ids are at the top of the body; a choice of a
+# text completion carries its own prompt's)
+VLLM_CHOICE = {"stop_reason": {"anyOf": [_NULL, {"type": "string"}, {"type": "integer"}]}}
+VLLM_CHOICE.update(token_ids=_IDS, prompt_token_ids=_IDS)
 
 
 def tighten_features(js: dict, vocab: int | None, chat: bool) -> None:
@@ -39,6 +46,7 @@ def tighten_features(js: dict, vocab: int | None, chat: bool) -> None:
     props["logit_bias"] = {
         "anyOf": [{"type": "object", "propertyNames": ids, "additionalProperties": bias}, _NULL]
     }
+    _vllm_extras(props, vocab)
     # what one field requires of another (prepare's checks, kvgate.server.features)
     rules = []
     if chat:
@@ -69,6 +77,17 @@ def tighten_features(js: dict, vocab: int | None, chat: bool) -> None:
     # stream_options (not null) needs stream true (protocol.check_common)
     rules.append(_needs({"stream_options": {"type": "object"}}, {"stream": {"const": True}}))
     js["allOf"] = rules
+
+
+def _vllm_extras(props: dict, vocab: int | None) -> None:
+    """vLLM's extras (kvgate.server.vllm_extras): the sizes and characters `check_extras` enforces."""
+    token = {"type": "integer", "minimum": 0, **({"maximum": vocab - 1} if vocab else {})}
+    props["allowed_token_ids"] = {"anyOf": [{"type": "array", "minItems": 1, "items": token}, _NULL]}
+    word = {"type": "string", "minLength": 1, "maxLength": MAX_BAD_WORD_CHARS}
+    props["bad_words"] = {"anyOf": [{"type": "array", "maxItems": MAX_BAD_WORDS, "items": word}, _NULL]}
+    salt = {"type": "string", "minLength": 1, "maxLength": MAX_SALT_CHARS, "pattern": "^[^@/\\\\\\u0000]*$"}
+    props["cache_salt"] = {"anyOf": [salt, _NULL]}
+    props["truncate_prompt_tokens"] = {"anyOf": [{"type": "integer", "minimum": -1}, _NULL]}
 
 
 def tighten_message(msg: dict) -> None:

@@ -24,6 +24,7 @@ from kvgate.server.errors import APIError, invalid
 from kvgate.server.features import Features, features_of, render_chat
 from kvgate.server.logprob_body import dict_hold_bytes
 from kvgate.server.tools import CALL_REGION, plan_tools
+from kvgate.server.vllm_extras import bad_word_ids, truncated
 from kvgate.tokenizer import ChatTemplateError
 
 
@@ -34,6 +35,7 @@ class Prepared:
     generations: list[GenerationRequest]
     features: Features = field(default_factory=Features)  # structured output, tools, logprobs, echo
     prompt_only: bool = False  # echo with max_tokens=0: the response holds the prompt, nothing generated
+    truncated: bool = False  # truncate_prompt_tokens cut a prompt: echo shows what was kept
 
     @property
     def n(self) -> int:
@@ -74,7 +76,9 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
     check_model(settings, req.model)
     feats = features_of(engine, req)
     check_prompt_count(engine, req)
-    prompts = prompt_ids(engine, req, feats)
+    max_tokens, param = P.max_tokens_of(req)
+    sent = prompt_ids(engine, req, feats)
+    prompts = truncated(sent, req.truncate_prompt_tokens, max_tokens, engine.max_model_len)
     sampling = SamplingParams(
         temperature=settings.default_temperature if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -90,6 +94,8 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
         if feats.logprobs is None and (getattr(req, "best_of", None) or 1) > (req.n or 1)
         else feats.logprobs,
         grammar=feats.grammar,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=bad_word_ids(engine.tokenizer, req.bad_words),
     )
     try:
         sampling.check_vocab(engine.spec.vocab_size)
@@ -97,7 +103,6 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
         raise invalid(str(exc), param=exc.param) from None
     if feats.logprobs is not None:
         engine.tokenizer.token_bytes(0)  # builds the token-bytes table here, off the event loop
-    max_tokens, param = P.max_tokens_of(req)
     # echo with max_tokens=0 scores the prompt alone (the field's way to ask for a text's log-likelihood):
     # the engine reserves and samples one token, which the response leaves out
     prompt_only = feats.echo and max_tokens == 0
@@ -116,6 +121,8 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
             prompt_logprobs=feats.logprobs if feats.scores_prompt else None,
             prediction_ids=predicted,
             skip_special_tokens=req.skip_special_tokens,
+            include_stop_str=req.include_stop_str_in_output,
+            cache_salt=req.cache_salt,
             stop_exempt=CALL_REGION if feats.tools is not None else None,
             # the server keeps a response's logprobs until it is sent (kvgate.server.held)
             held=dict_hold_bytes(feats.logprobs) if whole else 0,
@@ -144,7 +151,7 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
             f"tokens and the context holds {L} (--max-model-len); send at most {L - 1} tokens",
             param="prompt",
         )
-    return Prepared(P.request_kind(req), req, gens, feats, prompt_only)
+    return Prepared(P.request_kind(req), req, gens, feats, prompt_only, truncated=prompts != sent)
 
 
 def prediction_ids(engine, req) -> list[int] | None:

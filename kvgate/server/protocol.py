@@ -26,6 +26,7 @@ from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.server.guided import GuidedFields
 from kvgate.server.ignored_values import CacheRetention, Effort, Metadata, ServiceTier, Verbosity
 from kvgate.server.schema_errors import describe
+from kvgate.server.vllm_extras import VllmExtras, check_extras
 
 MAX_STOP = 8
 MAX_STOP_LEN = 256
@@ -120,7 +121,7 @@ class ToolCall(_Body):
     index: int | None = None  # a replayed stream's delta position (the SDK's `.stream()` helper): ignored
 
 
-class _Common(_Body, GuidedFields):
+class _Common(_Body, GuidedFields, VllmExtras):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(default=None, description="default: up to the remaining context")
@@ -318,6 +319,7 @@ def check_common(req: _Common) -> None:
             raise invalid("stop strings must not be empty", param="stop")
         if len(s) > MAX_STOP_LEN:
             raise invalid(f"a stop string is {len(s)} characters; at most {MAX_STOP_LEN}", param="stop")
+    check_extras(req)
 
 
 def stop_list(req: _Common) -> list[str]:

@@ -36,6 +36,7 @@ from kvgate.server.responses import ChunkMaker, completion_body, named_stop_ids,
 from kvgate.server.sse import ENGINE_ERROR, HandledStream, observe_after_cancel, sse_stream
 from kvgate.server.stream_shape import StreamShaper
 from kvgate.server.tool_parser import model_ended, read_calls
+from kvgate.server.vllm_extras import add_token_ids, logprob_names
 
 log = logging.getLogger("kvgate.server")
 
@@ -81,7 +82,7 @@ async def generate(request: Request, cls, raw: bytes | None = None, whole: bool 
 
     if prepared.stream:
         chunks = ChunkMaker(kind, rid, created, settings.model_name, prepared.n)
-        shaper = StreamShaper(chunks, prepared, eng.tokenizer, handles)
+        shaper = StreamShaper(chunks, prepared, logprob_names(prepared, eng.tokenizer), handles)
         stream = sse_stream(chunks, handles, prepared.include_usage, on_result, shaper)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return HandledStream(stream, handles, on_result, headers=headers)
@@ -123,7 +124,9 @@ async def generate(request: Request, cls, raw: bytes | None = None, whole: bool 
     if prepared.features.tools is not None:
         for choice, res in zip(body["choices"], results, strict=True):
             read_calls(choice, model_ended(res))
-    tok = eng.tokenizer
+    if prepared.request.return_token_ids:
+        add_token_ids(body, prepared, results)
+    tok = logprob_names(prepared, eng.tokenizer)
     if prepared.features.logprobs is None or whole:
         await asyncio.to_thread(decorate_body, body, prepared, tok, token_logprobs, scores)
         return JSONResponse(body, headers=headers)

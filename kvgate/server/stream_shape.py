@@ -45,6 +45,10 @@ class StreamShaper:
         self.parsers: dict[int, TP.ToolCallParser] = {}
         self.offsets: dict[int, int] = {}  # characters sent so far per choice (completion text_offset)
         self.held: dict[int, list[int]] = {}  # per choice, the ids since text was last sent
+        # vLLM's return_token_ids: each chunk carries its new ids, a choice's first its prompt's too
+        self.want_ids = bool(prepared is not None and getattr(prepared.request, "return_token_ids", False))
+        self.ids_sent: dict[int, int] = {}
+        self.prompt_sent: set[int] = set()
 
     # ---- events -> chunks -----------------------------------------------------------------------
     def start(self, n: int) -> list[dict]:
@@ -64,13 +68,16 @@ class StreamShaper:
         lp = ev.logprobs if self.f is not None and self.f.logprobs is not None else None
         if self.f is not None and self.f.tools is not None:
             out = self._tool_chunks(i, self._parser(i).push(ev.text))
-            if lp is not None:  # on the token's first chunk, or one of its own (text held by the parser)
+            if lp is not None or self.want_ids:  # on the token's first chunk, or one of its own
                 out = out or [self.chunks.choice(i, None)]
+            if lp is not None:
                 out[0]["choices"][0]["logprobs"] = self._logprobs(i, lp)
+            self._new_ids(i, out, [ev.token_id])
             return [self._dress(c) for c in out]
-        if not ev.text and lp is None:
+        if not ev.text and lp is None and not self.want_ids:
             return []
         chunk = self.chunks.choice(i, ev.text)
+        self._new_ids(i, [chunk], [ev.token_id])
         held = self.held.setdefault(i, [])
         held.append(ev.token_id)
         if lp is not None:
@@ -94,7 +101,9 @@ class StreamShaper:
             out += self._tool_events(i, parser.end(cut=not TP.model_ended(result)))
             reason = TP.finish_reason(reason, parser.calls, in_remark)
         stop_ids = named_stop_ids(self.p.request, self.tok) if self.p is not None else ()
-        return out + [self._dress(self.chunks.finish(i, reason, stop_reason(result, stop_ids)))]
+        end = self.chunks.finish(i, reason, stop_reason(result, stop_ids))
+        self._new_ids(i, [end], result.token_ids[self.ids_sent.get(i, 0) :])  # a stop token not yet sent
+        return out + [self._dress(end)]
 
     # ---- helpers --------------------------------------------------------------------------------
     def _parser(self, i: int) -> TP.ToolCallParser:
@@ -130,8 +139,22 @@ class StreamShaper:
         at = L.streamed_offset(self.tok, self.held[i], self.offsets.get(i, 0), text)
         return L.completion_logprobs(self.tok, [lp], at)
 
+    def _new_ids(self, i: int, chunks: list[dict], ids: list[int]) -> None:
+        """`return_token_ids`: the first of `chunks` carries `ids`, the choice's ids not yet sent."""
+        if self.want_ids and chunks:
+            chunks[0]["choices"][0]["token_ids"] = list(ids)
+            self.ids_sent[i] = self.ids_sent.get(i, 0) + len(ids)
+
     def _dress(self, chunk: dict) -> dict:
-        """The per-chunk extras the client asked for: running usage, then the obfuscation padding."""
+        """The per-chunk extras the client asked for: token ids (`return_token_ids`), running usage,
+        then the obfuscation padding."""
+        if self.want_ids and chunk["choices"]:
+            c = chunk["choices"][0]
+            c.setdefault("token_ids", [])
+            if c["index"] not in self.prompt_sent:  # a choice's first chunk: its prompt's ids
+                self.prompt_sent.add(c["index"])
+                ids = list(self.p.generations[c["index"] // self.p.n].prompt_ids)
+                (chunk if self.chunks.kind == "chat" else c)["prompt_token_ids"] = ids
         if self.continuous:
             n = max(1, self.chunks.n if hasattr(self.chunks, "n") else 1)
             prompt = sum(getattr(h.admission, "prompt_tokens", 0) for h in self.handles[::n])
