@@ -34,6 +34,20 @@ from kvgate.sampling_params import (  # noqa: F401 (re-exported: kvgate.sampling
 from kvgate.structured import masks
 
 
+class NoTokenLeft(ValueError):
+    """A row's own constraints (allowed_token_ids, bad_words, with its grammar or min_tokens' held stop
+    tokens) leave no token to draw: the request's fault, answered as a 400 (`vllm_extras`), never as the
+    draw's argmax fallback, which would be a ruled-out token."""
+
+    def __init__(self, generated: int):
+        super().__init__(
+            f"after {generated} generated tokens, allowed_token_ids and bad_words together with the rest of "
+            "the request (its response_format, tools or structured output, or min_tokens' held stop tokens) "
+            "leave no token that may come next. Allow more tokens, ban fewer words, or drop one of the "
+            "constraints"
+        )
+
+
 class Sampler:
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
         self.p = params
@@ -106,8 +120,9 @@ class Sampler:
         )
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` with the bias and penalties applied, and the stop tokens forbidden before min_tokens
-        (a copy), or `logits` itself."""
+        """A copy of `logits` with the bias and penalties applied, the stop tokens forbidden before
+        min_tokens, and the tokens allowed_token_ids and bad_words rule out forbidden. Called for the rows
+        that are `processed`."""
         copied = self.penalized
         if self.penalized:
             logits = self.penalize(logits)
@@ -124,11 +139,15 @@ class Sampler:
         banned = self.banned()
         if self.allowed is not None or banned:
             logits = logits if copied else logits.clone()
+            copied = True
             if self.allowed is not None:
                 logits.masked_fill_(self._outside_mask(logits.shape[-1]), float("-inf"))  # transient
             if banned:
                 logits[[t for t in banned if t < logits.shape[-1]]] = float("-inf")
-        return logits
+        # always a copy: the caller masks it in place (a grammar), and a row whose bad words ban nothing
+        # this step must not hand back the batch's own logits (QA of session 46: the grammar's mask was
+        # written into them, a 500 under inference mode and its neighbours' logits otherwise)
+        return logits if copied else logits.clone()
 
     def _outside_mask(self, n: int) -> torch.Tensor:
         """True for the `n` token ids allowed_token_ids leaves out (made per draw, not kept: a row
@@ -149,12 +168,23 @@ class Sampler:
                 out.append(seq[-1])
         return out
 
+    @property
+    def constrained(self) -> bool:
+        """Whether the request's own allowed_token_ids or bad_words rule tokens out."""
+        return self.allowed is not None or self.bad_words is not None
+
     def forbids(self, token: int) -> bool:
         """Whether allowed_token_ids or bad_words rule `token` out now (a row whose every token was
         ruled out falls back to its argmax, which these must not let through)."""
         a = self.allowed
         if a is not None and not (token >> 3 < len(a) and a[token >> 3] >> (token & 7) & 1):
             return True
+        if (
+            self.generated < self.min_tokens
+            and self.suppressed is not None
+            and bool((self.suppressed == token).any())
+        ):
+            return True  # min_tokens' held stop tokens, which the argmax fallback can also land on
         return token in self.banned()
 
     @property
@@ -219,13 +249,12 @@ def sample_batch(samplers: list[Sampler], logits: torch.Tensor, rows: list[int] 
         tokens = draw_torch(samplers, vocab, row_logits)
     for i, m in bitmasks.items():  # checked before any row's state moves: a failure redoes the batch
         if not masks.allows(m, tokens[i]):
+            if samplers[i].constrained:
+                raise NoTokenLeft(samplers[i].generated)
             raise ValueError(f"the grammar allows no token here (drew {tokens[i]}); the output cannot go on")
     for i, s in enumerate(samplers):
-        if (s.allowed is not None or s.bad_words is not None) and s.forbids(tokens[i]):
-            raise ValueError(
-                f"allowed_token_ids and bad_words (with the grammar, or min_tokens' held stop tokens) leave no "
-                f"token to draw here (drew {tokens[i]}); the output cannot go on"
-            )
+        if s.constrained and s.forbids(tokens[i]):
+            raise NoTokenLeft(s.generated)
     for i, s in enumerate(samplers):
         k = s.p.logprobs
         s.last_logprobs = None if k is None else token_logprobs(row_logits(i), tokens[i], k)

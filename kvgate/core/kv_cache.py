@@ -71,7 +71,7 @@ def prompt_block_hashes(
     out: list[bytes] = []
     parent = root
     if salt is not None:
-        raw = salt.encode()
+        raw = salt.encode("utf-8", "surrogatepass")  # JSON may carry a lone surrogate
         parent = root + b"\x00salt" + len(raw).to_bytes(4, "little") + raw
     for i in range(len(tokens) // block_size):
         ids = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()

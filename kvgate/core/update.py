@@ -96,12 +96,14 @@ class Updater:
         row.token_times.append(now)
         s.counters.generated_tokens += 1
         if row.stop.is_stop_token(token):
-            if row.handle.request.include_stop_str:  # vLLM's: the stop token's own text is output too
-                emit = row.stop.flush() + row.detok.push(token) + row.detok.flush()
+            if row.handle.request.include_stop_str:  # vLLM's: the stop token's own text is output too,
+                # and a stop string completed by it (or held back before it) still counts
+                emit, hit = row.stop.push(row.detok.push(token) + row.detok.flush(), final=True)
+                emit += "" if hit else row.stop.flush()
                 if emit:
                     row.text.append(emit)
-                    s.emit(row.handle, Token(token, emit, now))
-                s.finish(row, "stop", stop_reason=f"token:{token}", flush=False)
+                s.emit(row.handle, Token(token, emit, now, logprobs))
+                s.finish(row, "stop", stop_reason="string" if hit else f"token:{token}", flush=False)
                 return
             s.finish(row, "stop", stop_reason=f"token:{token}")
             return

@@ -207,7 +207,7 @@ def echo_text(prepared, tok, choice: int) -> str:
     """The prompt of a choice as text (OpenAI's `echo`): as sent when it was text, else decoded."""
     k = choice // prepared.n
     prompt = prepared.request.prompt
-    if getattr(prepared, "truncated", False):  # truncate_prompt_tokens: the part kept
+    if k in getattr(prepared, "truncated", ()):  # truncate_prompt_tokens cut it: the part kept
         return tok.decode(prepared.generations[k].prompt_ids, skip_special_tokens=False)
     if isinstance(prompt, str):
         return prompt

@@ -85,7 +85,7 @@ def _vllm_extras(props: dict, vocab: int | None) -> None:
     props["allowed_token_ids"] = {"anyOf": [{"type": "array", "minItems": 1, "items": token}, _NULL]}
     word = {"type": "string", "minLength": 1, "maxLength": MAX_BAD_WORD_CHARS}
     props["bad_words"] = {"anyOf": [{"type": "array", "maxItems": MAX_BAD_WORDS, "items": word}, _NULL]}
-    salt = {"type": "string", "minLength": 1, "maxLength": MAX_SALT_CHARS, "pattern": "^[^@/\\\\\\u0000]*$"}
+    salt = {"type": "string", "minLength": 1, "maxLength": MAX_SALT_CHARS}
     props["cache_salt"] = {"anyOf": [salt, _NULL]}
     props["truncate_prompt_tokens"] = {"anyOf": [{"type": "integer", "minimum": -1}, _NULL]}
 

@@ -35,7 +35,7 @@ class Prepared:
     generations: list[GenerationRequest]
     features: Features = field(default_factory=Features)  # structured output, tools, logprobs, echo
     prompt_only: bool = False  # echo with max_tokens=0: the response holds the prompt, nothing generated
-    truncated: bool = False  # truncate_prompt_tokens cut a prompt: echo shows what was kept
+    truncated: frozenset = frozenset()  # prompts truncate_prompt_tokens cut: echo shows what was kept
 
     @property
     def n(self) -> int:
@@ -99,8 +99,10 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
     )
     try:
         sampling.check_vocab(engine.spec.vocab_size)
+        sampling.pack()  # the allowed ids as a bitmask: the list as sent (up to a body's size) is let go
     except SamplingError as exc:
         raise invalid(str(exc), param=exc.param) from None
+    req.allowed_token_ids = None
     if feats.logprobs is not None:
         engine.tokenizer.token_bytes(0)  # builds the token-bytes table here, off the event loop
     # echo with max_tokens=0 scores the prompt alone (the field's way to ask for a text's log-likelihood):
@@ -151,7 +153,14 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
             f"tokens and the context holds {L} (--max-model-len); send at most {L - 1} tokens",
             param="prompt",
         )
-    return Prepared(P.request_kind(req), req, gens, feats, prompt_only, truncated=prompts != sent)
+    return Prepared(
+        P.request_kind(req),
+        req,
+        gens,
+        feats,
+        prompt_only,
+        truncated=frozenset(k for k, (a, b) in enumerate(zip(prompts, sent)) if a != b),
+    )
 
 
 def prediction_ids(engine, req) -> list[int] | None:

@@ -33,7 +33,7 @@ from kvgate.server.logprob_body import choice_writer, logprob_response
 from kvgate.server.logprobs import decorate_body
 from kvgate.server.prepare import prepare_generation, submit_all
 from kvgate.server.responses import ChunkMaker, completion_body, named_stop_ids, usage
-from kvgate.server.sse import ENGINE_ERROR, HandledStream, observe_after_cancel, sse_stream
+from kvgate.server.sse import ENGINE_ERROR, HandledStream, failure_error, observe_after_cancel, sse_stream
 from kvgate.server.stream_shape import StreamShaper
 from kvgate.server.tool_parser import model_ended, read_calls
 from kvgate.server.vllm_extras import add_token_ids, logprob_names
@@ -97,10 +97,10 @@ async def generate(request: Request, cls, raw: bytes | None = None, whole: bool 
         raise
     for res in results:
         on_result(res)
-    failed = [r for r in results if r.finish_reason == "error"]
+    failed = [i for i, r in enumerate(results) if r.finish_reason == "error"]
     if failed:
-        log.error("request %s: generation failed: %s", REQUEST_ID.get(), failed[0].error)
-        return APIError(500, ENGINE_ERROR, "engine_error").response()
+        log.error("request %s: generation failed: %s", REQUEST_ID.get(), results[failed[0]].error)
+        return failure_error(results[failed[0]], handles[failed[0]].request).response()
     if prepared.prompt_only:  # echo with max_tokens=0: the one token the engine sampled is left out
         results = [prompt_only(r) for r in results]
         token_logprobs = [[] for _ in results]

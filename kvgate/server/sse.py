@@ -27,6 +27,18 @@ log = logging.getLogger("kvgate.server")
 
 DONE = "data: [DONE]\n\n"
 ENGINE_ERROR = "generation failed inside the engine; the details are in the server log"
+NO_TOKEN_LEFT = "NoTokenLeft: "  # kvgate.sampling.NoTokenLeft, as a failed row's error names it
+
+
+def failure_error(result, request) -> APIError:
+    """What a failed choice is answered with: a conflict of the request's own constraints
+    (`NoTokenLeft`: allowed_token_ids or bad_words against its grammar or min_tokens) is a 400 that
+    says so; anything else is the engine's 500, whose details stay in the log."""
+    err = result.error or ""
+    if err.startswith(NO_TOKEN_LEFT):
+        param = "allowed_token_ids" if request.sampling.allowed_token_ids is not None else "bad_words"
+        return APIError(400, err[len(NO_TOKEN_LEFT) :], "no_token_left", param=param)
+    return APIError(500, ENGINE_ERROR, "engine_error")
 
 
 async def chat_chunks(chat_stream):
@@ -68,7 +80,7 @@ async def sse_stream(chunks: ChunkMaker, handles, include_usage: bool, on_result
                     yield event(c)
             if ev.result.finish_reason == "error":
                 log.error("request %s: generation failed mid-stream: %s", REQUEST_ID.get(), ev.result.error)
-                yield event(APIError(500, ENGINE_ERROR, "engine_error").body())
+                yield event(failure_error(ev.result, handles[i].request).body())
                 for h in handles:
                     h.cancel()
                 yield DONE

@@ -12,7 +12,9 @@
   in all.
 - `cache_salt`: prompts with different salts never share prefix-cache blocks (vLLM's guard against a
   tenant timing another's cached prompt): the salt roots the chain of block hashes. A non-empty string
-  of at most 128 characters without '@', '/', '\\' or NUL, as vLLM's.
+  of at most 1,024 characters (vLLM's field limit; its newer rule against '/', '@' and '\\' is not kept:
+  a base64 salt, as vLLM's own docs suggest, holds a '/' about half the time, and the characters mean
+  nothing to a hash).
 - `include_stop_str_in_output`: the stop string that ended a choice stays in its text (text after it in
   the same token does not); a stop token's own text too (the model's end token writes none unless
   `skip_special_tokens` is false).
@@ -34,8 +36,7 @@ from kvgate.server.errors import invalid
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 MAX_BAD_WORD_TOKENS = 1024  # all sequences together, as vLLM's second model runner caps them
-MAX_SALT_CHARS = 128
-SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+MAX_SALT_CHARS = 1024
 
 
 class VllmExtras(BaseModel):
@@ -52,7 +53,7 @@ class VllmExtras(BaseModel):
 
 
 def check_extras(req: VllmExtras) -> None:
-    """The checks that need no tokenizer: ranges, sizes, the salt's characters."""
+    """The checks that need no tokenizer: ranges and sizes."""
     t = req.truncate_prompt_tokens
     if t is not None and t < -1:
         raise invalid(
@@ -77,10 +78,9 @@ def check_extras(req: VllmExtras) -> None:
                 f"a bad_words entry is {len(w)} characters; at most {MAX_BAD_WORD_CHARS}", param="bad_words"
             )
     s = req.cache_salt
-    if s is not None and (not s or len(s) > MAX_SALT_CHARS or any(c in s for c in SALT_FORBIDDEN)):
+    if s is not None and not 0 < len(s) <= MAX_SALT_CHARS:
         raise invalid(
-            f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters without '@', '/', "
-            f"'\\' or NUL (got {len(s)} characters)",
+            f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters (got {len(s)})",
             param="cache_salt",
         )
 
@@ -96,6 +96,13 @@ def truncated(
     room = context - (max_tokens if given else 1)
     if keep == -1:
         keep = room
+        if room < 1:  # the output alone fills the context: no prompt fits beside it
+            raise invalid(
+                f"truncate_prompt_tokens=-1 keeps as much prompt as fits beside max_tokens={max_tokens}, and "
+                f"the context ({context} positions, --max-model-len) leaves none: lower max_tokens below "
+                f"{context}",
+                param="max_tokens",
+            )
     if keep > room:
         out = f"max_tokens={max_tokens}" if given else "one position of output"
         raise invalid(
@@ -139,11 +146,11 @@ def add_token_ids(body: dict, prepared, results) -> None:
     choice, its own prompt's) and each choice's generated ids, its stop token included."""
     gens = prepared.generations
     if prepared.kind == "chat":
-        body["prompt_token_ids"] = list(gens[0].prompt_ids)
+        body["prompt_token_ids"] = gens[0].prompt_ids
     for i, (choice, res) in enumerate(zip(body["choices"], results, strict=True)):
-        if prepared.kind != "chat":
-            choice["prompt_token_ids"] = list(gens[i // prepared.n].prompt_ids)
-        choice["token_ids"] = list(res.token_ids)
+        if prepared.kind != "chat":  # the prompt's own list, shared by its choices (not a copy each)
+            choice["prompt_token_ids"] = gens[i // prepared.n].prompt_ids
+        choice["token_ids"] = res.token_ids
 
 
 class TokenIdNames:
