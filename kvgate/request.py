@@ -73,6 +73,9 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # false: special tokens the model writes stay in the text
     # vLLM's: the stop string (or stop token's text) that ended the output stays in its text
     include_stop_str: bool = False
+    # the stop token (EOS, stop_token_ids) is a Token event too, with its logprobs, as vLLM lists it: set
+    # by return_token_ids / return_tokens_as_token_ids, whose clients pair the ids with the logprobs
+    report_stop_token: bool = False
     # vLLM's `cache_salt`: roots this prompt's block hashes, so only prompts of the same salt share blocks
     cache_salt: str | None = None
     # (opening, closing) of output regions the stop strings do not apply in: tool calls (kvgate.stop)

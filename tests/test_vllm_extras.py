@@ -438,3 +438,43 @@ def test_an_included_stop_token_carries_its_logprobs(client):
     c = r.choices[0]
     assert c.model_extra["token_ids"][-1] == stop
     assert len(c.logprobs.tokens) == len(c.model_extra["token_ids"])
+
+
+def test_token_id_clients_get_the_stop_tokens_logprobs_too(client, tiny_base):
+    """RL clients pair `token_ids` (or the `token_id:` names of logprobs, as verifiers parses them) with
+    logprobs, and train on what ended the answer too: with return_token_ids or
+    return_tokens_as_token_ids the stop token has its logprobs entry, as vLLM lists it, and no text.
+    Without them the answer is OpenAI's, whose logprobs leave the end out. Red with `report_stop_token`
+    unset."""
+    base = {"ignore_eos": True, "return_token_ids": True}
+    free = client.chat.completions.create(model="tiny", messages=CHAT, **GREEDY, extra_body=base)
+    ids = free.choices[0].model_extra["token_ids"]
+    stop = next(t for t in ids[2:] if t not in ids[:2])
+    cut = ids[: ids.index(stop) + 1]
+    for extra, named in (({"return_token_ids": True}, False), ({"return_tokens_as_token_ids": True}, True)):
+        body = {"ignore_eos": True, "stop_token_ids": [stop], **extra}
+        r = client.chat.completions.create(
+            model="tiny", messages=CHAT, **GREEDY, logprobs=True, extra_body=body
+        )
+        entries = r.choices[0].logprobs.content
+        assert len(entries) == len(cut)
+        if named:
+            assert [e.token for e in entries] == [f"token_id:{t}" for t in cut]
+        chunks = stream_chunks(
+            tiny_base, "/v1/chat/completions", {"messages": CHAT, **GREEDY, "logprobs": True, **body}
+        )
+        streamed = [
+            e
+            for c in chunks
+            if c["choices"] and c["choices"][0].get("logprobs")
+            for e in c["choices"][0]["logprobs"]["content"]
+        ]
+        assert len(streamed) == len(cut)
+    plain = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        **GREEDY,
+        logprobs=True,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop]},
+    )
+    assert len(plain.choices[0].logprobs.content) == len(cut) - 1

@@ -96,9 +96,13 @@ class Updater:
         row.token_times.append(now)
         s.counters.generated_tokens += 1
         if row.stop.is_stop_token(token):
-            if row.handle.request.include_stop_str:  # vLLM's: the stop token's own text is output too,
-                # and a stop string completed by it (or held back before it) still counts
-                emit, hit = row.stop.push(row.detok.push(token) + row.detok.flush(), final=True)
+            req = row.handle.request
+            # vLLM's include_stop_str_in_output: the stop token's own text is output too, and a stop
+            # string completed by it (or held back before it) still counts; with report_stop_token the
+            # token is an event of its own (its logprobs), carrying the held-back tail
+            if req.include_stop_str or req.report_stop_token:
+                own = row.detok.push(token) if req.include_stop_str else ""
+                emit, hit = row.stop.push(own + row.detok.flush(), final=True)
                 emit += "" if hit else row.stop.flush()
                 if emit:
                     row.text.append(emit)

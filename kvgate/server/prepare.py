@@ -124,6 +124,7 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
             prediction_ids=predicted,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str=req.include_stop_str_in_output,
+            report_stop_token=req.return_token_ids or req.return_tokens_as_token_ids,
             cache_salt=req.cache_salt,
             stop_exempt=CALL_REGION if feats.tools is not None else None,
             # the server keeps a response's logprobs until it is sent (kvgate.server.held)
