@@ -131,6 +131,36 @@ def test_structured_output_runs_through_the_cluster(cluster):
         assert choice["message"]["content"].lstrip().startswith("{")
 
 
+@pytest.mark.timeout(120)
+def test_vllm_extras_run_through_the_cluster(cluster):
+    """vLLM's request extras through the ingress (kvgate/server/vllm_extras.py): the token ids of a
+    whole answer equal the streamed ones, an included stop token ends the text and the ids with its
+    logprobs entry, and a salted prompt's second send is cached (the affinity, chained on the salt, sends
+    it back to the replica that holds it) where an unsalted one of the same text is not. Red with the
+    salt left out of the replicas' block hashes (`prompt_block_hashes`)."""
+    base = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    base["return_token_ids"] = True
+    whole = httpx.post(cluster + "/v1/completions", json=base, timeout=60).json()["choices"][0]
+    with httpx.stream("POST", cluster + "/v1/completions", json={**base, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    stop = whole["token_ids"][3]
+    cut = whole["token_ids"][: whole["token_ids"].index(stop) + 1]
+    ask = {**base, "stop_token_ids": [stop], "include_stop_str_in_output": True, "logprobs": 0}
+    got = httpx.post(cluster + "/v1/completions", json=ask, timeout=60).json()["choices"][0]
+    assert got["token_ids"] == cut and len(got["logprobs"]["tokens"]) == len(cut)
+    long = {"prompt": " ".join(f"w{i}" for i in range(40)), "max_tokens": 1, "temperature": 0}
+
+    def cached(**extra):
+        r = httpx.post(cluster + "/v1/completions", json={**long, **extra}, timeout=60).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="t1") == 0
+    assert cached(cache_salt="t1") > 0
+    assert cached() == 0 and cached(cache_salt="t2") == 0
+
+
 @pytest.mark.timeout(60)
 def test_the_ingress_resources_add_up_the_replicas_and_say_the_plan_is_each_ones(cluster):
     """Two replicas of 8 rows: the cluster has 16 rows and twice one plan's KV blocks; the plan is
