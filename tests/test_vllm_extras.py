@@ -478,3 +478,14 @@ def test_token_id_clients_get_the_stop_tokens_logprobs_too(client, tiny_base):
         extra_body={"ignore_eos": True, "stop_token_ids": [stop]},
     )
     assert len(plain.choices[0].logprobs.content) == len(cut) - 1
+
+
+def test_tokenize_takes_vllms_return_token_strs(tiny_base):
+    """Clients of vLLM's /tokenize send `return_token_strs` (often false, explicitly): it was an unknown
+    field's 400. True adds the vocabulary strings, one per id, as vLLM's `convert_ids_to_tokens`."""
+    plain = httpx.post(tiny_base + "/tokenize", json={"prompt": "hello there", "return_token_strs": False})
+    assert plain.status_code == 200 and "token_strs" not in plain.json()
+    got = httpx.post(tiny_base + "/v1/tokenize", json={"messages": CHAT, "return_token_strs": True}).json()
+    assert len(got["token_strs"]) == got["count"] and all(isinstance(t, str) for t in got["token_strs"])
+    back = httpx.post(tiny_base + "/v1/detokenize", json={"tokens": got["tokens"][:1]}).json()["prompt"]
+    assert got["token_strs"][0] == back  # a special token's string is its text

@@ -259,7 +259,10 @@ def prepare_tokenize(raw: bytes, engine, settings: ServerSettings) -> dict:
         ids = chat_ids(engine, *render_chat(engine, chat, plan_tools(chat)), req)  # exactly the chat's prompt
     else:
         ids = engine.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
-    return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+    out = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+    if req.return_token_strs:  # vLLM's `convert_ids_to_tokens`: the vocabulary's strings ("Ġhello")
+        out["token_strs"] = [engine.tokenizer.token_text(i) for i in ids]
+    return out
 
 
 def prepare_detokenize(raw: bytes, engine, settings: ServerSettings) -> dict:

@@ -228,6 +228,7 @@ class TokenizeRequest(_Body, TemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # vLLM's: the tokens' vocabulary strings too (`token_strs`)
     # with `messages`, as a chat request renders them: the tools' prompt block counts too
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
