@@ -489,3 +489,18 @@ def test_tokenize_takes_vllms_return_token_strs(tiny_base):
     assert len(got["token_strs"]) == got["count"] and all(isinstance(t, str) for t in got["token_strs"])
     back = httpx.post(tiny_base + "/v1/detokenize", json={"tokens": got["tokens"][:1]}).json()["prompt"]
     assert got["token_strs"][0] == back  # a special token's string is its text
+
+
+def test_the_responses_api_takes_cache_salt(client):
+    """vLLM's Responses request carries `cache_salt` too: kvgate's was a 400 (QA of session 46). The
+    same salt shares the prompt's blocks, another does not. Red with it left out of responses_input's
+    PASSED fields (the salt dropped: the second salt's request cached)."""
+    text = " ".join(f"resp{i}" for i in range(30))
+
+    def cached(salt):
+        r = client.responses.create(
+            model="tiny", input=text, max_output_tokens=1, extra_body={"cache_salt": salt}
+        )
+        return r.usage.input_tokens_details.cached_tokens
+
+    assert cached("r1") == 0 and cached("r1") > 0 and cached("r2") == 0

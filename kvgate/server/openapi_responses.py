@@ -18,6 +18,7 @@ _STR = {"type": "string"}
 RESPONSES_RANGES = {
     "max_output_tokens": {"minimum": 1},
     "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    "cache_salt": {"minLength": 1, "maxLength": 1024},  # vllm_extras.MAX_SALT_CHARS
 }
 
 

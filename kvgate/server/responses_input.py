@@ -52,6 +52,7 @@ PASSED = (
     "ignore_eos",
     "stop",
     "min_tokens",
+    "cache_salt",
     "parallel_tool_calls",
 )
 ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")

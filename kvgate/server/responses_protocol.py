@@ -147,6 +147,7 @@ class ResponsesRequest(_Body):
     ignore_eos: bool | None = None
     stop: str | list[str] | None = None
     min_tokens: int | None = None
+    cache_salt: str | None = None  # vLLM's: as on the chat endpoint (kvgate.server.vllm_extras)
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = None
