@@ -4,7 +4,8 @@
   runners truncate from the left; `-1` keeps as many as the context holds beside max_tokens. More than
   the context minus max_tokens is a 400 with the numbers. Usage counts the tokens kept.
 - `allowed_token_ids`: only these ids may be drawn (every other logit is -inf); empty or outside the
-  vocabulary is a 400.
+  vocabulary is a 400, and so is a step where they (or `bad_words`) leave nothing the grammar or
+  `min_tokens` allows (`kvgate.sampling.NoTokenLeft`, answered by `sse.failure_error`).
 - `bad_words`: each word is banned as a token sequence, written alone and after a space (the second
   only where it tokenizes to as many tokens with another first token, vLLM's rule); a sequence's last
   token is -inf whenever the output so far ends with the rest of it (a one-token word: always). At most
@@ -19,10 +20,11 @@
   the same token does not); a stop token's own text too (the model's end token writes none unless
   `skip_special_tokens` is false).
 - `return_token_ids`: the prompt's ids (`prompt_token_ids`: chat at the top, completions per choice)
-  and each choice's generated ids (`token_ids`, its stop token included), streamed as each chunk's new
-  ids with the prompt's on each choice's first chunk.
-- `return_tokens_as_token_ids`: logprobs name tokens `token_id:<id>`; their `bytes` and text offsets
-  stay the tokens' own (vLLM gives the bytes and offsets of the placeholder text in some places).
+  and each choice's generated ids (`token_ids`, its stop token included, and its logprobs entry with
+  them: `GenerationRequest.report_stop_token`), streamed as each chunk's new ids with the prompt's on
+  each choice's first chunk.
+- `return_tokens_as_token_ids`: logprobs name tokens `token_id:<id>`, the stop token's included; their
+  `bytes` and text offsets stay the tokens' own (vLLM gives the placeholder's in some places).
 - `spaces_between_special_tokens`: kvgate's tokenizer never writes spaces between special tokens, so
   true and false give the same text here.
 """
