@@ -103,6 +103,7 @@ def test_every_v1_route_needs_the_key_and_health_metrics_stay_open(keyed):
         "/v1/responses": {"input": "hi", "max_output_tokens": 2},
         "/v1/messages": {"model": "tiny", "messages": MSG, "max_tokens": 2},
         "/v1/messages/count_tokens": {"model": "tiny", "messages": MSG},
+        "/inference/v1/generate": {"token_ids": [5, 6], "sampling_params": {"max_tokens": 2}},
     }
     wrong = [
         None,

@@ -30,6 +30,7 @@ INTERNAL_ERROR = "internal server error; the details are in the server log under
 REQUEST_ID: ContextVar[str] = ContextVar("kvgate_request_id", default="-")  # this request's, for log lines
 
 ROOT_API = ("/tokenize", "/detokenize", "/tokenizer_info")  # API routes outside /v1/ (routes.ROOT_ALIASES)
+GENERATE = "/inference/v1/generate"  # vLLM's token-in, token-out route (kvgate.server.generate_route)
 ENDPOINTS = {
     "/",
     "/v1/chat/completions",
@@ -43,21 +44,23 @@ ENDPOINTS = {
     "/v1/resources",
     "/health",
     "/metrics",
+    GENERATE,
     *ROOT_API,
 }
 
 
 def api_path(path: str) -> bool:
     """The API's paths: a drain waits for them."""
-    return path.startswith("/v1/") or path in ROOT_API
+    return path.startswith("/v1/") or path in ROOT_API or path == GENERATE
 
 
 def keyed_path(path: str) -> bool:
     """The paths `--api-key` guards: /v1/, as vLLM's server. vLLM's root aliases of the tokenizer
     routes answer without it there, and lm-eval probes them so (it sends the key only to /v1/): behind
     the key it fell back to downloading a tokenizer from the hub and failed on that (QA pass 14). Their
-    /v1/ forms take the key."""
-    return path.startswith("/v1/")
+    /v1/ forms take the key. vLLM's generate route takes it too: it generates, and the clients that call
+    it (the openai client's `post`) send the key."""
+    return path.startswith("/v1/") or path == GENERATE
 
 
 def endpoint_of(path: str) -> str:

@@ -16,6 +16,7 @@ from kvgate.memory.overhead import process_peak_rss_bytes, process_rss_bytes
 from kvgate.server import protocol as P
 from kvgate.server.bodies import read_body
 from kvgate.server.context import check_model, ready_engine
+from kvgate.server.generate_route import inference_generate
 from kvgate.server.messages_route import count_tokens, messages
 from kvgate.server.prepare import prepare_detokenize, prepare_tokenize
 from kvgate.server.responses_route import cancel_response, input_items, responses, stored_response
@@ -180,11 +181,12 @@ ROUTES = [
     ("GET", "/v1/responses/{response_id}/input_items", input_items),
     ("POST", "/v1/responses/{response_id}/cancel", cancel_response),
 ]
-# Anthropic's Messages API (kvgate.server.messages_route): outside the OpenAPI document, which
-# describes the OpenAI API
+# Anthropic's Messages API (kvgate.server.messages_route) and vLLM's generate route
+# (kvgate.server.generate_route): outside the OpenAPI document, which describes the OpenAI API
 MESSAGES_ROUTES = [
     ("POST", "/v1/messages", messages),
     ("POST", "/v1/messages/count_tokens", count_tokens),
+    ("POST", "/inference/v1/generate", inference_generate),  # vLLM's token-in, token-out (also not OpenAI's)
 ]
 
 

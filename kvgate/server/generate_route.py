@@ -1,0 +1,224 @@
+"""`POST /inference/v1/generate`: vLLM's token-in, token-out endpoint, over the completions path.
+
+RL trainers (prime-rl through `renderers`, SkyRL) render their prompts themselves and send token ids:
+`{"token_ids": [...], "sampling_params": {...}}`. The body becomes the text completion it stands for
+(`to_completion`: the ids as the prompt, vLLM's sampling fields as the completion's, the answer's ids and
+logprob names by id forced on) and is served by `serving.generate` exactly as one: the same admission,
+refusals with their numbers, and memory. The answer is rewritten into vLLM's shape (`generate_body`):
+`request_id`, `choices[].token_ids` (the stop token included), `finish_reason`, `stop_reason`, and
+`logprobs.content` entries that name each token both ways vLLM has (`"token": "token_id:N"` before 0.32,
+`"token_id": N` since), so clients of either read them; `prompt_token_ids` with `return_token_ids`.
+Streamed, each chunk carries its new ids and their logprobs. An error's `param` is the body's own name
+(`token_ids`, `sampling_params.temperature`).
+
+Not done, refused by name: `output_mode` other than "tokens" (no text here), multimodal `features` /
+`content_parts`, `kv_transfer_params`, `prompt_logprobs`, a full-vocabulary `logprobs: -1`, and
+`priority` other than 0 (one FIFO queue). Unlike vLLM's, the route needs no `--enable-scale-out`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvgate.server import protocol as P
+from kvgate.server.bodies import parse_json, read_body
+from kvgate.server.errors import APIError, invalid, unsupported
+from kvgate.server.serving import generate
+from kvgate.server.sse import DONE, HandledStream, chat_chunks, event
+
+# vLLM's SamplingParams fields the completions path takes under the same names
+SAMPLING = (
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "allowed_token_ids",
+    "bad_words",
+    "logit_bias",
+    "structured_outputs",
+    "truncate_prompt_tokens",
+)
+IGNORED = ("detokenize", "output_kind")  # no text is returned; the server sets how outputs come
+TOP = ("model", "token_ids", "sampling_params", "stream", "stream_options", "request_id", "cache_salt")
+NULL_ONLY = {
+    "kv_transfer_params": "disaggregated prefill is not implemented",
+    "ec_transfer_params": "disaggregated encoding is not implemented",
+    "features": "multimodal input is not implemented; this model reads text",
+    "content_parts": "multimodal input is not implemented; this model reads text",
+}
+_KEPT_HEADERS = ("retry-after", "retry-after-ms", "x-kvgate-budget-cap", "x-request-id")
+
+
+def to_completion(body) -> tuple[dict, str]:
+    """The text completion body a generate body asks for, and the answer's request id; a 400 naming
+    the generate body's field where it asks for something kvgate does not do."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", code="invalid_json")
+    for name in body:
+        if name in NULL_ONLY and body[name] is not None:
+            raise unsupported(name, NULL_ONLY[name] + " (null, or leaving it out, is accepted)")
+        if name in ("priority", "output_mode", "return_token_ids") or name in TOP or name in NULL_ONLY:
+            continue
+        raise unsupported(name, "unknown field; remove it (kvgate refuses fields it would otherwise ignore)")
+    if body.get("priority") not in (None, 0):
+        raise unsupported("priority", "one FIFO queue serves every request here: send 0 or leave it out")
+    if body.get("output_mode") not in (None, "tokens"):
+        raise unsupported("output_mode", 'only "tokens" is served: the answer is ids (send "tokens")')
+    ids = body.get("token_ids")
+    if not isinstance(ids, list) or not ids:
+        raise invalid("token_ids must be a non-empty list of token ids (the rendered prompt)", "token_ids")
+    params = body.get("sampling_params")
+    if not isinstance(params, dict):
+        raise invalid(
+            "sampling_params must be an object (vLLM's SamplingParams: {} for its defaults)",
+            "sampling_params",
+        )
+    out = {k: body[k] for k in ("model", "stream", "stream_options", "cache_salt") if body.get(k) is not None}
+    out.update(prompt=ids, return_token_ids=True, return_tokens_as_token_ids=True)
+    for name, value in params.items():
+        if name in IGNORED or value is None:
+            continue
+        if name not in SAMPLING:
+            why = (
+                "prompt scores are served by /v1/completions with echo and logprobs"
+                if name == "prompt_logprobs"
+                else "not implemented here; remove it"
+            )
+            raise unsupported(f"sampling_params.{name}", why)
+        out[name] = value
+    if out.get("logprobs") == -1:
+        raise unsupported("sampling_params.logprobs", "-1 (the whole vocabulary) is not served: send 0 to 5")
+    if isinstance(out.get("logit_bias"), dict):  # vLLM's keys are ints; JSON's are strings either way
+        out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
+    rid = body.get("request_id")
+    return out, f"generate-tokens-{rid if isinstance(rid, str) and rid else uuid.uuid4().hex}"
+
+
+def generate_param(param: str | None) -> str | None:
+    """A completions field's name as the generate body names it."""
+    if param is None:
+        return None
+    head = param.split(".", 1)[0]
+    if head == "prompt":
+        return "token_ids" + param[len("prompt") :]
+    if head in SAMPLING:
+        return "sampling_params." + param
+    return param
+
+
+def _ids(name: str) -> int:
+    return int(name.split(":", 1)[1])  # "token_id:N", as return_tokens_as_token_ids names them
+
+
+def content(lp: dict | None) -> dict | None:
+    """A completions choice's logprobs (tokens named by id) as vLLM's generate `logprobs.content`."""
+    if lp is None:
+        return None
+    entries = []
+    for name, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        alts = [{"token": t, "token_id": _ids(t), "logprob": v} for t, v in (top or {}).items()]
+        entries.append({"token": name, "token_id": _ids(name), "logprob": value, "top_logprobs": alts})
+    return {"content": entries}
+
+
+def choice(c: dict) -> dict:
+    return {
+        "index": c["index"],
+        "finish_reason": c.get("finish_reason"),
+        "stop_reason": c.get("stop_reason"),
+        "token_ids": c.get("token_ids") or [],
+        "logprobs": content(c.get("logprobs")),
+    }
+
+
+def generate_body(answer: dict, rid: str, prompt_ids: bool) -> dict:
+    out = {
+        "request_id": rid,
+        "model": answer["model"],
+        "created": answer["created"],
+        "usage": answer["usage"],
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+        "output_mode": "tokens",
+        "choices": [choice(c) for c in answer["choices"]],
+    }
+    if prompt_ids:
+        out["prompt_token_ids"] = answer["choices"][0].get("prompt_token_ids")
+    return out
+
+
+async def inference_generate(request: Request) -> Response:
+    settings = request.app.state.settings
+    raw = await read_body(request, settings.max_body_bytes)
+    body = parse_json(raw)
+    completion, rid = to_completion(body)
+    try:
+        answer = await generate(request, P.CompletionRequest, raw=json.dumps(completion).encode(), whole=True)
+    except APIError as e:
+        e.param, e.message = generate_param(e.param), e.message.replace("'prompt'", "'token_ids'")
+        raise
+    headers = {k: v for k, v in answer.headers.items() if k.lower() in _KEPT_HEADERS}
+    if answer.status_code != 200:  # a refusal's body (or 499, none): its param in the generate body's names
+        if not answer.body:
+            return answer
+        err = json.loads(answer.body)
+        err["error"]["param"] = generate_param(err["error"].get("param"))
+        return JSONResponse(err, status_code=answer.status_code, headers=headers)
+    with_prompt = body.get("return_token_ids") is True
+    if isinstance(answer, StreamingResponse):
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        chunks = _chunks(answer.body_iterator, rid, with_prompt)
+        return HandledStream(
+            chunks, answer.handles, answer.on_result, began=lambda: answer.began, headers=headers
+        )
+    return JSONResponse(generate_body(json.loads(answer.body), rid, with_prompt), headers=headers)
+
+
+async def _chunks(stream, rid: str, with_prompt: bool):
+    """The completions stream's chunks in, vLLM's generate chunks out: a chunk per new ids (or a
+    finish), the prompt's ids on each choice's first with `return_token_ids`, usage as sent, errors as
+    they come."""
+    try:
+        async for chunk in chat_chunks(stream):
+            if "error" in chunk:
+                err = chunk["error"]
+                err["param"] = generate_param(err.get("param"))
+                yield event(chunk)
+                continue
+            out = {
+                "request_id": rid,
+                "created": chunk.get("created", int(time.time())),
+                "output_mode": "tokens",
+            }
+            out["usage"] = chunk.get("usage")
+            if not chunk["choices"]:  # the usage chunk
+                yield event({**out, "choices": []})
+                continue
+            c = chunk["choices"][0]
+            if not c.get("token_ids") and c.get("finish_reason") is None and "prompt_token_ids" not in c:
+                continue  # text released with no new ids (a held-back tail): nothing in tokens mode
+            if with_prompt and "prompt_token_ids" in c:
+                out["prompt_token_ids"] = c["prompt_token_ids"]
+            yield event({**out, "choices": [choice(c)]})
+        yield DONE
+    finally:
+        await stream.aclose()
