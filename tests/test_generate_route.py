@@ -174,3 +174,59 @@ def test_renderers_renders_and_generates_on_smollm2(real_base, tmp_path):
     assert out["finish_reason"] == "stop" and out["completion_ids"][-1] in renderer.get_stop_token_ids()
     assert "Paris" in out["content"]
     assert len(out["completion_logprobs"]) == len(out["completion_ids"])
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"token_ids": ["hello", "x"], "sampling_params": {}}, "token_ids"),
+        ({"token_ids": [[1, 2], [3]], "sampling_params": {}}, "token_ids"),
+        ({"token_ids": [1], "sampling_params": {}, "request_id": 5}, "request_id"),
+        ({"token_ids": [1], "sampling_params": {}, "request_id": "r" * 129}, "request_id"),
+        ({"token_ids": [1], "sampling_params": {}, "return_token_ids": "yes"}, "return_token_ids"),
+        (
+            {
+                "token_ids": [1],
+                "sampling_params": {},
+                "stream": True,
+                "stream_options": {"include_obfuscation": True},
+            },
+            "stream_options.include_obfuscation",
+        ),
+    ],
+)
+def test_the_reviews_bodies_are_400s(tiny_base, body, param):
+    """The session's review: text or nested prompts were served as completions' prompt lists (200, the
+    second prompt's ids lost), a bad request_id or return_token_ids was silently replaced, and
+    obfuscation padding asked for was dropped. Red with the old `to_completion` checks."""
+    r = httpx.post(tiny_base + GEN, json=body, timeout=30)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+
+
+def test_a_stream_reserves_no_whole_body_and_messages_use_the_bodys_names(make_engine):
+    """A stream's chunks are rewritten one at a time, so it holds no whole body's logprobs: with 1 MiB of
+    logprobs memory, 200 tokens at logprobs 5 stream (they were refused, the whole body's 10 KB a
+    position reserved for them), while the whole answer is refused with numbers in the body's names.
+    Red with `whole=True` for streams."""
+    from tests.server_util import running_server
+
+    with running_server(make_engine(logprobs_memory=1 << 20)) as (base, _app):
+        params = {"max_tokens": 200, "logprobs": 5, "ignore_eos": True, "temperature": 0}
+        chunks = chunks_of(base, {"token_ids": IDS, "sampling_params": params})
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"]) == 200
+        r = httpx.post(base + GEN, json={"token_ids": IDS, "sampling_params": params}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "sampling_params.max_tokens" and "sampling_params.logprobs=5" in err["message"]
+
+
+def test_only_the_asked_prompt_ids_travel(tiny_base):
+    """return_token_ids is forced on inside the route for the answer's ids; the prompt's ids come once,
+    and only when the client asked (n=3 used to carry three copies through the completion's JSON)."""
+    body = {"token_ids": IDS, "sampling_params": {"max_tokens": 2, "n": 3, "temperature": 1.0, "seed": 1}}
+    plain = httpx.post(tiny_base + GEN, json=body).json()
+    assert "prompt_token_ids" not in plain and len(plain["choices"]) == 3
+    asked = httpx.post(tiny_base + GEN, json={**body, "return_token_ids": True}).json()
+    assert asked["prompt_token_ids"] == IDS
+    chunks = chunks_of(tiny_base, {**body, "return_token_ids": True})
+    assert sum("prompt_token_ids" in c for c in chunks) == 1

@@ -504,3 +504,15 @@ def test_the_responses_api_takes_cache_salt(client):
         return r.usage.input_tokens_details.cached_tokens
 
     assert cached("r1") == 0 and cached("r1") > 0 and cached("r2") == 0
+
+
+def test_best_of_picks_the_same_winner_with_or_without_token_ids(tiny_base):
+    """The review of session 46: reporting the stop token (return_token_ids) put its logprob into the
+    best_of score, so for seeds 9 and 10 of 40 the winner changed (a stopped answer lost to a longer
+    one). The score now leaves a reported stop token out (`serving.scored`). Red without it."""
+    for seed in (8, 9, 10, 11):
+        body = {"prompt": [80, 70], "max_tokens": 60, "temperature": 1, "best_of": 4, "n": 1, "seed": seed}
+        a = httpx.post(tiny_base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        with_ids = {**body, "return_token_ids": True}
+        b = httpx.post(tiny_base + "/v1/completions", json=with_ids, timeout=60).json()["choices"][0]["text"]
+        assert a == b, seed

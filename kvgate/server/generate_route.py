@@ -19,6 +19,7 @@ Not done, refused by name: `output_mode` other than "tokens" (no text here), mul
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 
@@ -66,6 +67,15 @@ NULL_ONLY = {
     "content_parts": "multimodal input is not implemented; this model reads text",
 }
 _KEPT_HEADERS = ("retry-after", "retry-after-ms", "x-kvgate-budget-cap", "x-request-id")
+MAX_REQUEST_ID = 128
+# what a non-streamed answer holds a position of logprobs while it is rewritten (the completion's JSON,
+# its parse, this route's entries): tracemalloc, 2,000 positions, measured 2,120 B at logprobs 0,
+# 2,993 at 1 and 4,561 at 5 (the review of session 46); reserved as 2,400 + 800 a top entry
+HOLD_BYTES, HOLD_TOP_BYTES = 2400, 800
+
+
+def hold_bytes(k: int | None) -> int:
+    return 0 if k is None else HOLD_BYTES + HOLD_TOP_BYTES * k
 
 
 def to_completion(body) -> tuple[dict, str]:
@@ -84,8 +94,19 @@ def to_completion(body) -> tuple[dict, str]:
     if body.get("output_mode") not in (None, "tokens"):
         raise unsupported("output_mode", 'only "tokens" is served: the answer is ids (send "tokens")')
     ids = body.get("token_ids")
-    if not isinstance(ids, list) or not ids:
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
         raise invalid("token_ids must be a non-empty list of token ids (the rendered prompt)", "token_ids")
+    rid = body.get("request_id")
+    if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID):
+        raise invalid(f"request_id must be a string of 1 to {MAX_REQUEST_ID} characters", "request_id")
+    if body.get("return_token_ids") not in (None, True, False):
+        raise invalid("return_token_ids must be true or false", "return_token_ids")
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and opts.get("include_obfuscation"):
+        raise unsupported(
+            "stream_options.include_obfuscation",
+            "this route's chunks are not padded: send false or leave it out",
+        )
     params = body.get("sampling_params")
     if not isinstance(params, dict):
         raise invalid(
@@ -109,8 +130,17 @@ def to_completion(body) -> tuple[dict, str]:
         raise unsupported("sampling_params.logprobs", "-1 (the whole vocabulary) is not served: send 0 to 5")
     if isinstance(out.get("logit_bias"), dict):  # vLLM's keys are ints; JSON's are strings either way
         out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
-    rid = body.get("request_id")
-    return out, f"generate-tokens-{rid if isinstance(rid, str) and rid else uuid.uuid4().hex}"
+    return out, f"generate-tokens-{rid or uuid.uuid4().hex}"
+
+
+def generate_message(message: str) -> str:
+    """A completions error's text in the generate body's names: `'prompt'`, and `name=` / `'name'` of
+    the sampling fields (prose that says "prompt" is left as it is)."""
+    message = message.replace("'prompt'", "'token_ids'").replace("top_logprobs=", "logprobs=")
+    return _NAMED.sub(lambda m: m.group(1) + "sampling_params." + m.group(2) + m.group(3), message)
+
+
+_NAMED = re.compile(r"(^|[\s'(])(" + "|".join(sorted(SAMPLING, key=len, reverse=True)) + r")(=|')")
 
 
 def generate_param(param: str | None) -> str | None:
@@ -171,10 +201,19 @@ async def inference_generate(request: Request) -> Response:
     raw = await read_body(request, settings.max_body_bytes)
     body = parse_json(raw)
     completion, rid = to_completion(body)
+    with_prompt = body.get("return_token_ids") is True
+    streamed = completion.get("stream") is True
     try:
-        answer = await generate(request, P.CompletionRequest, raw=json.dumps(completion).encode(), whole=True)
+        answer = await generate(
+            request,
+            P.CompletionRequest,
+            raw=json.dumps(completion).encode(),
+            whole=not streamed,  # a stream's chunks are rewritten one at a time: nothing is held
+            hold=hold_bytes,
+            prompt_ids="first" if with_prompt else "none",
+        )
     except APIError as e:
-        e.param, e.message = generate_param(e.param), e.message.replace("'prompt'", "'token_ids'")
+        e.param, e.message = generate_param(e.param), generate_message(e.message)
         raise
     headers = {k: v for k, v in answer.headers.items() if k.lower() in _KEPT_HEADERS}
     if answer.status_code != 200:  # a refusal's body (or 499, none): its param in the generate body's names
@@ -182,8 +221,8 @@ async def inference_generate(request: Request) -> Response:
             return answer
         err = json.loads(answer.body)
         err["error"]["param"] = generate_param(err["error"].get("param"))
+        err["error"]["message"] = generate_message(err["error"]["message"])
         return JSONResponse(err, status_code=answer.status_code, headers=headers)
-    with_prompt = body.get("return_token_ids") is True
     if isinstance(answer, StreamingResponse):
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         chunks = _chunks(answer.body_iterator, rid, with_prompt)
@@ -201,7 +240,10 @@ async def _chunks(stream, rid: str, with_prompt: bool):
         async for chunk in chat_chunks(stream):
             if "error" in chunk:
                 err = chunk["error"]
-                err["param"] = generate_param(err.get("param"))
+                err["param"], err["message"] = (
+                    generate_param(err.get("param")),
+                    generate_message(err["message"]),
+                )
                 yield event(chunk)
                 continue
             out = {

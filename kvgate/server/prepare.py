@@ -36,6 +36,9 @@ class Prepared:
     features: Features = field(default_factory=Features)  # structured output, tools, logprobs, echo
     prompt_only: bool = False  # echo with max_tokens=0: the response holds the prompt, nothing generated
     truncated: frozenset = frozenset()  # prompts truncate_prompt_tokens cut: echo shows what was kept
+    # which text completion choices carry return_token_ids' prompt ids: "all", "first" or "none" (a
+    # route that rewrites the answer and needs them once, or not at all: kvgate.server.generate_route)
+    prompt_ids_out: str = "all"
 
     @property
     def n(self) -> int:
@@ -67,8 +70,11 @@ class Prepared:
         return bool(opts and opts.include_usage)
 
 
-def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole: bool = False) -> Prepared:
-    """`whole`: the caller builds its own body from this one's dicts (`dict_hold_bytes` a position)."""
+def prepare_generation(
+    raw: bytes, cls, engine, settings: ServerSettings, whole: bool = False, hold=None
+) -> Prepared:
+    """`whole`: the caller builds its own body from this one's dicts (`hold(k)` a position, default
+    `dict_hold_bytes`)."""
     req = P.parse(cls, parse_json(raw))
     P.check_common(req)
     if isinstance(req, P.CompletionRequest):
@@ -128,7 +134,7 @@ def prepare_generation(raw: bytes, cls, engine, settings: ServerSettings, whole:
             cache_salt=req.cache_salt,
             stop_exempt=CALL_REGION if feats.tools is not None else None,
             # the server keeps a response's logprobs until it is sent (kvgate.server.held)
-            held=dict_hold_bytes(feats.logprobs) if whole else 0,
+            held=(hold or dict_hold_bytes)(feats.logprobs) if whole else 0,
         )
         for ids in prompts
     ]

@@ -45,15 +45,20 @@ class ClientGone(Exception):
     pass
 
 
-async def generate(request: Request, cls, raw: bytes | None = None, whole: bool = False) -> Response:
+async def generate(
+    request: Request, cls, raw: bytes | None = None, whole: bool = False, hold=None, prompt_ids: str = "all"
+) -> Response:
     """`raw`: the body, when the caller has read (and rewritten) it; `whole`: the caller reads a
-    non-streamed answer as one JSON body and builds its own from it (both: `/v1/responses`)."""
+    non-streamed answer as one JSON body and builds its own from it (both: `/v1/responses`), holding
+    `hold(k)` bytes a position of logprobs while it does (default `dict_hold_bytes`); `prompt_ids`:
+    which choices of a text completion carry return_token_ids' prompt ids ("all", "first", "none")."""
     state = request.app.state
     settings = state.settings
     eng = ready_engine(state)
     if raw is None:
         raw = await read_body(request, settings.max_body_bytes)
-    prepared = await asyncio.to_thread(prepare_generation, raw, cls, eng, settings, whole)
+    prepared = await asyncio.to_thread(prepare_generation, raw, cls, eng, settings, whole, hold)
+    prepared.prompt_ids_out = prompt_ids
     try:
         handles = await submitted(eng, prepared.generations, prepared.candidates)
     except Refusal as r:
@@ -144,13 +149,23 @@ def prompt_only(res):
     return dataclasses.replace(res, token_ids=[], text="", completion_tokens=0, finish_reason="length")
 
 
+def scored(result, lps: list) -> list:
+    """The positions `best_of` ranks a candidate by: its output tokens less a stop token, whose logprobs
+    come only where the request reported it (`report_stop_token`), so the ranking never depends on that."""
+    return (
+        lps[: result.completion_tokens - 1]
+        if len(lps) == result.completion_tokens and ((result.stop_reason or "").startswith("token:"))
+        else lps
+    )
+
+
 def best_of(results, token_logprobs, candidates: int, n: int):
     """Per prompt, the `n` of its `candidates` results with the highest summed log-probability (OpenAI's
     `best_of`), best first; their logprobs alongside."""
     out, lps = [], []
     for start in range(0, len(results), candidates):
         group = range(start, start + candidates)
-        score = {i: sum(t.logprob for t in token_logprobs[i]) for i in group}
+        score = {i: sum(t.logprob for t in scored(results[i], token_logprobs[i])) for i in group}
         for i in sorted(group, key=lambda i: -score[i])[:n]:
             out.append(results[i])
             lps.append(token_logprobs[i])

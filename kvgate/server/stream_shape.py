@@ -26,6 +26,7 @@ from kvgate.request import Result, Token
 from kvgate.server import logprobs as L
 from kvgate.server import tool_parser as TP
 from kvgate.server.responses import ChunkMaker, finish_reason, named_stop_ids, stop_reason
+from kvgate.server.vllm_extras import prompt_ids_on
 
 OBFUSCATION_BLOCK = 64  # bytes: a chunk's JSON is padded to a multiple of this
 _PAD_CHARS = string.ascii_letters + string.digits
@@ -151,10 +152,14 @@ class StreamShaper:
         if self.want_ids and chunk["choices"]:
             c = chunk["choices"][0]
             c.setdefault("token_ids", [])
-            if c["index"] not in self.prompt_sent:  # a choice's first chunk: its prompt's ids
-                self.prompt_sent.add(c["index"])
-                ids = list(self.p.generations[c["index"] // self.p.n].prompt_ids)
-                (chunk if self.chunks.kind == "chat" else c)["prompt_token_ids"] = ids
+            i = c["index"]
+            if i not in self.prompt_sent:  # a choice's first chunk: its prompt's ids
+                self.prompt_sent.add(i)
+                ids = list(self.p.generations[i // self.p.n].prompt_ids)
+                if self.chunks.kind == "chat":
+                    chunk["prompt_token_ids"] = ids
+                elif prompt_ids_on(self.p, i):
+                    c["prompt_token_ids"] = ids
         if self.continuous:
             n = max(1, self.chunks.n if hasattr(self.chunks, "n") else 1)
             prompt = sum(getattr(h.admission, "prompt_tokens", 0) for h in self.handles[::n])

@@ -150,9 +150,15 @@ def add_token_ids(body: dict, prepared, results) -> None:
     if prepared.kind == "chat":
         body["prompt_token_ids"] = gens[0].prompt_ids
     for i, (choice, res) in enumerate(zip(body["choices"], results, strict=True)):
-        if prepared.kind != "chat":  # the prompt's own list, shared by its choices (not a copy each)
+        if prepared.kind != "chat" and prompt_ids_on(prepared, i):  # shared by its choices, not copied
             choice["prompt_token_ids"] = gens[i // prepared.n].prompt_ids
         choice["token_ids"] = res.token_ids
+
+
+def prompt_ids_on(prepared, i: int) -> bool:
+    """Whether text completion choice `i` carries its prompt's ids (`Prepared.prompt_ids_out`)."""
+    mode = getattr(prepared, "prompt_ids_out", "all")
+    return mode == "all" or (mode == "first" and i == 0)
 
 
 class TokenIdNames:
