@@ -516,3 +516,34 @@ def test_best_of_picks_the_same_winner_with_or_without_token_ids(tiny_base):
         with_ids = {**body, "return_token_ids": True}
         b = httpx.post(tiny_base + "/v1/completions", json=with_ids, timeout=60).json()["choices"][0]["text"]
         assert a == b, seed
+
+
+def test_a_reported_stop_token_streams_the_offset_the_whole_answer_gives(tiny_base):
+    """The review of session 46: a stop string's first character held back, then a stop token: the
+    stop token's event carries that tail, and its streamed `text_offset` was where the tail starts,
+    while the whole answer places it at the end of the text. Red without `StreamShaper`'s end rule."""
+    url = tiny_base + "/v1/completions"
+    base = {"prompt": [80, 70], "max_tokens": 30, "temperature": 0, "logprobs": 0, "return_token_ids": True}
+    free = httpx.post(url, json={**base, "ignore_eos": True}).json()["choices"][0]
+    ids, toks = free["token_ids"], free["logprobs"]["tokens"]
+    k = next(
+        (
+            i
+            for i in range(2, 30)
+            if len(toks[i - 1]) == 1 and toks[i - 1].isprintable() and ids[i] not in ids[:i]
+        ),
+        None,
+    )
+    if k is None:
+        pytest.skip("no printable one-character token before a fresh one in this model's answer")
+    body = {**base, "stop_token_ids": [ids[k]], "stop": [toks[k - 1] + "\u2603"]}  # holds toks[k-1] back
+    whole = httpx.post(url, json=body).json()["choices"][0]
+    chunks = stream_chunks(tiny_base, "/v1/completions", body)
+    streamed = [
+        o
+        for c in chunks
+        if c["choices"] and c["choices"][0].get("logprobs")
+        for o in c["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert whole["token_ids"][-1] == ids[k]
+    assert streamed == whole["logprobs"]["text_offset"]

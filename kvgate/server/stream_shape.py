@@ -138,7 +138,17 @@ class StreamShaper:
         if self.chunks.kind == "chat":
             return L.chat_logprobs(self.tok, [lp])
         at = L.streamed_offset(self.tok, self.held[i], self.offsets.get(i, 0), text)
+        if self._reported_end(i, lp.token_id):  # its event carries only a held-back tail: it is placed
+            at = self.offsets.get(i, 0) + len(text)  # after it, at the text's end, as the whole answer does
         return L.completion_logprobs(self.tok, [lp], at)
+
+    def _reported_end(self, i: int, token: int) -> bool:
+        """Whether `token` is the stop token that ends choice `i`, reported with no text of its own
+        (`GenerationRequest.report_stop_token` without include_stop_str)."""
+        gen = self.p.generations[i // self.p.n] if self.p is not None else None
+        if gen is None or not gen.report_stop_token or gen.include_stop_str:
+            return False
+        return token in gen.stop_token_ids or (not gen.ignore_eos and token in self.tok.eog_ids)
 
     def _new_ids(self, i: int, chunks: list[dict], ids: list[int]) -> None:
         """`return_token_ids`: the first of `chunks` carries `ids`, the choice's ids not yet sent."""
