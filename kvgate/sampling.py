@@ -5,7 +5,8 @@ requests share the step: that is half of "batching does not change output" (the 
 math is the other half).
 
 The logits a row samples from are, in order: the model's, plus its `logit_bias`, with its repetition /
-presence / frequency penalties, with its grammar's mask (-inf on the tokens the grammar forbids; the
+presence / frequency penalties, -inf outside vLLM's `allowed_token_ids` and on the tokens its
+`bad_words` ban at this step, with its grammar's mask (-inf on the tokens the grammar forbids; the
 masks of all grammar rows are computed in one batched call, and a row without a grammar pays
 nothing). Log-probabilities, for the rows that ask, are the log-softmax of exactly those logits:
 after bias, penalties and mask, before temperature, top-k, top-p and min-p (vLLM's "processed"
@@ -62,8 +63,8 @@ class Sampler:
             or params.frequency_penalty != 0.0
         )
         self.bias = _bias_tensors(params.logit_bias)
-        # vLLM's allowed_token_ids (packed ids; the mask of the others is built at the first draw) and
-        # bad_words, with the drawn tokens a sequence's rest could end with (kvgate.memory.workspace's
+        # vLLM's allowed_token_ids (a bitmask; each draw unpacks the mask of the others) and bad_words,
+        # with the drawn tokens a sequence's rest could end with (kvgate.memory.workspace's
         # `penalty_state` charges both)
         params.pack()
         self.allowed: bytes | None = params.allowed_token_ids
@@ -110,7 +111,8 @@ class Sampler:
 
     @property
     def processed(self) -> bool:
-        """Whether this row's logits change before sampling (bias, penalties, min_tokens; masks aside)."""
+        """Whether this row's logits change before sampling (bias, penalties, min_tokens, allowed_token_ids,
+        bad_words; a grammar's mask aside)."""
         return (
             self.penalized
             or self.bias is not None
