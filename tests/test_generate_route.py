@@ -230,3 +230,34 @@ def test_only_the_asked_prompt_ids_travel(tiny_base):
     assert asked["prompt_token_ids"] == IDS
     chunks = chunks_of(tiny_base, {**body, "return_token_ids": True})
     assert sum("prompt_token_ids" in c for c in chunks) == 1
+
+
+def test_prompt_logprobs_score_the_prompt_as_an_echoed_completion(tiny_base):
+    """vLLM's `prompt_logprobs` (a reference model's scoring of a whole sequence): None for the first
+    token, then each prompt token's logprob under the tokens before it, keyed by its id, the same numbers
+    as /v1/completions' echo with logprobs. The answer's own logprobs only when asked. Red with the
+    prompt positions left in the answer's logprobs (counts differ) or with the scores misaligned."""
+    params = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "prompt_logprobs": 1}
+    body = httpx.post(tiny_base + GEN, json={"token_ids": IDS, "sampling_params": params}).json()
+    scores = body["prompt_logprobs"]
+    ref = httpx.post(
+        tiny_base + "/v1/completions",
+        json={
+            "prompt": IDS,
+            "max_tokens": 3,
+            "temperature": 0,
+            "ignore_eos": True,
+            "echo": True,
+            "logprobs": 1,
+        },
+    ).json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(scores) == len(IDS) and scores[0] is None
+    assert [scores[i][str(IDS[i])]["logprob"] for i in range(1, len(IDS))] == ref[1 : len(IDS)]
+    assert body["choices"][0]["logprobs"] is None and len(body["choices"][0]["token_ids"]) == 3
+    both = httpx.post(
+        tiny_base + GEN, json={"token_ids": IDS, "sampling_params": {**params, "logprobs": 1}}
+    ).json()["choices"][0]
+    assert [e["logprob"] for e in both["logprobs"]["content"]] == ref[len(IDS) :]
+    mismatch = {**params, "logprobs": 2}
+    r = httpx.post(tiny_base + GEN, json={"token_ids": IDS, "sampling_params": mismatch})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "sampling_params.prompt_logprobs")

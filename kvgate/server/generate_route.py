@@ -9,10 +9,13 @@ refusals with their numbers, and memory. The answer is rewritten into vLLM's sha
 `logprobs.content` entries that name each token both ways vLLM has (`"token": "token_id:N"` before 0.32,
 `"token_id": N` since), so clients of either read them; `prompt_token_ids` with `return_token_ids`.
 Streamed, each chunk carries its new ids and their logprobs. An error's `param` is the body's own name
-(`token_ids`, `sampling_params.temperature`).
+(`token_ids`, `sampling_params.temperature`). `prompt_logprobs: k` scores the prompt as the completion's
+echo with logprobs k (so the answer's `logprobs`, if asked, take the same k), answered whole, as vLLM's
+`prompt_logprobs`: None for the first token, then {id: {logprob, rank, decoded_token}} (rank and
+decoded_token null here) for the prompt's token and the top k.
 
 Not done, refused by name: `output_mode` other than "tokens" (no text here), multimodal `features` /
-`content_parts`, `kv_transfer_params`, `prompt_logprobs`, a full-vocabulary `logprobs: -1`, and
+`content_parts`, `kv_transfer_params`, a full-vocabulary `logprobs: -1`, and
 `priority` other than 0 (one FIFO queue). Unlike vLLM's, the route needs no `--enable-scale-out`.
 """
 
@@ -116,21 +119,61 @@ def to_completion(body) -> tuple[dict, str]:
     out = {k: body[k] for k in ("model", "stream", "stream_options", "cache_salt") if body.get(k) is not None}
     out.update(prompt=ids, return_token_ids=True, return_tokens_as_token_ids=True)
     for name, value in params.items():
-        if name in IGNORED or value is None:
+        if name in IGNORED or value is None or name == "prompt_logprobs":
             continue
         if name not in SAMPLING:
-            why = (
-                "prompt scores are served by /v1/completions with echo and logprobs"
-                if name == "prompt_logprobs"
-                else "not implemented here; remove it"
-            )
-            raise unsupported(f"sampling_params.{name}", why)
+            raise unsupported(f"sampling_params.{name}", "not implemented here; remove it")
         out[name] = value
+    _scored_prompt(params.get("prompt_logprobs"), out)
     if out.get("logprobs") == -1:
         raise unsupported("sampling_params.logprobs", "-1 (the whole vocabulary) is not served: send 0 to 5")
     if isinstance(out.get("logit_bias"), dict):  # vLLM's keys are ints; JSON's are strings either way
         out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
     return out, f"generate-tokens-{rid or uuid.uuid4().hex}"
+
+
+def _scored_prompt(k, out: dict) -> None:
+    """vLLM's `prompt_logprobs: k`: the prompt scored as a text completion's echo with logprobs k, which
+    are then the answer's logprobs too (one count serves both there); answered whole."""
+    if k is None:
+        return
+    if type(k) is not int or not 0 <= k <= 5:
+        raise invalid(
+            f"prompt_logprobs={k!r} must be an integer from 0 to 5 here", "sampling_params.prompt_logprobs"
+        )
+    if out.get("logprobs") not in (None, k):
+        raise unsupported(
+            "sampling_params.prompt_logprobs",
+            f"the prompt is scored with the answer's logprobs count: send logprobs={k} too, or leave it out",
+        )
+    if out.get("stream") is True:
+        raise unsupported(
+            "sampling_params.prompt_logprobs", "a scored prompt is answered whole: send stream false"
+        )
+    out["_answer_logprobs"] = out.get("logprobs") is not None
+    out.update(echo=True, logprobs=k)
+
+
+def prompt_scores(lp: dict, P: int) -> list:
+    """The first `P` (prompt) positions of an echoed answer's logprobs as vLLM's `prompt_logprobs`: None
+    for the first token, then {token id: {"logprob", "rank", "decoded_token"}} for the token and the top k."""
+    out: list = [None]
+    for i in range(1, P):
+        top = {
+            str(_ids(t)): {"logprob": v, "rank": None, "decoded_token": None}
+            for t, v in lp["top_logprobs"][i].items()
+        }
+        top.setdefault(
+            str(_ids(lp["tokens"][i])),
+            {"logprob": lp["token_logprobs"][i], "rank": None, "decoded_token": None},
+        )
+        out.append(top)
+    return out
+
+
+def output_part(lp: dict, P: int) -> dict:
+    """An echoed answer's logprobs past its `P` prompt positions."""
+    return {k: v[P:] for k, v in lp.items() if k != "text_offset"}
 
 
 def generate_message(message: str) -> str:
@@ -180,13 +223,19 @@ def choice(c: dict) -> dict:
     }
 
 
-def generate_body(answer: dict, rid: str, prompt_ids: bool) -> dict:
+def generate_body(answer: dict, rid: str, prompt_ids: bool, scored: bool | None = None) -> dict:
+    """`scored`: the prompt was scored (echo), and whether the answer's own logprobs were asked too."""
+    if scored is not None:
+        P = answer["usage"]["prompt_tokens"]
+        scores = prompt_scores(answer["choices"][0]["logprobs"], P)
+        for c in answer["choices"]:
+            c["logprobs"] = output_part(c["logprobs"], P) if scored else None
     out = {
         "request_id": rid,
         "model": answer["model"],
         "created": answer["created"],
         "usage": answer["usage"],
-        "prompt_logprobs": None,
+        "prompt_logprobs": scores if scored is not None else None,
         "kv_transfer_params": None,
         "output_mode": "tokens",
         "choices": [choice(c) for c in answer["choices"]],
@@ -201,6 +250,7 @@ async def inference_generate(request: Request) -> Response:
     raw = await read_body(request, settings.max_body_bytes)
     body = parse_json(raw)
     completion, rid = to_completion(body)
+    scored = completion.pop("_answer_logprobs", None)
     with_prompt = body.get("return_token_ids") is True
     streamed = completion.get("stream") is True
     try:
@@ -229,7 +279,7 @@ async def inference_generate(request: Request) -> Response:
         return HandledStream(
             chunks, answer.handles, answer.on_result, began=lambda: answer.began, headers=headers
         )
-    return JSONResponse(generate_body(json.loads(answer.body), rid, with_prompt), headers=headers)
+    return JSONResponse(generate_body(json.loads(answer.body), rid, with_prompt, scored), headers=headers)
 
 
 async def _chunks(stream, rid: str, with_prompt: bool):
