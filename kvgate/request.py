@@ -196,6 +196,9 @@ class Token:
     text: str  # text released by this token (may be "" while held back by detokenizer or stop matcher)
     t: float
     logprobs: TokenLogprobs | None = None  # when the request asked for log-probabilities
+    # a reported stop token (`report_stop_token`) whose own text is not output: `text` is only the tail
+    # held back before it, so its place in the text is after that tail
+    after_text: bool = False
 
 
 @dataclass

@@ -106,7 +106,7 @@ class Updater:
                 emit += "" if hit else row.stop.flush()
                 if emit:
                     row.text.append(emit)
-                s.emit(row.handle, Token(token, emit, now, logprobs))
+                s.emit(row.handle, Token(token, emit, now, logprobs, after_text=not req.include_stop_str))
                 s.finish(row, "stop", stop_reason="string" if hit else f"token:{token}", flush=False)
                 return
             s.finish(row, "stop", stop_reason=f"token:{token}")

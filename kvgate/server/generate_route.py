@@ -63,6 +63,7 @@ SAMPLING = (
 )
 IGNORED = ("detokenize", "output_kind")  # no text is returned; the server sets how outputs come
 TOP = ("model", "token_ids", "sampling_params", "stream", "stream_options", "request_id", "cache_salt")
+CHECKED = ("priority", "output_mode", "return_token_ids")  # taken with the values `to_completion` allows
 NULL_ONLY = {
     "kv_transfer_params": "disaggregated prefill is not implemented",
     "ec_transfer_params": "disaggregated encoding is not implemented",
@@ -81,15 +82,16 @@ def hold_bytes(k: int | None) -> int:
     return 0 if k is None else HOLD_BYTES + HOLD_TOP_BYTES * k
 
 
-def to_completion(body) -> tuple[dict, str]:
-    """The text completion body a generate body asks for, and the answer's request id; a 400 naming
-    the generate body's field where it asks for something kvgate does not do."""
+def to_completion(body) -> tuple[dict, str, bool | None]:
+    """The text completion body a generate body asks for, the answer's request id, and whether the
+    prompt is scored (None: no; else whether the answer's own logprobs were asked too: `_scored_prompt`);
+    a 400 naming the generate body's field where it asks for something kvgate does not do."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", code="invalid_json")
     for name in body:
         if name in NULL_ONLY and body[name] is not None:
             raise unsupported(name, NULL_ONLY[name] + " (null, or leaving it out, is accepted)")
-        if name in ("priority", "output_mode", "return_token_ids") or name in TOP or name in NULL_ONLY:
+        if name in TOP or name in CHECKED or name in NULL_ONLY:
             continue
         raise unsupported(name, "unknown field; remove it (kvgate refuses fields it would otherwise ignore)")
     if body.get("priority") not in (None, 0):
@@ -124,19 +126,20 @@ def to_completion(body) -> tuple[dict, str]:
         if name not in SAMPLING:
             raise unsupported(f"sampling_params.{name}", "not implemented here; remove it")
         out[name] = value
-    _scored_prompt(params.get("prompt_logprobs"), out)
+    scored = _scored_prompt(params.get("prompt_logprobs"), out)
     if out.get("logprobs") == -1:
         raise unsupported("sampling_params.logprobs", "-1 (the whole vocabulary) is not served: send 0 to 5")
     if isinstance(out.get("logit_bias"), dict):  # vLLM's keys are ints; JSON's are strings either way
         out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
-    return out, f"generate-tokens-{rid or uuid.uuid4().hex}"
+    return out, f"generate-tokens-{rid or uuid.uuid4().hex}", scored
 
 
-def _scored_prompt(k, out: dict) -> None:
+def _scored_prompt(k, out: dict) -> bool | None:
     """vLLM's `prompt_logprobs: k`: the prompt scored as a text completion's echo with logprobs k, which
-    are then the answer's logprobs too (one count serves both there); answered whole."""
+    are then the answer's logprobs too (one count serves both there); answered whole. Whether the answer's
+    own logprobs were asked, or None without `prompt_logprobs`."""
     if k is None:
-        return
+        return None
     if type(k) is not int or not 0 <= k <= 5:
         raise invalid(
             f"prompt_logprobs={k!r} must be an integer from 0 to 5 here", "sampling_params.prompt_logprobs"
@@ -150,8 +153,9 @@ def _scored_prompt(k, out: dict) -> None:
         raise unsupported(
             "sampling_params.prompt_logprobs", "a scored prompt is answered whole: send stream false"
         )
-    out["_answer_logprobs"] = out.get("logprobs") is not None
+    asked = out.get("logprobs") is not None
     out.update(echo=True, logprobs=k)
+    return asked
 
 
 def prompt_scores(lp: dict, P: int) -> list:
@@ -159,15 +163,13 @@ def prompt_scores(lp: dict, P: int) -> list:
     for the first token, then {token id: {"logprob", "rank", "decoded_token"}} for the token and the top k."""
     out: list = [None]
     for i in range(1, P):
-        top = {
-            str(_ids(t)): {"logprob": v, "rank": None, "decoded_token": None}
-            for t, v in lp["top_logprobs"][i].items()
-        }
-        top.setdefault(
-            str(_ids(lp["tokens"][i])),
-            {"logprob": lp["token_logprobs"][i], "rank": None, "decoded_token": None},
+        # a completion's top entries hold the position's own token too (logprobs.completion_top)
+        out.append(
+            {
+                str(_ids(t)): {"logprob": v, "rank": None, "decoded_token": None}
+                for t, v in lp["top_logprobs"][i].items()
+            }
         )
-        out.append(top)
     return out
 
 
@@ -249,8 +251,7 @@ async def inference_generate(request: Request) -> Response:
     settings = request.app.state.settings
     raw = await read_body(request, settings.max_body_bytes)
     body = parse_json(raw)
-    completion, rid = to_completion(body)
-    scored = completion.pop("_answer_logprobs", None)
+    completion, rid, scored = to_completion(body)
     with_prompt = body.get("return_token_ids") is True
     streamed = completion.get("stream") is True
     try:

@@ -82,7 +82,7 @@ class StreamShaper:
         held = self.held.setdefault(i, [])
         held.append(ev.token_id)
         if lp is not None:
-            chunk["choices"][0]["logprobs"] = self._logprobs(i, lp, ev.text)
+            chunk["choices"][0]["logprobs"] = self._logprobs(i, lp, ev.text, ev.after_text)
         if ev.text:
             held.clear()
         self.offsets[i] = self.offsets.get(i, 0) + len(ev.text)
@@ -134,21 +134,15 @@ class StreamShaper:
             out.append(chunk)
         return out
 
-    def _logprobs(self, i: int, lp, text: str = "") -> dict:
+    def _logprobs(self, i: int, lp, text: str = "", after_text: bool = False) -> dict:
+        """`after_text`: a reported stop token, placed after the tail its event carries (at the text's
+        end, as the whole answer places it), not inside it."""
         if self.chunks.kind == "chat":
             return L.chat_logprobs(self.tok, [lp])
-        at = L.streamed_offset(self.tok, self.held[i], self.offsets.get(i, 0), text)
-        if self._reported_end(i, lp.token_id):  # its event carries only a held-back tail: it is placed
-            at = self.offsets.get(i, 0) + len(text)  # after it, at the text's end, as the whole answer does
+        at = self.offsets.get(i, 0) + len(text) if after_text else None
+        if at is None:
+            at = L.streamed_offset(self.tok, self.held[i], self.offsets.get(i, 0), text)
         return L.completion_logprobs(self.tok, [lp], at)
-
-    def _reported_end(self, i: int, token: int) -> bool:
-        """Whether `token` is the stop token that ends choice `i`, reported with no text of its own
-        (`GenerationRequest.report_stop_token` without include_stop_str)."""
-        gen = self.p.generations[i // self.p.n] if self.p is not None else None
-        if gen is None or not gen.report_stop_token or gen.include_stop_str:
-            return False
-        return token in gen.stop_token_ids or (not gen.ignore_eos and token in self.tok.eog_ids)
 
     def _new_ids(self, i: int, chunks: list[dict], ids: list[int]) -> None:
         """`return_token_ids`: the first of `chunks` carries `ids`, the choice's ids not yet sent."""
