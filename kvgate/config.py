@@ -34,6 +34,9 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     name: str = "model"
+    # RoPE scaling as sorted (key, value) pairs with "rope_type" (kvgate.models.rope.SCALINGS); () = none
+    rope_scaling: tuple = ()
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
 
     @property
     def q_size(self) -> int:

@@ -20,30 +20,32 @@ def _with_config(tmp_path, **changes):
     return d
 
 
-def test_rope_scaling_is_refused_by_name(tmp_path):
-    """Seen to fail (the model loaded) before hf_loader checked rope_scaling."""
+def test_rope_scaling_without_its_parameters_is_refused_by_name(tmp_path):
+    """Seen to fail (the model loaded) before hf_loader checked rope_scaling. Since session 47 llama3
+    scaling is computed (tests/test_model_families.py); one without its parameters is still refused."""
     d = _with_config(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(ModelLoadError, match="rope_scaling"):
+    with pytest.raises(ModelLoadError, match="rope_scaling .*lacks low_freq_factor, high_freq_factor"):
         load_model(str(d))
 
 
 def test_rope_parameters_give_the_base_and_a_scaled_kind_is_refused(tmp_path):
     """transformers 5 writes RoPE's base inside `rope_parameters` (no top-level rope_theta): it is read
-    from there, and a scaled kind written there (yarn) is refused as rope_scaling is. Seen red: the
-    base read as 10000 and the yarn model loaded (QA pass 7: a 1e6-base Qwen2's tokens went wrong)."""
+    from there, and a scaled kind written there without what it needs (yarn with no original context)
+    is refused as rope_scaling is. Seen red: the base read as 10000 and the yarn model loaded (QA pass 7:
+    a 1e6-base Qwen2's tokens went wrong). Yarn with its parameters is computed since session 47."""
     d = _with_config(tmp_path / "a", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     cfg = json.loads((d / "config.json").read_text())
     cfg.pop("rope_theta")
     (d / "config.json").write_text(json.dumps(cfg))
     assert load_model(str(d)).spec.rope_theta == 1e6
     yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
-    with pytest.raises(ModelLoadError, match="rope_parameters .*yarn.* not implement"):
+    with pytest.raises(ModelLoadError, match="rope_parameters .*yarn.* not implemented"):
         load_model(str(_with_config(tmp_path / "b", rope_parameters=yarn)))
     # the older key `type`, and a partial rotary factor, are not the default kind either (review)
     for i, rope in enumerate(
         ({"type": "yarn", "rope_theta": 1e6}, {"rope_theta": 1e6, "partial_rotary_factor": 0.5})
     ):
-        with pytest.raises(ModelLoadError, match="rope_parameters .* not implement"):
+        with pytest.raises(ModelLoadError, match="rope_parameters .* not implemented"):
             load_model(str(_with_config(tmp_path / f"c{i}", rope_parameters=rope)))
 
 

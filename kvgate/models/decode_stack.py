@@ -47,6 +47,8 @@ def build(model):
     """The model's `DecodeStack`, or None where the forward must keep its loop (see the module doc)."""
     if os.environ.get(ENV, "1") == "0" or model.layer_ops is None or not model.paged_attention:
         return None
+    if model.qk_norms is not None:  # the C++ stack has no per-head q/k norm (Qwen3): the loop runs it
+        return None
     ext = native.extension()
     if ext is None:
         return None

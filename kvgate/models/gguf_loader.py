@@ -12,7 +12,7 @@ Weight layout notes:
   order, so a weight comes out as [out_features, in_features] like torch's.
 - llama.cpp's converter permutes attn_q/attn_k rows so rotary pairs are adjacent (GPT-J style). We
   undo that permutation so the model can use the HF rotate-half RoPE for every source format. It does
-  so only for Llama-style architectures (`PERMUTED_QK_ARCHS`): Qwen2 GGUFs keep HF order.
+  so only for Llama-style architectures (`PERMUTED_QK_ARCHS`): Qwen2 and Qwen3 GGUFs keep HF order.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from kvgate.models.gguf_tokenizer import field, tokenizer_from_metadata
 
 log = logging.getLogger("kvgate.models")
 
-CACHE_FORMAT = 4  # bumped when the output changes (2: Qwen2 q/k kept, Llama q/k biases unpermuted; 4: scales)
+CACHE_FORMAT = 5  # bumped when the output changes (2: Qwen2 q/k kept, Llama q/k biases unpermuted; 4: scales;
+# 5: Llama 3 tokenizers ignore merges for whole-vocabulary words, rope scaling and Qwen3 read)
 # llama.cpp permutes q/k rows (weights and biases) only for architectures it runs with GPT-J style
-# RoPE; Qwen2 uses NeoX (rotate-half) RoPE and is written in HF order, untouched.
+# RoPE; Qwen2 and Qwen3 use NeoX (rotate-half) RoPE and are written in HF order, untouched.
 PERMUTED_QK_ARCHS = ("llama", "mistral", "smollm")
 # Quantization types we accept, all dequantized by `gguf.quants.dequantize`.
 SUPPORTED_QUANTS = ("F32 F16 BF16 F64 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K Q8_K").split()
@@ -152,13 +153,7 @@ def _convert(path: Path, out: Path) -> None:
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
         )
     cfg = _config_from_metadata(reader, arch, path)
-    scaling = field(reader, f"{arch}.rope.scaling.type")
-    if "rope_freqs.weight" in {t.name for t in reader.tensors} or scaling not in (None, "none"):
-        raise ModelLoadError(
-            f"{path.name}: this model uses RoPE scaling ({scaling or 'rope_freqs, Llama 3.1+ style'}), which "
-            "kvgate does not implement yet; its output would be silently wrong, so it is refused. Use a "
-            "model without RoPE scaling (Llama 2/3.0, SmolLM, Mistral, Qwen2)."
-        )
+    _rope_config(reader, arch, path, cfg)
     window = field(reader, f"{arch}.attention.sliding_window")
     if window and int(window) < cfg["max_position_embeddings"]:
         cfg["sliding_window"] = int(window)
@@ -294,7 +289,13 @@ def _config_from_metadata(reader, arch: str, path: Path) -> dict:
     vocab = field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = int(field(reader, f"{arch}.rope.dimension_count", hidden // heads))
+    head_dim = int(field(reader, f"{arch}.attention.key_length", 0) or hidden // heads)
+    rotated = int(field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rotated != head_dim:
+        raise ModelLoadError(
+            f"{path.name}: RoPE rotates {rotated} of each head's {head_dim} dimensions (partial rotary), "
+            "which kvgate does not implement; the output would be silently wrong, so the file is refused."
+        )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -313,6 +314,47 @@ def _config_from_metadata(reader, arch: str, path: Path) -> dict:
     }
 
 
+def _rope_config(reader, arch: str, path: Path, cfg: dict) -> None:
+    """RoPE's scaling into `cfg` as an HF config says it (`hf_loader` reads both the same way): a
+    `rope_freqs` tensor (llama.cpp's converter writes Llama 3.1's scaling as a factor per frequency), or
+    `rope.scaling.type` linear or yarn with their keys. Any other kind, or yarn with settings kvgate does
+    not compute, is refused by name: the output would be silently wrong."""
+    from gguf.quants import dequantize
+
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        values = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float32).reshape(-1)
+        if values.size != cfg["head_dim"] // 2:
+            raise ModelLoadError(
+                f"{path.name}: rope_freqs holds {values.size} factors, not one per frequency "
+                f"({cfg['head_dim'] // 2}); the file is corrupt."
+            )
+        cfg["kvgate_rope_freq_factors"] = [float(v) for v in values]
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return
+
+    def key(name: str, default=None):
+        return field(reader, f"{arch}.rope.scaling.{name}", default)
+
+    factor = float(key("factor", 1.0))
+    plain = {"yarn_ext_factor": (-1.0, 1.0), "yarn_attn_factor": (1.0,), "yarn_log_multiplier": (0.0,)}
+    odd = {n: key(n) for n, ok in plain.items() if key(n) is not None and float(key(n)) not in ok}
+    if kind not in ("linear", "yarn") or freqs is not None or odd:
+        raise ModelLoadError(
+            f"{path.name}: RoPE scaling {kind!r}{f' with {odd}' if odd else ''}"
+            f"{' and a rope_freqs tensor' if freqs is not None else ''} is not implemented in kvgate; the "
+            "output would be silently wrong, so the file is refused. kvgate computes linear and yarn "
+            "scaling and llama3's rope_freqs."
+        )
+    rope = {"rope_type": kind, "rope_theta": cfg.pop("rope_theta"), "factor": factor}
+    if kind == "yarn":
+        rope["original_max_position_embeddings"] = int(key("original_context_length", 0)) or None
+        rope["beta_fast"] = key("yarn_beta_fast")
+        rope["beta_slow"] = key("yarn_beta_slow")
+    cfg["rope_parameters"] = rope
+
+
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -326,6 +368,8 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
 
@@ -340,7 +384,7 @@ def _hf_name(name: str) -> str | None:
         _, idx, rest = name.split(".", 2)
         if rest in _LAYER_NAMES:
             return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
-    return None  # e.g. rope_freqs: not used by the supported architectures
+    return None  # e.g. rope_freqs: read into the config (`_rope_config`)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -19,8 +19,14 @@ from kvgate.config import ModelSpec
 from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
 from kvgate.models.gguf_scales import SCALES_FILE
 from kvgate.models.lazy_weights import LazyWeights, index_safetensors
+from kvgate.models.rope import SCALINGS
 
-_HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_HF_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 
 
 @dataclass
@@ -53,12 +59,7 @@ def read_spec(config: dict, path: Path) -> ModelSpec:
         )
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
-    if config.get("rope_scaling"):
-        raise ModelLoadError(
-            f"{path}: rope_scaling {config['rope_scaling']} is not implemented in kvgate yet; the output "
-            "would be silently wrong, so the model is refused. Use a model without RoPE scaling."
-        )
-    rope_theta = _rope_theta(config, path)
+    rope_theta, rope_scaling = _rope(config, path)
     max_pos = int(config.get("max_position_embeddings", 2048))
     window = config.get("sliding_window")
     if window and config.get("use_sliding_window", True) and int(window) < max_pos:
@@ -78,6 +79,8 @@ def read_spec(config: dict, path: Path) -> ModelSpec:
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         name=str(config.get("name") or path.name),
+        rope_scaling=rope_scaling,
+        qk_norm=config.get("kvgate_source_architecture", arch) == "qwen3",
     )
 
 
@@ -129,25 +132,61 @@ def required_tensors(spec: ModelSpec) -> list[str]:
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
         names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if spec.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return names
 
 
-def _rope_theta(config: dict, path: Path) -> float:
-    """RoPE's base, from `rope_parameters` (transformers 5 writes it there, with the scaling kind) or
-    the top-level `rope_theta` (earlier configs); a scaled or per-layer-type RoPE is refused by name,
-    as `rope_scaling` is. Reading only the top level ran a 1e6-base Qwen2 at 10000 (QA pass 7)."""
+def _rope(config: dict, path: Path) -> tuple[float, tuple]:
+    """RoPE's base and scaling, from `rope_parameters` (transformers 5 writes the base there, with the
+    scaling kind) or the top-level `rope_theta` and `rope_scaling` (earlier configs). Kinds kvgate
+    computes (`kvgate.models.rope.SCALINGS`) keep their parameters; any other kind, a partial rotary
+    dimension or a per-layer-type RoPE is refused by name: its output would be silently wrong. Reading
+    only the top level ran a 1e6-base Qwen2 at 10000 (QA pass 7)."""
+    factors = config.get("kvgate_rope_freq_factors")  # a GGUF's rope_freqs tensor (kvgate.models.gguf_loader)
+    if factors:
+        kept = (("factors", tuple(float(f) for f in factors)), ("rope_type", "freq_factors"))
+        return float(config.get("rope_theta", 10000.0)), kept
     rope = config.get("rope_parameters")
-    if rope is None:
-        return float(config.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
-    extra = {k: v for k, v in (rope.items() if kind else ()) if k not in ("rope_type", "type", "rope_theta")}
-    if kind != "default" or "rope_theta" not in rope or any(v not in (None, 1, 1.0) for v in extra.values()):
-        raise ModelLoadError(
-            f"{path}: rope_parameters {rope} ask for RoPE other than the default kind with one base "
-            "(rope_type 'default', a rope_theta, nothing else), which kvgate does not implement yet; the output would "
-            "be silently wrong, so the model is refused. Use a model without RoPE scaling."
+    params = rope if rope is not None else (config.get("rope_scaling") or {})
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0)) if isinstance(params, dict) else None
+    kind = (params.get("rope_type") or params.get("type") or "default") if isinstance(params, dict) else None
+    given = {
+        k: v for k, v in (params.items() if kind else ()) if k not in ("rope_type", "type", "rope_theta")
+    }
+    partial = given.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+
+    def refuse(why: str) -> ModelLoadError:
+        where = "rope_parameters" if rope is not None else "rope_scaling"
+        return ModelLoadError(
+            f"{path}: {where} {params} {why}. kvgate computes the default RoPE and the scalings "
+            f"{', '.join(k for k in SCALINGS if k != 'freq_factors')}; anything else is not implemented and "
+            "its output would be silently wrong, so the model is refused."
         )
-    return float(rope["rope_theta"])
+
+    if theta is None or kind is None or (rope is not None and "rope_theta" not in rope):
+        raise refuse("is not one RoPE with a base (per-layer-type RoPE?)")
+    if partial not in (None, 1, 1.0):
+        raise refuse(f"rotates part of each head (partial_rotary_factor {partial})")
+    if kind == "default":
+        if any(v not in (None, 1, 1.0) for v in given.values()):
+            raise refuse("gives scaling parameters to the default kind")
+        return float(theta), ()
+    if kind not in SCALINGS or kind == "freq_factors":
+        raise refuse(f"asks for the {kind!r} scaling")
+    if kind == "yarn" and given.get("factor") is None and given.get("original_max_position_embeddings"):
+        given["factor"] = config["max_position_embeddings"] / given["original_max_position_embeddings"]
+    missing = [k for k in SCALINGS[kind] if given.get(k) is None]
+    if missing:
+        raise refuse(f"lacks {', '.join(missing)} for its {kind!r} scaling")
+    kept = {k: v for k, v in given.items() if v is not None and k in _ROPE_KEYS}
+    return float(theta), tuple(sorted({"rope_type": kind, **kept}.items()))
+
+
+_ROPE_KEYS = (
+    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+    "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow", "truncate", "factors",
+)  # fmt: skip
 
 
 def _read_tokenizer(path: Path) -> TokenizerInfo:

@@ -1,10 +1,10 @@
-"""Llama-family forward over the paged KV cache (Llama, SmolLM, Mistral, Qwen2).
+"""Llama-family forward over the paged KV cache (Llama, SmolLM, Mistral, Qwen2, Qwen3).
 
 One call runs one engine step: any number of decode rows (one token each) plus prefill chunks, all
 concatenated into one flat token list so every linear layer is one matmul for the whole step. The
-layer is deliberately short: RMSNorm -> fused QKV matmul -> RoPE on q and k together -> write K/V into
-the pool -> attention over the row's blocks -> output projection -> RMSNorm -> fused gate/up matmul ->
-SiLU * up -> down projection. Logits are computed only for the tokens the sampler needs.
+layer is deliberately short: RMSNorm -> fused QKV matmul (-> RMSNorm of each q and k head: Qwen3) ->
+RoPE on q and k together -> write K/V into the pool -> attention over the row's blocks -> output
+projection -> RMSNorm -> fused gate/up matmul -> SiLU * up -> down projection. Logits are computed only for the tokens the sampler needs.
 
 Attention uses grouped queries without repeating K/V in the step's own code: a decode row's queries are
 viewed as `[kv_heads, group, head_dim]`; a prefill chunk goes to SDPA as q `[1, heads, q_len, D]` and
@@ -38,9 +38,7 @@ row's output moves by ~1e-6 with the rows beside it).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,7 +49,7 @@ from kvgate.models import decode_stack, huge_pages, native, rope
 from kvgate.models.block_formats import BlockLinear, fused_names, fused_scales
 from kvgate.models.block_formats import held as held_blocks
 from kvgate.models.linear import Linear, packs_weights
-from kvgate.models.paged_attention import gather_attention, length_mask
+from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
 from kvgate.models.prefill_attention import run as run_prefill
 from kvgate.models.prefill_attention import sdpa as prefill_attention  # the SDPA path (tests call it here)
@@ -60,58 +58,12 @@ from kvgate.models.q4_1 import Q41Linear
 from kvgate.models.q4_1_dot8 import Q41Dot8Linear
 from kvgate.models.q8_head import Q8DotTable, Q8Table, q8_blocks
 from kvgate.models.quant import GGUF_FORMATS, Quantized, quantizable
+from kvgate.models.step_batch import DecodeGroup, PrefillSpan, StepBatch, matmul_shapes
+
+__all__ = ["DecodeGroup", "LlamaModel", "PrefillSpan", "StepBatch", "matmul_shapes", "prefill_attention"]
 
 if TYPE_CHECKING:
     from kvgate.core.kv_cache import KVPool
-
-
-@dataclass
-class DecodeGroup:
-    """Decode rows `[start, end)` of the flat token list, padded to a common number of blocks."""
-
-    start: int
-    end: int
-    block_tables: torch.Tensor  # [rows, max_blocks] long
-    lens: torch.Tensor  # [rows] long, each row's context length
-    width: int  # positions the padded tables cover: max_blocks * block_size
-
-    @functools.cached_property
-    def mask(self) -> torch.Tensor:
-        """[rows, 1, 1, width] bool, True = attend. Built on first use: only the gather path reads it,
-        and building it for every step cost a one-row step of the paged kernel ~0.04 ms."""
-        return length_mask(self.lens, self.width)
-
-
-@dataclass
-class PrefillSpan:
-    """One prompt chunk: tokens `[start, start + q_len)` at positions `[ctx_len - q_len, ctx_len)`."""
-
-    start: int
-    q_len: int
-    ctx_len: int
-    block_table: torch.Tensor  # [blocks covering ctx_len] long
-    mask: torch.Tensor  # [q_len, ctx_len] bool, True = attend (shared by the query heads)
-
-
-@dataclass
-class StepBatch:
-    input_ids: torch.Tensor  # [T] long
-    positions: torch.Tensor  # [T] long
-    slots: torch.Tensor  # [T] long, flat slot index (block * block_size + offset) for each new K/V
-    decode_groups: list[DecodeGroup]
-    prefills: list[PrefillSpan]
-    logits_index: torch.Tensor  # [S] long, the tokens whose next-token logits are needed
-    # the decode rows (tokens [0, R) of the step), for the paged kernel: each row's block table padded
-    # with block 0 to the longest row's, and its context length (position + 1)
-    decode_tables: torch.Tensor | None = None  # [R, max_blocks] long
-    decode_lens: torch.Tensor | None = None  # [R] long
-
-
-def matmul_shapes(spec: ModelSpec, step_tokens: int, logit_rows: int) -> list[tuple[int, int, int]]:
-    """(out_features, in_features, max rows) of each distinct matmul the forward runs."""
-    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-    per_layer = [(q + 2 * kv, h), (h, q), (2 * spec.intermediate_size, h), (h, spec.intermediate_size)]
-    return [(n, k, step_tokens) for n, k in per_layer] + [(spec.vocab_size, h, logit_rows)]
 
 
 class LlamaModel:
@@ -211,6 +163,15 @@ class LlamaModel:
                 )
             )
         self.norm = w("model.norm.weight")
+        # Qwen3: each q and k head's RMSNorm weights [head_dim], per layer (`qk_norm`)
+        self.qk_norms = (
+            [
+                tuple(w(f"model.layers.{i}.self_attn.{n}_norm.weight") for n in "qk")
+                for i in range(spec.num_layers)
+            ]
+            if spec.qk_norm
+            else None
+        )
         # Tied embeddings: the lookup needs the plain table, so a packed head is a second copy (the
         # plan charges it: `kvgate.memory.plan.weight_bytes(..., lm_head_copy=True)`).
         # The head stays in the model dtype under --weights int8/int4, as GPTQ and AWQ checkpoints keep
@@ -222,7 +183,9 @@ class LlamaModel:
             self.lm_head = lin(
                 self.embed if "lm_head.weight" not in weights else w("lm_head.weight"), head=True
             )
-        cos, sin = rope.tables(spec.rope_theta, spec.head_dim, spec.max_position_embeddings)  # see rope.py
+        cos, sin = rope.tables(  # see rope.py
+            spec.rope_theta, spec.head_dim, spec.max_position_embeddings, dict(spec.rope_scaling)
+        )
         self.cos, self.sin = cos.to(device=self.device, dtype=dtype), sin.to(device=self.device, dtype=dtype)
         # the Q4_1 layer tiles and the Q8 table, streamed whole by every decode step, on huge pages
         self.huge_page_bytes = huge_pages.move(self._streamed()) if self.device.type == "cpu" else 0
@@ -255,6 +218,7 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         tensors = [self.norm, self.cos, self.sin] + ([] if self.q8 is not None else [self.embed])
+        tensors += [t for pair in self.qk_norms or () for t in pair]
         linears = [self.lm_head] if getattr(self.lm_head, "weight", None) is not self.embed else []
         for ln1, qkv, o, ln2, gu, down in self.layers:
             tensors += [ln1, ln2]
@@ -301,7 +265,7 @@ class LlamaModel:
             if ops is not None:
                 k_pool, v_pool = kv.k[li], kv.v[li]
                 h = ops.rms_norm(x, ln1, eps) if pending is None else ops.add_rms_norm_(x, pending, ln1, eps)
-                qkv = qkv_proj(h, n_dec)
+                qkv = self.qk_norm(li, qkv_proj(h, n_dec))
                 ops.rope_write_kv_(qkv, H, KVH, cos, sin, batch.slots, k_pool, v_pool, *kv.scales(li))
                 q = qkv[:, : H * D].view(T, H, D)
             else:
@@ -342,12 +306,23 @@ class LlamaModel:
         if pending is not None:
             x = x + pending
         h = F.rms_norm(x, (s.hidden_size,), ln1, s.rms_norm_eps)
-        qkv = qkv_proj(h, n_dec)
+        qkv = self.qk_norm(li, qkv_proj(h, n_dec))
         qk = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
         rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
         qk = qk * cos + rot * sin
         kv.write(li, slots, qk[:, H:], qkv[:, (H + KVH) * D :].view(T, KVH, D))
         return x, qk[:, :H]
+
+    def qk_norm(self, li: int, qkv: torch.Tensor) -> torch.Tensor:
+        """Layer `li`'s fused q/k/v rows with each q and k head RMS-normed in place (Qwen3), else as given."""
+        if self.qk_norms is None:
+            return qkv
+        s = self.spec
+        H, KVH, D, T = s.num_heads, s.num_kv_heads, s.head_dim, qkv.shape[0]
+        for (lo, heads), weight in zip(((0, H), (H * D, KVH)), self.qk_norms[li]):
+            part = qkv[:, lo : lo + heads * D].view(T, heads, D)
+            part.copy_(F.rms_norm(part, (D,), weight, s.rms_norm_eps))
+        return qkv
 
     def attend(self, li: int, q, batch: StepBatch, kv: KVPool, n_dec: int, out=None):
         """Layer `li`'s attention for every token of the step, `[T, H * D]` (into `out` when given): the
