@@ -16,12 +16,10 @@ from __future__ import annotations
 import codecs
 import json
 import logging
-from datetime import datetime
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from kvgate.chat_env import NINE_CHAR_IDS, RENDER_ERRORS, nine_char_ids, template_env
 from kvgate.models.hf_loader import TokenizerInfo
 
 log = logging.getLogger("kvgate.tokenizer")
@@ -43,18 +41,16 @@ class TextTokenizer:
         self.info = info
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eog_ids = frozenset(info.eog_token_ids)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         if not info.chat_template:
             log.warning(
                 "the model ships no chat template: /v1/chat/completions formats messages as ChatML "
                 "(<|im_start|>role ... <|im_end|>), which may not be the format it was trained on; "
                 "/v1/completions sends prompts as given"
             )
-        self._template = env.from_string(info.chat_template or FALLBACK_TEMPLATE)
+        self._template = template_env().from_string(info.chat_template or FALLBACK_TEMPLATE)
         # a template that reads `tools` renders tool definitions itself (kvgate.server.tools)
         self.supports_tools = "tools" in (info.chat_template or "")
+        self._nine_char_ids = bool(NINE_CHAR_IDS.search(info.chat_template or ""))  # Mistral's
         self._bytes: list[bytes] | None = None
         self._longest: int | None = None
         spec = json.loads(info.tokenizer_json)
@@ -82,12 +78,16 @@ class TextTokenizer:
     def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, tools=None, variables=None
     ) -> str:
-        """`variables`: more template variables (a request's `chat_template_kwargs`)."""
+        """`variables`: more template variables (a request's `chat_template_kwargs`). `tools` and
+        `documents` are always defined, None when there are none, as transformers passes them (a
+        template may test `tools is not none`)."""
 
         def name(i):
             return None if i is None else self.tok.id_to_token(i)
 
-        extra = {**(variables or {}), **({"tools": tools} if tools else {})}
+        extra = {"tools": tools or None, "documents": None, **(variables or {})}
+        if self._nine_char_ids:
+            messages = nine_char_ids(messages)
         try:
             return self._template.render(
                 messages=messages,
@@ -96,7 +96,7 @@ class TextTokenizer:
                 eos_token=name(self.info.eos_token_id) or "",
                 **extra,
             )
-        except jinja2.TemplateError as exc:
+        except RENDER_ERRORS as exc:  # the template's own failure on these messages (`'a' + dict` too)
             raise ChatTemplateError(f"the model's chat template rejected these messages: {exc}") from exc
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -158,10 +158,6 @@ class TextTokenizer:
         # The template writes BOS itself when the model wants one; never add a second.
         bos = self.token_text(self.info.bos_token_id) if self.info.bos_token_id is not None else None
         return self.encode(text, add_bos=False if bos and text.startswith(bos) else None)
-
-
-def _raise(message: str):
-    raise jinja2.TemplateError(message)
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:

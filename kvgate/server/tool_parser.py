@@ -11,7 +11,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from kvgate.server.tools import ARGS_AT, END, OPEN, SEP
+from kvgate.server.tools import ARGS_AT, BARE, BARE_KEYS, END, OPEN, SEP
 
 
 @dataclass
@@ -67,8 +67,9 @@ class ToolCallParser:
     """Incremental reader of generated text: `push(text)` -> events, `end()` -> the last events.
 
     Events: ("content", text), ("call", ParsedCall) when a call's name is known, ("args", index, text).
-    Calls may follow content (text, then `<tool_call>`). Arguments are released as they come, exactly
-    their JSON text: the wrapper's end (`}`, a newline, `</tool_call>`) never is. Output cut short
+    Calls may follow content (text, then `<tool_call>`), or be one bare call, the whole output (Llama
+    3.x's form, `tools`' doc). Arguments are released as they come, exactly their JSON text: the
+    wrapper's end (`}`, a newline, `</tool_call>`) never is. Output cut short
     (max_tokens) in a call gives that call with the arguments so far, `done` False, once its name is
     whole, and nothing before: no markup ever comes out as content.
     """
@@ -78,6 +79,7 @@ class ToolCallParser:
     calls: list[ParsedCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     scan: _ArgsScan = field(default_factory=_ArgsScan)
+    bare: bool = False  # the output is a bare call (`{"name": ...` at its start)
 
     def push(self, text: str) -> list[tuple]:
         self.buf += text
@@ -98,7 +100,7 @@ class ToolCallParser:
         events: list[tuple] = []
         if self.state == "head":
             name = self._name(self.buf)
-            if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
+            if name is not None and any(k.startswith(self.buf[name[1] :]) for k in self._keys()):
                 self._open_call(events, name[0])
         elif self.state in ("start", "content") and self.buf:
             # cut: a held opening may have been a call's, the whitespace before it was text
@@ -113,7 +115,9 @@ class ToolCallParser:
         if self.buf.startswith(OPEN):
             self.buf = self.buf[len(OPEN) :]
             self.state = "head"
-        elif not OPEN.startswith(self.buf):
+        elif self.buf.startswith(BARE):  # the head reads the name from `{"name": ` on
+            self.state, self.bare = "head", True
+        elif not OPEN.startswith(self.buf) and not BARE.startswith(self.buf):
             self.state = "content"  # else: could still become a call
 
     def _content(self, events) -> None:
@@ -133,10 +137,23 @@ class ToolCallParser:
 
     def _head(self, events) -> None:
         name = self._name(self.buf)
-        if name is not None and self.buf.startswith(ARGS_AT, name[1]):
+        rest = self.buf[name[1] :] if name is not None and isinstance(name[0], str) else None
+        key = next((k for k in self._keys() if rest is not None and rest.startswith(k)), None)
+        if key is not None:
             self._open_call(events, name[0])
-            self.buf = self.buf[name[1] + len(ARGS_AT) :]
+            self.buf = rest[len(key) :]
             self.state = "args"
+        elif self.bare and self._not_a_call(name, rest):
+            # JSON that only began like a call (the grammar never writes one)
+            self.state, self.bare = "content", False
+
+    def _keys(self) -> tuple[str, ...]:
+        return BARE_KEYS if self.bare else (ARGS_AT,)
+
+    def _not_a_call(self, name, rest: str | None) -> bool:
+        if name is None:  # the name is not a whole string yet: is it one at all?
+            return len(self.buf) > len(BARE) and self.buf[len(BARE)] != '"'
+        return rest is None or not any(k.startswith(rest) for k in BARE_KEYS)
 
     @staticmethod
     def _name(text: str) -> tuple[str, int] | None:
@@ -166,6 +183,13 @@ class ToolCallParser:
 
     def _close(self, events) -> None:
         rest = self.buf.lstrip()
+        if self.bare and rest:  # one bare call is the whole output: whatever follows it is dropped
+            if rest.startswith("}"):
+                self.calls[-1].done = True
+                self.buf, self.state = rest[1:], "tail"
+            else:
+                self.state = "content"  # not the wrapper's end (the grammar never does this)
+            return
         tail = rest[1:].lstrip() if rest.startswith("}") else None
         if tail is not None and tail.startswith(END):
             self.calls[-1].done = True

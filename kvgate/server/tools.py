@@ -1,14 +1,21 @@
 """Tool calling: render tools and tool turns into the prompt, constrain calls by grammar, parse them back.
 
-The call format is Hermes's (Qwen2.5's chat templates use it), one block per call:
+The call format is Hermes's (Qwen2.5's and Qwen3's chat templates use it), one block per call:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+or Llama 3.x's (its chat templates ask for it, vLLM's `llama3_json` parser reads it): the whole output
+is one bare call, `{"name": "get_weather", "parameters": {"city": "Paris"}}` (`"arguments"` is taken
+too). The grammar allows both forms whatever the template, so the model writes the one its template
+taught it and the parser needs no flag: an answer never starts with `{"name": ` (`BARE`), which opens a
+bare call.
+
 Rendering: a chat template that reads `tools` gets them (OpenAI's list) and the turns as Hugging Face
-templates expect them (an assistant turn's `tool_calls` with `arguments` as an object, `tool` turns
-as they are). Any other template (SmolLM2's among them) gets the documented generic preamble below as
+templates expect them (an assistant turn's `tool_calls` with `arguments` as an object, `{}` when
+they are not JSON, as vLLM passes them; `tool` turns as they are). Any other template (SmolLM2's
+among them) gets the documented generic preamble below as
 (the end of) the system message, assistant tool calls written as the blocks above, and each tool
 answer as a user turn inside `<tool_response>` tags: roles every template accepts.
 
@@ -16,7 +23,9 @@ Generation: with `tool_choice` `auto` the grammar is `answer | calls`, with `req
 function `calls` only; `calls` is one block, or with `parallel_tool_calls` (the default) one or more,
 each after the first opened by newlines and `<tool_call>` together. Each block is `{"name": NAME,
 "arguments": ARGS}` with ARGS generated under that function's JSON schema (`%json`), so arguments
-always parse and validate. An answer is any text in which `<tool_call>` does not occur; under `auto`
+always parse and validate; a bare call (one, alone: Llama's templates replay one call a turn) is
+`{"name": NAME, "parameters": ARGS}` under the same schema. An answer is any text in which
+`<tool_call>` does not occur (and which does not start with `BARE`); under `auto`
 the calls may also follow some text in the same turn (as Hermes models write "Let me check." before a
 call, and as kvgate renders a replayed turn with both), which is the message's content beside its
 `tool_calls`. After the calls, a newline that `<tool_call>` does not follow starts a short remark that
@@ -47,6 +56,8 @@ END = "</tool_call>"
 CLOSE = "}\n" + END
 SEP = "\n"
 ARGS_AT = ', "arguments": '
+BARE = '{"name": '  # opens a bare call: an output that starts with it is one
+BARE_KEYS = (', "parameters": ', ARGS_AT)  # a bare call's arguments key: Llama's, or Hermes's
 CALL_REGION = (OPEN.rstrip(), END)  # where the request's stop strings do not apply (kvgate.stop)
 TAIL_CHARS = 16  # a remark after the calls: the model may start one, and the output ends within it
 
@@ -121,7 +132,7 @@ def render(messages: list[dict], plan: ToolPlan | None, native: bool) -> tuple[l
             # a call cut before its arguments (kvgate's own `length` answer) replays as `{}`: the model is
             # never shown `"arguments": }` as an example of its format
             blocks = [
-                _block(c["function"]["name"], c["function"]["arguments"] or "{}") for c in m["tool_calls"]
+                _block(c["function"]["name"], _json_text(c["function"]["arguments"])) for c in m["tool_calls"]
             ]
             text = SEP.join(blocks)
             out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + text})
@@ -144,15 +155,24 @@ def _block(name: str, arguments: str) -> str:
     return f'{OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}{ARGS_AT}{arguments}{CLOSE}'
 
 
+def _json_text(arguments: str) -> str:
+    """A replayed call's arguments, or `{}` when they are not JSON (a call kvgate returned cut short by
+    max_tokens): the model is never shown a broken call as an example of its format (QA pass 6)."""
+    try:
+        json.loads(arguments)
+        return arguments
+    except json.JSONDecodeError:
+        return "{}"
+
+
 def _native_turn(m: dict) -> dict:
+    """Arguments as the object they stand for, as vLLM passes them (`chat_utils._postprocess_messages`):
+    templates iterate them (`| items`) or write them with `| tojson`; a string there would be quoted."""
     if not m.get("tool_calls"):
         return m
     calls = []
     for c in m["tool_calls"]:
-        try:
-            args = json.loads(c["function"]["arguments"])
-        except json.JSONDecodeError:
-            args = c["function"]["arguments"]
+        args = json.loads(_json_text(c["function"]["arguments"]))
         calls.append({**c, "function": {"name": c["function"]["name"], "arguments": args}})
     return {**m, "tool_calls": calls}
 
@@ -189,20 +209,22 @@ def grammar(plan: ToolPlan, answer_rule: str | None, reach: int | None = None) -
     with finish_reason `stop`). After a call a newline commits to another call only when
     `<tool_call>` follows it; else the newline starts a remark of at most TAIL_CHARS that ends the
     output (the parser drops it). A separator that was one newline forced a model that meant
-    "\n\nThe function returns ..." into a second call, which it copied from the first."""
+    "\n\nThe function returns ..." into a second call, which it copied from the first.
+    A free-text answer never starts with the whole `BARE`: those nine characters open a bare call."""
     lines = []
     more = " next*" if plan.parallel else ""
     if plan.mode == "auto" and answer_rule:
-        lines.append("start: answer | calls")
+        lines.append("start: answer | calls | bare")
         lines.append(f"answer: {answer_rule}")
     elif plan.mode == "auto":  # free text, calls, or text and then calls (LEAD holds the first opening)
-        lines.append("start: answer | calls | lead")
+        lines.append("start: answer | calls | lead | bare")
         text = not_containing(OPEN.rstrip())
-        lines += ["answer: TEXT", f"TEXT: /{text}/"]
+        not_bare = f" & ~/{_BARE_RE}[\\s\\S]*/"
+        lines += ["answer: TEXT", f"TEXT: /{text}/{not_bare}"]
         lines.append(f"lead: LEAD body{more} TAIL?")
-        lines.append(f"LEAD: /({text}){re.escape(OPEN.rstrip())}\\n/")
+        lines.append(f"LEAD: /({text}){re.escape(OPEN.rstrip())}\\n/{not_bare}")
     else:
-        lines.append("start: calls")
+        lines.append("start: calls | bare")
     lines.append(f"calls: call{more} TAIL?")
     if plan.parallel:  # blank lines may part two calls, as they may end the calls
         lines.append(f"TAIL: /\\n+([^<\\n][\\s\\S]{{0,{TAIL_CHARS - 1}}})?/")
@@ -214,7 +236,15 @@ def grammar(plan: ToolPlan, answer_rule: str | None, reach: int | None = None) -
     lines.append(f"call: {json.dumps(OPEN)} body")
     if plan.parallel:
         lines.append(f"next: NEWLINES {json.dumps(OPEN)} body")
+    bare = " | ".join(f"bare_{i}" for i in range(len(plan.functions)))
+    lines.append(f'bare: ({bare}) "}}" TAIL?')
+    lines.append("bare_key: " + " | ".join(json.dumps(k[2:]) for k in BARE_KEYS))
     for i, f in enumerate(plan.functions):
-        head = '{"name": ' + json.dumps(f.name, ensure_ascii=False) + ARGS_AT
-        lines.append(f"fn_{i}: {json.dumps(head)} %json {json.dumps(args_schema(f, reach))}")
+        name = json.dumps(f.name, ensure_ascii=False)
+        lines.append(f"fn_{i}: {json.dumps(BARE + name + ARGS_AT)} args_{i}")
+        lines.append(f"bare_{i}: {json.dumps(BARE + name + ', ')} bare_key args_{i}")
+        lines.append(f"args_{i}: %json {json.dumps(args_schema(f, reach))}")
     return "\n".join(lines) + "\n"
+
+
+_BARE_RE = re.escape(BARE).replace("\\ ", " ")  # llguidance's regex takes a space as it is

@@ -1,0 +1,357 @@
+"""Real models' chat templates and tool-call formats (session 47).
+
+The templates of Llama 3.1/3.2/3.3, Qwen2.5, Qwen3, QwQ, DeepSeek-R1-Distill, Mistral Nemo and Small
+3.2 were rendered through kvgate's server path and through transformers' `render_jinja_template`
+(docs/DESIGN_NOTES.md, session 47, has the table). Their text is not committed here: each test uses a
+small template of its own with the Jinja feature that failed. Every test was seen red with its fix
+undone (each docstring says how), and green with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from tokenizers import AddedToken
+
+from kvgate.models.hf_loader import TokenizerInfo
+from kvgate.server import protocol as P
+from kvgate.server import tool_parser as TP
+from kvgate.server import tools as T
+from kvgate.server.features import render_chat
+from kvgate.server.prepare import chat_ids
+from kvgate.tokenizer import ChatTemplateError, TextTokenizer
+from tests.tiny_model import build_tokenizer
+
+BOS, EOS = "<|begin_of_text|>", "<|eot_id|>"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather <now> & 'here' in a café",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
+ASK = {"role": "user", "content": "Weather in Paris?"}
+
+
+def tokenizer(template: str) -> TextTokenizer:
+    tok = build_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOS, EOS)])
+    v = tok.get_vocab()
+    return TextTokenizer(TokenizerInfo(tok.to_str(), template, v[BOS], v[EOS], [v[EOS]], False))
+
+
+class _Engine:  # what the server's rendering reads of an engine
+    def __init__(self, tok):
+        self.tokenizer = tok
+
+
+def served(template: str, messages: list[dict], **body) -> str:
+    """The prompt text exactly as the chat endpoint builds it: the request checked and turned into the
+    template's messages (`features.render_chat`), rendered by the request's template fields."""
+    tok = tokenizer(template)
+    req = P.parse(P.ChatCompletionRequest, {"messages": messages, **body})
+    eng = _Engine(tok)
+    return tok.decode(
+        chat_ids(eng, *render_chat(eng, req, T.plan_tools(req)), req), skip_special_tokens=False
+    )
+
+
+def call(args: str, id_: str = "call_0123456789abcdef01234567") -> dict:
+    fn = {"name": "get_weather", "arguments": args}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": id_, "type": "function", "function": fn}],
+    }
+
+
+def answer(id_: str = "call_0123456789abcdef01234567") -> dict:
+    return {"role": "tool", "tool_call_id": id_, "content": "21 C"}
+
+
+# ---- rendering ------------------------------------------------------------------------------------
+# Llama 3.x writes each tool with `tojson(indent=4)` and a replayed call's arguments with `tojson`;
+# Qwen2.5/3 and Mistral with `tojson`. This one does both.
+TOJSON = (
+    "{{ bos_token }}{% for t in tools %}{{ t | tojson(indent=2) }}\n{% endfor %}"
+    "{% for m in messages %}{% if m.tool_calls %}"
+    '{{ \'{"name": "\' + m.tool_calls[0].function.name + \'", "parameters": \' }}'
+    "{{ m.tool_calls[0].function.arguments | tojson }}}{% else %}{{ m.content }}{% endif %}|{% endfor %}"
+)
+
+
+def test_tojson_keeps_key_order_and_writes_text_as_it_is_as_transformers_does():
+    """Jinja's own `tojson` sorts keys and writes `<`, `>`, `&`, `'` and non-ASCII as \\u escapes: Llama
+    3.x, Qwen and Mistral templates showed the model its tools and its own calls spelled as it was
+    never trained. Seen red with `env.filters["tojson"] = tojson` left out of `chat_env.template_env`
+    ("function" before "type", `\\u003cnow\\u003e`, `caf\\u00e9`)."""
+    text = served(TOJSON, [ASK, call('{"city": "Pä <b>", "unit": "c"}'), answer()], tools=[WEATHER])
+    assert text.startswith(BOS + '{\n  "type": "function",\n  "function": {\n    "name": "get_weather",')
+    assert '"description": "Weather <now> & \'here\' in a café"' in text
+    assert '{"name": "get_weather", "parameters": {"city": "Pä <b>", "unit": "c"}}|' in text
+
+
+def test_arguments_reach_the_template_as_an_object_and_broken_ones_as_empty():
+    """vLLM parses each replayed call's arguments to the object (`_postprocess_messages`), which
+    templates iterate (`| items`) or write with `| tojson`; arguments that are not JSON (a call cut by
+    max_tokens) become `{}` there. Seen red with the string passed on when it does not parse (the old
+    `_native_turn`): `"{\\"city\\": \\"Par"` rendered, a broken call shown to the model."""
+    t = "{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in c.function.arguments | items %}"
+    t += "{{ k }}={{ v }};{% endfor %}{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}{{ tools|length }}"
+    assert (
+        served(t, [ASK, call('{"city": "Paris"}'), answer()], tools=[WEATHER])
+        == 'city=Paris;{"city": "Paris"}1'
+    )
+    assert served(t, [ASK, call('{"city": "Par'), answer()], tools=[WEATHER]) == "{}1"
+
+
+def test_loop_controls_and_the_generation_tag_compile():
+    """transformers' environment has the loopcontrols extension and its `{% generation %}` tag (training
+    templates mark the assistant's tokens with it). Seen red (TemplateSyntaxError when the model loads)
+    with `extensions=[...]` left out of `chat_env.template_env`."""
+    t = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% generation %}{{ m.role }}:{{ m.content }};{% endgeneration %}{% endfor %}"
+    )
+    msgs = [{"role": "system", "content": "S"}, ASK, {"role": "assistant", "content": "A"}]
+    assert served(t, msgs) == "user:Weather in Paris?;"
+
+
+def test_tools_and_documents_are_defined_as_none_when_absent():
+    """transformers passes `tools=None` (and `documents=None`) when there are none, so a template's
+    `tools is not none` is false. Seen red with `tools` left undefined (the old `render_chat`): an
+    undefined value is "not none", and the tools header was written for a chat without tools."""
+    t = "{% if tools is not none %}TOOLS {% endif %}{% if documents is defined %}D {% endif %}{{ messages[0].content }}"
+    assert served(t, [ASK]) == "D Weather in Paris?"
+    assert served(t, [ASK], tools=[WEATHER]) == "TOOLS D Weather in Paris?"
+
+
+def test_a_template_that_fails_on_the_messages_is_a_400_not_a_500():
+    """DeepSeek-R1-Distill's template joins `'...' + arguments`, a TypeError when they are an object;
+    any template can index past a list. vLLM answers those with a 400; kvgate raised them past
+    `ChatTemplateError` (a 500). Seen red with `except jinja2.TemplateError` back in `render_chat`."""
+    t = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ 'x' + c.function.arguments }}{% endfor %}"
+    t += "{% endfor %}{{ tools | length }}"  # a template that reads `tools` gets the calls as they are
+    with pytest.raises(Exception) as err:
+        served(t, [ASK, call('{"city": "Paris"}'), answer()], tools=[WEATHER])
+    assert getattr(err.value, "status", None) == 400 and "chat template rejected" in str(err.value)
+    with pytest.raises(ChatTemplateError):
+        tokenizer("{{ messages[5].content }}").render_chat([ASK])
+
+
+def test_a_namespace_refuses_underscore_names_and_dict_builds_a_dict():
+    """transformers' `namespace` refuses attributes starting with `_` and its `dict` is only a
+    constructor. Seen red with Jinja's own `namespace` (the `_x` attribute was stored)."""
+    ok = "{% set ns = namespace(n=dict(a=1)) %}{% set ns.n = dict.fromkeys(['b'], 2) %}{{ ns.n | tojson }}"
+    assert tokenizer(ok).render_chat([ASK]) == '{"b": 2}'
+    with pytest.raises(ChatTemplateError, match="may not start with '_'"):
+        tokenizer("{% set ns = namespace() %}{% set ns._x = 1 %}").render_chat([ASK])
+
+
+# Mistral Nemo and Small 3.x refuse ids that are not 9 characters long (it reads `tools`, so it gets
+# the turns as they are: kvgate.server.tools)
+NINE = (
+    "{% if tools %}{% endif %}{% for m in messages %}{% for c in m.tool_calls or [] %}{% if c.id|length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[CALL {{ c.id }}]{% endfor %}{% if m.role == 'tool' %}[RESULT {{ m.tool_call_id }}]{% endif %}{% endfor %}"
+)
+
+
+def test_mistral_templates_get_nine_character_ids_alike_in_the_call_and_its_answer():
+    """kvgate's own call ids (`call_` + 24 hex digits) and OpenAI's were a 400 with Mistral's templates.
+    Each id is rewritten alike in the call and its answer: its last 9 characters when they are letters
+    and digits (vLLM's rule for Mistral tokenizers), else a hash's; 9-character ids stay. Seen red
+    with `nine_char_ids` not applied in `render_chat` (the template's exception, a 400)."""
+    assert served(NINE, [ASK, call("{}"), answer()], tools=[WEATHER]) == "[CALL f01234567][RESULT f01234567]"
+    text = served(NINE, [ASK, call("{}", "call_ab-c"), answer("call_ab-c")], tools=[WEATHER])
+    short = text[len("[CALL ") : len("[CALL ") + 9]
+    assert len(short) == 9 and text == f"[CALL {short}][RESULT {short}]"
+    assert (
+        served(NINE, [ASK, call("{}", "abcDEF123"), answer("abcDEF123")])
+        == "[CALL abcDEF123][RESULT abcDEF123]"
+    )
+
+
+LOOPS = (
+    "{% for t in tools + tools %}{% if loop.index > 1 %}{% break %}{% endif %}{% generation %}"
+    "{{ t.function | tojson(indent=1) }}{% endgeneration %}{% endfor %}{{ messages[1].tool_calls[0].id }}"
+)
+
+
+@pytest.mark.parametrize("template", [TOJSON, LOOPS], ids=["tojson", "loops"])
+def test_kvgate_renders_what_transformers_renders_from_the_same_inputs(template):
+    """The same template inputs (what the server passes) through transformers' reference renderer give
+    the same text: the environment is transformers'. Seen red with Jinja's `tojson` (both), and
+    without loopcontrols (the second: it did not compile)."""
+    hf = pytest.importorskip("transformers.utils.chat_template_utils")
+    tok = tokenizer(template)
+    req = P.parse(
+        P.ChatCompletionRequest, {"messages": [ASK, call('{"city": "Pä <b>"}'), answer()], "tools": [WEATHER]}
+    )
+    msgs, tools = render_chat(_Engine(tok), req, T.plan_tools(req))
+    ref = hf.render_jinja_template(
+        [msgs], tools=tools, chat_template=template, add_generation_prompt=True, bos_token=BOS, eos_token=EOS
+    )[0][0]
+    assert tok.render_chat(msgs, True, tools) == ref
+
+
+# ---- tool-call formats ----------------------------------------------------------------------------
+def parsed(text: str, step: int) -> tuple[str | None, list[tuple[str, str, bool]], str]:
+    p = TP.ToolCallParser()
+    for i in range(0, len(text), step):
+        p.push(text[i : i + step])
+    p.end(cut=False)
+    return "".join(p.content) or None, [(c.name, c.arguments, c.done) for c in p.calls], p.state
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "note": "a } and a \\" inside"}}'
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_a_llama_bare_call_is_read_as_a_call_in_any_pieces(step):
+    """Llama 3.x's templates ask for `{"name": ..., "parameters": {...}}` as the whole answer (vLLM's
+    `llama3_json` parser; `"arguments"` is read too). Seen red with the bare opening taken out of
+    `ToolCallParser._start` (the call came back as content)."""
+    args = '{"city": "Paris", "note": "a } and a \\" inside"}'
+    assert parsed(LLAMA_CALL, step) == (None, [("get_weather", args, True)], "tail")
+    assert parsed(LLAMA_CALL.replace("parameters", "arguments") + "\n\nDone.", step)[1] == [
+        ("get_weather", args, True)
+    ]
+    # JSON that only begins like a call is an answer
+    for text in ('{"name": "Bob", "age": 3}', '{"name": 7}', '{ "name": "x", "parameters": {}}'):
+        assert parsed(text, step) == (text, [], "content")
+
+
+def test_hermes_calls_of_qwen_are_read_with_the_text_before_them():
+    """Qwen2.5/Qwen3 (Hermes's format): text, then one or more `<tool_call>` blocks, read as before the
+    bare form came. Seen red with `ToolCallParser._keys` giving Llama's key to a Hermes block."""
+    out = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    )
+    out += '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    content, calls = TP.parse_output(out, cut=False)
+    assert content == "Let me check." and [(c.name, c.arguments, c.done) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}', True),
+        ("get_time", "{}", True),
+    ]
+
+
+def test_a_bare_call_finishes_with_tool_calls_and_a_cut_one_keeps_length():
+    """A whole bare call finishes `tool_calls` with content None; one cut by max_tokens keeps `length`
+    and the arguments so far. Seen red with the bare call's `done` not set in `_close` (`stop`)."""
+    choice = {"message": {"content": LLAMA_CALL}, "finish_reason": "stop"}
+    TP.read_calls(choice, ended=True)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    at = LLAMA_CALL.index("{", 1) + 4  # cut 4 characters into the arguments
+    cut = {"message": {"content": LLAMA_CALL[:at]}, "finish_reason": "length"}
+    TP.read_calls(cut)
+    assert (
+        cut["finish_reason"] == "length"
+        and cut["message"]["tool_calls"][0]["function"]["arguments"] == '{"ci'
+    )
+
+
+def test_the_grammar_takes_a_bare_call_and_no_answer_that_opens_like_one():
+    """Whatever the template, the grammar takes the Hermes blocks and one bare call, so a Llama model
+    under `auto` writes its own format and it is a call. Seen red with the `bare` alternative taken out
+    of `tools.grammar` (the call was refused) and with the answer's `& ~/\\{"name": .../` taken out (a
+    bare call was also an answer: the parser and the grammar disagreed)."""
+    from kvgate.structured.compiler import GrammarCompiler
+
+    tok = build_tokenizer()
+    comp = GrammarCompiler(tok.to_str(), [2], tok.get_vocab_size(), 4)
+    fns = [P.FunctionDef.model_validate(WEATHER["function"]), P.FunctionDef(name="get_time")]
+
+    def takes(text: str, mode: str, as_answer: bool = False) -> bool:
+        g = T.grammar(T.ToolPlan(mode, fns, True), None)
+        if as_answer:  # the free-text answer alone
+            g = g.replace("start: answer | calls | lead | bare", "start: answer")
+        m = comp.matcher(g)
+        ids = tok.encode(text, add_special_tokens=False).ids
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    bare = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    for mode, text in itertools.product(
+        ("auto", "required"), (bare, bare.replace("parameters", "arguments"))
+    ):
+        assert takes(text, mode), (mode, text)
+    assert not takes(bare, "auto", as_answer=True) and takes('{ "name": 1}', "auto", as_answer=True)
+    assert not takes('{"name": "get_weather", "parameters": {}}', "auto")  # held to the schema
+    assert not takes(bare + bare, "auto")  # one bare call
+
+
+# ---- over HTTP: a Llama-like template on the tiny model --------------------------------------------
+LLAMA_LIKE = (
+    "{% if tools %}<|im_start|>system\nCall a function as "
+    '{"name": function name, "parameters": its arguments}:\n{% for t in tools %}{{ t | tojson }}\n'
+    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.tool_calls %}{% set c = m.tool_calls[0].function %}"
+    '{{ \'{"name": "\' + c.name + \'", "parameters": \' + c.arguments | tojson + "}" }}'
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llama_like(tmp_path_factory):
+    import json
+
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from tests.server_util import running_server
+    from tests.tiny_model import make_tiny_hf_dir
+
+    d = make_tiny_hf_dir(tmp_path_factory.mktemp("llama_like"), geometry={"max_pos": 2048})
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": LLAMA_LIKE}))
+    ecfg = EngineConfig(kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
+    engine = Engine.from_model(str(d), ecfg, overhead_bytes=0).start()
+    try:
+        with running_server(engine) as (base, _app):
+            yield base, engine
+    finally:
+        engine.shutdown()
+
+
+def test_a_model_that_writes_the_bare_form_gets_tool_calls_whole_and_streamed(llama_like):
+    """A model whose template asks for Llama's bare form (the tiny model pushed to it by a bias on
+    `{`, with `required` and a function without parameters: under `auto` the bias wrote `{{{{` as an
+    answer): its output is a call, the same whole and streamed, finishing `tool_calls`; the replayed
+    call renders through the template as `"parameters": {}`. Seen red with the bare opening taken out
+    of `ToolCallParser._start` (no call, finish_reason `stop`)."""
+    import json
+
+    import httpx
+
+    base, engine = llama_like
+    brace = engine.tokenizer.encode("{", add_bos=False)[0]
+    body = {
+        "messages": [ASK],
+        "tools": [TIME],
+        "tool_choice": "required",
+        "max_tokens": 60,
+        "temperature": 0,
+        "logit_bias": {str(brace): 100},
+    }
+    whole = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None, whole
+    (got,) = whole["message"]["tool_calls"]
+    assert got["function"]["name"] == "get_time" and got["function"]["arguments"] == "{}"
+    args, finish = "", None
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    for tc in c["delta"].get("tool_calls") or []:
+                        args += tc["function"].get("arguments", "")
+                    finish = c["finish_reason"] or finish
+    assert (args, finish) == (got["function"]["arguments"], "tool_calls")
+    replay = [ASK, {"role": "assistant", "content": None, "tool_calls": [got]}, answer(got["id"])]
+    r = httpx.post(base + "/v1/tokenize", json={"messages": replay, "tools": [TIME]}, timeout=60).json()
+    text = engine.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+    assert '<|im_start|>assistant\n{"name": "get_time", "parameters": {}}<|im_end|>' in text
