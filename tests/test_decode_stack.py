@@ -299,3 +299,32 @@ def test_a_k_quant_models_stack_runs_its_block_tiles_on_the_team_as_the_loop(
     finally:
         torch.set_num_threads(was)
         native.extension().set_q4_1_amx_rows(was_amx)
+
+
+@pytest.fixture(scope="module")
+def q4_qwen3_dir(tmp_path_factory):
+    """A tiny Qwen3 (per-head q/k RMSNorm, head_dim 32 over a 64-wide hidden state) whose layer matrices
+    are exact Q4_1 blocks."""
+    from tests.test_model_families import hf_model, save_dir
+    from tests.test_q4_1 import ggml_q4_1
+
+    path = save_dir(hf_model("qwen3", {"rope_type": "default"}), tmp_path_factory.mktemp("q4-qwen3"))
+    w = load_file(str(path / "model.safetensors"))
+    for name in [n for n in w if n.endswith("proj.weight")]:
+        w[name] = ggml_q4_1(w[name]).contiguous()
+    save_file(w, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "gguf-q8act"])
+def test_a_qwen3_decode_step_on_the_stack_and_its_team_is_the_loop_bit_for_bit(q4_qwen3_dir, fmt):
+    """The stack runs Qwen3's q/k head norms (`set_qk_norms`) with the loop's row function: logits and
+    K/V writes equal the Python loop's exactly, op by op and on the team. Seen red: the team's norm
+    left out (logits differ), and the loop's norm as F.rms_norm instead of `qk_norm_` (an ulp apart)."""
+    from kvgate.core.step_inputs import DecodeInput
+
+    model, kv = model_and_pool(q4_qwen3_dir, fmt)
+    assert model.decode_stack is not None and model.qk_norms is not None
+    assert_stack_is_loop(model, kv)
+    rows = [DecodeInput(i, 7 + 5 * i, 3 + 6 * i, list(range(i * 12, i * 12 + 12))) for i in range(3)]
+    assert_team_is_ops_and_loop(model, kv, rows)

@@ -3,7 +3,8 @@
 `build(model)` returns a `DecodeStack` for a model whose forward would call only kvgate's C++ kernels
 between the embedding and the final norm: CPU, float32, the C++ layer ops, the paged decode kernel,
 and every layer matmul a `Q41Linear` (`--weights gguf`), a `BlockLinear` (gguf's other block formats) or
-a `Q41Dot8Linear` (`gguf-q8act`) without a bias.
+a `Q41Dot8Linear` (`gguf-q8act`) without a bias. A Qwen3's q and k head norms go in with `set_qk_norms`
+and run after each qkv matmul, by the row function the loop's `qk_norm_` calls.
 Any other model gets None and keeps the Python loop.
 
 The forward uses the stack for steps whose tokens are all decode rows (a verify span's positions
@@ -47,8 +48,6 @@ def build(model):
     """The model's `DecodeStack`, or None where the forward must keep its loop (see the module doc)."""
     if os.environ.get(ENV, "1") == "0" or model.layer_ops is None or not model.paged_attention:
         return None
-    if model.qk_norms is not None:  # the C++ stack has no per-head q/k norm (Qwen3): the loop runs it
-        return None
     ext = native.extension()
     if ext is None:
         return None
@@ -64,5 +63,7 @@ def build(model):
             kinds.append(found[2])
     s = model.spec
     stack = ext.DecodeStack(norms, mats, outs, kinds, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps)
+    if model.qk_norms is not None:  # Qwen3
+        stack.set_qk_norms([t for pair in model.qk_norms for t in pair])
     stack.set_team(os.environ.get(TEAM_ENV, "1") != "0")
     return stack

@@ -319,6 +319,9 @@ class LlamaModel:
             return qkv
         s = self.spec
         H, KVH, D, T = s.num_heads, s.num_kv_heads, s.head_dim, qkv.shape[0]
+        if self.layer_ops is not None:  # the decode stack's row function: the same bits
+            self.layer_ops.qk_norm_(qkv, H, KVH, *self.qk_norms[li], s.rms_norm_eps)
+            return qkv
         for (lo, heads), weight in zip(((0, H), (H * D, KVH)), self.qk_norms[li]):
             part = qkv[:, lo : lo + heads * D].view(T, heads, D)
             part.copy_(F.rms_norm(part, (D,), weight, s.rms_norm_eps))

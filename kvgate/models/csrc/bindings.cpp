@@ -18,6 +18,7 @@ torch::Tensor q8_embed(torch::Tensor packed, torch::Tensor ids, int64_t rows, in
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
+void qk_norm_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor q_w, torch::Tensor k_w, double eps);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                     torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool,
                     const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale);
@@ -83,6 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "rows ids of a Q8_0 table held in tiles of tile_rows rows (16: q8_pack16, 8: q8_pack8) as float32");
   mod.def("rms_norm", &rms_norm, "RMSNorm of each row of a float32 [rows, hidden] tensor times w");
   mod.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of each row times w");
+  mod.def("qk_norm_", &qk_norm_, "RMSNorm of each q and k head of fused [rows, qkv] rows in place (Qwen3)");
   mod.def("silu_mul", &silu_mul, "SiLU(gate) * up of fused [rows, 2 x intermediate] gate_up rows");
   mod.def("rope_write_kv_", &rope_write_kv_,
           "rotate-half RoPE on the q and k heads of fused QKV rows in place, then k and v into the pools at slots "

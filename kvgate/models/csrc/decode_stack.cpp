@@ -2,7 +2,7 @@
 // model whose matmuls are kvgate's Q4_1 kernels (--weights gguf or gguf-q8act), run in C++ with the
 // same kernels, in the same order, as the Python loop in kvgate.models.llama.LlamaModel.forward:
 //
-//   h = rms_norm(x) (or x += pending; rms_norm)  ->  qkv  ->  rope_write_kv_  ->  paged attention
+//   h = rms_norm(x) (or x += pending; rms_norm)  ->  qkv  (->  qk_norm_: Qwen3)  ->  rope_write_kv_  ->  paged attention
 //   ->  o  ->  x += o; rms_norm  ->  gate_up  ->  silu_mul (SiLU(gate) * up)  ->  down = pending
 //
 // so its result is bit for bit the loop's. What it removes is the loop's per-layer cost outside the
@@ -40,6 +40,7 @@ torch::Tensor block_matmul(torch::Tensor x, torch::Tensor packed, int64_t N, int
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
+void qk_norm_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor q_w, torch::Tensor k_w, double eps);
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                     torch::Tensor slots, torch::Tensor k_pool, torch::Tensor v_pool,
                     const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale);
@@ -124,6 +125,15 @@ class DecodeStack {
   // Runs decode-only steps on the thread team (`run_team`) where it can: the default. False: every step
   // on `run_ops` (A/B runs and the tests that compare the two).
   void set_team(bool on) { team_on_ = on; }
+  // Qwen3: each layer's q and k head norm weights ([head_dim] each, 2 per layer), run after the qkv matmul
+  void set_qk_norms(std::vector<torch::Tensor> qk) {
+    TORCH_CHECK(qk.size() == norms_.size(), "DecodeStack.set_qk_norms: want 2 per layer (", norms_.size(), "), got ",
+                qk.size());
+    for (const auto& w : qk)
+      TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 1 && w.size(0) == head_dim_ && w.is_contiguous(),
+                  "DecodeStack.set_qk_norms: each weight must be contiguous float32 [", head_dim_, "]");
+    qk_ = std::move(qk);
+  }
   bool team() const { return team_on_ && team_ok_; }
   // how many steps run_team has run (the tests check that the team, not run_ops, took a step)
   int64_t team_steps() const { return team_steps_.load(std::memory_order_relaxed); }
@@ -177,6 +187,7 @@ class DecodeStack {
       const Mat* m = &mats_[4 * li];
       auto h = pending.defined() ? add_rms_norm_(x, pending, norms_[2 * li], eps_) : rms_norm(x, norms_[2 * li], eps_);
       auto qkv = m[0](h);
+      if (!qk_.empty()) qk_norm_(qkv, H, kv_heads_, qk_[2 * li], qk_[2 * li + 1], eps_);
       const auto k_pool = k_cache.select(0, li), v_pool = v_cache.select(0, li);
       c10::optional<torch::Tensor> ks, vs;
       if (k_scales) ks = k_scales->select(0, li), vs = v_scales->select(0, li);
@@ -342,7 +353,13 @@ class DecodeStack {
         char *kl = kb + li * layer_bytes, *vl = vb + li * layer_bytes;
         float* ksl = ksb ? ksb + li * layer_scales : nullptr;
         float* vsl = vsb ? vsb + li * layer_scales : nullptr;
+        const float* qn = qk_.empty() ? nullptr : qk_[2 * li].data_ptr<float>();
+        const float* kn = qk_.empty() ? nullptr : qk_[2 * li + 1].data_ptr<float>();
         for (int64_t r = split.first; r < split.second; ++r) {
+          if (qn != nullptr) {  // Qwen3: qk_norm_'s row function, so the bits of run_ops
+            kvgate_rows::head_norms(qp + r * NQ, H, qn, D, eps_);
+            kvgate_rows::head_norms(qp + r * NQ + HD, KVH, kn, D, eps_);
+          }
           kvgate_rows::rope(qp + r * NQ, H + KVH, cp + r * D, snp + r * D, D);
           kvgate_rows::write_kv(qp + r * NQ + HD, KV, sp[r], pool, kl, vl, ksl, vsl, D);
         }
@@ -420,6 +437,7 @@ class DecodeStack {
   }
 
   std::vector<torch::Tensor> norms_;
+  std::vector<torch::Tensor> qk_;  // Qwen3's q and k head norms, 2 per layer; empty for other models
   std::vector<Mat> mats_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
@@ -436,6 +454,7 @@ void bind_decode_stack(pybind11::module& mod) {
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                           std::vector<std::string>, int64_t, int64_t, int64_t, double>())
       .def("layers", &DecodeStack::layers)
+      .def("set_qk_norms", &DecodeStack::set_qk_norms, "each layer's q and k head norm weights (Qwen3), 2 per layer")
       .def("set_team", &DecodeStack::set_team, "False: run every decode step as one op after another (A/B, tests)")
       .def("team", &DecodeStack::team, "whether decode steps run on the thread team")
       .def("team_steps", &DecodeStack::team_steps, "how many steps ran on the thread team")

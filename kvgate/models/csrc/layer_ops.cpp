@@ -14,6 +14,8 @@
 //   without FMA contraction for that reason. Float16 or bfloat16 pools (`--kv-dtype`) get each value
 //   rounded to nearest even, as `Tensor.to` rounds; int8 pools each head's codes, step and offset
 //   (`kvgate_rows::quantize_head`, with k_scale and v_scale).
+// - qk_norm_(qkv, heads, kv_heads, q_w, k_w, eps): each q head and each k head of the fused rows RMS-normed
+//   in place (Qwen3), by the row norm above: the decode stack calls the same function, so their bits agree.
 // - silu_mul(gu) -> act: the MLP's SiLU(gate) * up from the fused [rows, 2 inter] gate_up output, in
 //   one pass, 8 columns at a time: with e = exp(-|g|) (never overflowing), SiLU(g) = g / (1 + e) for
 //   g >= 0 and g e / (1 + e) below (the same value, stable at both ends). Within a few ulp of
@@ -98,6 +100,10 @@ void norm(const float* x, const float* w, int64_t n, double eps, float* h) {
   const float mean = row_sum_squares(x, n) / static_cast<float>(n);
   const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
   for (int64_t i = 0; i < n; ++i) h[i] = (x[i] * inv) * w[i];
+}
+
+void head_norms(float* row, int64_t heads, const float* w, int64_t D, double eps) {
+  for (int64_t h = 0; h < heads; ++h) norm(row + h * D, w, D, eps, row + h * D);  // norm reads x[i] before h[i]
 }
 
 void add(float* x, const float* y, int64_t n) {
@@ -219,6 +225,26 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor y, torch::Tensor w, d
   TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.sizes() == x.sizes() && y.is_contiguous(),
               "add_rms_norm_: y must be a contiguous float32 tensor shaped like x ", x.sizes(), ", got ", y.sizes());
   return norm_rows(x, w, eps, y.data_ptr<float>());
+}
+
+void qk_norm_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor q_w, torch::Tensor k_w, double eps) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat32 && qkv.dim() == 2 && qkv.is_contiguous(),
+              "qk_norm_: qkv must be a contiguous float32 CPU [tokens, (heads + 2 kv_heads) * head_dim] tensor");
+  const int64_t D = q_w.numel();
+  TORCH_CHECK(q_w.scalar_type() == torch::kFloat32 && k_w.scalar_type() == torch::kFloat32 && q_w.dim() == 1 &&
+                  k_w.sizes() == q_w.sizes() && q_w.is_contiguous() && k_w.is_contiguous() &&
+                  qkv.size(1) == (heads + 2 * kv_heads) * D,
+              "qk_norm_: q and k norm weights must be float32 [head_dim] with qkv (", heads, " + 2 x ", kv_heads,
+              ") x head_dim wide; got ", q_w.sizes(), ", ", k_w.sizes(), " and ", qkv.sizes());
+  float* p = qkv.data_ptr<float>();
+  const float *qw = q_w.data_ptr<float>(), *kw = k_w.data_ptr<float>();
+  const int64_t width = qkv.size(1);
+  at::parallel_for(0, qkv.size(0), ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      kvgate_rows::head_norms(p + r * width, heads, qw, D, eps);
+      kvgate_rows::head_norms(p + r * width + heads * D, kv_heads, kw, D, eps);
+    }
+  });
 }
 
 void rope_write_kv_(torch::Tensor qkv, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,

@@ -9,6 +9,8 @@
 namespace kvgate_rows {
 
 void norm(const float* x, const float* w, int64_t n, double eps, float* h);  // RMSNorm of one row
+// RMSNorm of each of `heads` consecutive D-value heads in place, every head by the same w [D] (Qwen3's q/k)
+void head_norms(float* row, int64_t heads, const float* w, int64_t D, double eps);
 void add(float* x, const float* y, int64_t n);                               // x += y
 void silu_mul(const float* gu, int64_t inter, float* act);                   // SiLU(gate) * up of one fused row
 void rope(float* row, int64_t heads, const float* cos, const float* sin, int64_t D);  // the first `heads` heads
