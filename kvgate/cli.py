@@ -11,6 +11,7 @@ import time
 from kvgate.config import add_engine_flags, add_responses_store_flag, engine_config
 from kvgate.flag_types import PORT, at_least
 from kvgate.server.cors import add_cors_flag
+from kvgate.server.reasoning import add_reasoning_flag
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace", type=at_least(float, 0), default=30.0)
     add_responses_store_flag(s)
     add_cors_flag(s)
+    add_reasoning_flag(s)
     s.add_argument("--log-level", default="info")
 
     t = sub.add_parser(

@@ -179,7 +179,7 @@ def test_a_json_schema_text_format_constrains_the_output(base):
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),  # reasoning items: taken
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input.0.content.0",

@@ -54,6 +54,7 @@ class ClusterOptions:
     # plan, since the ingress has none) and the browser origins it allows (`--cors-origins`)
     responses_store: int = 64 << 20
     cors_origins: list[str] | None = None
+    reasoning_parser: str = "auto"  # the ingress's --reasoning-parser (kvgate.server.reasoning)
     step_delay: float = 0.0  # test-only: sleep before every forward pass of every replica
     log_level: str = "info"  # the ingress's and the replicas' kvgate loggers (`kvgate.cluster.logs`)
 
@@ -85,6 +86,7 @@ class ClusterOptions:
             "max_body_bytes": self.max_body_bytes,
             "responses_store_bytes": self.responses_store,
             "cors_origins": self.cors_origins,
+            "reasoning_parser": self.reasoning_parser,
         }
 
     def actor_options(self) -> dict:

@@ -26,6 +26,7 @@ from kvgate.cluster.app import APP_NAME, ROUTERS, ClusterOptions
 from kvgate.config import add_engine_flags, engine_config
 from kvgate.flag_types import PORT, at_least, byte_size, more_than
 from kvgate.server.cors import add_cors_flag, cors_origins
+from kvgate.server.reasoning import add_reasoning_flag
 
 
 def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
@@ -80,6 +81,7 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
         "memory plan), least recently used out first (0: keep none) [KVGATE_RESPONSES_STORE]",
     )
     add_cors_flag(c)
+    add_reasoning_flag(c)
     return c
 
 
@@ -100,6 +102,7 @@ def options_from(args) -> ClusterOptions:
         max_body_bytes=args.max_body_bytes,
         responses_store=args.responses_store,
         cors_origins=cors_origins(args),
+        reasoning_parser=args.reasoning_parser,
         log_level=args.log_level,
     )
 

@@ -1,7 +1,8 @@
 """A chat request's messages as the template sees them, checked first as OpenAI checks them.
 
 `chat_messages` turns the request's messages into plain dicts (text parts joined, `developer` as
-`system`, a replayed response's own fields dropped when empty) and refuses, each with a 400 naming
+`system`, a replayed response's own fields dropped when empty, an assistant turn's reasoning as
+`reasoning_content`, sent as that or as vLLM's `reasoning`, for the templates that read it) and refuses, each with a 400 naming
 the message, what OpenAI's API refuses: an unknown role or message field, a non-text part, a user,
 system or tool message without `content`, and a tool message that answers no call (it must follow an
 assistant message with `tool_calls`, or another tool message after one, and name its `tool_call_id`).
@@ -59,6 +60,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             msg["tool_calls"] = [c.model_dump(exclude=SDK_CALL_FIELDS) for c in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if m.role == "assistant" and thought:  # for templates that read it (Qwen3's, in a tool loop)
+            msg["reasoning_content"] = thought
         out.append(msg)
     return out
 

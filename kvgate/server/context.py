@@ -31,6 +31,8 @@ class ServerSettings:
     # X-Request-Id on every response (kvgate.server.auth); off behind Ray Serve, whose proxy sets it
     # itself (the client's id when it sent one): both made every cluster response carry it twice
     request_id_header: bool = True
+    # --reasoning-parser: a thinking model's <think> block as reasoning_content (kvgate.server.reasoning)
+    reasoning_parser: str = "auto"
 
 
 def refused(state, code: str, retry_after: int | None = None) -> None:

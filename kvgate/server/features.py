@@ -22,6 +22,7 @@ from kvgate.server import tools as T
 from kvgate.server.chat_messages import chat_messages
 from kvgate.server.errors import APIError, invalid, unsupported
 from kvgate.server.guided import check_counts, constraint_of, guided_error, lark_of
+from kvgate.server.reasoning import Reasoning, wrap_grammar
 from kvgate.structured.compiler import Grammar, GrammarError, check_lengths, compiler_for
 from kvgate.structured.schema_prep import (
     compiles,
@@ -47,7 +48,9 @@ class Features:
         return self.echo and self.logprobs is not None
 
 
-def features_of(engine, req) -> Features:
+def features_of(engine, req, think: Reasoning | None = None) -> Features:
+    """`think`: the request's reasoning plan; a grammar then constrains only what follows the reasoning
+    (`kvgate.server.reasoning.wrap_grammar`)."""
     f = Features()
     chat = isinstance(req, P.ChatCompletionRequest)
     f.tools = T.plan_tools(req) if chat else None
@@ -83,6 +86,9 @@ def features_of(engine, req) -> Features:
         text = lark_of(guided, T.JSON_STYLE, reach)
     else:
         return f
+    if think is not None:
+        think.grammar = True
+        text = wrap_grammar(text, think)
     if getattr(req, "min_tokens", None):  # a grammar that allows only its end could then go nowhere
         raise unsupported(
             "min_tokens",

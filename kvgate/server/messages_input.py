@@ -17,8 +17,9 @@ answer continues that turn's text (the chat path's `continue_final_message`).
 `tool_choice`: auto, any (the chat path's `required`), tool (one named tool), none;
 `disable_parallel_tool_use` is `parallel_tool_calls: false`. `output_config.format` (a JSON schema) is
 the chat path's strict `response_format`. Refused by name (400): image, document and other non-text
-blocks, thinking blocks and `thinking` `enabled` or `between_tools` (this model does not think in
-separate blocks; `adaptive` is served: it never decides to), Anthropic's own tool types (`bash_...`,
+blocks, thinking blocks outside assistant turns (an assistant turn's, a thinking model's earlier
+answer, are dropped: not shown to it again) and `thinking` `enabled` or `between_tools` (the server
+decides whether a model's think block is split off, `--reasoning-parser`; `adaptive` is served), Anthropic's own tool types (`bash_...`,
 `web_search_...`: only client tools with an `input_schema`), `defer_loading` tools and `container`, and
 `thread` (server-held conversations) with Anthropic's `thread_unsupported_request` details, on which
 the SDK's tool runner goes on without a thread.
@@ -49,7 +50,7 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
     """The chat completion body a Messages body asks for, and where each of its messages came from
     (`system` or `messages.i`, for `messages_param`). `count`: a count_tokens body (no sampling)."""
     _refuse_what_is_not_done(body)
-    req = P.parse(CountTokensRequest if count else MessagesRequest, body)
+    req = P.parse(CountTokensRequest if count else MessagesRequest, _thinking_dropped(body))
     turns, where = merged(req.messages)
     check_conversation(turns, req.tools, where)
     if not count and req.thinking is not None and req.thinking.type in ("enabled", "between_tools"):
@@ -188,6 +189,7 @@ def _refuse_what_is_not_done(body: Any) -> None:
                 and isinstance(role, str)
                 and role in BLOCKS
                 and kind not in BLOCKS[role]
+                and not (role == "assistant" and kind in THOUGHTS)
             ):
                 raise unsupported(f"messages.{i}.content.{j}", _why_not(kind, role))
             if kind == "tool_result" and isinstance(block.get("content"), list):
@@ -225,9 +227,32 @@ def _refuse_what_is_not_done(body: Any) -> None:
             )
 
 
+THOUGHTS = ("thinking", "redacted_thinking")
+
+
+def _thinking_dropped(body: Any) -> Any:
+    """The body without its assistant turns' thinking blocks: a thinking model's earlier answers, as
+    kvgate gives them (`kvgate.server.reasoning`) and the SDK sends them back, are not shown to it again
+    (R1's template drops earlier reasoning too)."""
+    turns = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(turns, list):
+        return body
+
+    def kept(turn):
+        blocks = turn.get("content") if isinstance(turn, dict) and turn.get("role") == "assistant" else None
+        if not isinstance(blocks, list):
+            return turn
+        return {
+            **turn,
+            "content": [b for b in blocks if not (isinstance(b, dict) and b.get("type") in THOUGHTS)],
+        }
+
+    return {**body, "messages": [kept(t) for t in turns]}
+
+
 def _why_not(kind: str, role: str) -> str:
-    if kind in ("thinking", "redacted_thinking"):
-        return f"{kind!r} blocks: this model does not think in separate blocks; leave them out of the turn"
+    if kind in THOUGHTS:
+        return f"{kind!r} blocks: only an assistant turn holds them (a thinking model's earlier answer)"
     if kind in ("image", "document"):
         return f"{kind!r} blocks: this server's model reads text only"
     allowed = " and ".join(BLOCKS[role])

@@ -1,14 +1,15 @@
 """What `/v1/messages` sends back: the chat path's answer rewritten as Anthropic's `message`, its stream
 as Anthropic's events, its errors in Anthropic's error body.
 
-- *A message.* Content blocks in order: the answer's text (when there is any), then a `tool_use` block
+- *A message.* Content blocks in order: a thinking model's reasoning as a `thinking` block (its
+  `signature` empty: kvgate signs nothing; `kvgate.server.reasoning`), the answer's text (when there is any), then a `tool_use` block
   per call with its arguments parsed. `stop_reason`: `tool_use` (the answer called tools), `max_tokens`
   (cut at the limit), `stop_sequence` (one of the request's `stop_sequences`, named in
   `stop_sequence`), else `end_turn`. `usage` as Anthropic counts it: `input_tokens` are the prompt
   tokens computed, `cache_read_input_tokens` those the prefix cache held.
 - *A stream.* `message_start` (with the input tokens), then per block `content_block_start`, its
   `text_delta` or `input_json_delta` deltas and `content_block_stop`, then `message_delta` with the
-  stop reason and usage, and `message_stop`. A failure mid-stream is an `error` event.
+  stop reason and usage, and `message_stop` (reasoning through `thinking_delta`s). A failure mid-stream is an `error` event.
 - *An error.* `{"type": "error", "error": {"type", "message", ...}}`: Anthropic's type for the status
   (`invalid_request_error`, `rate_limit_error` for a 429, `overloaded_error` for a 503, ...), with
   kvgate's own fields (`code`, `param`, the numbers) beside it. Status and `Retry-After` stay
@@ -91,6 +92,8 @@ def message_body(chat: dict, skel: dict, warm: bool = False) -> dict:
     choice = chat["choices"][0]
     msg = {} if warm else choice["message"]
     content: list[dict] = []
+    if msg.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or []:
@@ -117,7 +120,7 @@ class MessageEvents:
         self.warm = warm  # max_tokens 0: no block, no output tokens (`message_body`)
         self.started = False
         self.index = -1  # the open block's index
-        self.open: str | None = None  # "text" or "tool_use"
+        self.open: str | None = None  # "thinking", "text" or "tool_use"
         self.calls: set[int] = set()  # chat tool call indices given a block
         self.finish: tuple[str | None, object] = (None, None)
         self.usage: dict | None = None
@@ -136,6 +139,10 @@ class MessageEvents:
         out = self._start()
         for choice in [] if self.warm else c.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open != "thinking":
+                    out += self._open({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+                out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
             if delta.get("content"):
                 if self.open != "text":
                     out += self._open({"type": "text", "text": ""}, "text")

@@ -144,6 +144,7 @@ _RESPONSES = {
                     "role": {"const": "assistant"},
                     "content": {"anyOf": [_STR, _NULL]},  # null when the answer is tool calls
                     "tool_calls": {"type": "array", "items": {"type": "object"}},
+                    **dict.fromkeys(("reasoning_content", "reasoning"), {"anyOf": [_STR, _NULL]}),  # thinking
                 },
             }
         },

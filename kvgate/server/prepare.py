@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kvgate.request import GenerationRequest, RequestError, check_max_tokens, check_token_ids
 from kvgate.sampling import SamplingError, SamplingParams
 from kvgate.server import protocol as P
+from kvgate.server import reasoning as R
 from kvgate.server.bodies import parse_json
 from kvgate.server.chat_template import template_options
 from kvgate.server.context import ServerSettings, check_model
@@ -39,6 +40,7 @@ class Prepared:
     # which text completion choices carry return_token_ids' prompt ids: "all", "first" or "none" (a
     # route that rewrites the answer and needs them once, or not at all: kvgate.server.generate_route)
     prompt_ids_out: str = "all"
+    reasoning: R.Reasoning | None = None  # a chat answer's think block, split off (kvgate.server.reasoning)
 
     @property
     def n(self) -> int:
@@ -80,10 +82,11 @@ def prepare_generation(
     if isinstance(req, P.CompletionRequest):
         P.check_completion(req)
     check_model(settings, req.model)
-    feats = features_of(engine, req)
+    think, sent = reasoning_of(engine, req, settings)
+    feats = features_of(engine, req, think)
     check_prompt_count(engine, req)
     max_tokens, param = P.max_tokens_of(req)
-    sent = prompt_ids(engine, req, feats)
+    sent = sent or prompt_ids(engine, req, feats)
     prompts = truncated(sent, req.truncate_prompt_tokens, max_tokens, engine.max_model_len)
     sampling = SamplingParams(
         temperature=settings.default_temperature if req.temperature is None else req.temperature,
@@ -167,7 +170,20 @@ def prepare_generation(
         feats,
         prompt_only,
         truncated=frozenset(k for k, (a, b) in enumerate(zip(prompts, sent)) if a != b),
+        reasoning=think,
     )
+
+
+def reasoning_of(engine, req, settings: ServerSettings) -> tuple[R.Reasoning | None, list | None]:
+    """A chat request's reasoning plan under `--reasoning-parser` (None when off), and its prompt, which
+    the plan reads (where it ends says whether the think block is open) and prepare then uses."""
+    if (
+        not isinstance(req, P.ChatCompletionRequest)
+        or R.resolve(settings.reasoning_parser, engine.tokenizer) is None
+    ):
+        return None, None
+    sent = prompt_ids(engine, req, Features(tools=plan_tools(req)))
+    return R.plan(settings.reasoning_parser, engine, req, sent[0]), sent
 
 
 def prediction_ids(engine, req) -> list[int] | None:

@@ -2,11 +2,11 @@
 
 Every field is supported, accepted-and-ignored, or refused by name (the README's field table is the
 list). A field is accepted and ignored only when honouring it could not change this model's output:
-reasoning hints (no reasoning here), caching hints (the prefix cache needs no key), bookkeeping (`store`,
+reasoning hints (`reasoning_effort`: no template is given it), caching hints (the prefix cache needs no key), bookkeeping (`store`,
 `metadata`, `service_tier`, `user`; values checked in `ignored_values`), a replayed assistant message's
-`refusal` and `reasoning_content`, and what the openai SDK's `.parse()`/`.stream()` helpers add. Unknown
+`refusal`, and what the openai SDK's `.parse()`/`.stream()` helpers add. Unknown
 fields and fields that would change the output if dropped are refused: a client must learn that kvgate
-did not honour them. Types are strict for the same reason: "5" is not an integer.
+did not honour them (vLLM's `include_reasoning` is supported: `kvgate.server.reasoning`). Types are strict for the same reason: "5" is not an integer.
 
 Null means "not given", as in OpenAI's schema (clients that serialize unset fields send null): a null
 for a field with a non-null default is that default (`"stream": null` is false), and OpenAI's fields
@@ -173,7 +173,9 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # a tool's answer to that call
     # accepted and ignored on a replayed assistant turn: not part of what the model is shown
     refusal: str | None = None
+    # a replayed turn's reasoning, given to templates that read `reasoning_content` (kvgate.server.chat_messages)
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for it
     # a replayed response's own fields (`ChatCompletionMessage.model_dump()`): null, or annotations [],
     # is accepted; anything else is refused by `chat_messages`
     annotations: list | None = None
@@ -214,6 +216,7 @@ class ChatCompletionRequest(_Common, TemplateFields):
     web_search_options: Any = None
     # OpenAI's predicted outputs: the text the client expects back, a draft source for --speculate
     prediction: Prediction | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning out of the answer
 
 
 class CompletionRequest(_Common):

@@ -34,9 +34,10 @@ def stop_reason(result: Result, stop_token_ids=()) -> str | int | None:
     return token if token is not None and token in stop_token_ids else None
 
 
-def usage(results: list[Result], n: int = 1) -> dict:
+def usage(results: list[Result], n: int = 1, reasoning_tokens: int | None = None) -> dict:
     """Usage of one response. `results` come prompt by prompt, `n` choices each: a prompt (and the
-    part of it the prefix cache held, OpenAI's `prompt_tokens_details.cached_tokens`) counts once."""
+    part of it the prefix cache held, OpenAI's `prompt_tokens_details.cached_tokens`) counts once.
+    `reasoning_tokens`: a thinking model's (`kvgate.server.reasoning`), in `completion_tokens_details`."""
     prompts = results[::n]
     prompt = sum(r.prompt_tokens for r in prompts)
     completion = sum(r.completion_tokens for r in results)
@@ -48,6 +49,8 @@ def usage(results: list[Result], n: int = 1) -> dict:
             "accepted_prediction_tokens": sum(a for a, _ in predicted),
             "rejected_prediction_tokens": sum(r for _, r in predicted),
         }
+    if reasoning_tokens is not None:
+        details.setdefault("completion_tokens_details", {})["reasoning_tokens"] = reasoning_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -120,5 +123,5 @@ class ChunkMaker:
         chunk["choices"][0]["stop_reason"] = stop
         return chunk
 
-    def usage(self, results: list[Result]) -> dict:
-        return {**self.base, "choices": [], "usage": usage(results, self.n)}
+    def usage(self, results: list[Result], reasoning_tokens: int | None = None) -> dict:
+        return {**self.base, "choices": [], "usage": usage(results, self.n, reasoning_tokens)}

@@ -16,7 +16,8 @@ become `tool` messages. `instructions` is a system message before them all.
 the stored conversation goes before `input`; `responses_route.referenced`: a kept item in place of its
 reference). Not done, refused by name (400 `unsupported_parameter`): `conversation` (the
 Conversations API: send the whole conversation, or chain responses), `background`, hosted tools (web search,
-file search, ...), non-text input parts, and reasoning items (this model does not reason in them).
+file search, ...) and non-text input parts. A `reasoning` item (a thinking model's, as kvgate gives them
+back) is the next assistant turn's `reasoning_content`, which templates that read it show.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvgate.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     ItemReference,
+    ReasoningItem,
     ResponsesRequest,
 )
 
@@ -55,7 +57,7 @@ PASSED = (
     "cache_salt",
     "parallel_tool_calls",
 )
-ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference", "reasoning")
 # what `tool_choice` takes here (the chat endpoint's 400 names the chat shape: QA pass 9)
 TOOL_CHOICE = (
     '"none", "auto", "required", or {"type": "function", "name": "..."} (the Responses shape: '
@@ -149,7 +151,7 @@ def _refuse_what_is_not_done(body: Any) -> None:
         kind = item.get("type") if isinstance(item, dict) else None
         if kind is not None and kind not in ITEM_TYPES:
             raise unsupported(f"input.{i}.type", f"{kind!r} items: only {', '.join(ITEM_TYPES)}")
-        content = item.get("content") if isinstance(item, dict) else None
+        content = item.get("content") if isinstance(item, dict) and kind != "reasoning" else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in (None, "input_text", "output_text"):
@@ -164,8 +166,12 @@ def input_messages(items) -> tuple[list[dict], list[str]]:
         return [{"role": "user", "content": items}], ["input"]
     out: list[dict] = []
     origin: list[str] = []
+    thought = None  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(items):
         start = len(out)
+        if isinstance(item, ReasoningItem):
+            thought = item.text() or None
+            continue
         if isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function"}
             call["function"] = {"name": item.name, "arguments": item.arguments}
@@ -184,6 +190,8 @@ def input_messages(items) -> tuple[list[dict], list[str]]:
                     f"input[{i}].role {item.role!r} is not one of {', '.join(ROLES)}", f"input.{i}.role"
                 )
             out.append({"role": item.role, "content": _text(item.content)})
+        if thought is not None and len(out) > start and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"], thought = thought, None
         origin += [f"input.{i}"] * (len(out) - start)
     return out, origin
 

@@ -10,7 +10,9 @@ is one empty message, as a client reading `output[0]` expects), each tool call a
 each with its `sequence_number`: `response.created`, `response.in_progress`, per item
 `response.output_item.added` ... `.done` (text through `response.content_part.*` and
 `response.output_text.delta` / `.done`; calls through `response.function_call_arguments.delta` /
-`.done`), and last `response.completed` or `response.incomplete` with the whole response. A failure
+`.done`; a thinking model's reasoning, `kvgate.server.reasoning`, as a `reasoning` item before the message,
+its text a `reasoning_text` content part through `response.reasoning_text.delta` / `.done`, its summary
+empty, as vLLM gives it), and last `response.completed` or `response.incomplete` with the whole response. A failure
 mid-stream is an `error` event and `response.failed`. kvgate's own `usage.budget_cap` rides along.
 """
 
@@ -65,7 +67,9 @@ def usage(chat_usage: dict | None) -> dict | None:
         "input_tokens": chat_usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+        },
         "total_tokens": chat_usage["total_tokens"],
     }
     if chat_usage.get("budget_cap") is not None:
@@ -83,6 +87,17 @@ def message_item(
         "status": status,
         "role": "assistant",
         "content": [part],
+    }
+
+
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {
+        "type": "reasoning",
+        "id": item_id or new_id("rs_"),
+        "summary": [],
+        "content": content,
+        "status": status,
     }
 
 
@@ -113,7 +128,7 @@ def finish(response: dict, finish_reason: str | None) -> dict:
 def response_body(chat: dict, skel: dict) -> dict:
     choice = chat["choices"][0]
     msg = choice["message"]
-    output = []
+    output = [reasoning_item(msg["reasoning_content"])] if msg.get("reasoning_content") else []
     if msg.get("content") or not msg.get("tool_calls"):
         output.append(message_item(msg["content"], (choice.get("logprobs") or {}).get("content")))
     for call in msg.get("tool_calls") or []:
@@ -132,6 +147,8 @@ class ResponseEvents:
         self.seq = 0
         self.output: list[dict] = []
         self.text: dict | None = None  # the message item being written
+        self.thought: dict | None = None  # the reasoning item being written, and its text so far
+        self.thought_parts: list[str] = []
         self.parts: list[str] = []  # its text so far
         self.logprobs: list = []
         self.pending: list = []  # logprobs of tokens whose text has not come yet
@@ -167,6 +184,8 @@ class ResponseEvents:
             # a token whose text is held back (a partial character) brings its logprobs on a chunk
             # with no text: they ride on the next text delta
             self.pending += (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("reasoning_content"):
+                out += self._reason(delta["reasoning_content"])
             if delta.get("content"):
                 out += self._text(delta["content"], self.pending)
                 self.pending = []
@@ -202,8 +221,9 @@ class ResponseEvents:
             return [self.event("response.failed", response=self.response)]
         # the item being written when max_output_tokens cut the answer is done as "incomplete", as the
         # final response says (`finish`), so a client that builds its output from these events agrees
-        out = [] if self.output else self._open_text()  # no text and no call: one empty message
+        out = [] if self.output and self.output != [self.thought] else self._open_text()  # one empty message
         last = self.output[-1] if self.finish_reason == "length" else None
+        out += self._close_thought()
         out += self._close_text("incomplete" if self.text is not None and self.text is last else "completed")
         for index in sorted(self.calls):
             out += self._close_call(index, "incomplete" if self.calls[index] is last else "completed")
@@ -220,11 +240,54 @@ class ResponseEvents:
         if self.text is not None:
             at = self.output.index(self.text)
             self.output[at] = message_item("".join(self.parts), self.logprobs, "incomplete", self.text["id"])
+        if self.thought is not None and self.thought["status"] == "in_progress":
+            at = self.output.index(self.thought)
+            self.output[at] = reasoning_item("".join(self.thought_parts), "incomplete", self.thought["id"])
         for item in self.calls.values():
             item["status"] = "incomplete"
 
     def _where(self, item: dict) -> dict:
         return {"item_id": item["id"], "output_index": self.output.index(item)}
+
+    def _reason(self, piece: str) -> list[str]:
+        out = []
+        if self.thought is None:
+            self.thought = reasoning_item("", status="in_progress")
+            self.thought["content"] = []
+            self.output.append(self.thought)
+            self.thought_parts = []
+            part = {"type": "reasoning_text", "text": ""}
+            where = self._where(self.thought)
+            out.append(
+                self.event(
+                    "response.output_item.added", output_index=where["output_index"], item=self.thought
+                )
+            )
+            out.append(self.event("response.content_part.added", content_index=0, part=part, **where))
+        self.thought_parts.append(piece)
+        out.append(
+            self.event(
+                "response.reasoning_text.delta", content_index=0, delta=piece, **self._where(self.thought)
+            )
+        )
+        return out
+
+    def _close_thought(self) -> list[str]:
+        """The reasoning item is done: the answer (or a call) begins, or the output ended in it (then it
+        is `incomplete` when max_output_tokens cut it)."""
+        item = self.thought
+        if item is None or item["status"] != "in_progress":
+            return []
+        where = self._where(item)
+        cut = self.finish_reason == "length" and self.output[-1] is item
+        done = reasoning_item("".join(self.thought_parts), "incomplete" if cut else "completed", item["id"])
+        self.output[where["output_index"]] = self.thought = done
+        part = done["content"][0]
+        return [
+            self.event("response.reasoning_text.done", content_index=0, text=part["text"], **where),
+            self.event("response.content_part.done", content_index=0, part=part, **where),
+            self.event("response.output_item.done", output_index=where["output_index"], item=done),
+        ]
 
     def _text(self, piece: str, logprobs: list) -> list[str]:
         out = self._open_text() if self.text is None else []
@@ -242,12 +305,13 @@ class ResponseEvents:
         return out
 
     def _open_text(self) -> list[str]:
+        out = self._close_thought()
         self.text = message_item("", None, status="in_progress")
         self.text["content"] = []
         self.output.append(self.text)
         self.parts = []
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [
+        return out + [
             self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.text),
             self.event("response.content_part.added", content_index=0, part=part, **self._where(self.text)),
         ]
@@ -277,7 +341,7 @@ class ResponseEvents:
         fn = delta.get("function") or {}
         out = []
         if index not in self.calls:
-            out += self._close_text()
+            out += self._close_thought() + self._close_text()
             for open_index in sorted(self.calls):  # calls come one after another: the last is done
                 out += self._close_call(open_index)
             item = call_item(

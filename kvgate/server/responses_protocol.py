@@ -87,7 +87,20 @@ class ItemReference(_Body):
     id: str
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ItemReference
+class ReasoningItem(_Replayed):
+    """A thinking model's reasoning from an earlier turn (kvgate's own `reasoning` output items): given to
+    the chat template as the next assistant turn's `reasoning_content`, for the templates that read it."""
+
+    type: Literal["reasoning"]
+    summary: list[Any] = Field(default_factory=list)
+    content: list[dict] | None = None
+    encrypted_content: str | None = None
+
+    def text(self) -> str:
+        return "".join(str(p.get("text") or "") for p in self.content or [])
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningItem
 
 
 class FunctionTool(_Body):

@@ -112,6 +112,7 @@ def serve(args) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         cors_origins=cors_origins(args),
+        reasoning_parser=args.reasoning_parser,
         responses_store_bytes=0,  # the plan's (--responses-store), once the engine has one
     )
     app = create_app(settings)

@@ -93,7 +93,9 @@ async def generate(
         return HandledStream(stream, handles, on_result, headers=headers)
     try:
         token_logprobs: list[list] = [[] for _ in handles]
-        results = await until_disconnect(request, finish_all(handles, token_logprobs), handles)
+        think = prepared.reasoning  # a thinking model's reasoning tokens are counted as they come
+        counters = [think.splitter() for _ in handles] if think is not None else None
+        results = await until_disconnect(request, finish_all(handles, token_logprobs, counters), handles)
     except ClientGone:
         observe_after_cancel(handles, on_result)
         return Response(status_code=499)
@@ -125,10 +127,14 @@ async def generate(
         results, token_logprobs = best_of(results, token_logprobs, prepared.candidates, prepared.n)
     stop_ids = named_stop_ids(prepared.request, eng.tokenizer)
     body = completion_body(kind, rid, created, settings.model_name, results, prepared.n, stop_ids)
-    body["usage"] = usage(every, prepared.candidates)  # every candidate generated counts
-    if prepared.features.tools is not None:
-        for choice, res in zip(body["choices"], results, strict=True):
+    spent = sum(c.tokens for c in counters) if counters is not None else None
+    body["usage"] = usage(every, prepared.candidates, spent)  # every candidate generated counts
+    for choice, res in zip(body["choices"], results, strict=True):
+        reasoning = think.take(choice) if think is not None else None  # tools read the content alone
+        if prepared.features.tools is not None:
             read_calls(choice, model_ended(res))
+        if think is not None:
+            think.put(choice, reasoning)
     if prepared.request.return_token_ids:
         add_token_ids(body, prepared, results)
     tok = logprob_names(prepared, eng.tokenizer)
@@ -208,13 +214,16 @@ async def admit_all(handles) -> list[Admitted]:
     return [t.result() for t in tasks]
 
 
-async def finish_all(handles, token_logprobs: list[list] | None = None):
-    """Each handle's result; `token_logprobs[i]` collects choice i's per-token logprobs, if any."""
+async def finish_all(handles, token_logprobs: list[list] | None = None, counters: list | None = None):
+    """Each handle's result; `token_logprobs[i]` collects choice i's per-token logprobs, if any;
+    `counters[i]`, a `ReasoningSplitter`, counts choice i's reasoning tokens."""
 
     async def one(i, h):
         async for ev in h.aevents():
             if isinstance(ev, Finished):
                 return ev.result
+            if counters is not None and isinstance(ev, Token):
+                counters[i].push_token(ev.text)
             if token_logprobs is not None and isinstance(ev, Token) and ev.logprobs is not None:
                 token_logprobs[i].append(ev.logprobs)
 

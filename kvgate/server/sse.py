@@ -88,7 +88,7 @@ async def sse_stream(chunks: ChunkMaker, handles, include_usage: bool, on_result
             for c in shape.finish(i, ev.result):
                 yield event(c)
         if include_usage:
-            yield event(chunks.usage([finished[i] for i in sorted(finished)]))
+            yield event(shape.usage([finished[i] for i in sorted(finished)]))
         yield DONE
     finally:
         if len(finished) < len(handles):  # the client left (or the stream broke): stop the work

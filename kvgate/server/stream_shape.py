@@ -4,7 +4,10 @@
 and orders them). Without features it gives exactly the plain stream: a role chunk per chat choice, a
 chunk per token that released text, the held-back tail, a finish chunk. With features:
 - logprobs: a chunk for every token (text or not), carrying that token's logprobs;
-- tools: each choice's text goes through a `ToolCallParser` (a token's logprobs ride on the first chunk
+- reasoning (a thinking model's chat answer, `kvgate.server.reasoning`): each choice's text goes through
+  a `ReasoningSplitter`; the think block is sent as `delta.reasoning_content` (and `delta.reasoning`), the
+  rest as content, the tags in neither; a token's logprobs and ids ride as with tools;
+- tools: each choice's text (its content, with reasoning) goes through a `ToolCallParser` (a token's logprobs ride on the first chunk
   its text makes, or on one of their own while the parser holds the text); content is sent as content,
   a call as `delta.tool_calls` (first its index, id, type and name with empty arguments, then argument pieces),
   and a choice that called tools finishes with `tool_calls`; cut short by max_tokens, with `length`
@@ -44,6 +47,8 @@ class StreamShaper:
         self.obfuscate = bool(opts and opts.include_obfuscation)
         self.generated = 0
         self.parsers: dict[int, TP.ToolCallParser] = {}
+        self.think = prepared.reasoning if prepared is not None else None  # kvgate.server.reasoning
+        self.splitters: dict = {}  # per choice, its ReasoningSplitter
         self.offsets: dict[int, int] = {}  # characters sent so far per choice (completion text_offset)
         self.held: dict[int, list[int]] = {}  # per choice, the ids since text was last sent
         # vLLM's return_token_ids: each chunk carries its new ids, a choice's first its prompt's too
@@ -67,8 +72,8 @@ class StreamShaper:
     def token(self, i: int, ev: Token) -> list[dict]:
         self.generated += 1
         lp = ev.logprobs if self.f is not None and self.f.logprobs is not None else None
-        if self.f is not None and self.f.tools is not None:
-            out = self._tool_chunks(i, self._parser(i).push(ev.text))
+        if self.think is not None or (self.f is not None and self.f.tools is not None):
+            out = self._split(i, ev.text, token=True)
             if lp is not None or self.want_ids:  # on the token's first chunk, or one of its own
                 out = out or [self.chunks.choice(i, None)]
             if lp is not None:
@@ -89,12 +94,12 @@ class StreamShaper:
         return [self._dress(chunk)]
 
     def tail(self, i: int, text: str) -> list[dict]:
-        if self.f is not None and self.f.tools is not None:
-            return self._tool_events(i, self._parser(i).push(text))
+        if self.think is not None or (self.f is not None and self.f.tools is not None):
+            return [self._dress(c) for c in self._split(i, text)]
         return [self._dress(self.chunks.choice(i, text))] if text else []
 
     def finish(self, i: int, result: Result) -> list[dict]:
-        out = []
+        out = [self._dress(c) for c in self._split(i, "", end=True)] if self.think is not None else []
         reason = result.finish_reason
         if self.f is not None and self.f.tools is not None:
             parser = self._parser(i)
@@ -106,7 +111,31 @@ class StreamShaper:
         self._new_ids(i, [end], result.token_ids[self.ids_sent.get(i, 0) :])  # a stop token not yet sent
         return out + [self._dress(end)]
 
+    def usage(self, results: list[Result]) -> dict:
+        """The closing usage chunk: with reasoning, its tokens (`completion_tokens_details`)."""
+        spent = sum(s.tokens for s in self.splitters.values()) if self.think is not None else None
+        return self.chunks.usage(results, spent)
+
     # ---- helpers --------------------------------------------------------------------------------
+    def _split(self, i: int, text: str, token: bool = False, end: bool = False) -> list[dict]:
+        """A choice's new text as chunks: reasoning deltas (`kvgate.server.reasoning`), then the content,
+        through the tool-call parser when the request has tools."""
+        pieces = [("content", text)]
+        if self.think is not None:
+            s = self.splitters.setdefault(i, self.think.splitter())
+            pieces = s.end() if end else s.push_token(text) if token else s.push(text)
+        out = []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                if self.think.include:
+                    out.append(self.chunks.choice(i, None))
+                    out[-1]["choices"][0]["delta"].update(self.think.delta(piece))
+            elif self.f is not None and self.f.tools is not None:
+                out += self._tool_chunks(i, self._parser(i).push(piece))
+            elif piece:
+                out.append(self.chunks.choice(i, piece))
+        return out
+
     def _parser(self, i: int) -> TP.ToolCallParser:
         return self.parsers.setdefault(i, TP.ToolCallParser())
 
