@@ -189,6 +189,7 @@ def _serve_args(**kw):
         responses_store=1 << 20,
         log_level="warning",
         model="default",
+        reasoning_parser="auto",
     )
     return SimpleNamespace(**{**base, **kw})
 
