@@ -43,7 +43,7 @@ from kvgate.core.snapshot import EngineSnapshot
 from kvgate.core.stepper import EngineCore
 from kvgate.memory.graphs import graph_shapes
 from kvgate.memory.ledger import MemoryLedger
-from kvgate.memory.plan import MemoryPlan, PlanError
+from kvgate.memory.plan import PlanError
 from kvgate.models import LoadedModel, amx_rows, decode_prefetch, load_model, q8act_rows
 from kvgate.models.decode_graphs import DecodeGraphs, GraphStep
 from kvgate.models.llama import LlamaModel, StepBatch
@@ -79,8 +79,7 @@ class Engine:
         place = plan_for(loaded, cfg, overhead_bytes)
         self.device, self.dtype, self.packed_weights = place.device, place.dtype, place.packed
         spec = self.spec = loaded.spec
-        p: MemoryPlan = place.plan
-        self.plan = p
+        p = self.plan = place.plan
         self.ledger = MemoryLedger(p.limit_bytes, str(self.device))
         self.ledger.reserve("overhead", p.overhead_bytes, "runtime")
         # Weights are charged before they are materialized: a model that cannot fit never allocates.
@@ -96,6 +95,7 @@ class Engine:
             weights_format=place.weights,
             act=place.quant_act or torch.bfloat16,
             q8_head=place.q8_head,
+            head_blocks=place.head_blocks is not None,
             paged_attention=place.paged_attention,
             prefill_kernel=place.prefill_kernel,
             block_scales=loaded.block_scales,

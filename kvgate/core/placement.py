@@ -18,7 +18,7 @@ from kvgate.core.kv_dtype import kv_note, resolve_kv_dtype
 from kvgate.core.speculate import MAX_SPECULATE
 from kvgate.memory.overhead import overhead_drift, process_peak_rss_bytes, runtime_overhead_bytes
 from kvgate.memory.plan import MemoryPlan, make_plan, matrices
-from kvgate.models import LoadedModel, native
+from kvgate.models import LoadedModel, head_blocks, native
 from kvgate.models.block_formats import BLOCK_FORMATS, block_bytes, format_counts, layer_matrix_formats
 from kvgate.models.kv_int8 import element_bytes
 from kvgate.models.lazy_weights import LazyWeights
@@ -188,6 +188,7 @@ class Placement:
     # seconds a decode step grows per context position of one of its rows, all layers (the attention
     # probe's; 0 where none ran): the forecasts' steps grow as the running rows' contexts do
     decode_position_seconds: float = 0.0
+    head_blocks: str | None = None  # the LM head held as the file's blocks in this tile format (head_blocks)
 
 
 def resolve_cuda_graphs(name: str, device: torch.device) -> tuple[bool, bool]:
@@ -261,6 +262,7 @@ def plan_for(
         )
     packed = resolve_packing(cfg.pack_weights, device, dtype)  # quantized: the head (and any unquantizable)
     q8_head, q8_reason = resolve_q8_head(cfg.q8_head, loaded, device, dtype, packed, fmt)
+    head_fmt, head_reason = head_blocks.resolve(loaded, device, dtype, packed, fmt, q8_head)
     matrix_bytes = None
     if fmt in GGUF_FORMATS:
         formats = check_gguf_blocks(loaded, fmt, formats)
@@ -271,7 +273,7 @@ def plan_for(
     if packed:
         rows = cfg.max_seqs * (1 + cfg.speculate)  # each decoding row and its drafts
         shapes = matmul_shapes(spec, cfg.prefill_chunk + rows, rows)
-        warm_kernels(shapes[:-1] if q8_head else shapes, dtype)  # the last is the LM head
+        warm_kernels(shapes[:-1] if q8_head or head_fmt else shapes, dtype)  # the last is the LM head
     geometry = (device, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim, cfg.block_size)
     try:
         # the probes time the pools in the cache's own dtype (float16 by default on a CPU)
@@ -309,6 +311,9 @@ def plan_for(
         quant_act_bytes=torch.finfo(act).bits // 8 if act is not None else (4 if fmt in GGUF_FORMATS else 2),
         speculate=cfg.speculate,
         q8_head=q8_head,
+        head_bytes=None
+        if head_fmt is None
+        else head_blocks.head_bytes(head_fmt, spec.vocab_size, spec.hidden_size),
         kv_dtype_bytes=kv_value_bytes,
         kv_scale_bytes=kv_scale_bytes,
         amx_prefill=amx,
@@ -327,6 +332,8 @@ def plan_for(
         )
     if q8_head or cfg.q8_head != "auto" or "probe" in q8_reason:  # a choice worth stating
         plan.notes.append(f"LM head and embeddings as Q8_0 blocks: {q8_reason}")
+    if head_reason:
+        plan.notes.append(f"LM head as the file's blocks: {head_reason}")
     plan.notes.append(f"decode attention: {why}")
     plan.notes.append(f"prefill attention: {prefill_why}")
     if weights_note is not None:
@@ -359,4 +366,5 @@ def plan_for(
         graphs,
         pieces,
         spec.num_layers * position_seconds(*geometry, kv_dtype, paged),
+        head_fmt,
     )

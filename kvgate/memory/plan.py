@@ -45,6 +45,7 @@ def weight_bytes(
     scale_bytes: int = 2,
     q8_head: bool = False,
     matrix_bytes: list[int] | None = None,
+    head_bytes: int | None = None,
 ) -> int:
     """Bytes of the model's weights and RoPE tables. `params`: the number of values in the checkpoint
     the model is built from (every tensor counted: biases, norms, an untied head); without it they are
@@ -55,7 +56,9 @@ def weight_bytes(
     in the model dtype (`kvgate.models.llama`). `q8_head`: the tied embedding table (lookup and head)
     is held once, as Q8_0 codes and scales (`kvgate.models.q8_head.q8_bytes`, in tiles of 16 rows; in
     tiles of 8 rows under gguf-q8act, `q8_dot_bytes`). `matrix_bytes`: each layer matrix's bytes as
-    held, in `matrices` order (gguf: each in its own block format, `kvgate.models.block_formats`)."""
+    held, in `matrices` order (gguf: each in its own block format, `kvgate.models.block_formats`).
+    `head_bytes`: the LM head held as the file's blocks (`kvgate.models.head_blocks`): those bytes instead
+    of an untied float head, and no packed copy of a tied table (the table stays, for the lookup)."""
     h = spec.hidden_size
     if params is None:
         per_layer = (
@@ -77,6 +80,9 @@ def weight_bytes(
     if q8_head:
         params -= spec.vocab_size * h
         qbytes += (q8_dot_bytes if weight_format == "gguf-q8act" else q8_bytes)(spec.vocab_size, h)
+    elif head_bytes is not None:
+        params -= 0 if spec.tie_word_embeddings else spec.vocab_size * h
+        qbytes += head_bytes
     elif spec.tie_word_embeddings and lm_head_copy:
         params += spec.vocab_size * h
     return (params + rope) * dtype_bytes + qbytes
@@ -162,6 +168,7 @@ def make_plan(
     quant_act_bytes: int = 2,
     speculate: int = 0,
     q8_head: bool = False,
+    head_bytes: int | None = None,
     kv_dtype_bytes: int | None = None,
     kv_scale_bytes: int = 0,
     amx_prefill: bool = False,
@@ -186,6 +193,7 @@ def make_plan(
         scale_bytes=quant_act_bytes,
         q8_head=q8_head,
         matrix_bytes=matrix_bytes,
+        head_bytes=head_bytes,
     )
     overhead = runtime_overhead_bytes(device) if overhead_bytes is None else overhead_bytes
     # --kv-dtype: the pool's own bytes (int8: and a scale per position and KV head)
@@ -193,7 +201,7 @@ def make_plan(
     block_bytes = per_token * block_size
     min_kv = -(-min(MIN_KV_POSITIONS, max_model_len) // block_size) * block_bytes
     notes: list[str] = []
-    if packed_weights and spec.tie_word_embeddings and not q8_head:
+    if packed_weights and spec.tie_word_embeddings and not q8_head and head_bytes is None:
         notes.append(
             f"weights include a packed copy of the tied embeddings for the LM head "
             f"({fmt_bytes(spec.vocab_size * spec.hidden_size * dtype_bytes)}; --pack-weights off saves it, "

@@ -37,7 +37,8 @@ from kvgate.models.gguf_tokenizer import field, tokenizer_from_metadata
 log = logging.getLogger("kvgate.models")
 
 CACHE_FORMAT = 5  # bumped when the output changes (2: Qwen2 q/k kept, Llama q/k biases unpermuted; 4: scales;
-# 5: Llama 3 tokenizers ignore merges for whole-vocabulary words, rope scaling and Qwen3 read)
+# 5: Llama 3 tokenizers ignore merges for whole-vocabulary words, rope scaling and Qwen3 read, the head's
+# block scales written)
 # llama.cpp permutes q/k rows (weights and biases) only for architectures it runs with GPT-J style
 # RoPE; Qwen2 and Qwen3 use NeoX (rotate-half) RoPE and are written in HF order, untouched.
 PERMUTED_QK_ARCHS = ("llama", "mistral", "smollm")
@@ -171,11 +172,11 @@ def _convert(path: Path, out: Path) -> None:
         if hf_name is not None:
             # GGUF lists dims fastest-first
             layout.append((name, hf_name, [int(d) for d in reversed(t.shape)]))
-    # the layer matrices' block scales, per 16 values (a matrix of a float type has none)
+    # the layer matrices' and the head's block scales, per 16 values (a matrix of a float type has none)
     scaled = [
         (name, hf, shape)
         for name, hf, shape in layout
-        if hf.endswith("_proj.weight")
+        if (hf.endswith("_proj.weight") or hf in ("model.embed_tokens.weight", "lm_head.weight"))
         and len(shape) == 2
         and shape[1] % 32 == 0
         and tensors[name].tensor_type.name in LAYOUTS

@@ -48,6 +48,7 @@ from kvgate.config import ModelSpec
 from kvgate.models import decode_stack, huge_pages, native, rope
 from kvgate.models.block_formats import BlockLinear, fused_names, fused_scales
 from kvgate.models.block_formats import held as held_blocks
+from kvgate.models.head_blocks import head_name, head_scales, head_tiles
 from kvgate.models.linear import Linear, packs_weights
 from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
@@ -77,6 +78,7 @@ class LlamaModel:
         weights_format: str = "full",
         act: torch.dtype = torch.bfloat16,
         q8_head: bool = False,
+        head_blocks: bool = False,
         paged_attention: bool = False,
         prefill_kernel: bool = False,
         block_scales: Mapping[str, torch.Tensor] | None = None,
@@ -86,6 +88,7 @@ class LlamaModel:
         its kernels running in `act` activations (the plan's `weight_bytes` counts the same bytes).
         `q8_head`: hold the tied embedding table as its exact Q8_0 blocks (`kvgate.models.q8_head`),
         for the lookup and the LM head alike; placement decides (`kvgate.core.placement`).
+        `head_blocks`: hold the LM head as the file's blocks (`kvgate.models.head_blocks`; placement decides).
         `paged_attention`: run decode attention with the paged CPU kernel (`kvgate.models.paged_attention`;
         the caller has checked it builds and chosen it by its probe), else gather + SDPA per group.
         `prefill_kernel`: run prompt-chunk attention with the paged CPU kernel
@@ -179,6 +182,15 @@ class LlamaModel:
         # (its GGUF embeddings are Q8_0, finer than int4 or per-channel int8), the layers alone did not.
         if self.q8 is not None:
             self.lm_head = self.q8
+        elif head_blocks:  # a tied table stays plain for the lookup; the head reads the blocks
+            name = head_name(weights)
+            table = self.embed if name == "model.embed_tokens.weight" else weights.pop(name)
+            tiles = head_tiles(table, head_scales(block_scales, name))
+            if tiles is None:
+                raise ValueError(
+                    "head_blocks: the LM head is not the file's blocks (see head_blocks.head_format)"
+                )
+            self.lm_head = BlockLinear(tiles[0], tiles[1], table.shape[0], None)
         else:
             self.lm_head = lin(
                 self.embed if "lm_head.weight" not in weights else w("lm_head.weight"), head=True

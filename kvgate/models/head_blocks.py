@@ -1,0 +1,158 @@
+"""The LM head held as a GGUF file's own blocks (Q6_K, Q4_K, Q5_K, Q8_0 ...), not widened to float32.
+
+llama.cpp's Q4_K_M and Q5_K_M files keep the output matrix (with tied embeddings: the token table) as
+Q6_K. Widened to float32, Llama 3.2 1B's 128,256 x 2,048 head is 1.05 GB that every decode step reads,
+more than its layers' blocks, and a prepacked copy for the matmul doubles the memory (the lookup keeps
+the plain table). Held as its blocks in the tile formats of `kvgate.models.block_formats` (Q6_K: q8d,
+1.25 B a value) the step reads 328 MB of it, and a tied table keeps one float copy, for the lookup only.
+
+As the layer matrices: the codes are recovered from the float values with the file's scales (the
+converter writes the head's d and m too) and accepted only where they give back every value bit for
+bit, so the head computes the file's numbers to float32 rounding (`block_matmul`'s per-block factoring,
+~1e-7 of a logit), every row alike whatever the rows beside it (all rows take the decode loop). The
+table is recovered a slice of rows at a time: the whole table's float temporaries would be the load's
+peak. Exact Q8_0 tied tables keep `kvgate.models.q8_head` (its lookup reads the blocks too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvgate.models import native
+from kvgate.models.block_formats import TILE, BlockLinear, block_bytes, block_pack16, file_codes
+from kvgate.models.q8_head import q8_pack16
+
+if TYPE_CHECKING:
+    from kvgate.models.hf_loader import LoadedModel
+
+log = logging.getLogger("kvgate.models")
+
+CHUNK = 4096  # table rows recovered at a time (a multiple of the tiles' 16 rows)
+HEAD_FORMATS = ("q4f", "q5f", "q8_0", "q8d", "q8s")
+
+
+def head_name(weights) -> str:
+    """The checkpoint tensor the LM head multiplies by: `lm_head.weight`, or the tied token table."""
+    return "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+
+
+def head_scales(block_scales, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The file's d and m per 16 values of the head (`kvgate.models.gguf_scales`), or None (float file)."""
+    if not block_scales or name + ".d" not in block_scales or name + ".m" not in block_scales:
+        return None
+    return block_scales[name + ".d"], block_scales[name + ".m"]
+
+
+def head_tiles(
+    weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[str, torch.Tensor] | None:
+    """(format, tiles) of the head as the file's blocks, or None where some slice is not blocks or two
+    slices would need different formats."""
+    d16, m16 = scales
+    n = weight.shape[0]
+    fmt, out = None, None  # the tiles, filled slice by slice (a cat of the parts would hold them twice)
+    for at in range(0, n, CHUNK):
+        got = file_codes(weight[at : at + CHUNK].float(), d16[at : at + CHUNK], m16[at : at + CHUNK])
+        if got is None or got[0] not in HEAD_FORMATS or fmt not in (None, got[0]):
+            return None
+        fmt, codes, d, m = got
+        part = (
+            q8_pack16(codes.to(torch.int8), d[:, 0::2].contiguous())
+            if fmt == "q8_0"
+            else block_pack16(fmt, codes, d, m)
+        )
+        if out is None:
+            out = torch.empty((-(-n // TILE), *part.shape[1:]), dtype=part.dtype)
+        out[at // TILE : at // TILE + part.shape[0]] = part
+    return None if fmt is None else (fmt, out)
+
+
+def head_format(weight: torch.Tensor, scales) -> str | None:
+    """The format `head_tiles` would hold the head in, looking at its first slice only (placement's
+    quick answer; `head_tiles` checks every slice when the model is built)."""
+    if scales is None or weight.shape[0] < TILE:
+        return None
+    got = file_codes(weight[:CHUNK].float(), scales[0][:CHUNK], scales[1][:CHUNK])
+    return got[0] if got is not None and got[0] in HEAD_FORMATS else None
+
+
+def head_bytes(fmt: str, vocab: int, hidden: int) -> int:
+    """The held head's bytes (its tiles, rows padded to 16): what the plan charges."""
+    return block_bytes(fmt, vocab, hidden)
+
+
+def probe(weight: torch.Tensor, scales, dtype: torch.dtype, packed: bool, reps: int = 5) -> dict:
+    """The block head against the float head it would replace, on a slice of 8,192 rows at 1 and 8 rows:
+    {"blocks_ms", "plain_ms", "keep"}, each the least thread CPU time of `reps` calls on one thread (as
+    `kvgate.models.q8_head.probe`). Kept unless the float head measures over 1.5x faster."""
+    from kvgate.models.linear import Linear
+
+    n = min(8192, weight.shape[0])
+    got = head_tiles(weight[:n], (scales[0][:n], scales[1][:n]))
+    if got is None:
+        return {"blocks_ms": None, "plain_ms": None, "keep": False}
+    blocks = BlockLinear(got[0], got[1], n, None)
+    plain = Linear(weight[:n].float().to(dtype), None, packed)
+
+    def ms(fn, x) -> float:
+        fn(x)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.thread_time()
+            fn(x)
+            best = min(best, time.thread_time() - t0)
+        return best * 1e3
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            xs = [torch.randn(rows, weight.shape[1]).to(dtype) for rows in (1, 8)]
+            blocks_ms = sum(ms(blocks, x) for x in xs)
+            plain_ms = sum(ms(plain, x) for x in xs)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "blocks_ms": round(blocks_ms, 3),
+        "plain_ms": round(plain_ms, 3),
+        "keep": blocks_ms <= 1.5 * plain_ms,
+    }
+
+
+def resolve(
+    loaded: LoadedModel, device: torch.device, dtype: torch.dtype, packed: bool, fmt: str, q8_head: bool
+) -> tuple[str | None, str]:
+    """The block format to hold the LM head in (`kvgate.models.head_blocks`) and why, or (None, why not):
+    under --weights gguf on a CPU, where the head (or the tied table) is a file's blocks, the Q8 head does
+    not hold it already, and a short probe does not measure the float head over 1.5x faster.
+    KVGATE_HEAD_BLOCKS=0 keeps the float head (A/B runs)."""
+    if fmt != "gguf" or q8_head:  # another format, or held already (the scales are not read)
+        return None, ""
+    name = head_name(loaded.weights)
+    scales = head_scales(loaded.block_scales, name)
+    if scales is None:  # a float head
+        return None, ""
+    if os.environ.get("KVGATE_HEAD_BLOCKS", "1") == "0":
+        return None, "off (KVGATE_HEAD_BLOCKS=0)"
+    if device.type != "cpu" or native.extension() is None:
+        return None, f"off: the block kernels run on CPU with kvgate's C++ kernels ({device})"
+    weight = loaded.weights[name]
+    held = head_format(weight, scales)
+    if held is None:
+        return None, "off: the head's values are not the file's blocks in a tile format"
+    p = probe(weight, scales, dtype, packed)
+    log.info("head blocks probe: %s ms %s blocks vs %s ms float head", p["blocks_ms"], held, p["plain_ms"])
+    if not p["keep"]:
+        return (
+            None,
+            f"off: a startup probe measured the float head over 1.5x faster ({p['plain_ms']} ms vs {p['blocks_ms']} ms)",
+        )
+    return (
+        held,
+        f"{held} tiles (a startup probe: {p['blocks_ms']} ms vs {p['plain_ms']} ms for the float head)",
+    )

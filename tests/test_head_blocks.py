@@ -1,0 +1,90 @@
+"""The LM head held as the file's own blocks (kvgate/models/head_blocks.py): a Q4_K_M-like file's Q6_K head
+(tied or untied) is held as q8d tiles under `--weights auto` (-> gguf), the plan charges exactly what the
+model holds (the tiles instead of a float head and its packed copy), and greedy tokens and logits are the
+float head's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgate.models import native
+from tests.test_block_formats import KQ_GEOMETRY
+from tests.test_q4_1 import PROMPTS, engine, greedy
+
+pytestmark = pytest.mark.skipif(native.extension() is None, reason="kvgate's C++ kernels did not build here")
+
+TIED = {"token_embd.weight": "Q6_K"}  # llama.cpp's Q4_K_M recipe for a tied table (Llama 3.2 1B, Qwen3-0.6B)
+UNTIED = {"token_embd.weight": "Q4_K", "output.weight": "Q6_K"}
+
+
+def write_gguf(path, types: dict[str, str], tie: bool = True):
+    from tests.tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(path, tie=tie, weight_type="Q4_K", overrides=types, geometry=KQ_GEOMETRY)
+
+
+def head_logits(e, ids: list[int]) -> torch.Tensor:
+    from tests.tiny_gguf import prompt_logits
+
+    return prompt_logits(e.model, ids)
+
+
+@pytest.mark.parametrize("types,tie", [(TIED, True), (UNTIED, False)], ids=["tied", "untied"])
+def test_a_q6_k_head_is_held_as_its_blocks_with_the_float_heads_tokens(tmp_path, monkeypatch, types, tie):
+    """Held as q8d, said in the plan, charged exactly (plan == model), fewer bytes than the float head;
+    greedy tokens (4 prompts, batched and alone) equal the float head's (KVGATE_HEAD_BLOCKS=0), logits
+    within float32 rounding. Seen red: the plan charging the float head (plan and model disagreed), and
+    the slices' tiles joined in the wrong order (tokens differ)."""
+    from kvgate.models.block_formats import BlockLinear
+
+    from kvgate.models import head_blocks
+
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(head_blocks, "CHUNK", 64)  # the 264-row table recovered in 5 slices, as a real one is
+    path = write_gguf(tmp_path / "head.gguf", types, tie=tie)
+    out, logits, weights = {}, {}, {}
+    for mode in ("float", "blocks"):
+        monkeypatch.setenv("KVGATE_HEAD_BLOCKS", "0" if mode == "float" else "1")
+        e = engine(path)
+        try:
+            assert e.weights_format == "gguf"
+            held = isinstance(e.model.lm_head, BlockLinear)
+            assert held == (mode == "blocks")
+            if held:
+                assert e.model.lm_head.fmt == "q8d"
+                assert any(n.startswith("LM head as the file's blocks: q8d tiles") for n in e.plan.notes), (
+                    e.plan.notes
+                )
+            # the float head: the tiny 264-row table does not pack smaller, so no packed copy is made though
+            # the plan charges one (an over-charge, never an under-charge; real vocabularies pack)
+            assert (
+                (e.plan.weights_bytes == e.model.weight_bytes)
+                if held
+                else e.plan.weights_bytes >= e.model.weight_bytes
+            )
+            weights[mode] = e.plan.weights_bytes
+            out[mode] = greedy(e, 12)
+            logits[mode] = head_logits(e, PROMPTS[2])
+        finally:
+            e.shutdown()
+    assert out["blocks"] == out["float"]
+    assert out["blocks"][0] == out["blocks"][1]  # batched == alone
+    assert (logits["blocks"] - logits["float"]).abs().max().item() < 1e-4
+    assert weights["blocks"] < weights["float"]
+
+
+def test_a_float_head_stays_float_and_says_nothing(tmp_path, monkeypatch):
+    """A file whose head is F32 (no block scales): the float head, no note (and the tiny table's
+    over-charged packed copy, as above)."""
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "f32head.gguf", {"token_embd.weight": "F32"})
+    e = engine(path)
+    try:
+        assert e.weights_format == "gguf"
+        assert not any(n.startswith("LM head as the file's blocks") for n in e.plan.notes)
+        assert not hasattr(e.model.lm_head, "fmt")
+        assert e.plan.weights_bytes >= e.model.weight_bytes
+    finally:
+        e.shutdown()
