@@ -490,3 +490,19 @@ def test_kept_responses_are_a_term_on_a_cpu_that_auto_gives_way_first(monkeypatc
     on_gpu, gpu_without = make_plan(SMOLLM2, responses_bytes=None, **common), make_plan(SMOLLM2, **common)
     assert on_gpu.responses_bytes == 64 * MiB and on_gpu.kv_blocks == gpu_without.kv_blocks
     assert "host memory, outside this device's limit" in on_gpu.describe()
+
+
+def test_qwen3s_head_norms_off_the_cpp_path_are_a_transient_term():
+    """A Qwen3 (qk_norm) plans F.rms_norm's q/k output and its float32 inside for 16-bit dtypes; other
+    models plan nothing for it. Red with the term left at 0."""
+    import dataclasses
+
+    qwen = dataclasses.replace(SMOLLM2, qk_norm=True)
+    args = dict(
+        device="cpu", dtype_name="bfloat16", dtype_bytes=2, limit_spec="4GiB", overhead_bytes=300 * MiB
+    )
+    args.update(block_size=16, prefill_chunk=256, max_seqs=32, max_model_len=8192)
+    plan = make_plan(qwen, **args)
+    T = plan.limits.prefill_chunk + plan.limits.max_seqs
+    assert plan.workspace_breakdown["qk_norm"] >= T * (9 + 3) * 64 * (4 + 2)
+    assert smollm2_plan().workspace_breakdown["qk_norm"] == 0

@@ -80,6 +80,7 @@ STANDING_TERMS = (
 TRANSIENT_TERMS = (
     "embedding",
     "rms_norm",
+    "qk_norm",
     "residual",
     "rope",
     "decode_attention",
@@ -195,6 +196,8 @@ def step_workspace(
         # dtype is narrower (in float32 the widened rows are the hidden states themselves)
         "embedding": (T * h + T * (h // 32) * 4 + (T * h * f if b != f else 0)) if limits.q8_head else 0,
         "rms_norm": 3 * T * h * f + T * h * b,
+        # Qwen3's q/k head norms off the C++ path (F.rms_norm's output, float32 inside for 16-bit dtypes)
+        "qk_norm": T * (H + KVH) * D * (f + b) if spec.qk_norm else 0,
         "residual": 2 * T * h * b,
         "rope": 2 * QK,
         # the next group's K (or V) gathered while this one's is alive, its output, the float mask
