@@ -9,17 +9,22 @@ endpoints cannot drift apart (the Responses API is served the same way).
 Turns become messages in order: `system` (a string, or text blocks joined by a newline) is a system
 message; a user turn's `tool_result` blocks become tool messages (an `is_error` result's text begins
 "Error: ") and its text blocks one user message after them; an assistant turn's text blocks are its
-content and its `tool_use` blocks its `tool_calls`; a `system` turn between them (the beta API's, which
-Claude Code sends) is a system message where it stands, left out once a later user turn exists when
-its `clear_at` is `next_user_message`. A conversation that ends on an assistant turn is a prefill: the
-answer continues that turn's text (the chat path's `continue_final_message`).
+content, its `tool_use` blocks its `tool_calls` and its `thinking` blocks (a thinking model's earlier
+reasoning, replayed) its `reasoning_content`, which templates that read it show (Qwen3's, in a tool
+loop; the chat path's rule); a turn of thinking alone (cut while thinking) has empty content. A
+`system` turn between them (the beta API's, which Claude Code sends) is a system message where it
+stands, left out once a later user turn exists when its `clear_at` is `next_user_message`. A
+conversation that ends on an assistant turn with text is a prefill: the answer continues that turn's
+text (the chat path's `continue_final_message`); one with thinking alone is left out.
 
 `tool_choice`: auto, any (the chat path's `required`), tool (one named tool), none;
 `disable_parallel_tool_use` is `parallel_tool_calls: false`. `output_config.format` (a JSON schema) is
-the chat path's strict `response_format`. Refused by name (400): image, document and other non-text
-blocks, thinking blocks outside assistant turns (an assistant turn's, a thinking model's earlier
-answer, are dropped: not shown to it again) and `thinking` `enabled` or `between_tools` (the server
-decides whether a model's think block is split off, `--reasoning-parser`; `adaptive` is served), Anthropic's own tool types (`bash_...`,
+the chat path's strict `response_format`. `thinking: {type: disabled}` is `chat_template_kwargs:
+{enable_thinking: false}` (templates that read it close the think block unwritten); `enabled` (its
+`budget_tokens` not enforced) and `adaptive` leave the model to think as its template has it; whether
+a think block comes back as a `thinking` block is the server's `--reasoning-parser`. Refused by name
+(400): image, document and other non-text blocks, thinking blocks outside assistant turns, `thinking`
+`between_tools`, Anthropic's own tool types (`bash_...`,
 `web_search_...`: only client tools with an `input_schema`), `defer_loading` tools and `container`, and
 `thread` (server-held conversations) with Anthropic's `thread_unsupported_request` details, on which
 the SDK's tool runner goes on without a thread.
@@ -37,6 +42,7 @@ from kvgate.server.messages_protocol import (
     CountTokensRequest,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -50,13 +56,14 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
     """The chat completion body a Messages body asks for, and where each of its messages came from
     (`system` or `messages.i`, for `messages_param`). `count`: a count_tokens body (no sampling)."""
     _refuse_what_is_not_done(body)
-    req = P.parse(CountTokensRequest if count else MessagesRequest, _thinking_dropped(body))
+    req = P.parse(CountTokensRequest if count else MessagesRequest, body)
     turns, where = merged(req.messages)
     check_conversation(turns, req.tools, where)
-    if not count and req.thinking is not None and req.thinking.type in ("enabled", "between_tools"):
+    thinking = req.thinking.type if req.thinking is not None else None
+    if not count and thinking == "between_tools":
         raise unsupported(
             "thinking",
-            f"{req.thinking.type}: this model does not think in separate blocks; send thinking "
+            "between_tools: this server does not steer when a model thinks; send thinking {type: enabled}, "
             "{type: adaptive} or {type: disabled}, or leave it out",
         )
     messages: list[dict] = []
@@ -75,13 +82,15 @@ def to_chat(body: Any, count: bool = False) -> tuple[dict, list[str]]:
             )
         if turn.role == "system" and turn.clear_at == "next_user_message" and k < last_user:
             continue  # a later user turn exists: no longer shown (Anthropic's rule)
-        if turn.role == "assistant" and k == len(turns) - 1 and turn.content in ("", []):
-            prefill = False  # an empty final assistant turn asks for none
+        if turn.role == "assistant" and k == len(turns) - 1 and _no_answer(turn.content):
+            prefill = False  # an empty final assistant turn (or one of thinking alone) asks for none
             break
         made = _turn(turn, i)
         messages += made
         origin += [f"messages.{i}"] * len(made)
     chat: dict = {"model": req.model, "messages": messages}
+    if thinking == "disabled":  # for templates that read it (Qwen3's closes an empty think block)
+        chat["chat_template_kwargs"] = {"enable_thinking": False}
     if prefill:  # the conversation ends on an assistant turn: the answer continues it
         if messages[-1].get("tool_calls"):
             raise invalid(
@@ -156,6 +165,9 @@ def _turn(turn, i: int) -> list[dict]:
         message: dict = {"role": "assistant", "content": texts or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
+        thought = "\n".join(b.thinking for b in turn.content if isinstance(b, ThinkingBlock) and b.thinking)
+        if thought:  # for templates that read it (Qwen3's, in a tool loop), as the chat path passes it
+            message["reasoning_content"] = thought
         return [message]
     out = [
         {"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)}
@@ -230,24 +242,11 @@ def _refuse_what_is_not_done(body: Any) -> None:
 THOUGHTS = ("thinking", "redacted_thinking")
 
 
-def _thinking_dropped(body: Any) -> Any:
-    """The body without its assistant turns' thinking blocks: a thinking model's earlier answers, as
-    kvgate gives them (`kvgate.server.reasoning`) and the SDK sends them back, are not shown to it again
-    (R1's template drops earlier reasoning too)."""
-    turns = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(turns, list):
-        return body
-
-    def kept(turn):
-        blocks = turn.get("content") if isinstance(turn, dict) and turn.get("role") == "assistant" else None
-        if not isinstance(blocks, list):
-            return turn
-        return {
-            **turn,
-            "content": [b for b in blocks if not (isinstance(b, dict) and b.get("type") in THOUGHTS)],
-        }
-
-    return {**body, "messages": [kept(t) for t in turns]}
+def _no_answer(content) -> bool:
+    """No text and no tool call: empty, or thinking blocks alone (a turn cut while thinking)."""
+    return content == "" or (
+        isinstance(content, list) and all(getattr(b, "type", None) in THOUGHTS for b in content)
+    )
 
 
 def _why_not(kind: str, role: str) -> str:

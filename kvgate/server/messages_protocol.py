@@ -2,7 +2,7 @@
 pydantic models.
 
 Strict, with unknown fields refused, as the chat and Responses models are. The block types kvgate
-does not read (images, documents, thinking, server tools) are refused by name before these models see
+does not read (images, documents, server tools; thinking outside assistant turns) are refused by name before these models see
 them (`messages_input`), so their 400 says why instead of listing the shapes a block may take.
 `cache_control` is accepted on the request, every block and every tool and changes nothing: kvgate's prefix cache keeps
 what any earlier request computed, marked or not, and reports it as `cache_read_input_tokens`.
@@ -52,7 +52,30 @@ class ToolResultBlock(_Body):
     toolset_name: str | None = None
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Body):
+    """An earlier assistant turn's reasoning, replayed (`kvgate.server.reasoning`): the chat message's
+    `reasoning_content`, for templates that read it. Its `signature` is not checked (kvgate signs none)."""
+
+    model_config = _STRICT
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: Any = None
+
+
+class RedactedThinkingBlock(_Body):
+    """Another server's encrypted reasoning, replayed: nothing a template can show."""
+
+    model_config = _STRICT
+    type: Literal["redacted_thinking"]
+    data: str
+    cache_control: Any = None
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class Message(_Body):
@@ -93,8 +116,9 @@ class ToolChoice(_Body):
 
 
 class Thinking(_Body):
-    """`adaptive` (the model thinks when it decides to: this one never does) and `disabled` are served;
-    `enabled` and `between_tools` are refused by `messages_input`."""
+    """`disabled` is the chat template's `enable_thinking: false` (Qwen3's answers without a think
+    block); `enabled` and `adaptive` leave the model to think as its template has it (`budget_tokens`
+    is not enforced); `between_tools` is refused by `messages_input`."""
 
     model_config = _STRICT
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]

@@ -242,8 +242,9 @@ def wrap_grammar(text: str, r: Reasoning | None) -> str:
     `start` that is the block (reasoning text up to `</think>`, and the whitespace after it) and then
     the old start. The tags may come as text or, where the vocabulary has them, as their own tokens
     (llguidance keeps an added token apart from its text: `<[id]>`). A prompt that opened the block
-    needs it; one that did not lets the output open it or skip it; one that closed it (or no
-    reasoning) leaves the grammar as it is."""
+    needs it (and lets the output open it again first, which `ReasoningSplitter` drops); one that did
+    not lets the output open it or skip it; one that closed it (or no reasoning) leaves the grammar as
+    it is."""
     if r is None or r.state == "content" or not _START.search(text):
         return text
     from kvgate.server.tools import not_containing  # here: `kvgate` (cli) imports this module for its flag
@@ -253,9 +254,13 @@ def wrap_grammar(text: str, r: Reasoning | None) -> str:
     think = "KVGATE_THINK"
     if r.close_id is not None:
         think = f"(KVGATE_THINK | KVGATE_TEXT? <[{r.close_id}]> KVGATE_WS?)"
-        lines += [f"KVGATE_TEXT: /{free}/", "KVGATE_WS: /[ \\t\\r\\n]+/"]
-    if r.state == "reasoning":
-        head = f"start: {think} kvgate_answer"
+        lines.append(f"KVGATE_TEXT: /{free}/")
+    if r.close_id is not None or (r.state == "reasoning" and r.open_id is not None):
+        lines.append("KVGATE_WS: /[ \\t\\r\\n]+/")
+    if r.state == "reasoning":  # opened by the prompt, and maybe again by the output (R1 models do):
+        # as text the free block takes it, as its own token it is allowed here; the splitter drops it
+        again = "" if r.open_id is None else f"(KVGATE_WS? <[{r.open_id}]>)? "
+        head = f"start: {again}{think} kvgate_answer"
     else:
         opening = f'"{OPEN}"' if r.open_id is None else f'("{OPEN}" | <[{r.open_id}]>)'
         head = f"start: kvgate_answer | {opening} {think} kvgate_answer"

@@ -4,7 +4,9 @@
 `message` output item (omitted when the answer is only tool calls; an answer of no text and no calls
 is one empty message, as a client reading `output[0]` expects), each tool call as a
 `function_call` item, usage as `input_tokens` / `output_tokens`, and a `length` finish as status
-`incomplete` with `incomplete_details.reason = "max_output_tokens"`.
+`incomplete` with `incomplete_details.reason = "max_output_tokens"` (on the last item too, and on a
+reasoning item with nothing after it: the limit was spent thinking). The message's `output_text`
+logprobs are its own tokens' (`message_logprobs`: the reasoning's are left out), streamed or not.
 
 `ResponseEvents` turns the chat stream's chunks into the typed events a Responses stream carries,
 each with its `sequence_number`: `response.created`, `response.in_progress`, per item
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import json
 import uuid
+
+PART = {"reasoning": "reasoning_text", "message": "output_text"}  # an item's content part type
 
 
 def new_id(prefix: str) -> str:
@@ -125,12 +129,25 @@ def finish(response: dict, finish_reason: str | None) -> dict:
     return response
 
 
+def message_logprobs(chat: dict) -> list | None:
+    """The logprobs of the message's text: the chat choice's, less those of the tokens its reasoning
+    took (usage's `reasoning_tokens`: the think block and its tags, always the first ones). The
+    chat answer reports every token's, as vLLM's does; a Responses `output_text` part reports its own
+    text's, and a reasoning item has none (OpenAI's schema)."""
+    lps = (chat["choices"][0].get("logprobs") or {}).get("content")
+    details = (chat.get("usage") or {}).get("completion_tokens_details") or {}
+    return lps[details.get("reasoning_tokens", 0) :] if lps else lps
+
+
 def response_body(chat: dict, skel: dict) -> dict:
     choice = chat["choices"][0]
     msg = choice["message"]
-    output = [reasoning_item(msg["reasoning_content"])] if msg.get("reasoning_content") else []
+    output = []
+    if msg.get("reasoning_content"):  # cut inside it (nothing after it): incomplete, as the stream says
+        cut = choice["finish_reason"] == "length" and not (msg.get("content") or msg.get("tool_calls"))
+        output.append(reasoning_item(msg["reasoning_content"], "incomplete" if cut else "completed"))
     if msg.get("content") or not msg.get("tool_calls"):
-        output.append(message_item(msg["content"], (choice.get("logprobs") or {}).get("content")))
+        output.append(message_item(msg["content"], message_logprobs(chat)))
     for call in msg.get("tool_calls") or []:
         output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
     return finish({**skel, "output": output, "usage": usage(chat.get("usage"))}, choice["finish_reason"])
@@ -146,11 +163,9 @@ class ResponseEvents:
         self.on_final = on_final
         self.seq = 0
         self.output: list[dict] = []
-        self.text: dict | None = None  # the message item being written
-        self.thought: dict | None = None  # the reasoning item being written, and its text so far
-        self.thought_parts: list[str] = []
+        self.item: dict | None = None  # the reasoning or message item being written (`_piece`)
         self.parts: list[str] = []  # its text so far
-        self.logprobs: list = []
+        self.logprobs: list = []  # the message's
         self.pending: list = []  # logprobs of tokens whose text has not come yet
         self.calls: dict[int, dict] = {}  # chat tool call index -> its open function_call item
         self.finish_reason: str | None = None
@@ -182,12 +197,16 @@ class ResponseEvents:
         for choice in c.get("choices") or []:
             delta = choice.get("delta") or {}
             # a token whose text is held back (a partial character) brings its logprobs on a chunk
-            # with no text: they ride on the next text delta
+            # with no text: they ride on the next text delta. A token the reasoning took comes on a
+            # reasoning delta (`StreamShaper.token`, "" when it added no text): its logprobs, and those
+            # held before it, are not the message's (the whole answer's: `message_logprobs`)
             self.pending += (choice.get("logprobs") or {}).get("content") or []
-            if delta.get("reasoning_content"):
-                out += self._reason(delta["reasoning_content"])
+            if "reasoning_content" in delta:
+                self.pending = []
+                if delta["reasoning_content"]:
+                    out += self._piece("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                out += self._text(delta["content"], self.pending)
+                out += self._piece("message", delta["content"], self.pending)
                 self.pending = []
             for call in delta.get("tool_calls") or []:
                 out += self._call(call)
@@ -219,12 +238,11 @@ class ResponseEvents:
             err = {"code": self.error.get("code"), "message": self.error.get("message")}
             self.response = {**self.response, "output": self.output, "status": "failed", "error": err}
             return [self.event("response.failed", response=self.response)]
-        # the item being written when max_output_tokens cut the answer is done as "incomplete", as the
-        # final response says (`finish`), so a client that builds its output from these events agrees
-        out = [] if self.output and self.output != [self.thought] else self._open_text()  # one empty message
+        # the item being written when max_output_tokens cut the answer is done as "incomplete" (`_close`)
+        answered = any(item["type"] != "reasoning" for item in self.output)
+        out = [] if answered else self._open("message")  # no text and no call: one empty message
+        out += self._close()
         last = self.output[-1] if self.finish_reason == "length" else None
-        out += self._close_thought()
-        out += self._close_text("incomplete" if self.text is not None and self.text is last else "completed")
         for index in sorted(self.calls):
             out += self._close_call(index, "incomplete" if self.calls[index] is last else "completed")
         self.response = {**self.response, "output": self.output, "usage": usage(self.usage)}
@@ -235,102 +253,72 @@ class ResponseEvents:
         return out + [self.event(kind, response=self.response)]
 
     # ---- items -------------------------------------------------------------------------------------
+    # A reasoning item and a message item are written alike (one content part, its deltas, its done
+    # events), one at a time, the reasoning first: `self.item` is the one being written, `self.parts`
+    # its text so far.
     def _cut_open_items(self) -> None:
         """The items still being written end as written so far, `incomplete` (an error, a client gone)."""
-        if self.text is not None:
-            at = self.output.index(self.text)
-            self.output[at] = message_item("".join(self.parts), self.logprobs, "incomplete", self.text["id"])
-        if self.thought is not None and self.thought["status"] == "in_progress":
-            at = self.output.index(self.thought)
-            self.output[at] = reasoning_item("".join(self.thought_parts), "incomplete", self.thought["id"])
+        if self.item is not None:
+            self.output[self.output.index(self.item)] = self._made("incomplete")
         for item in self.calls.values():
             item["status"] = "incomplete"
 
     def _where(self, item: dict) -> dict:
         return {"item_id": item["id"], "output_index": self.output.index(item)}
 
-    def _reason(self, piece: str) -> list[str]:
-        out = []
-        if self.thought is None:
-            self.thought = reasoning_item("", status="in_progress")
-            self.thought["content"] = []
-            self.output.append(self.thought)
-            self.thought_parts = []
-            part = {"type": "reasoning_text", "text": ""}
-            where = self._where(self.thought)
-            out.append(
-                self.event(
-                    "response.output_item.added", output_index=where["output_index"], item=self.thought
-                )
-            )
-            out.append(self.event("response.content_part.added", content_index=0, part=part, **where))
-        self.thought_parts.append(piece)
-        out.append(
-            self.event(
-                "response.reasoning_text.delta", content_index=0, delta=piece, **self._where(self.thought)
-            )
-        )
-        return out
+    def _made(self, status: str) -> dict:
+        """The item being written, as written so far."""
+        text, item_id = "".join(self.parts), self.item["id"]
+        if self.item["type"] == "reasoning":
+            return reasoning_item(text, status, item_id)
+        return message_item(text, self.logprobs, status, item_id)
 
-    def _close_thought(self) -> list[str]:
-        """The reasoning item is done: the answer (or a call) begins, or the output ended in it (then it
-        is `incomplete` when max_output_tokens cut it)."""
-        item = self.thought
-        if item is None or item["status"] != "in_progress":
-            return []
-        where = self._where(item)
-        cut = self.finish_reason == "length" and self.output[-1] is item
-        done = reasoning_item("".join(self.thought_parts), "incomplete" if cut else "completed", item["id"])
-        self.output[where["output_index"]] = self.thought = done
-        part = done["content"][0]
-        return [
-            self.event("response.reasoning_text.done", content_index=0, text=part["text"], **where),
-            self.event("response.content_part.done", content_index=0, part=part, **where),
-            self.event("response.output_item.done", output_index=where["output_index"], item=done),
-        ]
-
-    def _text(self, piece: str, logprobs: list) -> list[str]:
-        out = self._open_text() if self.text is None else []
+    def _piece(self, kind: str, piece: str, logprobs: list | None = None) -> list[str]:
+        """A piece of the reasoning (`kind` "reasoning") or of the message ("message", with its tokens'
+        logprobs), its item opened first when it is not the one being written."""
+        out = [] if self.item is not None and self.item["type"] == kind else self._open(kind)
         self.parts.append(piece)
-        self.logprobs += logprobs
-        out.append(
-            self.event(
-                "response.output_text.delta",
-                content_index=0,
-                delta=piece,
-                logprobs=logprobs,
-                **self._where(self.text),
-            )
-        )
+        extra = {}
+        if kind == "message":
+            self.logprobs += logprobs or []
+            extra["logprobs"] = logprobs or []
+        where = self._where(self.item)
+        out.append(self.event(f"response.{PART[kind]}.delta", content_index=0, delta=piece, **extra, **where))
         return out
 
-    def _open_text(self) -> list[str]:
-        out = self._close_thought()
-        self.text = message_item("", None, status="in_progress")
-        self.text["content"] = []
-        self.output.append(self.text)
-        self.parts = []
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    def _open(self, kind: str) -> list[str]:
+        out = self._close()
+        if kind == "reasoning":
+            self.item = reasoning_item("", "in_progress")
+        else:
+            self.item = message_item("", None, "in_progress")
+        part = self.item["content"].pop()  # the item is added with no part; the part comes next
+        self.output.append(self.item)
+        self.parts, self.logprobs = [], []
         return out + [
-            self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.text),
-            self.event("response.content_part.added", content_index=0, part=part, **self._where(self.text)),
+            self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.item),
+            self.event("response.content_part.added", content_index=0, part=part, **self._where(self.item)),
         ]
 
-    def _close_text(self, status: str = "completed") -> list[str]:
-        item = self.text
+    def _close(self) -> list[str]:
+        """The item being written is done: `incomplete` when max_output_tokens cut the answer in it (it
+        is the last item), as the final response says (`finish`), so a client that builds its output from
+        these events agrees; else `completed`."""
+        item = self.item
         if item is None:
             return []
-        self.text = None
-        self.logprobs += self.pending
-        self.pending = []
-        text = "".join(self.parts)
-        done = message_item(text, self.logprobs, status, item_id=item["id"])
+        if item["type"] == "message":  # logprobs of tokens whose text never came (held to the end)
+            self.logprobs += self.pending
+            self.pending = []
+        cut = self.finish_reason == "length" and self.output[-1] is item
+        done = self._made("incomplete" if cut else "completed")
         where = self._where(item)
-        self.output[where["output_index"]] = done
+        self.output[where["output_index"]], self.item = done, None
         part = done["content"][0]
+        extra = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
         return [
             self.event(
-                "response.output_text.done", content_index=0, text=text, logprobs=self.logprobs, **where
+                f"response.{PART[item['type']]}.done", content_index=0, text=part["text"], **extra, **where
             ),
             self.event("response.content_part.done", content_index=0, part=part, **where),
             self.event("response.output_item.done", output_index=where["output_index"], item=done),
@@ -341,7 +329,7 @@ class ResponseEvents:
         fn = delta.get("function") or {}
         out = []
         if index not in self.calls:
-            out += self._close_thought() + self._close_text()
+            out += self._close()
             for open_index in sorted(self.calls):  # calls come one after another: the last is done
                 out += self._close_call(open_index)
             item = call_item(

@@ -6,7 +6,9 @@ chunk per token that released text, the held-back tail, a finish chunk. With fea
 - logprobs: a chunk for every token (text or not), carrying that token's logprobs;
 - reasoning (a thinking model's chat answer, `kvgate.server.reasoning`): each choice's text goes through
   a `ReasoningSplitter`; the think block is sent as `delta.reasoning_content` (and `delta.reasoning`), the
-  rest as content, the tags in neither; a token's logprobs and ids ride as with tools;
+  rest as content, the tags in neither; a token's logprobs and ids ride as with tools, except that a
+  token the reasoning took (usage's `reasoning_tokens`) has them on a reasoning delta (an empty one
+  where it added no reasoning text: a tag's token), so a reader can tell the answer's apart;
 - tools: each choice's text (its content, with reasoning) goes through a `ToolCallParser` (a token's logprobs ride on the first chunk
   its text makes, or on one of their own while the parser holds the text); content is sent as content,
   a call as `delta.tool_calls` (first its index, id, type and name with empty arguments, then argument pieces),
@@ -73,7 +75,15 @@ class StreamShaper:
         self.generated += 1
         lp = ev.logprobs if self.f is not None and self.f.logprobs is not None else None
         if self.think is not None or (self.f is not None and self.f.tools is not None):
+            spent = self._reasoning_tokens(i)
             out = self._split(i, ev.text, token=True)
+            took = self._reasoning_tokens(i) > spent and self.think.include
+            if lp is not None and took and not self._is_reasoning(out[:1]):
+                # a token the reasoning took (a tag's, or one that ends it and starts the answer): its
+                # logprobs on a reasoning delta, "" if it added none, so they are not read as the
+                # answer's (the Responses API's output_text: `ResponseEvents.chunk`)
+                out.insert(0, self.chunks.choice(i, None))
+                out[0]["choices"][0]["delta"].update(self.think.delta(""))
             if lp is not None or self.want_ids:  # on the token's first chunk, or one of its own
                 out = out or [self.chunks.choice(i, None)]
             if lp is not None:
@@ -136,8 +146,16 @@ class StreamShaper:
                 out.append(self.chunks.choice(i, piece))
         return out
 
+    def _reasoning_tokens(self, i: int) -> int:
+        s = self.splitters.get(i) if self.think is not None else None
+        return s.tokens if s is not None else 0
+
+    @staticmethod
+    def _is_reasoning(chunks: list[dict]) -> bool:
+        return bool(chunks) and "reasoning_content" in chunks[0]["choices"][0]["delta"]
+
     def _parser(self, i: int) -> TP.ToolCallParser:
-        return self.parsers.setdefault(i, TP.ToolCallParser())
+        return self.parsers.setdefault(i, TP.ToolCallParser(self.f.tools.bare_names))
 
     def _tool_events(self, i: int, events) -> list[dict]:
         return [self._dress(c) for c in self._tool_chunks(i, events)]
