@@ -37,9 +37,9 @@ def test_a_q6_k_head_is_held_as_its_blocks_with_the_float_heads_tokens(tmp_path,
     greedy tokens (4 prompts, batched and alone) equal the float head's (KVGATE_HEAD_BLOCKS=0), logits
     within float32 rounding. Seen red: the plan charging the float head (plan and model disagreed), and
     the slices' tiles joined in the wrong order (tokens differ)."""
-    from kvgate.models.block_formats import BlockLinear
-
     from kvgate.models import head_blocks
+    from kvgate.models.block_formats import BlockLinear
+    from kvgate.models.head_blocks import BlockTable
 
     monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(head_blocks, "CHUNK", 64)  # the 264-row table recovered in 5 slices, as a real one is
@@ -50,10 +50,14 @@ def test_a_q6_k_head_is_held_as_its_blocks_with_the_float_heads_tokens(tmp_path,
         e = engine(path)
         try:
             assert e.weights_format == "gguf"
-            held = isinstance(e.model.lm_head, BlockLinear)
+            head = e.model.lm_head
+            inner = head.head if isinstance(head, BlockTable) else head
+            held = isinstance(inner, BlockLinear)
             assert held == (mode == "blocks")
             if held:
-                assert e.model.lm_head.fmt == "q8d"
+                assert inner.fmt == "q8d"
+                # tied: no float table stays, the lookup reads the tiles
+                assert isinstance(head, BlockTable) == tie and (e.model.embed is head) == tie
                 assert any(n.startswith("LM head as the file's blocks: q8d tiles") for n in e.plan.notes), (
                     e.plan.notes
                 )
@@ -73,6 +77,23 @@ def test_a_q6_k_head_is_held_as_its_blocks_with_the_float_heads_tokens(tmp_path,
     assert out["blocks"][0] == out["blocks"][1]  # batched == alone
     assert (logits["blocks"] - logits["float"]).abs().max().item() < 1e-4
     assert weights["blocks"] < weights["float"]
+
+
+@pytest.mark.parametrize("fmt", ["q4f", "q5f", "q8d", "q8s", "q8_0"])
+def test_a_tied_tables_rows_read_out_of_the_tiles_are_the_files_values_bit_for_bit(fmt):
+    """`tile_rows` (the tied table's lookup) gives every asked row's float values exactly, rows of a
+    partial last tile and repeats included. Seen red: q5f's fifth bit read from another row
+    group than j // 8, and q8s's m added after a rounded product instead of `addcmul`."""
+    from kvgate.models.head_blocks import head_tiles, tile_rows
+    from tests.test_block_formats import blocks
+
+    w, d, m = blocks(fmt, 37, 256)
+    got = head_tiles(w, (d, m))
+    assert got is not None and got[0] == fmt
+    ids = torch.tensor([0, 5, 15, 16, 17, 36, 20, 20, 8])
+    assert torch.equal(tile_rows(fmt, got[1], ids), w[ids])
+    with pytest.raises(IndexError):
+        tile_rows(fmt, got[1], torch.tensor([48]))
 
 
 def test_a_float_head_stays_float_and_says_nothing(tmp_path, monkeypatch):

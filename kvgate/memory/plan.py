@@ -58,7 +58,7 @@ def weight_bytes(
     tiles of 8 rows under gguf-q8act, `q8_dot_bytes`). `matrix_bytes`: each layer matrix's bytes as
     held, in `matrices` order (gguf: each in its own block format, `kvgate.models.block_formats`).
     `head_bytes`: the LM head held as the file's blocks (`kvgate.models.head_blocks`): those bytes instead
-    of an untied float head, and no packed copy of a tied table (the table stays, for the lookup)."""
+    of the float head, and of a tied float table (its lookup reads the tiles: `head_blocks.BlockTable`)."""
     h = spec.hidden_size
     if params is None:
         per_layer = (
@@ -80,8 +80,8 @@ def weight_bytes(
     if q8_head:
         params -= spec.vocab_size * h
         qbytes += (q8_dot_bytes if weight_format == "gguf-q8act" else q8_bytes)(spec.vocab_size, h)
-    elif head_bytes is not None:
-        params -= 0 if spec.tie_word_embeddings else spec.vocab_size * h
+    elif head_bytes is not None:  # tied: the lookup reads the tiles too (head_blocks.BlockTable)
+        params -= spec.vocab_size * h
         qbytes += head_bytes
     elif spec.tie_word_embeddings and lm_head_copy:
         params += spec.vocab_size * h
@@ -217,6 +217,7 @@ def make_plan(
         "quant_act_bytes": quant_act_bytes,
         "speculate": speculate,
         "q8_head": q8_head,
+        "block_lookup": head_bytes is not None and spec.tie_word_embeddings,
         "flash_prefill": not device.startswith("cuda"),
         "kv_bytes": kv_dtype_bytes or dtype_bytes,
         "kv_scale_bytes": kv_scale_bytes,

@@ -39,6 +39,9 @@ class StepLimits:
     speculate: int = 0
     # The tied embedding table held as Q8_0 blocks (kvgate.models.q8_head): a lookup widens the rows.
     q8_head: bool = False
+    # The tied table held only as the head's block tiles (kvgate.models.head_blocks.BlockTable): a lookup
+    # gathers the rows' tile-blocks and widens their codes and scales.
+    block_lookup: bool = False
     # Prefill attention by SDPA's fused CPU kernel (kvgate.models.llama passes it the grouped heads and
     # a [chunk, context] mask): no score matrix is made. False (CUDA: a masked chunk with grouped heads
     # takes the math path) charges the materialized scores.
@@ -81,6 +84,7 @@ TRANSIENT_TERMS = (
     "embedding",
     "rms_norm",
     "qk_norm",
+    "block_lookup",
     "residual",
     "rope",
     "decode_attention",
@@ -195,6 +199,9 @@ def step_workspace(
         # a Q8 table's lookup: the rows' codes and scales, and their float32 widening when the model
         # dtype is narrower (in float32 the widened rows are the hidden states themselves)
         "embedding": (T * h + T * (h // 32) * 4 + (T * h * f if b != f else 0)) if limits.q8_head else 0,
+        # a block table's lookup: the gathered tile-blocks of 16 rows each (at most 1.5 B a value), codes
+        # as int32 and float32, the widened rows (`tile_rows`)
+        "block_lookup": T * h * (16 * 3 // 2 + 4 + 4 + f) if limits.block_lookup else 0,
         "rms_norm": 3 * T * h * f + T * h * b,
         # Qwen3's q/k head norms off the C++ path (F.rms_norm's output, float32 inside for 16-bit dtypes)
         "qk_norm": T * (H + KVH) * D * (f + b) if spec.qk_norm else 0,

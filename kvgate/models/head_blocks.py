@@ -156,3 +156,60 @@ def resolve(
         held,
         f"{held} tiles (a startup probe: {p['blocks_ms']} ms vs {p['plain_ms']} ms for the float head)",
     )
+
+
+class BlockTable:
+    """A tied token table held only as the head's tiles: `embed(ids)` reads each row's codes and scales out
+    of its tile (the layouts of `block_formats.block_pack16` and `q8_head.q8_pack16`) and widens them as
+    the file's values, `m + d * c` (the float table's own bits), so the float
+    table need not stay beside the tiles for the lookup (as `file_codes` checked them: `addcmul`). `__call__`
+    is the head."""
+
+    __slots__ = ("head", "nbytes")
+
+    def __init__(self, head: BlockLinear):
+        self.head, self.nbytes = head, head.nbytes
+
+    def __call__(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        return self.head(x, decode_rows)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = tile_rows(self.head.fmt, self.head.packed, ids)
+        return rows if dtype == torch.float32 else rows.to(dtype)
+
+
+def _floats(sel: torch.Tensor, lo: int, hi: int, per: int) -> torch.Tensor:
+    """Bytes [lo, hi) of each gathered tile-block as float32 [rows, nb, per, 16]."""
+    return sel[:, :, lo:hi].contiguous().view(torch.float32).view(sel.shape[0], sel.shape[1], per, TILE)
+
+
+def tile_rows(fmt: str, tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), K]: rows `ids` of a matrix held as `fmt` tiles, as the file's values."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= tiles.shape[0] * TILE):
+        raise IndexError(f"token ids must be in [0, {tiles.shape[0] * TILE}); got {ids.min()}..{ids.max()}")
+    sel, j = tiles[ids // TILE], ids % TILE  # [R, nb, bytes] and each row's place in its tile
+    R, nb = sel.shape[0], sel.shape[1]
+    at = torch.arange(R)
+    if fmt == "q8_0":  # 16 rows' codes k-major, then their 16 scales
+        c = sel[:, :, :512].view(torch.int8).view(R, nb, 32, TILE)[at, :, :, j].float()
+        d = _floats(sel, 512, 576, 1)[at, :, 0, j]
+        return (c * d.unsqueeze(-1)).view(R, nb * 32)
+    if fmt in ("q8d", "q8s"):  # codes k-major, then d per 16 values (q8s: and m)
+        c = sel[:, :, :512].view(torch.int8).view(R, nb, 32, TILE)[at, :, :, j].float().view(R, nb, 2, 16)
+        d = _floats(sel, 512, 640, 2)[at, :, :, j].unsqueeze(-1)
+        if fmt == "q8d":
+            return (c * d).view(R, nb * 32)
+        m = _floats(sel, 640, 768, 2)[at, :, :, j].unsqueeze(-1)
+        return torch.addcmul(m, c, d).view(R, nb * 32)  # as `file_codes` checked the values
+    if fmt in ("q4f", "q5f"):  # two codes a byte per (pair, row); q5f: a fifth-bit plane; then d and m per 32
+        b = sel[:, :, :256].view(R, nb, 16, TILE)[at, :, :, j]
+        c = torch.stack((b & 15, b >> 4), dim=-1).view(R, nb, 32).to(torch.int32)
+        at_d = 256
+        if fmt == "q5f":
+            mask = sel[:, :, 256:320].view(R, nb, 32, 2)[at, :, :, j // 8].to(torch.int32)
+            c = c + (((mask >> (j % 8).view(R, 1, 1)) & 1) << 4)
+            at_d = 320
+        d = _floats(sel, at_d, at_d + 64, 1)[at, :, 0, j]
+        m = _floats(sel, at_d + 64, at_d + 128, 1)[at, :, 0, j]
+        return torch.addcmul(m.unsqueeze(-1), c.float(), d.unsqueeze(-1)).view(R, nb * 32)
+    raise ValueError(f"no row lookup for tile format {fmt!r}")

@@ -48,7 +48,7 @@ from kvgate.config import ModelSpec
 from kvgate.models import decode_stack, huge_pages, native, rope
 from kvgate.models.block_formats import BlockLinear, fused_names, fused_scales
 from kvgate.models.block_formats import held as held_blocks
-from kvgate.models.head_blocks import head_name, head_scales, head_tiles
+from kvgate.models.head_blocks import BlockTable, head_name, head_scales, head_tiles
 from kvgate.models.linear import Linear, packs_weights
 from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
@@ -182,15 +182,19 @@ class LlamaModel:
         # (its GGUF embeddings are Q8_0, finer than int4 or per-channel int8), the layers alone did not.
         if self.q8 is not None:
             self.lm_head = self.q8
-        elif head_blocks:  # a tied table stays plain for the lookup; the head reads the blocks
+        elif head_blocks:  # the head reads the file's blocks; a tied table's lookup reads them too
             name = head_name(weights)
-            table = self.embed if name == "model.embed_tokens.weight" else weights.pop(name)
+            tied = name == "model.embed_tokens.weight"
+            table = self.embed if tied else weights.pop(name)
             tiles = head_tiles(table, head_scales(block_scales, name))
             if tiles is None:
                 raise ValueError(
                     "head_blocks: the LM head is not the file's blocks (see head_blocks.head_format)"
                 )
             self.lm_head = BlockLinear(tiles[0], tiles[1], table.shape[0], None)
+            if tied:  # the float table goes: the lookup widens rows out of the tiles (BlockTable.embed)
+                self.lm_head = self.q8 = self.embed = BlockTable(self.lm_head)
+            del table
         else:
             self.lm_head = lin(
                 self.embed if "lm_head.weight" not in weights else w("lm_head.weight"), head=True
@@ -216,6 +220,8 @@ class LlamaModel:
             out.append((self.q8, "packed"))
         elif isinstance(self.q8, Q8Table):
             out.append((self.q8, "tiles"))
+        elif isinstance(self.q8, BlockTable):
+            out.append((self.q8.head, "packed"))
         return out
 
     def set_row_buckets(self, step_tokens: int, logit_rows: int) -> None:
