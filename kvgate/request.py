@@ -78,8 +78,9 @@ class GenerationRequest:
     report_stop_token: bool = False
     # vLLM's `cache_salt`: roots this prompt's block hashes, so only prompts of the same salt share blocks
     cache_salt: str | None = None
-    # (opening, closing) of output regions the stop strings do not apply in: tool calls (kvgate.stop)
-    stop_exempt: tuple[str, str] | None = None
+    # (opening, closing) of output regions the stop strings do not apply in, or a tuple of such pairs:
+    # tool calls (kvgate.stop)
+    stop_exempt: tuple | None = None
     # a prompt of a list, its max_tokens unset: the KV blocks it may take at most (its share of the pool,
     # since a list is admitted together: `admission.fit_group`); None: the whole pool
     kv_share: int | None = None

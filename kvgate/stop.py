@@ -14,19 +14,22 @@ class StopMatcher:
         self,
         stop_ids: frozenset[int] | set[int],
         stop_strings: list[str],
-        exempt: tuple[str, str] | None = None,
+        exempt: tuple | None = None,
         include: bool = False,
     ):
-        """`exempt`: (opening, closing) of regions where stop strings do not apply: a tool call's
-        `<tool_call>` ... `</tool_call>`, whose arguments a grammar writes (a stop string there cut
-        a call's JSON in two, and agents ran the broken call: QA pass 6). `include`: the text is cut
-        after the stop string, not before it (vLLM's `include_stop_str_in_output`)."""
+        """`exempt`: (opening, closing) of regions where stop strings do not apply, or a tuple of such
+        pairs: a tool call's `<tool_call>` ... `</tool_call>`, whose arguments a grammar writes (a stop
+        string there cut a call's JSON in two, and agents ran the broken call: QA pass 6). A closing of
+        None: the region ends where the JSON object that its opening begins with `{` ends (a bare call,
+        `{"name": ...}`, kvgate.server.tools). `include`: the text is cut after the stop string, not
+        before it (vLLM's `include_stop_str_in_output`)."""
         self.include = include
         self.stop_ids = frozenset(stop_ids)
         self.stops = [s for s in stop_strings if s]
         self.held = ""
-        self.exempt = exempt
-        self.inside = False
+        self.exempt = (exempt,) if exempt is not None and isinstance(exempt[0], str) else exempt
+        self.inside: tuple | None = None  # the pair of the region the text is in
+        self._scan = [0, False, False]  # a JSON region's depth, in a string, after a backslash
         self.matched: str | None = None  # the stop string that completed (the earliest, then first listed)
 
     def is_stop_token(self, token_id: int) -> bool:
@@ -79,34 +82,60 @@ class StopMatcher:
         """`push` with the exempt regions: a stop string counts where it starts outside them. One that
         starts in what may still become an opening (`<` of `<tool_call>`, the rest not yet written) waits
         for the next text: a stop `<` cut calls whose opening came in several tokens."""
-        opening, closing = self.exempt
         pending, self.held, out = self.held + text, "", []
         while pending:
-            if self.inside:
-                end = pending.find(closing)
+            if self.inside is not None:
+                end, keep = self._region_end(pending)
                 if end < 0:  # all of it is the region's, but a closing's start that may go on
-                    keep = _partial(pending, closing)
                     out.append(pending[: len(pending) - keep])
                     self.held = pending[len(pending) - keep :]
                     break
-                out.append(pending[: end + len(closing)])
-                pending, self.inside = pending[end + len(closing) :], False
+                out.append(pending[:end])
+                pending, self.inside = pending[end:], None
                 continue
-            at = pending.find(opening)
+            hits = [(i, pair) for pair in self.exempt if (i := pending.find(pair[0])) >= 0]
+            at, pair = min(hits, key=lambda h: h[0]) if hits else (-1, None)
             if at < 0:  # where an opening may be starting (the end, when none can)
-                at = len(pending) - (0 if final else _partial(pending, opening))
+                at = len(pending) - (0 if final else self._partial_opening(pending))
             cut = self._first_stop(pending, at)
             if cut >= 0:
                 out.append(pending[: self._end(cut)])
                 return "".join(out), True
-            if not pending.startswith(opening, at):
-                keep = max(self._longest_partial(pending), _partial(pending, opening))
+            if pair is None:
+                keep = max(self._longest_partial(pending), self._partial_opening(pending))
                 out.append(pending[: len(pending) - keep])
                 self.held = pending[len(pending) - keep :]
                 break
-            out.append(pending[: at + len(opening)])
-            pending, self.inside = pending[at + len(opening) :], True
+            self.inside = pair
+            if pair[1] is None:  # the opening is the JSON object's start: scanned with the rest
+                self._scan = [0, False, False]
+            else:
+                at += len(pair[0])
+            out.append(pending[:at])
+            pending = pending[at:]
         return "".join(out), False
+
+    def _partial_opening(self, text: str) -> int:
+        return max(_partial(text, opening) for opening, _ in self.exempt)
+
+    def _region_end(self, text: str) -> tuple[int, int]:
+        """(where the region the text is in ends in `text`, or -1; how much of its end to hold back)."""
+        closing = self.inside[1]
+        if closing is not None:
+            end = text.find(closing)
+            return (end + len(closing), 0) if end >= 0 else (-1, _partial(text, closing))
+        depth, in_string, escaped = self._scan
+        for n, ch in enumerate(text):
+            if in_string:
+                escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[]}":
+                depth += 1 if ch in "{[" else -1
+                if depth == 0:
+                    return n + 1, 0
+        self._scan = [depth, in_string, escaped]
+        return -1, 0
 
 
 def _partial(text: str, word: str) -> int:

@@ -200,8 +200,11 @@ def test_kvgate_renders_what_transformers_renders_from_the_same_inputs(template)
 
 
 # ---- tool-call formats ----------------------------------------------------------------------------
-def parsed(text: str, step: int) -> tuple[str | None, list[tuple[str, str, bool]], str]:
-    p = TP.ToolCallParser()
+NAMES = frozenset({"get_weather", "get_time"})  # a Llama template's declared functions (bare mode)
+
+
+def parsed(text: str, step: int, names=NAMES) -> tuple[str | None, list[tuple[str, str, bool]], str]:
+    p = TP.ToolCallParser(names)
     for i in range(0, len(text), step):
         p.push(text[i : i + step])
     p.end(cut=False)
@@ -244,12 +247,12 @@ def test_a_bare_call_finishes_with_tool_calls_and_a_cut_one_keeps_length():
     """A whole bare call finishes `tool_calls` with content None; one cut by max_tokens keeps `length`
     and the arguments so far. Seen red with the bare call's `done` not set in `_close` (`stop`)."""
     choice = {"message": {"content": LLAMA_CALL}, "finish_reason": "stop"}
-    TP.read_calls(choice, ended=True)
+    TP.read_calls(choice, ended=True, bare_names=NAMES)
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     at = LLAMA_CALL.index("{", 1) + 4  # cut 4 characters into the arguments
     cut = {"message": {"content": LLAMA_CALL[:at]}, "finish_reason": "length"}
-    TP.read_calls(cut)
+    TP.read_calls(cut, bare_names=NAMES)
     assert (
         cut["finish_reason"] == "length"
         and cut["message"]["tool_calls"][0]["function"]["arguments"] == '{"ci'
@@ -257,8 +260,8 @@ def test_a_bare_call_finishes_with_tool_calls_and_a_cut_one_keeps_length():
 
 
 def test_the_grammar_takes_a_bare_call_and_no_answer_that_opens_like_one():
-    """Whatever the template, the grammar takes the Hermes blocks and one bare call, so a Llama model
-    under `auto` writes its own format and it is a call. Seen red with the `bare` alternative taken out
+    """With bare calls offered (a Llama template's plan), the grammar takes the Hermes blocks and one
+    bare call, so a Llama model under `auto` writes its own format and it is a call. Seen red with the `bare` alternative taken out
     of `tools.grammar` (the call was refused) and with the answer's `& ~/\\{"name": .../` taken out (a
     bare call was also an answer: the parser and the grammar disagreed)."""
     from kvgate.structured.compiler import GrammarCompiler
@@ -268,7 +271,7 @@ def test_the_grammar_takes_a_bare_call_and_no_answer_that_opens_like_one():
     fns = [P.FunctionDef.model_validate(WEATHER["function"]), P.FunctionDef(name="get_time")]
 
     def takes(text: str, mode: str, as_answer: bool = False) -> bool:
-        g = T.grammar(T.ToolPlan(mode, fns, True), None)
+        g = T.grammar(T.ToolPlan(mode, fns, True, bare=True), None)
         if as_answer:  # the free-text answer alone
             g = g.replace("start: answer | calls | lead | bare", "start: answer")
         m = comp.matcher(g)
@@ -355,3 +358,296 @@ def test_a_model_that_writes_the_bare_form_gets_tool_calls_whole_and_streamed(ll
     r = httpx.post(base + "/v1/tokenize", json={"messages": replay, "tools": [TIME]}, timeout=60).json()
     text = engine.tokenizer.decode(r["tokens"], skip_special_tokens=False)
     assert '<|im_start|>assistant\n{"name": "get_time", "parameters": {}}<|im_end|>' in text
+
+
+# ---- review of session 47: bare calls only where the template asks, Qwen's tags as tokens ---------
+# Each test was seen red with its fix undone (the docstrings say how).
+WEATHER_ENUM = {  # arguments a grammar writes whole however random the model: "city" is in them
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+QWEN_LIKE = (  # Qwen2.5/3's shape: reads `tools`, asks for Hermes blocks
+    "{% if tools %}<|im_start|>system\nCall a function inside <tool_call></tool_call> tags:\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HERMES_LIKE = QWEN_LIKE.replace("tags:", 'tags, as {"name": ..., "parameters": ...}:')  # Hermes 2 Pro/3
+CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+JSON_ANSWER = '{"name": "John", "age": 30}'
+
+
+def features(template: str, **body):
+    """`features.features_of` for a chat request to a model with `template` (the tiny vocabulary)."""
+    from types import SimpleNamespace as NS
+
+    from kvgate.server.features import features_of
+
+    tok = tokenizer(template)
+    eng = NS(
+        tokenizer=tok, max_model_len=4096, plan=NS(limits=NS(grammars=4)), spec=NS(vocab_size=tok.vocab_size)
+    )
+    req = P.parse(P.ChatCompletionRequest, {"messages": [ASK], "tools": [WEATHER, TIME], **body})
+    return tok, features_of(eng, req)
+
+
+def grammar_takes(tok, grammar, text: str) -> bool:
+    m = grammar.matcher()
+    ids = tok.encode(text, add_bos=False)
+    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+def test_only_a_template_that_asks_for_bare_calls_gets_them():
+    """Llama 3.x's templates (read `tools`, show `"parameters"`, no `<tool_call>`) get bare calls; a
+    template without tools (SmolLM2's ChatML), Qwen's and Hermes 2 Pro/3's (which write `"parameters"`
+    in their tool list, and `<tool_call>`) do not, and their grammar is the Hermes one alone, as before
+    session 47. Seen red with `asks_bare` true for every template (f8458f5's rule) and with its
+    `<tool_call>` check dropped (Hermes-like got bare calls)."""
+    bare = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    for template, asks in ((LLAMA_LIKE, True), (CHATML, False), (QWEN_LIKE, False), (HERMES_LIKE, False)):
+        tok, f = features(template, tool_choice="required")  # (under auto that text is an answer)
+        assert f.tools.bare is asks and T.asks_bare(tok) is asks, template
+        assert ("bare" in f.grammar.text) is asks and grammar_takes(tok, f.grammar, bare) is asks, template
+        assert f.tools.bare_names == (frozenset({"get_weather", "get_time"}) if asks else frozenset())
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "json_object"},
+        {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "person",
+                "schema": {
+                    "type": "object",
+                    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                    "required": ["name", "age"],
+                },
+            },
+        },
+    ],
+    ids=["json_object", "json_schema"],
+)
+def test_tools_beside_an_answer_format_let_the_model_answer(fmt):
+    """Review finding 1 (HIGH): tools under `auto` with a `response_format` (the Responses API's
+    text.format, the Messages API's output_config.format) could not answer: `answer | calls | bare`
+    let llguidance commit to the bare call after `{"`, so `{"name": "John", ...}` was refused (real
+    SmolLM2 greedy: a get_weather call where it answered that JSON). Now no bare branch beside an
+    answer format, even for a Llama template, and the parser is told so. Seen red with the `bare`
+    alternative kept beside `answer_rule` in `tools.grammar`, and with `features_of` setting
+    `bare` without looking at the answer format."""
+    from kvgate.structured.compiler import compiler_for
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    for template in (LLAMA_LIKE, CHATML):
+        tok, f = features(template, tool_choice="auto", response_format=fmt)
+        assert grammar_takes(tok, f.grammar, JSON_ANSWER) and grammar_takes(tok, f.grammar, call), template
+        assert f.tools.bare is False and f.tools.bare_names == frozenset()
+        # the grammar alone, asked for both (a plan that offers bare calls): the answer still wins
+        both = T.grammar(T.ToolPlan("auto", f.tools.functions, True, bare=True), "%json {}")
+        assert grammar_takes(tok, compiler_for(tok, tok.vocab_size, 4).check(both), JSON_ANSWER)
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_bare_head_is_a_call_only_of_a_declared_function_and_else_text(step):
+    """Review finding 3: the bare mode misread JSON answers. A name no tool has is text (released as
+    soon as it can no longer be a declared one's), extra keys after the arguments cannot make a call,
+    a cut in the head gives the text back (not nothing), and with no bare calls offered (`bare_names`
+    empty: Hermes and ChatML templates) a bare call is text. Seen red with `_bare_head` taking any
+    name (f8458f5's rule: exp1 and Bob became calls), with `end` dropping a held bare head (the cut
+    text lost), and with the parser in bare mode whatever `bare_names` (the last case a call)."""
+    for text in ('{"name": "exp1", "parameters": {"a": 1}, "score": 3}', '{"name": "Bob", "age": 3}'):
+        assert parsed(text, step) == (text, [], "content")
+    p = TP.ToolCallParser(NAMES)
+    assert p.push('{"name": "B') == [("content", '{"name": "B')]
+    for cut in ('{"name": "A long person na', '{"name": "get_wea', '{"name": '):
+        assert TP.parse_output(cut, bare_names=NAMES) == (cut, []), cut
+    content, calls = TP.parse_output('{"name": "get_weather", "para', bare_names=NAMES)
+    assert content is None and [(c.name, c.arguments, c.done) for c in calls] == [("get_weather", "", False)]
+    assert parsed(LLAMA_CALL, step, names=frozenset()) == (LLAMA_CALL, [], "content")
+
+
+def test_stop_strings_do_not_apply_inside_a_bare_call_and_do_after_it():
+    """Review finding 2: only Hermes blocks were exempt from stop strings, so `stop: ["city"]` cut a
+    bare call to arguments `{"` (finish `stop`). A bare call is exempt from its `{"name": ` to the end
+    of its JSON object (braces and quotes inside strings do not end it); a stop after it, or in a text
+    answer, applies; a Hermes-only plan keeps exactly `CALL_REGION`. Seen red with `stop_regions`
+    giving `CALL_REGION` alone for a bare plan."""
+    from kvgate.stop import StopMatcher
+
+    fns = [P.FunctionDef(name="f")]
+    assert T.stop_regions(T.ToolPlan("auto", fns, True)) is T.CALL_REGION
+    call = '{"name": "f", "parameters": {"city": "a } \\" city {", "n": [1, {"x": "city"}]}}'
+    for size in (1, 3, 7):
+        m = StopMatcher(set(), ["city", "}", '"'], T.stop_regions(T.ToolPlan("auto", fns, True, bare=True)))
+        pieces = [call[i : i + size] for i in range(0, len(call), size)] + ["\nObs city"]
+        out, stopped = zip(*(m.push(x) for x in pieces))
+        assert ("".join(out), any(stopped)) == (call + "\nObs ", True), size
+    m = StopMatcher(set(), ["city"], T.stop_regions(T.ToolPlan("auto", fns, True, bare=True)))
+    assert m.push("The city is") == ("The ", True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_leaves_a_bare_call_whole_over_http(llama_like, stream):
+    """Finding 2 through the server (`prepare` passes `stop_regions` to the engine's StopMatcher): the
+    tiny model pushed to the bare form by a bias on `{`, `stop: ["city"]`, arguments that hold "city".
+    Seen red with `stop_regions` giving `CALL_REGION` alone (arguments `{"`, finish_reason `stop`)."""
+    import json
+
+    import httpx
+
+    base, engine = llama_like
+    brace = engine.tokenizer.encode("{", add_bos=False)[0]
+    body = {
+        "messages": [ASK],
+        "tools": [WEATHER_ENUM],
+        "tool_choice": "required",
+        "max_tokens": 60,
+        "temperature": 0,
+        "stop": ["city"],
+        "logit_bias": {str(brace): 100},
+    }
+    url = base + "/v1/chat/completions"
+    if not stream:
+        choice = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+        args, finish = choice["message"]["tool_calls"][0]["function"]["arguments"], choice["finish_reason"]
+    else:
+        args, finish = "", None
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        for tc in c["delta"].get("tool_calls") or []:
+                            args += tc["function"].get("arguments", "")
+                        finish = c["finish_reason"] or finish
+    assert finish == "tool_calls" and json.loads(args)["city"] in ("Paris", "Rome"), (args, finish)
+
+
+TAGS = ("<tool_call>", "</tool_call>")
+_BYTES = build_tokenizer()  # the vocabulary without the tags: the same ids for everything else
+
+
+def pieces(text: str) -> list[int]:
+    return _BYTES.encode(text, add_special_tokens=False).ids
+
+
+def qwen_tokenizer(special: bool = False) -> TextTokenizer:
+    """The tiny vocabulary with `<tool_call>` and `</tool_call>` added, not special, as Qwen2.5/3's."""
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t in TAGS])
+    return TextTokenizer(TokenizerInfo(tok.to_str(), QWEN_LIKE, None, 2, [2], False))
+
+
+def test_qwens_added_tool_call_tokens_are_taken_under_auto_and_required():
+    """Review finding 4: Qwen2.5/3 have `<tool_call>` and `</tool_call>` as added tokens, which
+    llguidance never matches against the grammar's literal text: under `auto` the model's own
+    `<tool_call>` token was forbidden (it could not call), under `required` the tag was forced as byte
+    pieces. The grammar now takes each as its token or its text (`<[id]>`, as reasoning's
+    `wrap_grammar` does for `<think>`), and the detokenizer writes the (not special) tokens as text,
+    so the parser reads the call. Seen red with `tag_ids` ignored in `features_of` (0 tokens taken)."""
+    from types import SimpleNamespace as NS
+
+    from kvgate.server.features import features_of
+
+    tok = qwen_tokenizer()
+    o, e = T.tag_ids(tok)
+    assert (o, e) == tuple(tok.tok.token_to_id(t) for t in TAGS) and None not in (o, e)
+    assert T.tag_ids(qwen_tokenizer(special=True)) == (None, None)  # the detokenizer would drop them
+
+    def spell(*parts):  # strings in the byte-level tokens (a tag as its pieces), ids as they are
+        return [
+            i for p in parts for i in ([p] if isinstance(p, int) else p if isinstance(p, list) else pieces(p))
+        ]
+
+    body = '{"name": "get_time", "arguments": {}}\n'
+    own = spell(o, "\n" + body, e)
+    eng = NS(
+        tokenizer=tok, max_model_len=4096, plan=NS(limits=NS(grammars=4)), spec=NS(vocab_size=tok.vocab_size)
+    )
+    for mode in ("auto", "required"):
+        req = P.parse(P.ChatCompletionRequest, {"messages": [ASK], "tools": [TIME], "tool_choice": mode})
+        g = features_of(eng, req).grammar
+        for ids in (own, spell("<tool_call>\n" + body + "</tool_call>"), spell(own, "\n\n", own)):
+            m = g.matcher()
+            assert m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting(), mode
+        if mode == "auto":
+            ids = spell("Let me check.\n", own)
+            assert g.matcher().validate_tokens(ids) == len(ids)
+    text = tok.decode(own)
+    assert text == "<tool_call>\n" + body + "</tool_call>"
+    assert [(c.name, c.arguments, c.done) for c in TP.parse_output(text, cut=False)[1]] == [
+        ("get_time", "{}", True)
+    ]
+
+
+@pytest.fixture(scope="module")
+def qwen_like(tmp_path_factory):
+    """A server on the tiny model with Qwen's tags added to its vocabulary and a Qwen-like template."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from tests.server_util import running_server
+    from tests.tiny_model import config_dict, random_weights
+
+    d = tmp_path_factory.mktemp("qwen_like")
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tok.save(str(d / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    (d / "config.json").write_text(json.dumps(config_dict(vocab, g={"max_pos": 2048})))
+    cfg = {
+        "chat_template": QWEN_LIKE,
+        "eos_token": "<|im_end|>",
+        "bos_token": "<|im_start|>",
+        "add_bos_token": False,
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    save_file(random_weights(vocab), str(d / "model.safetensors"))
+    ecfg = EngineConfig(kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
+    engine = Engine.from_model(str(d), ecfg, overhead_bytes=0).start()
+    try:
+        with running_server(engine) as (base, _app):
+            yield base, engine
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_a_qwen_like_model_calls_with_its_own_tag_tokens_over_http(qwen_like, mode):
+    """Finding 4 through the server: a model that wants its own `<tool_call>` / `</tool_call>` tokens
+    (a bias on both) writes them, and its call comes back whole (the detokenizer keeps the tags' text
+    for the parser). Seen red with `tag_ids` ignored in `features_of`: under `auto` no call at all
+    (the token was forbidden: newlines as content), under `required` a failed generation (a 500:
+    llguidance's mask let the token through where the grammar forced the tag's text, as the
+    tokenizer spells that text, and its matcher then refused it)."""
+    import httpx
+
+    base, engine = qwen_like
+    o, e = T.tag_ids(engine.tokenizer)
+    body = {
+        "messages": [ASK],
+        "tools": [TIME],
+        "tool_choice": mode,
+        "parallel_tool_calls": False,
+        "max_tokens": 60,
+        "temperature": 0,
+        "logit_bias": {str(o): 100, str(e): 100},
+        "return_token_ids": True,
+    }
+    choice = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    (got,) = choice["message"]["tool_calls"]
+    assert (got["function"]["name"], got["function"]["arguments"]) == ("get_time", "{}")
+    assert choice["token_ids"][0] == o and e in choice["token_ids"], choice["token_ids"]

@@ -865,6 +865,43 @@ def test_smollm2_makes_one_call_for_one_intent_and_answers_html_as_text(real_bas
     assert "tool_calls" not in choice["message"] and choice["message"]["content"].startswith("<"), choice
 
 
+@pytest.mark.slow
+def test_smollm2_answers_in_json_beside_tools_under_auto(real_base):
+    """Review of session 47, finding 1 (HIGH), on the real model, greedy: tools under `auto` with a
+    `response_format` answered with a made-up get_weather call, because the grammar's bare-call branch
+    (`{"name": ...`) took every JSON answer after `{"`. SmolLM2's template asks for no bare calls, so
+    its grammar is the Hermes one (as at ac10242) and it answers. Seen red with `asks_bare` true for
+    every template and the bare branch kept beside the answer format (f8458f5's grammar): a tool
+    call, content None."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    time = {
+        "type": "function",
+        "function": {**weather["function"], "name": "get_time", "description": "Time"},
+    }
+    body = {
+        "messages": [{"role": "user", "content": "Describe a person as JSON with keys name and age."}],
+        "tools": [weather, time],
+        "tool_choice": "auto",
+        "response_format": {"type": "json_object"},
+        "temperature": 0,
+        "max_tokens": 60,
+    }
+    choice = httpx.post(real_base + CHAT, json=body, timeout=120).json()["choices"][0]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop", choice
+    assert json.loads(choice["message"]["content"]) == {"name": "John", "age": 30}
+
+
 def test_logprobs_come_with_tool_calls_whole_and_streamed(base):
     """QA pass 16: `logprobs` with `tools` was a 400, so LangChain's `ChatOpenAI({logprobs: true})` lost
     every tool call. Every generated token's logprobs come with the calls, as vLLM gives them: the whole

@@ -79,7 +79,10 @@ def features_of(engine, req, think: Reasoning | None = None) -> Features:
             f"{guided.param} and {other} each constrain the output: send only one of them", param=guided.param
         )
     if f.tools is not None:
-        text = T.grammar(f.tools, answer, reach)
+        # Llama 3.x's bare call where its template asks for it, never beside an answer format (the
+        # parser and the stop strings read `bare` too); Qwen's tags as their own tokens
+        f.tools.bare = answer is None and T.asks_bare(engine.tokenizer)
+        text = T.grammar(f.tools, answer, reach, T.tag_ids(engine.tokenizer))
     elif answer is not None:
         text = f"start: {answer}\n"
     elif guided is not None:

@@ -24,7 +24,7 @@ from kvgate.server.context import ServerSettings, check_model
 from kvgate.server.errors import APIError, invalid
 from kvgate.server.features import Features, features_of, render_chat
 from kvgate.server.logprob_body import dict_hold_bytes
-from kvgate.server.tools import CALL_REGION, plan_tools
+from kvgate.server.tools import plan_tools, stop_regions
 from kvgate.server.vllm_extras import bad_word_ids, truncated
 from kvgate.tokenizer import ChatTemplateError
 
@@ -135,7 +135,7 @@ def prepare_generation(
             include_stop_str=req.include_stop_str_in_output,
             report_stop_token=req.return_token_ids or req.return_tokens_as_token_ids,
             cache_salt=req.cache_salt,
-            stop_exempt=CALL_REGION if feats.tools is not None else None,
+            stop_exempt=stop_regions(feats.tools),
             # the server keeps a response's logprobs until it is sent (kvgate.server.held)
             held=(hold or dict_hold_bytes)(feats.logprobs) if whole else 0,
         )

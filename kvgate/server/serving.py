@@ -132,7 +132,7 @@ async def generate(
     for choice, res in zip(body["choices"], results, strict=True):
         reasoning = think.take(choice) if think is not None else None  # tools read the content alone
         if prepared.features.tools is not None:
-            read_calls(choice, model_ended(res))
+            read_calls(choice, model_ended(res), prepared.features.tools.bare_names)
         if think is not None:
             think.put(choice, reasoning)
     if prepared.request.return_token_ids:

@@ -67,19 +67,23 @@ class ToolCallParser:
     """Incremental reader of generated text: `push(text)` -> events, `end()` -> the last events.
 
     Events: ("content", text), ("call", ParsedCall) when a call's name is known, ("args", index, text).
-    Calls may follow content (text, then `<tool_call>`), or be one bare call, the whole output (Llama
-    3.x's form, `tools`' doc). Arguments are released as they come, exactly their JSON text: the
-    wrapper's end (`}`, a newline, `</tool_call>`) never is. Output cut short
-    (max_tokens) in a call gives that call with the arguments so far, `done` False, once its name is
-    whole, and nothing before: no markup ever comes out as content.
+    Calls may follow content (text, then `<tool_call>`), or, where `bare_names` is set (the request's
+    `ToolPlan.bare_names`: Llama 3.x's template asked for it), be one bare call, the whole output,
+    whose name is one of them (`tools`' doc); without it `{"name": ` is text as any other. Arguments are
+    released as they come, exactly their JSON text: the wrapper's end (`}`, a newline, `</tool_call>`)
+    never is. Output cut short (max_tokens) in a call gives that call with the arguments so far, `done`
+    False, once its name is whole, and nothing before: no markup ever comes out as content. A bare
+    head is released as content as soon as it can no longer become a declared function's (JSON that
+    only begins like a call), and when the output ends inside it.
     """
 
+    bare_names: frozenset[str] = frozenset()  # a bare call's possible names; empty: no bare calls
     buf: str = ""
     state: str = "start"  # start | content | head | args | close | between | tail
     calls: list[ParsedCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     scan: _ArgsScan = field(default_factory=_ArgsScan)
-    bare: bool = False  # the output is a bare call (`{"name": ...` at its start)
+    in_bare: bool = False  # the output is a bare call (`{"name": ...` at its start)
 
     def push(self, text: str) -> list[tuple]:
         self.buf += text
@@ -98,9 +102,16 @@ class ToolCallParser:
         ended it (an answer may end in a proper prefix of `<tool_call>`: see `grammar`) and is dropped
         when the output was cut; any other held-back text is a call's markup and is dropped."""
         events: list[tuple] = []
-        if self.state == "head":
+        if self.state == "head" and self.in_bare:
+            name = next((n for n in self.bare_names if self.buf.startswith(BARE + _json(n))), None)
+            if name is not None:  # its name whole: the call, cut before its arguments
+                self._open_call(events, name)
+            else:  # text that began like a call, or a call cut in its name: the text as it came
+                self.content.append(self.buf)
+                events.append(("content", self.buf))
+        elif self.state == "head":
             name = self._name(self.buf)
-            if name is not None and any(k.startswith(self.buf[name[1] :]) for k in self._keys()):
+            if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
                 self._open_call(events, name[0])
         elif self.state in ("start", "content") and self.buf:
             # cut: a held opening may have been a call's, the whitespace before it was text
@@ -115,9 +126,9 @@ class ToolCallParser:
         if self.buf.startswith(OPEN):
             self.buf = self.buf[len(OPEN) :]
             self.state = "head"
-        elif self.buf.startswith(BARE):  # the head reads the name from `{"name": ` on
-            self.state, self.bare = "head", True
-        elif not OPEN.startswith(self.buf) and not BARE.startswith(self.buf):
+        elif self.bare_names and self.buf.startswith(BARE):  # the head reads the name from `{"name": ` on
+            self.state, self.in_bare = "head", True
+        elif not OPEN.startswith(self.buf) and not (self.bare_names and BARE.startswith(self.buf)):
             self.state = "content"  # else: could still become a call
 
     def _content(self, events) -> None:
@@ -136,33 +147,34 @@ class ToolCallParser:
             events.append(("content", text))
 
     def _head(self, events) -> None:
+        if self.in_bare:
+            self._bare_head(events)
+            return
         name = self._name(self.buf)
-        rest = self.buf[name[1] :] if name is not None and isinstance(name[0], str) else None
-        key = next((k for k in self._keys() if rest is not None and rest.startswith(k)), None)
-        if key is not None:
+        if name is not None and isinstance(name[0], str) and self.buf.startswith(ARGS_AT, name[1]):
             self._open_call(events, name[0])
-            self.buf = rest[len(key) :]
+            self.buf = self.buf[name[1] + len(ARGS_AT) :]
             self.state = "args"
-        elif self.bare and self._not_a_call(name, rest):
-            # JSON that only began like a call (the grammar never writes one)
-            self.state, self.bare = "content", False
 
-    def _keys(self) -> tuple[str, ...]:
-        return BARE_KEYS if self.bare else (ARGS_AT,)
-
-    def _not_a_call(self, name, rest: str | None) -> bool:
-        if name is None:  # the name is not a whole string yet: is it one at all?
-            return len(self.buf) > len(BARE) and self.buf[len(BARE)] != '"'
-        return rest is None or not any(k.startswith(rest) for k in BARE_KEYS)
+    def _bare_head(self, events) -> None:
+        """A bare call's head is `BARE`, a declared name and a key (`BARE_KEYS`), as the grammar writes
+        it; text that can no longer become one is content (JSON that only began like a call)."""
+        heads = [(BARE + _json(n) + k, n) for n in self.bare_names for k in BARE_KEYS]
+        whole = next(((h, n) for h, n in heads if self.buf.startswith(h)), None)
+        if whole is not None:
+            self._open_call(events, whole[1])
+            self.buf = self.buf[len(whole[0]) :]
+            self.state = "args"
+        elif not any(h.startswith(self.buf) for h, _ in heads):
+            self.state, self.in_bare = "content", False
 
     @staticmethod
     def _name(text: str) -> tuple[str, int] | None:
         """The call's name and where it ends, once it is whole."""
-        prefix = '{"name": '
-        if not text.startswith(prefix):
+        if not text.startswith(BARE):
             return None
         try:
-            return json.JSONDecoder().raw_decode(text, len(prefix))
+            return json.JSONDecoder().raw_decode(text, len(BARE))
         except json.JSONDecodeError:
             return None
 
@@ -183,7 +195,7 @@ class ToolCallParser:
 
     def _close(self, events) -> None:
         rest = self.buf.lstrip()
-        if self.bare and rest:  # one bare call is the whole output: whatever follows it is dropped
+        if self.in_bare and rest:  # one bare call is the whole output: whatever follows it is dropped
             if rest.startswith("}"):
                 self.calls[-1].done = True
                 self.buf, self.state = rest[1:], "tail"
@@ -210,14 +222,20 @@ class ToolCallParser:
         self.buf = ""  # dropped: the calls are the answer
 
 
-def parse_output(text: str, cut: bool = True) -> tuple[str | None, list[ParsedCall]]:
+def _json(name: str) -> str:
+    return json.dumps(name, ensure_ascii=False)  # as the grammar writes a name
+
+
+def parse_output(
+    text: str, cut: bool = True, bare_names: frozenset[str] = frozenset()
+) -> tuple[str | None, list[ParsedCall]]:
     """A whole output: (content or None, the calls); `cut`: see `ToolCallParser.end`."""
-    p = _parsed(text, cut)
+    p = _parsed(text, cut, bare_names)
     return _content(p), p.calls
 
 
-def _parsed(text: str, cut: bool) -> ToolCallParser:
-    p = ToolCallParser()
+def _parsed(text: str, cut: bool, bare_names: frozenset[str] = frozenset()) -> ToolCallParser:
+    p = ToolCallParser(bare_names)
     p.push(text)
     p.end(cut)
     return p
@@ -237,11 +255,11 @@ def model_ended(result) -> bool:
     return result.finish_reason == "stop" and (why.startswith("token:") or why == "grammar")
 
 
-def read_calls(choice: dict, ended: bool = False) -> None:
+def read_calls(choice: dict, ended: bool = False, bare_names: frozenset[str] = frozenset()) -> None:
     """Turn a finished chat choice's text into its message: content, or tool calls (the choice then
     finishes with `tool_calls` when every call is whole; cut short, it keeps `length` or `stop` with the
-    calls so far, as a stream gives)."""
-    p = _parsed(choice["message"]["content"], cut=not ended)
+    calls so far, as a stream gives). `bare_names`: `ToolPlan.bare_names`."""
+    p = _parsed(choice["message"]["content"], not ended, bare_names)
     choice["message"] = {"role": "assistant", "content": _content(p)}
     if p.calls:
         choice["message"]["tool_calls"] = call_dicts(p.calls)

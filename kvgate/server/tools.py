@@ -8,9 +8,13 @@ The call format is Hermes's (Qwen2.5's and Qwen3's chat templates use it), one b
 
 or Llama 3.x's (its chat templates ask for it, vLLM's `llama3_json` parser reads it): the whole output
 is one bare call, `{"name": "get_weather", "parameters": {"city": "Paris"}}` (`"arguments"` is taken
-too). The grammar allows both forms whatever the template, so the model writes the one its template
-taught it and the parser needs no flag: an answer never starts with `{"name": ` (`BARE`), which opens a
-bare call.
+too). The bare form is offered only where the template asks for it (`asks_bare`: a template that reads
+`tools`, mentions `"parameters"` and not `<tool_call>`) and no answer format is set
+(`response_format`): then `ToolPlan.bare` is set, the grammar has the bare branch, a free-text answer
+never starts with `{"name": ` (`BARE`), the parser reads a bare call of a declared function, and
+stop strings do not apply inside one (`stop_regions`). Every other model (SmolLM2's and Qwen's
+templates) gets the Hermes blocks alone. Where the vocabulary has `<tool_call>` and `</tool_call>` as
+added tokens (Qwen2.5/Qwen3), the grammar takes each as its token as well as its text (`tag_ids`).
 
 Rendering: a chat template that reads `tools` gets them (OpenAI's list) and the turns as Hugging Face
 templates expect them (an assistant turn's `tool_calls` with `arguments` as an object, `{}` when
@@ -25,7 +29,7 @@ each after the first opened by newlines and `<tool_call>` together. Each block i
 "arguments": ARGS}` with ARGS generated under that function's JSON schema (`%json`), so arguments
 always parse and validate; a bare call (one, alone: Llama's templates replay one call a turn) is
 `{"name": NAME, "parameters": ARGS}` under the same schema. An answer is any text in which
-`<tool_call>` does not occur (and which does not start with `BARE`); under `auto`
+`<tool_call>` does not occur (and, in bare mode, which does not start with `BARE`); under `auto`
 the calls may also follow some text in the same turn (as Hermes models write "Let me check." before a
 call, and as kvgate renders a replayed turn with both), which is the message's content beside its
 `tool_calls`. After the calls, a newline that `<tool_call>` does not follow starts a short remark that
@@ -59,6 +63,7 @@ ARGS_AT = ', "arguments": '
 BARE = '{"name": '  # opens a bare call: an output that starts with it is one
 BARE_KEYS = (', "parameters": ', ARGS_AT)  # a bare call's arguments key: Llama's, or Hermes's
 CALL_REGION = (OPEN.rstrip(), END)  # where the request's stop strings do not apply (kvgate.stop)
+BARE_REGION = (BARE, None)  # a bare call: from its opening to the end of its JSON object (kvgate.stop)
 TAIL_CHARS = 16  # a remark after the calls: the model may start one, and the output ends within it
 
 PREAMBLE = (
@@ -76,6 +81,41 @@ class ToolPlan:
     mode: str  # "auto" | "required" | "named"
     functions: list[P.FunctionDef]
     parallel: bool
+    bare: bool = False  # Llama 3.x's bare call is offered (`asks_bare`, and no response_format)
+
+    @property
+    def bare_names(self) -> frozenset[str]:
+        """The names a bare call may have (`ToolCallParser`'s flag): none unless bare calls are offered."""
+        return frozenset(f.name for f in self.functions) if self.bare else frozenset()
+
+
+def asks_bare(tok) -> bool:
+    """Whether the model's chat template asks for Llama 3.x's bare calls: it reads `tools` and shows
+    `"parameters"` as the call's key, and it is no Hermes template (those write `<tool_call>`; Hermes
+    2 Pro/3 write `"parameters"` in their tool list too)."""
+    template = getattr(getattr(tok, "info", None), "chat_template", None) or ""
+    return (
+        bool(getattr(tok, "supports_tools", False))
+        and '"parameters"' in template
+        and OPEN.rstrip() not in template
+    )
+
+
+def tag_ids(tok) -> tuple[int | None, int | None]:
+    """The ids of `<tool_call>` and `</tool_call>` where the vocabulary has them as added tokens that
+    the detokenizer writes as text (not special: Qwen2.5's and Qwen3's), else None. llguidance never
+    matches an added token against literal text, so the grammar names them by id (`<[id]>`)."""
+    vocab = getattr(tok, "tok", None)
+    added = vocab.get_added_tokens_decoder() if vocab is not None else {}
+    ids = {a.content: i for i, a in added.items() if not a.special}
+    return ids.get(OPEN.rstrip()), ids.get(END)
+
+
+def stop_regions(plan: ToolPlan | None):
+    """The output regions a request's stop strings do not apply in (`GenerationRequest.stop_exempt`)."""
+    if plan is None:
+        return None
+    return (CALL_REGION, BARE_REGION) if plan.bare else CALL_REGION
 
 
 def plan_tools(req: P.ChatCompletionRequest) -> ToolPlan | None:
@@ -199,7 +239,9 @@ def not_containing(word: str) -> str:
     return f"({unit})+({piece})*|({piece})+"
 
 
-def grammar(plan: ToolPlan, answer_rule: str | None, reach: int | None = None) -> str:
+def grammar(
+    plan: ToolPlan, answer_rule: str | None, reach: int | None = None, tags: tuple = (None, None)
+) -> str:
     """llguidance Lark text: `answer_rule` (a rule body, or None for free text) or the calls.
 
     Neither side commits on one character the model also writes in text: an answer may hold anything
@@ -210,21 +252,27 @@ def grammar(plan: ToolPlan, answer_rule: str | None, reach: int | None = None) -
     `<tool_call>` follows it; else the newline starts a remark of at most TAIL_CHARS that ends the
     output (the parser drops it). A separator that was one newline forced a model that meant
     "\n\nThe function returns ..." into a second call, which it copied from the first.
-    A free-text answer never starts with the whole `BARE`: those nine characters open a bare call."""
+    `tags`: the ids of `<tool_call>` and `</tool_call>` as added tokens (`tag_ids`), each then taken as
+    its token or its text. With `plan.bare` (never with `answer_rule`: llguidance commits to a bare
+    call on `{"` of a JSON answer, session 47's review) one bare call may be the whole output, and a
+    free-text answer never starts with the whole `BARE`: those nine characters open a bare call."""
     lines = []
     more = " next*" if plan.parallel else ""
+    bare = plan.bare and not answer_rule
+    opens, ends = _either(OPEN, OPEN.rstrip(), tags[0]), _either(CLOSE, END, tags[1])
     if plan.mode == "auto" and answer_rule:
-        lines.append("start: answer | calls | bare")
+        lines.append("start: answer | calls")
         lines.append(f"answer: {answer_rule}")
     elif plan.mode == "auto":  # free text, calls, or text and then calls (LEAD holds the first opening)
-        lines.append("start: answer | calls | lead | bare")
+        lines.append("start: answer | calls | lead" + (" | bare" if bare else ""))
         text = not_containing(OPEN.rstrip())
-        not_bare = f" & ~/{_BARE_RE}[\\s\\S]*/"
+        not_bare = f" & ~/{_BARE_RE}[\\s\\S]*/" if bare else ""
         lines += ["answer: TEXT", f"TEXT: /{text}/{not_bare}"]
-        lines.append(f"lead: LEAD body{more} TAIL?")
+        lead = "LEAD" if tags[0] is None else f"(LEAD | TEXT <[{tags[0]}]> {json.dumps(SEP)})"
+        lines.append(f"lead: {lead} body{more} TAIL?")
         lines.append(f"LEAD: /({text}){re.escape(OPEN.rstrip())}\\n/{not_bare}")
     else:
-        lines.append("start: calls | bare")
+        lines.append("start: calls" + (" | bare" if bare else ""))
     lines.append(f"calls: call{more} TAIL?")
     if plan.parallel:  # blank lines may part two calls, as they may end the calls
         lines.append(f"TAIL: /\\n+([^<\\n][\\s\\S]{{0,{TAIL_CHARS - 1}}})?/")
@@ -232,19 +280,37 @@ def grammar(plan: ToolPlan, answer_rule: str | None, reach: int | None = None) -
     else:
         lines.append(f"TAIL: /\\n[\\s\\S]{{0,{TAIL_CHARS}}}/")
     alts = " | ".join(f"fn_{i}" for i in range(len(plan.functions)))
-    lines.append(f"body: ({alts}) {json.dumps(CLOSE)}")
-    lines.append(f"call: {json.dumps(OPEN)} body")
+    lines.append(f"body: ({alts}) {ends}")
+    lines.append(f"call: {opens} body")
     if plan.parallel:
-        lines.append(f"next: NEWLINES {json.dumps(OPEN)} body")
-    bare = " | ".join(f"bare_{i}" for i in range(len(plan.functions)))
-    lines.append(f'bare: ({bare}) "}}" TAIL?')
-    lines.append("bare_key: " + " | ".join(json.dumps(k[2:]) for k in BARE_KEYS))
+        lines.append(f"next: NEWLINES {opens} body")
+    if bare:
+        alts = " | ".join(f"bare_{i}" for i in range(len(plan.functions)))
+        lines.append(f'bare: ({alts}) "}}" TAIL?')
+        lines.append("bare_key: " + " | ".join(json.dumps(k[2:]) for k in BARE_KEYS))
     for i, f in enumerate(plan.functions):
         name = json.dumps(f.name, ensure_ascii=False)
-        lines.append(f"fn_{i}: {json.dumps(BARE + name + ARGS_AT)} args_{i}")
-        lines.append(f"bare_{i}: {json.dumps(BARE + name + ', ')} bare_key args_{i}")
-        lines.append(f"args_{i}: %json {json.dumps(args_schema(f, reach))}")
+        args = f"%json {json.dumps(args_schema(f, reach))}"
+        if bare:  # the arguments' rule, shared by the block's call and the bare one
+            lines.append(f"args_{i}: {args}")
+            args = f"args_{i}"
+            lines.append(f"bare_{i}: {json.dumps(BARE + name + ', ')} bare_key {args}")
+        lines.append(f"fn_{i}: {json.dumps(BARE + name + ARGS_AT)} {args}")
     return "\n".join(lines) + "\n"
+
+
+def _either(text: str, tag: str, token: int | None) -> str:
+    """`text`, markup that holds `tag`, as a grammar piece: where the tag is an added token (`token`),
+    the text or the same markup with that token in the tag's place."""
+    if token is None:
+        return json.dumps(text)
+    before, after = text.split(tag)
+    parts = [
+        *([json.dumps(before)] if before else []),
+        f"<[{token}]>",
+        *([json.dumps(after)] if after else []),
+    ]
+    return f"({json.dumps(text)} | {' '.join(parts)})"
 
 
 _BARE_RE = re.escape(BARE).replace("\\ ", " ")  # llguidance's regex takes a space as it is
