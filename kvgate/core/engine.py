@@ -95,7 +95,7 @@ class Engine:
             weights_format=place.weights,
             act=place.quant_act or torch.bfloat16,
             q8_head=place.q8_head,
-            head_blocks=place.head_blocks is not None,
+            head_blocks=place.head_blocks,
             paged_attention=place.paged_attention,
             prefill_kernel=place.prefill_kernel,
             block_scales=loaded.block_scales,

@@ -4,14 +4,16 @@ llama.cpp's Q4_K_M and Q5_K_M files keep the output matrix (with tied embeddings
 Q6_K. Widened to float32, Llama 3.2 1B's 128,256 x 2,048 head is 1.05 GB that every decode step reads,
 more than its layers' blocks, and a prepacked copy for the matmul doubles the memory (the lookup keeps
 the plain table). Held as its blocks in the tile formats of `kvgate.models.block_formats` (Q6_K: q8d,
-1.25 B a value) the step reads 328 MB of it, and a tied table keeps one float copy, for the lookup only.
+1.25 B a value) the step reads 328 MB of it, and a tied table is held only as those tiles (`BlockTable`:
+the lookup reads rows out of them).
 
 As the layer matrices: the codes are recovered from the float values with the file's scales (the
 converter writes the head's d and m too) and accepted only where they give back every value bit for
 bit, so the head computes the file's numbers to float32 rounding (`block_matmul`'s per-block factoring,
 ~1e-7 of a logit), every row alike whatever the rows beside it (all rows take the decode loop). The
-table is recovered a slice of rows at a time: the whole table's float temporaries would be the load's
-peak. Exact Q8_0 tied tables keep `kvgate.models.q8_head` (its lookup reads the blocks too).
+table is recovered a slice of rows at a time (the whole table's float temporaries would be the load's
+peak), each slice into the one format all of them fit (`head_format`, `WIDER`). Exact Q8_0 tied tables
+are left to `kvgate.models.q8_head` and its --q8-head setting (its lookup reads the blocks too).
 """
 
 from __future__ import annotations
@@ -48,37 +50,64 @@ def head_scales(block_scales, name: str) -> tuple[torch.Tensor, torch.Tensor] | 
     return block_scales[name + ".d"], block_scales[name + ".m"]
 
 
-def head_tiles(
-    weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[str, torch.Tensor] | None:
-    """(format, tiles) of the head as the file's blocks, or None where some slice is not blocks or two
-    slices would need different formats."""
+# what a slice's narrowest format widens to when another slice needs more: the 4- and 5-bit codes with
+# scales per 32 (q4f -> q5f), the int8 codes with a d per 32 or 16 (q8_0 -> q8d), and q8s (int8 codes,
+# d and m per 16) over all of them
+WIDER = {"q4f": ("q5f", "q8s"), "q5f": ("q8s",), "q8_0": ("q8d", "q8s"), "q8d": ("q8s",), "q8s": ()}
+
+
+def _slices(weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]):
+    """Each slice of CHUNK rows as `file_codes` recovers it (None where a slice is not blocks)."""
     d16, m16 = scales
-    n = weight.shape[0]
-    fmt, out = None, None  # the tiles, filled slice by slice (a cat of the parts would hold them twice)
-    for at in range(0, n, CHUNK):
-        got = file_codes(weight[at : at + CHUNK].float(), d16[at : at + CHUNK], m16[at : at + CHUNK])
-        if got is None or got[0] not in HEAD_FORMATS or fmt not in (None, got[0]):
+    for at in range(0, weight.shape[0], CHUNK):
+        yield at, file_codes(weight[at : at + CHUNK].float(), d16[at : at + CHUNK], m16[at : at + CHUNK])
+
+
+def head_format(weight: torch.Tensor, scales) -> str | None:
+    """The one tile format every slice of the head fits (its slices' narrowest formats widened to a
+    common one, `WIDER`), or None where some slice is not the file's blocks."""
+    if scales is None:
+        return None
+    fmt = None
+    for _, got in _slices(weight, scales):
+        if got is None or got[0] not in WIDER:
             return None
-        fmt, codes, d, m = got
+        fmt = got[0] if fmt is None else _common(fmt, got[0])
+    return fmt
+
+
+def _common(a: str, b: str) -> str:
+    """The narrower format that holds what both hold (q5f beside q8d, say: q8s)."""
+    return a if a == b or a in WIDER[b] else b if b in WIDER[a] else "q8s"
+
+
+def head_tiles(
+    weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], fmt: str
+) -> torch.Tensor | None:
+    """The head's tiles in `fmt` (`head_format`'s), filled slice by slice into one buffer (a cat of the
+    parts would hold them twice); None where a slice does not fit `fmt`."""
+    out = None
+    for at, got in _slices(weight, scales):
+        if got is None or (got[0] != fmt and fmt not in WIDER[got[0]]):
+            return None
+        _, codes, d, m = got
         part = (
             q8_pack16(codes.to(torch.int8), d[:, 0::2].contiguous())
             if fmt == "q8_0"
             else block_pack16(fmt, codes, d, m)
         )
         if out is None:
-            out = torch.empty((-(-n // TILE), *part.shape[1:]), dtype=part.dtype)
+            out = torch.empty((-(-weight.shape[0] // TILE), *part.shape[1:]), dtype=part.dtype)
         out[at // TILE : at // TILE + part.shape[0]] = part
-    return None if fmt is None else (fmt, out)
+    return out
 
 
-def head_format(weight: torch.Tensor, scales) -> str | None:
-    """The format `head_tiles` would hold the head in, looking at its first slice only (placement's
-    quick answer; `head_tiles` checks every slice when the model is built)."""
-    if scales is None or weight.shape[0] < TILE:
-        return None
-    got = file_codes(weight[:CHUNK].float(), scales[0][:CHUNK], scales[1][:CHUNK])
-    return got[0] if got is not None and got[0] in HEAD_FORMATS else None
+def build(weight: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], fmt: str) -> BlockLinear:
+    """The head held as `fmt` tiles (placement chose `fmt` with `head_format` over the same values)."""
+    tiles = head_tiles(weight, scales, fmt)
+    if tiles is None:
+        raise ValueError(f"the LM head's values are not the file's blocks in {fmt} tiles (see head_format)")
+    return BlockLinear(fmt, tiles, weight.shape[0], None)
 
 
 def head_bytes(fmt: str, vocab: int, hidden: int) -> int:
@@ -93,10 +122,10 @@ def probe(weight: torch.Tensor, scales, dtype: torch.dtype, packed: bool, reps: 
     from kvgate.models.linear import Linear
 
     n = min(8192, weight.shape[0])
-    got = head_tiles(weight[:n], (scales[0][:n], scales[1][:n]))
-    if got is None:
+    fmt = head_format(weight[:n], (scales[0][:n], scales[1][:n]))
+    if fmt is None:
         return {"blocks_ms": None, "plain_ms": None, "keep": False}
-    blocks = BlockLinear(got[0], got[1], n, None)
+    blocks = build(weight[:n], (scales[0][:n], scales[1][:n]), fmt)
     plain = Linear(weight[:n].float().to(dtype), None, packed)
 
     def ms(fn, x) -> float:
@@ -143,6 +172,8 @@ def resolve(
         return None, f"off: the block kernels run on CPU with kvgate's C++ kernels ({device})"
     weight = loaded.weights[name]
     held = head_format(weight, scales)
+    if held == "q8_0" and name == "model.embed_tokens.weight":  # the Q8 head's to hold, or not (--q8-head)
+        return None, ""
     if held is None:
         return None, "off: the head's values are not the file's blocks in a tile format"
     p = probe(weight, scales, dtype, packed)
@@ -174,7 +205,7 @@ class BlockTable:
         return self.head(x, decode_rows)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        rows = tile_rows(self.head.fmt, self.head.packed, ids)
+        rows = tile_rows(self.head.fmt, self.head.packed, ids, self.head.out_features)
         return rows if dtype == torch.float32 else rows.to(dtype)
 
 
@@ -183,10 +214,10 @@ def _floats(sel: torch.Tensor, lo: int, hi: int, per: int) -> torch.Tensor:
     return sel[:, :, lo:hi].contiguous().view(torch.float32).view(sel.shape[0], sel.shape[1], per, TILE)
 
 
-def tile_rows(fmt: str, tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """float32 [len(ids), K]: rows `ids` of a matrix held as `fmt` tiles, as the file's values."""
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= tiles.shape[0] * TILE):
-        raise IndexError(f"token ids must be in [0, {tiles.shape[0] * TILE}); got {ids.min()}..{ids.max()}")
+def tile_rows(fmt: str, tiles: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """float32 [len(ids), K]: rows `ids` (of `rows`) of a matrix held as `fmt` tiles, the file's values."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise IndexError(f"token ids must be in [0, {rows}); got {int(ids.min())}..{int(ids.max())}")
     sel, j = tiles[ids // TILE], ids % TILE  # [R, nb, bytes] and each row's place in its tile
     R, nb = sel.shape[0], sel.shape[1]
     at = torch.arange(R)

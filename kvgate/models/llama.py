@@ -48,7 +48,8 @@ from kvgate.config import ModelSpec
 from kvgate.models import decode_stack, huge_pages, native, rope
 from kvgate.models.block_formats import BlockLinear, fused_names, fused_scales
 from kvgate.models.block_formats import held as held_blocks
-from kvgate.models.head_blocks import BlockTable, head_name, head_scales, head_tiles
+from kvgate.models.head_blocks import BlockTable, head_name, head_scales
+from kvgate.models.head_blocks import build as build_head
 from kvgate.models.linear import Linear, packs_weights
 from kvgate.models.paged_attention import gather_attention
 from kvgate.models.paged_attention import kernel as paged_kernel
@@ -78,7 +79,7 @@ class LlamaModel:
         weights_format: str = "full",
         act: torch.dtype = torch.bfloat16,
         q8_head: bool = False,
-        head_blocks: bool = False,
+        head_blocks: str | None = None,
         paged_attention: bool = False,
         prefill_kernel: bool = False,
         block_scales: Mapping[str, torch.Tensor] | None = None,
@@ -88,7 +89,8 @@ class LlamaModel:
         its kernels running in `act` activations (the plan's `weight_bytes` counts the same bytes).
         `q8_head`: hold the tied embedding table as its exact Q8_0 blocks (`kvgate.models.q8_head`),
         for the lookup and the LM head alike; placement decides (`kvgate.core.placement`).
-        `head_blocks`: hold the LM head as the file's blocks (`kvgate.models.head_blocks`; placement decides).
+        `head_blocks`: hold the LM head as the file's blocks in this tile format (`kvgate.models.head_blocks`;
+        placement decides).
         `paged_attention`: run decode attention with the paged CPU kernel (`kvgate.models.paged_attention`;
         the caller has checked it builds and chosen it by its probe), else gather + SDPA per group.
         `prefill_kernel`: run prompt-chunk attention with the paged CPU kernel
@@ -137,7 +139,15 @@ class LlamaModel:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
-        self.q8: Q8Table | None = None
+        self.q8: Q8Table | BlockTable | None = None
+        block_head = None  # the head as the file's blocks: built first, from the checkpoint's float32
+        if head_blocks:  # values (a narrower dtype's rounding is not the blocks), before the layers (review)
+            name = head_name(weights)
+            block_head = build_head(
+                weights.pop(name).to(torch.float32), head_scales(block_scales, name), head_blocks
+            )
+            if name == "model.embed_tokens.weight":  # the lookup reads rows out of the tiles too
+                self.q8 = BlockTable(block_head)
         if q8_head:
             blocks = q8_blocks(weights.pop("model.embed_tokens.weight").to(torch.float32))
             if blocks is None or "lm_head.weight" in weights:
@@ -182,19 +192,8 @@ class LlamaModel:
         # (its GGUF embeddings are Q8_0, finer than int4 or per-channel int8), the layers alone did not.
         if self.q8 is not None:
             self.lm_head = self.q8
-        elif head_blocks:  # the head reads the file's blocks; a tied table's lookup reads them too
-            name = head_name(weights)
-            tied = name == "model.embed_tokens.weight"
-            table = self.embed if tied else weights.pop(name)
-            tiles = head_tiles(table, head_scales(block_scales, name))
-            if tiles is None:
-                raise ValueError(
-                    "head_blocks: the LM head is not the file's blocks (see head_blocks.head_format)"
-                )
-            self.lm_head = BlockLinear(tiles[0], tiles[1], table.shape[0], None)
-            if tied:  # the float table goes: the lookup widens rows out of the tiles (BlockTable.embed)
-                self.lm_head = self.q8 = self.embed = BlockTable(self.lm_head)
-            del table
+        elif block_head is not None:  # untied (a tied one is the BlockTable above)
+            self.lm_head = block_head
         else:
             self.lm_head = lin(
                 self.embed if "lm_head.weight" not in weights else w("lm_head.weight"), head=True
@@ -222,6 +221,8 @@ class LlamaModel:
             out.append((self.q8, "tiles"))
         elif isinstance(self.q8, BlockTable):
             out.append((self.q8.head, "packed"))
+        elif isinstance(self.lm_head, BlockLinear):  # an untied head held as blocks
+            out.append((self.lm_head, "packed"))
         return out
 
     def set_row_buckets(self, step_tokens: int, logit_rows: int) -> None:
