@@ -8,6 +8,8 @@ is released at once, and the held tail is released when generation ends for anot
 
 from __future__ import annotations
 
+THINK_CLOSE = "</think>"  # the end of a thinking model's reasoning (kvgate.server.reasoning's CLOSE)
+
 
 class StopMatcher:
     def __init__(
@@ -21,8 +23,14 @@ class StopMatcher:
         pairs: a tool call's `<tool_call>` ... `</tool_call>`, whose arguments a grammar writes (a stop
         string there cut a call's JSON in two, and agents ran the broken call: QA pass 6). A closing of
         None: the region ends where the JSON object that its opening begins with `{` ends (a bare call,
-        `{"name": ...}`, kvgate.server.tools). `include`: the text is cut after the stop string, not
-        before it (vLLM's `include_stop_str_in_output`)."""
+        `{"name": ...}`, kvgate.server.tools): such a region opens only where the answer starts, as the
+        grammar and the tool parser allow a bare call only there (review of session 47: prose with an
+        unbalanced `{"name": ` turned stop strings off for the rest of the output): at the output's
+        first character, or, after a think block, at the first character that is not whitespace after
+        the first `</think>` (the stop matcher sees the reasoning too; `wrap_grammar` lets the answer
+        follow it; a prose `</think>` where no reasoning is split is taken for its end as well).
+        `include`: the text is cut after the stop string, not before it (vLLM's
+        `include_stop_str_in_output`)."""
         self.include = include
         self.stop_ids = frozenset(stop_ids)
         self.stops = [s for s in stop_strings if s]
@@ -31,6 +39,10 @@ class StopMatcher:
         self.inside: tuple | None = None  # the pair of the region the text is in
         self._scan = [0, False, False]  # a JSON region's depth, in a string, after a backslash
         self.matched: str | None = None  # the stop string that completed (the earliest, then first listed)
+        self.pushed = 0  # the characters pushed so far (where the next push's text starts in the output)
+        self.answer_at: int | None = None  # where the answer starts after `</think>`, once that is known
+        self._think = ""  # the scan for the first `</think>`: the tail that may begin it; None once found
+        self._bare_spent = False  # a bare region opened (one call, the whole answer: no second one)
 
     def is_stop_token(self, token_id: int) -> bool:
         return token_id in self.stop_ids
@@ -42,13 +54,13 @@ class StopMatcher:
         and completes after does, as vLLM's (QA pass 15: it was missed, and the row ran to max_tokens)."""
         if not self.stops:
             return text, False
-        if not match and self.exempt is None:  # hold a tail that may begin a stop completed later
+        if self.exempt is not None:
+            return self._push_regions(text, final, match)
+        if not match:  # hold a tail that may begin a stop completed later
             pending = self.held + text
             keep = self._longest_partial(pending)
             self.held = pending[len(pending) - keep :] if keep else ""
             return pending[: len(pending) - keep], False
-        if self.exempt is not None:
-            return self._push_regions(text, final)
         pending = self.held + text
         cut = self._first_stop(pending, len(pending))
         if cut >= 0:
@@ -78,10 +90,14 @@ class StopMatcher:
     def _longest_partial(self, text: str) -> int:
         return max((_partial(text, s) for s in self.stops), default=0)
 
-    def _push_regions(self, text: str, final: bool) -> tuple[str, bool]:
+    def _push_regions(self, text: str, final: bool, match: bool = True) -> tuple[str, bool]:
         """`push` with the exempt regions: a stop string counts where it starts outside them. One that
         starts in what may still become an opening (`<` of `<tool_call>`, the rest not yet written) waits
-        for the next text: a stop `<` cut calls whose opening came in several tokens."""
+        for the next text: a stop `<` cut calls whose opening came in several tokens. `match` false: the
+        regions are followed but no stop string counts (min_tokens; before, regions skipped it)."""
+        base = self.pushed - len(self.held)  # where `pending` starts in the output
+        self.pushed += len(text)
+        self._scan_think(text)
         pending, self.held, out = self.held + text, "", []
         while pending:
             if self.inside is not None:
@@ -91,32 +107,69 @@ class StopMatcher:
                     self.held = pending[len(pending) - keep :]
                     break
                 out.append(pending[:end])
-                pending, self.inside = pending[end:], None
+                pending, self.inside, base = pending[end:], None, base + end
                 continue
-            hits = [(i, pair) for pair in self.exempt if (i := pending.find(pair[0])) >= 0]
+            hits = [(i, pair) for pair in self.exempt if (i := self._find_opening(pending, pair, base)) >= 0]
             at, pair = min(hits, key=lambda h: h[0]) if hits else (-1, None)
             if at < 0:  # where an opening may be starting (the end, when none can)
-                at = len(pending) - (0 if final else self._partial_opening(pending))
-            cut = self._first_stop(pending, at)
+                at = len(pending) - (0 if final else self._partial_opening(pending, base))
+            cut = self._first_stop(pending, at) if match else -1
             if cut >= 0:
                 out.append(pending[: self._end(cut)])
                 return "".join(out), True
             if pair is None:
-                keep = max(self._longest_partial(pending), self._partial_opening(pending))
+                keep = max(self._longest_partial(pending), self._partial_opening(pending, base))
                 out.append(pending[: len(pending) - keep])
                 self.held = pending[len(pending) - keep :]
                 break
             self.inside = pair
             if pair[1] is None:  # the opening is the JSON object's start: scanned with the rest
-                self._scan = [0, False, False]
+                self._scan, self._bare_spent = [0, False, False], True
             else:
                 at += len(pair[0])
             out.append(pending[:at])
-            pending = pending[at:]
+            pending, base = pending[at:], base + at
         return "".join(out), False
 
-    def _partial_opening(self, text: str) -> int:
-        return max(_partial(text, opening) for opening, _ in self.exempt)
+    def _bare_starts(self, base: int, size: int) -> list[int]:
+        """Where in text of `size` characters that starts at output offset `base` a bare call may open:
+        the answer's start (the output's, or the first non-space after `</think>`), if it lies there."""
+        if self._bare_spent:
+            return []
+        starts = {0, self.answer_at} if self.answer_at is not None else {0}
+        return sorted(s - base for s in starts if base <= s < base + size)
+
+    def _find_opening(self, text: str, pair: tuple, base: int) -> int:
+        if pair[1] is not None:
+            return text.find(pair[0])
+        return next((i for i in self._bare_starts(base, len(text)) if text.startswith(pair[0], i)), -1)
+
+    def _partial_opening(self, text: str, base: int) -> int:
+        """The longest end of `text` that may still become an opening (a bare one only at the answer's start)."""
+        keep = [_partial(text, opening) for opening, closing in self.exempt if closing is not None]
+        for opening, closing in self.exempt:
+            if closing is None:
+                keep += [
+                    len(text) - i for i in self._bare_starts(base, len(text)) if opening.startswith(text[i:])
+                ]
+        return max(keep, default=0)
+
+    def _scan_think(self, text: str) -> None:
+        """Follow the pushed text to the first `</think>` and the whitespace after it: `answer_at` is
+        then where the answer starts (reasoning ends at the first `</think>`: kvgate.server.reasoning)."""
+        if self._think is not None:  # the tag not yet found
+            tail = self._think + text
+            at = tail.find(THINK_CLOSE)
+            if at < 0:
+                self._think = tail[len(tail) - _partial(tail, THINK_CLOSE) :]
+                return
+            self._think, self.answer_at = None, self.pushed - len(tail) + at + len(THINK_CLOSE)
+            text = tail[at + len(THINK_CLOSE) :]
+        elif self.answer_at is None or self.answer_at < self.pushed - len(text):
+            return  # the answer's start already passed
+        start = self.pushed - len(text)  # where `text` starts; answer_at lies at or after it
+        rest = text[self.answer_at - start :]
+        self.answer_at += len(rest) - len(rest.lstrip())
 
     def _region_end(self, text: str) -> tuple[int, int]:
         """(where the region the text is in ends in `text`, or -1; how much of its end to hold back)."""

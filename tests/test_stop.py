@@ -251,3 +251,73 @@ def test_before_min_tokens_no_stop_counts_but_one_that_completes_after_does():
     assert (out, hit) == (" 3", False)  # "\n" may begin "\nB": held
     out, hit = m.push("B 4", match=True)
     assert (out, hit) == ("", True)
+
+
+BARE_PAIRS = (("<tool_call>", "</tool_call>"), ('{"name": ', None))  # kvgate.server.tools.stop_regions, bare
+BARE_CALL = '{"name": "f", "parameters": {"q": "END } {\\" END"}}'
+
+
+def feed_final(matcher: StopMatcher, chunks: list[str]) -> tuple[str, bool]:
+    out, stopped = feed(matcher, chunks)
+    return "".join(out), stopped
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=120), max_size=8))
+def test_a_bare_call_is_exempt_only_where_the_answer_starts(cuts):
+    """Review of session 47: the bare region (`{"name": ` to the end of its JSON object) opened anywhere,
+    so prose with an unbalanced `{"name": ` switched stop strings off for the rest of the output (stop
+    "END" ran past 'Use {"name": "x as the key.\\nEND'). The grammar and the tool parser take a bare call
+    only as the whole answer: at the output's start, or (the matcher sees a thinking model's reasoning
+    too) at the first non-space after the first `</think>`. Whatever the chunks: the call there is
+    whole, and a stop after it, or in prose that holds `{"name": `, cuts. Seen red with the opening
+    matched anywhere (the prose cases ran on to the end), and with the `</think>` start dropped (the
+    call after a think block was cut inside its arguments)."""
+
+    from kvgate.server import reasoning, tools
+    from kvgate.stop import THINK_CLOSE
+
+    assert (tools.CALL_REGION, tools.BARE_REGION) == BARE_PAIRS and THINK_CLOSE == reasoning.CLOSE
+
+    def chunked(text):
+        at = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+        return [text[a:b] for a, b in zip(at, at[1:])]
+
+    def before_first_end(text):
+        return text[: text.index("END")]
+
+    think = '<think>hm {"name": "q</think>\n \n'  # its `{"name": ` is no call: the answer starts later
+    cases = [
+        'Use {"name": "x as the key.\nEND and then much more',  # prose: the stop cuts
+        'A: {"name": "a", "x": "END"} tail END',
+        "<think>x</think>\nSure: " + BARE_CALL + " END",  # a call-like object inside the answer's prose
+    ]
+    for text in cases:
+        assert feed_final(StopMatcher(set(), ["END"], BARE_PAIRS), chunked(text)) == (
+            before_first_end(text),
+            True,
+        )
+    for lead, after in [("", '\n{"name": "g '), (think, " "), ("ok</think>", " ")]:  # the answer's start
+        text = lead + BARE_CALL + after + "END more"  # after the call, a `{"name": ` opens no second one
+        got = feed_final(StopMatcher(set(), ["END"], BARE_PAIRS), chunked(text))
+        assert got == (lead + BARE_CALL + after, True), text
+
+
+def test_before_min_tokens_no_stop_counts_with_exempt_regions_either():
+    """min_tokens with tools (every such request has exempt regions): `match=False` was skipped on the
+    regions' path, so `stop: ["A"]` ended 'xA y' at "x" before min_tokens. Now no stop counts before it,
+    one begun there and completed after does, and the regions are followed meanwhile (a call opened
+    before min_tokens stays exempt after it). Seen red with the regions' path ignoring `match`
+    ('xA y' gave ("x", True))."""
+    assert StopMatcher(set(), ["A"], ("<tool_call>", "</tool_call>")).push("xA y", match=False) == (
+        "xA y",
+        False,
+    )
+    for pairs in (("<tool_call>", "</tool_call>"), BARE_PAIRS):
+        m = StopMatcher(set(), ["\nB"], pairs)
+        assert m.push("A: 1\nB 2", match=False) == ("A: 1\nB 2", False)
+        assert m.push(" 3\n", match=False) == (" 3", False)  # "\n" may begin "\nB": held
+        assert m.push("B 4") == ("", True)
+    m = StopMatcher(set(), ["}"], BARE_PAIRS)
+    assert m.push('{"name": "f", "par', match=False) == ('{"name": "f", "par', False)
+    assert m.push('ameters": {}}\n}') == ('ameters": {}}\n', True)  # the call whole, the stop after it cuts
