@@ -11,6 +11,7 @@ import time
 from kvgate.config import add_engine_flags, add_responses_store_flag, engine_config
 from kvgate.flag_types import PORT, at_least
 from kvgate.server.cors import add_cors_flag
+from kvgate.server.generation_defaults import add_generation_config_flag
 from kvgate.server.reasoning import add_reasoning_flag
 
 
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_responses_store_flag(s)
     add_cors_flag(s)
     add_reasoning_flag(s)
+    add_generation_config_flag(s)
     s.add_argument("--log-level", default="info")
 
     t = sub.add_parser(

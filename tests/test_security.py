@@ -190,6 +190,7 @@ def _serve_args(**kw):
         log_level="warning",
         model="default",
         reasoning_parser="auto",
+        generation_config="auto",
     )
     return SimpleNamespace(**{**base, **kw})
 

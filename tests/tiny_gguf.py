@@ -84,9 +84,11 @@ def write_tiny_gguf(
     pre: str = "default",
     biases: bool = False,
     geometry: dict | None = None,
+    extra: dict | None = None,
 ) -> Path:
     """Write the tiny model to `path` (a .gguf file) and return the path. `geometry`: `GEOMETRY`'s
-    entries to change (k-quants need rows of a multiple of 256 values)."""
+    entries to change (k-quants need rows of a multiple of 256 values). `extra`: more metadata keys
+    (float values as float32, int values as int32)."""
     tokens, merges = byte_level_vocab()
     vocab = len(tokens)
     g = {**GEOMETRY, **(geometry or {})}
@@ -117,6 +119,8 @@ def write_tiny_gguf(
     w.add_eos_token_id(EOS_ID)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (extra or {}).items():
+        (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
 
     for hf_name, t in weights.items():
         name = gguf_name(hf_name)

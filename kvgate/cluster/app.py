@@ -55,6 +55,7 @@ class ClusterOptions:
     responses_store: int = 64 << 20
     cors_origins: list[str] | None = None
     reasoning_parser: str = "auto"  # the ingress's --reasoning-parser (kvgate.server.reasoning)
+    generation_config: str = "auto"  # the ingress's --generation-config (kvgate.server.generation_defaults)
     step_delay: float = 0.0  # test-only: sleep before every forward pass of every replica
     log_level: str = "info"  # the ingress's and the replicas' kvgate loggers (`kvgate.cluster.logs`)
 
@@ -87,6 +88,7 @@ class ClusterOptions:
             "responses_store_bytes": self.responses_store,
             "cors_origins": self.cors_origins,
             "reasoning_parser": self.reasoning_parser,
+            "generation_config": self.generation_config,
         }
 
     def actor_options(self) -> dict:

@@ -26,6 +26,7 @@ from kvgate.cluster.app import APP_NAME, ROUTERS, ClusterOptions
 from kvgate.config import add_engine_flags, engine_config
 from kvgate.flag_types import PORT, at_least, byte_size, more_than
 from kvgate.server.cors import add_cors_flag, cors_origins
+from kvgate.server.generation_defaults import add_generation_config_flag
 from kvgate.server.reasoning import add_reasoning_flag
 
 
@@ -82,6 +83,7 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_cors_flag(c)
     add_reasoning_flag(c)
+    add_generation_config_flag(c)
     return c
 
 
@@ -103,6 +105,7 @@ def options_from(args) -> ClusterOptions:
         responses_store=args.responses_store,
         cors_origins=cors_origins(args),
         reasoning_parser=args.reasoning_parser,
+        generation_config=args.generation_config,
         log_level=args.log_level,
     )
 

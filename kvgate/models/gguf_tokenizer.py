@@ -22,6 +22,15 @@ EOG_TEXTS = (
     "<｜end▁of▁sentence｜>",
 )
 
+# a GGUF's general.sampling.* keys and the generation_config.json names kvgate reads them as
+GGUF_SAMPLING = {
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
+}
+
 
 def field(reader, key: str, default=None):
     """A metadata value of a `gguf.GGUFReader`, or `default`."""
@@ -67,5 +76,11 @@ def tokenizer_from_metadata(reader, path: Path) -> tuple[str, dict]:
         "eog_token_ids": sorted(eog),
         "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
         "source": "gguf",
+        # llama.cpp's converter writes generation_config.json's sampling as general.sampling.*
+        "sampling_defaults": {
+            hf: (int(v) if hf == "top_k" else float(v))
+            for key, hf in GGUF_SAMPLING.items()
+            if (v := field(reader, f"general.sampling.{key}")) is not None
+        },
     }
     return tok.to_str(), extra

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +37,9 @@ class TokenizerInfo:
     eos_token_id: int | None
     eog_token_ids: list[int]
     add_bos_token: bool
+    # the model's sampling defaults (kvgate.server.generation_defaults): generation_config.json's, or a
+    # GGUF's general.sampling.* as the converter wrote them
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -203,6 +206,7 @@ def _read_tokenizer(path: Path) -> TokenizerInfo:
             extra.get("eos_token_id"),
             list(extra.get("eog_token_ids") or []),
             bool(extra.get("add_bos_token")),
+            dict(extra.get("sampling_defaults") or {}),
         )
     text = tj.read_text()
     vocab = _added_token_ids(json.loads(text))
@@ -233,7 +237,20 @@ def _read_tokenizer(path: Path) -> TokenizerInfo:
         int(eos_list[0]) if eos_list else None,
         sorted(eog),
         bool(tc.get("add_bos_token", False)),
+        sampling_defaults(gc),
     )
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # what vLLM takes
+
+
+def sampling_defaults(config: dict) -> dict:
+    """The sampling defaults a generation_config.json sets (numbers only; kvgate.server.generation_defaults)."""
+    return {
+        k: config[k]
+        for k in SAMPLING_KEYS
+        if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)
+    }
 
 
 def _added_token_ids(tok_json: dict) -> dict[str, int]:

@@ -33,6 +33,8 @@ class ServerSettings:
     request_id_header: bool = True
     # --reasoning-parser: a thinking model's <think> block as reasoning_content (kvgate.server.reasoning)
     reasoning_parser: str = "auto"
+    # --generation-config: auto gives left-out sampling fields the model's own (generation_defaults)
+    generation_config: str = "auto"
 
 
 def refused(state, code: str, retry_after: int | None = None) -> None:

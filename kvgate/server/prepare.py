@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvgate.request import GenerationRequest, RequestError, check_max_tokens, check_token_ids
 from kvgate.sampling import SamplingError, SamplingParams
+from kvgate.server import generation_defaults
 from kvgate.server import protocol as P
 from kvgate.server import reasoning as R
 from kvgate.server.bodies import parse_json
@@ -88,12 +89,17 @@ def prepare_generation(
     max_tokens, param = P.max_tokens_of(req)
     sent = sent or prompt_ids(engine, req, feats)
     prompts = truncated(sent, req.truncate_prompt_tokens, max_tokens, engine.max_model_len)
+    model = generation_defaults.of(engine, settings)  # the model's own, for fields left out
     sampling = SamplingParams(
-        temperature=settings.default_temperature if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        temperature=model.get("temperature", settings.default_temperature)
+        if req.temperature is None
+        else req.temperature,
+        top_p=model.get("top_p", 1.0) if req.top_p is None else req.top_p,
+        top_k=model.get("top_k", 0) if req.top_k is None else req.top_k,
+        min_p=model.get("min_p", 0.0) if req.min_p is None else req.min_p,
+        repetition_penalty=model.get("repetition_penalty", 1.0)
+        if req.repetition_penalty is None
+        else req.repetition_penalty,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=req.seed,

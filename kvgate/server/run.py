@@ -91,6 +91,7 @@ def serve(args) -> int:
     from kvgate.config import engine_config
     from kvgate.core.calibrate import calibrate_prefill
     from kvgate.core.engine import Engine
+    from kvgate.server import generation_defaults
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -113,6 +114,7 @@ def serve(args) -> int:
         max_body_bytes=args.max_body_bytes,
         cors_origins=cors_origins(args),
         reasoning_parser=args.reasoning_parser,
+        generation_config=args.generation_config,
         responses_store_bytes=0,  # the plan's (--responses-store), once the engine has one
     )
     app = create_app(settings)
@@ -127,8 +129,9 @@ def serve(args) -> int:
             warn = load_peak_warning(app.state.load_peak_bytes, engine.plan.limit_bytes, str(engine.device))
             if warn:
                 log.warning(warn)
-            if engine.prefetch_note:
-                print(f"  {engine.prefetch_note}", file=sys.stderr, flush=True)
+            for note in (engine.prefetch_note, generation_defaults.announce(engine, settings)):
+                if note:
+                    print(f"  {note}", file=sys.stderr, flush=True)
             engine.start()
             if cfg.max_ttft is not None:  # the TTFT budget's rates, before the first request
                 print(f"  {calibrate_prefill(engine)}", file=sys.stderr, flush=True)
