@@ -300,18 +300,12 @@ LLAMA_LIKE = (
 )
 
 
-@pytest.fixture(scope="module")
-def llama_like(tmp_path_factory):
-    import json
-
+def serving(d):
+    """A live server on the model directory `d` (float32, 16 MiB of KV): yields (base URL, engine)."""
     from kvgate.config import EngineConfig
     from kvgate.core.engine import Engine
     from tests.server_util import running_server
-    from tests.tiny_model import make_tiny_hf_dir
 
-    d = make_tiny_hf_dir(tmp_path_factory.mktemp("llama_like"), geometry={"max_pos": 2048})
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": LLAMA_LIKE}))
     ecfg = EngineConfig(kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
     engine = Engine.from_model(str(d), ecfg, overhead_bytes=0).start()
     try:
@@ -319,6 +313,18 @@ def llama_like(tmp_path_factory):
             yield base, engine
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama_like(tmp_path_factory):
+    import json
+
+    from tests.tiny_model import make_tiny_hf_dir
+
+    d = make_tiny_hf_dir(tmp_path_factory.mktemp("llama_like"), geometry={"max_pos": 2048})
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": LLAMA_LIKE}))
+    yield from serving(d)
 
 
 def test_a_model_that_writes_the_bare_form_gets_tool_calls_whole_and_streamed(llama_like):
@@ -596,9 +602,6 @@ def qwen_like(tmp_path_factory):
 
     from safetensors.torch import save_file
 
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-    from tests.server_util import running_server
     from tests.tiny_model import config_dict, random_weights
 
     d = tmp_path_factory.mktemp("qwen_like")
@@ -615,13 +618,7 @@ def qwen_like(tmp_path_factory):
     }
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     save_file(random_weights(vocab), str(d / "model.safetensors"))
-    ecfg = EngineConfig(kv_cache_bytes=16 << 20, memory_limit="2GiB", dtype="float32", device="cpu")
-    engine = Engine.from_model(str(d), ecfg, overhead_bytes=0).start()
-    try:
-        with running_server(engine) as (base, _app):
-            yield base, engine
-    finally:
-        engine.shutdown()
+    yield from serving(d)
 
 
 @pytest.mark.parametrize("mode", ["auto", "required"])

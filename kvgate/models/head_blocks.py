@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvgate.models import native
 from kvgate.models.block_formats import TILE, BlockLinear, block_bytes, block_pack16, file_codes
-from kvgate.models.q8_head import q8_pack16
+from kvgate.models.q8_head import one_thread_ms, q8_pack16
 
 if TYPE_CHECKING:
     from kvgate.models.hf_loader import LoadedModel
@@ -128,24 +127,7 @@ def probe(weight: torch.Tensor, scales, dtype: torch.dtype, packed: bool, reps: 
     blocks = build(weight[:n], (scales[0][:n], scales[1][:n]), fmt)
     plain = Linear(weight[:n].float().to(dtype), None, packed)
 
-    def ms(fn, x) -> float:
-        fn(x)
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.thread_time()
-            fn(x)
-            best = min(best, time.thread_time() - t0)
-        return best * 1e3
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            xs = [torch.randn(rows, weight.shape[1]).to(dtype) for rows in (1, 8)]
-            blocks_ms = sum(ms(blocks, x) for x in xs)
-            plain_ms = sum(ms(plain, x) for x in xs)
-    finally:
-        torch.set_num_threads(threads)
+    blocks_ms, plain_ms = one_thread_ms((blocks, plain), weight.shape[1], dtype, reps)
     return {
         "blocks_ms": round(blocks_ms, 3),
         "plain_ms": round(plain_ms, 3),

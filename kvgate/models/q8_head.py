@@ -137,8 +137,6 @@ def probe(
     {"q8_ms", "plain_ms", "keep": bool (`keep_q8`)}. Each is the least CPU time of `reps` calls on one thread
     (the calling thread's own clock), so other work on a busy machine does not decide it; both kernels
     split their output features over threads alike. `dot8`: time `Q8DotTable` (gguf-q8act's head)."""
-    import time
-
     from kvgate.models.linear import Linear
 
     n = min(8192, codes.shape[0])
@@ -146,6 +144,15 @@ def probe(
     plain = Linear(
         (scales[:n].unsqueeze(-1) * codes[:n].float().view(n, -1, QBLOCK)).view(n, -1).to(dtype), None, packed
     )
+    q8_ms, plain_ms = one_thread_ms((q8, plain), codes.shape[1], dtype, reps)
+    return {"q8_ms": round(q8_ms, 3), "plain_ms": round(plain_ms, 3), "keep": keep_q8(q8_ms, plain_ms)}
+
+
+def one_thread_ms(kernels, k: int, dtype: torch.dtype, reps: int) -> list[float]:
+    """Each kernel's least thread CPU time (ms) over `reps` calls, summed over inputs of 1 and 8 rows of `k`
+    values, on one torch thread (the calling thread's own clock: other work on a busy machine does not
+    decide it). The head probes' measure (this one's and `kvgate.models.head_blocks.probe`)."""
+    import time
 
     def ms(fn, x) -> float:
         fn(x)
@@ -160,12 +167,10 @@ def probe(
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            xs = [torch.randn(rows, codes.shape[1]).to(dtype) for rows in (1, 8)]
-            q8_ms = sum(ms(q8, x) for x in xs)
-            plain_ms = sum(ms(plain, x) for x in xs)
+            xs = [torch.randn(rows, k).to(dtype) for rows in (1, 8)]
+            return [sum(ms(fn, x) for x in xs) for fn in kernels]
     finally:
         torch.set_num_threads(threads)
-    return {"q8_ms": round(q8_ms, 3), "plain_ms": round(plain_ms, 3), "keep": keep_q8(q8_ms, plain_ms)}
 
 
 TILE = 8  # table rows per tile of `Q8DotTable`
