@@ -41,10 +41,10 @@ def field(reader, key: str, default=None):
 
 
 def tokenizer_from_metadata(reader, path: Path) -> tuple[str, dict]:
-    from kvgate.tokenizer_build import build_bpe_tokenizer
+    from kvgate.tokenizer_build import build_bpe_tokenizer, build_spm_tokenizer
 
     model = field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise ModelLoadError(
             f"{path.name}: "
             + (
@@ -52,14 +52,25 @@ def tokenizer_from_metadata(reader, path: Path) -> tuple[str, dict]:
                 if model is None
                 else f"tokenizer type '{model}' is not supported yet"
             )
-            + " (kvgate reads byte-level BPE, 'gpt2', from GGUF). Use "
+            + " (kvgate reads byte-level BPE, 'gpt2', and SentencePiece, 'llama', from GGUF). Use "
             "a complete GGUF, or the model's Hugging Face directory, which carries tokenizer.json."
         )
     tokens = list(field(reader, "tokenizer.ggml.tokens"))
     token_types = list(field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = list(field(reader, "tokenizer.ggml.merges", []))
-    pre = field(reader, "tokenizer.ggml.pre", "default")
-    tok = build_bpe_tokenizer(tokens, merges, token_types, pre)
+    if model == "llama":
+        scores = field(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise ModelLoadError(
+                f"{path.name}: a SentencePiece vocabulary without tokenizer.ggml.scores, which decide "
+                "how pieces merge; use a complete GGUF or the model's Hugging Face directory"
+            )
+        unk = field(reader, "tokenizer.ggml.unknown_token_id")
+        prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", True))  # llama.cpp's default
+        tok = build_spm_tokenizer(tokens, [float(x) for x in scores], token_types, unk, prefix)
+    else:
+        merges = list(field(reader, "tokenizer.ggml.merges", []))
+        pre = field(reader, "tokenizer.ggml.pre", "default")
+        tok = build_bpe_tokenizer(tokens, merges, token_types, pre)
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     eog = set()
