@@ -36,7 +36,20 @@ class ModelSpec:
     name: str = "model"
     # RoPE scaling as sorted (key, value) pairs with "rope_type" (kvgate.models.rope.SCALINGS); () = none
     rope_scaling: tuple = ()
-    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3)
+    # Gemma 3 (kvgate.models.gemma): the layers that attend over only the last `sliding_window` positions,
+    # their own RoPE base (no scaling), 1/sqrt(query_scale) for the attention scores (0: 1/sqrt(head_dim)),
+    # and what every norm weight is offset by (an HF checkpoint stores w for (1 + w); a GGUF stores 1 + w)
+    sliding_window: int = 0
+    window_layers: tuple = ()
+    rope_local_theta: float = 0.0
+    query_scale: float = 0.0
+    norm_offset: float = 0.0
+
+    @property
+    def rope_sets(self) -> int:
+        """RoPE tables the model holds: Gemma 3's sliding layers have their own (kvgate.models.gemma)."""
+        return 2 if self.architecture == "gemma3" else 1
 
     @property
     def q_size(self) -> int:

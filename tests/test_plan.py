@@ -449,7 +449,7 @@ def test_the_logprobs_memory_is_a_term_that_auto_gives_way_and_an_explicit_one_i
     roomy, without = smollm2_plan("2GiB"), smollm2_plan("2GiB", logprobs_bytes=0)
     assert roomy.logprobs_bytes == 32 * MiB
     assert without.kv_pool_bytes - roomy.kv_pool_bytes >= 32 * MiB - roomy.kv_bytes_per_token * 16
-    tight_limit = SMOLLM2_VALUES * 2 + 300 * MiB + 120 * MiB
+    tight_limit = SMOLLM2_VALUES * 2 + 300 * MiB + 118 * MiB  # (RoPE tables for the 1,024 positions only)
     tight = smollm2_plan(str(tight_limit), max_model_len=1024)
     assert 0 <= tight.logprobs_bytes < tight_limit // 16
     assert any("what the limit leaves (--logprobs-memory auto)" in n for n in tight.notes)
@@ -506,3 +506,13 @@ def test_qwen3s_head_norms_off_the_cpp_path_are_a_transient_term():
     T = plan.limits.prefill_chunk + plan.limits.max_seqs
     assert plan.workspace_breakdown["qk_norm"] >= T * (9 + 3) * 64 * (4 + 2)
     assert smollm2_plan().workspace_breakdown["qk_norm"] == 0
+
+
+def test_rope_tables_are_planned_and_built_for_the_engines_context_only(make_engine):
+    """The cos and sin tables cover --max-model-len's positions, not the model's whole context (Llama
+    3.x: 131,072 positions, 64 MiB in float32; Gemma 3 270M's two sets at 32,768: 128 MiB). Red with
+    the plan charging the model's context (the gap below is 0) and with the model building it."""
+    short, whole = smollm2_plan(max_model_len=1024), smollm2_plan(max_model_len=8192)
+    assert whole.weights_bytes - short.weights_bytes == 2 * (8192 - 1024) * SMOLLM2.head_dim * 2
+    engine = make_engine(max_model_len=64)
+    assert engine.model.cos.shape[0] == 64 and engine.model.weight_bytes <= engine.plan.weights_bytes

@@ -183,12 +183,13 @@ def prompt_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
     """
     from kvgate.core.kv_cache import KVPool
     from kvgate.core.step_inputs import PrefillInput, build_step
+    from kvgate.models import model_class
     from kvgate.models.llama import LlamaModel
 
     if isinstance(loaded, LlamaModel):
         model = loaded
     else:
-        model = LlamaModel(loaded.spec, dict(loaded.weights), torch.float32, "cpu")
+        model = model_class(loaded.spec)(loaded.spec, dict(loaded.weights), torch.float32, "cpu")
     spec = model.spec
     nblk = -(-len(ids) // block_size)
     kv = KVPool(spec, nblk, block_size, model.dtype, model.device)

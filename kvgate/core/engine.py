@@ -44,9 +44,9 @@ from kvgate.core.stepper import EngineCore
 from kvgate.memory.graphs import graph_shapes
 from kvgate.memory.ledger import MemoryLedger
 from kvgate.memory.plan import PlanError
-from kvgate.models import LoadedModel, amx_rows, decode_prefetch, load_model, q8act_rows
+from kvgate.models import LoadedModel, amx_rows, decode_prefetch, load_model, model_class, q8act_rows
 from kvgate.models.decode_graphs import DecodeGraphs, GraphStep
-from kvgate.models.llama import LlamaModel, StepBatch
+from kvgate.models.llama import StepBatch
 from kvgate.models.step_pieces import StepPieces
 from kvgate.request import GenerationRequest, RequestHandle
 from kvgate.sampling import host_draw_kernels
@@ -82,11 +82,10 @@ class Engine:
         p = self.plan = place.plan
         self.ledger = MemoryLedger(p.limit_bytes, str(self.device))
         self.ledger.reserve("overhead", p.overhead_bytes, "runtime")
-        # Weights are charged before they are materialized: a model that cannot fit never allocates.
-        self.ledger.reserve("weights", p.weights_bytes, spec.name)
-        # The model pops each source tensor as it consumes it (a copy of the dict would hold them all).
+        # Weights are charged before they are materialized (a model that cannot fit never allocates);
+        self.ledger.reserve("weights", p.weights_bytes, spec.name)  # the model pops each tensor it uses
         self.weights_format = place.weights
-        self.model = LlamaModel(
+        self.model = model_class(spec)(
             spec,
             loaded.weights,
             self.dtype,
@@ -99,6 +98,7 @@ class Engine:
             paged_attention=place.paged_attention,
             prefill_kernel=place.prefill_kernel,
             block_scales=loaded.block_scales,
+            rope_positions=place.max_model_len,
         )
         # A step shrunk by the plan below what was warmed: one unwarmed bucket (MiB, in the overhead's slack)
         self.model.set_row_buckets(p.limits.max_step_tokens, p.limits.max_logit_rows)

@@ -46,8 +46,10 @@ def weight_bytes(
     q8_head: bool = False,
     matrix_bytes: list[int] | None = None,
     head_bytes: int | None = None,
+    rope_positions: int | None = None,
 ) -> int:
-    """Bytes of the model's weights and RoPE tables. `params`: the number of values in the checkpoint
+    """Bytes of the model's weights and RoPE tables (for `rope_positions`, the engine's context; None:
+    the model's whole context). `params`: the number of values in the checkpoint
     the model is built from (every tensor counted: biases, norms, an untied head); without it they are
     computed from the geometry of a bias-free Llama. `lm_head_copy`: the weights are prepacked
     (`kvgate.models.linear`), so tied embeddings are held twice (plain for the lookup, packed for the
@@ -70,7 +72,7 @@ def weight_bytes(
         params = spec.vocab_size * h + spec.num_layers * per_layer + h
         if not spec.tie_word_embeddings:
             params += spec.vocab_size * h
-    rope = 2 * spec.max_position_embeddings * spec.head_dim
+    rope = 2 * (rope_positions or spec.max_position_embeddings) * spec.head_dim * spec.rope_sets
     qbytes = 0
     if weight_format != "full":  # the layer matrices; the head stays in the model dtype
         mats = [m for m in matrices(spec) if quantizable(weight_format, *m)]
@@ -194,6 +196,7 @@ def make_plan(
         q8_head=q8_head,
         matrix_bytes=matrix_bytes,
         head_bytes=head_bytes,
+        rope_positions=max_model_len,
     )
     overhead = runtime_overhead_bytes(device) if overhead_bytes is None else overhead_bytes
     # --kv-dtype: the pool's own bytes (int8: and a scale per position and KV head)

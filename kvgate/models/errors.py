@@ -7,4 +7,4 @@ class ModelLoadError(Exception):
     """A model could not be loaded; the message is meant for the person who asked for it."""
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm", "gemma3")

@@ -30,7 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
+from kvgate.models.gemma_config import gguf_config
 from kvgate.models.gguf_cache import settle
+from kvgate.models.gguf_names import _hf_name, _unpermute
 from kvgate.models.gguf_scales import LAYOUTS, SCALES_FILE, block_scales
 from kvgate.models.gguf_tokenizer import field, tokenizer_from_metadata
 
@@ -151,13 +153,15 @@ def _convert(path: Path, out: Path) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path.name}: architecture '{arch}' is not supported. Supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)."
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders and Gemma 3)."
         )
     cfg = _config_from_metadata(reader, arch, path)
     _rope_config(reader, arch, path, cfg)
     window = field(reader, f"{arch}.attention.sliding_window")
     if window and int(window) < cfg["max_position_embeddings"]:
         cfg["sliding_window"] = int(window)
+    if arch == "gemma3":
+        gguf_config(reader, path, cfg)
     tensors = {t.name: t for t in reader.tensors}
     layout = []  # (GGUF name, HF name, row-major shape): the file's header is written before any data
     for name, t in tensors.items():
@@ -168,7 +172,7 @@ def _convert(path: Path, out: Path) -> None:
                 f"dequantize. Supported: {', '.join(SUPPORTED_QUANTS)}. Re-quantize the model to one of "
                 "these (for example Q8_0 or Q4_K_M) or use the original safetensors directory."
             )
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, arch)
         if hf_name is not None:
             # GGUF lists dims fastest-first
             layout.append((name, hf_name, [int(d) for d in reversed(t.shape)]))
@@ -354,41 +358,3 @@ def _rope_config(reader, arch: str, path: Path, cfg: dict) -> None:
         rope["beta_fast"] = key("yarn_beta_fast")
         rope["beta_slow"] = key("yarn_beta_slow")
     cfg["rope_parameters"] = rope
-
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
-
-
-def _hf_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    if name.startswith("blk."):
-        _, idx, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
-    return None  # e.g. rope_freqs: read into the config (`_rope_config`)
-
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of llama.cpp's `permute`: rows (head, pair, 2) back to (head, 2, pair)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kvgate.config import ModelSpec
+from kvgate.models import gemma_config
 from kvgate.models.errors import SUPPORTED_ARCHITECTURES, ModelLoadError
 from kvgate.models.gguf_scales import SCALES_FILE
 from kvgate.models.lazy_weights import LazyWeights, index_safetensors
@@ -26,6 +27,7 @@ _HF_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -58,18 +60,20 @@ def read_spec(config: dict, path: Path) -> ModelSpec:
     if arch is None:
         raise ModelLoadError(
             f"{path}: architecture '{archs[0]}' is not supported. Supported: "
-            f"{', '.join(_HF_ARCHS)} (Llama-family decoders)."
+            f"{', '.join(_HF_ARCHS)} (Llama-family decoders and Gemma 3)."
         )
+    arch = config.get("kvgate_source_architecture", arch)
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
-    rope_theta, rope_scaling = _rope(config, path)
+    gemma = gemma_config.spec_fields(config, path) if arch == "gemma3" else {}
+    rope_theta, rope_scaling = _rope(gemma.pop("rope_config", config), path)
     max_pos = int(config.get("max_position_embeddings", 2048))
     window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", True) and int(window) < max_pos:
+    if window and not gemma and config.get("use_sliding_window", True) and int(window) < max_pos:
         # Within the window, full attention is exact; beyond it we would differ. Cap the context.
         max_pos = int(window)
     return ModelSpec(
-        architecture=config.get("kvgate_source_architecture", arch),
+        architecture=arch,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(config["intermediate_size"]),
@@ -83,7 +87,8 @@ def read_spec(config: dict, path: Path) -> ModelSpec:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         name=str(config.get("name") or path.name),
         rope_scaling=rope_scaling,
-        qk_norm=config.get("kvgate_source_architecture", arch) == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        **gemma,
     )
 
 
@@ -137,6 +142,8 @@ def required_tensors(spec: ModelSpec) -> list[str]:
         names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
         if spec.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if spec.architecture == "gemma3":
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
     return names
 
 

@@ -83,6 +83,7 @@ class LlamaModel:
         paged_attention: bool = False,
         prefill_kernel: bool = False,
         block_scales: Mapping[str, torch.Tensor] | None = None,
+        rope_positions: int | None = None,
     ):
         """`pack`: prepack the weight matrices (`Linear`); None = wherever `packs_weights` says.
         `weights_format` int8 / int4: hold every layer matrix that allows it quantized (`Quantized`),
@@ -96,7 +97,8 @@ class LlamaModel:
         `prefill_kernel`: run prompt-chunk attention with the paged CPU kernel
         (`kvgate.models.prefill_attention`, chosen by its probe), else gather + SDPA per chunk.
         `block_scales`: a converted GGUF's d and m per layer matrix, with which `--weights gguf` holds
-        matrices of any block type as the file's blocks (`kvgate.models.block_formats`)."""
+        matrices of any block type as the file's blocks (`kvgate.models.block_formats`).
+        `rope_positions`: the RoPE tables' length, the engine's context (None: the model's whole context)."""
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
@@ -199,7 +201,10 @@ class LlamaModel:
                 self.embed if "lm_head.weight" not in weights else w("lm_head.weight"), head=True
             )
         cos, sin = rope.tables(  # see rope.py
-            spec.rope_theta, spec.head_dim, spec.max_position_embeddings, dict(spec.rope_scaling)
+            spec.rope_theta,
+            spec.head_dim,
+            rope_positions or spec.max_position_embeddings,
+            dict(spec.rope_scaling),
         )
         self.cos, self.sin = cos.to(device=self.device, dtype=dtype), sin.to(device=self.device, dtype=dtype)
         # the Q4_1 layer tiles and the Q8 table, streamed whole by every decode step, on huge pages

@@ -71,6 +71,13 @@ def length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     return (torch.arange(width, device=lens.device) < lens[:, None]).view(-1, 1, 1, width)
 
 
+def window_mask(lens: torch.Tensor, width: int, window: int) -> torch.Tensor:
+    """[R, 1, 1, width] bool: as `length_mask`, and only the last `window` positions (Gemma's sliding
+    layers: the row's query at position lens - 1 sees keys t with lens - 1 - t < window)."""
+    t = torch.arange(width, device=lens.device)
+    return ((t < lens[:, None]) & (t >= lens[:, None] - window)).view(-1, 1, 1, width)
+
+
 def race(a, a_args: tuple, b, b_args: tuple, reps: int) -> tuple[float, float]:
     """Fastest CPU seconds per call of `a` and of `b` on one thread, timed alternately. The calling
     thread's own clock on one thread, as the Q8 head's probe: with wall time on all threads, other

@@ -72,12 +72,21 @@ def run(ext, out, q, k_pool, v_pool, span, scale: float, k_scale=None, v_scale=N
     )
 
 
-def sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf, k_scale=None, v_scale=None):
+def sdpa(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pf,
+    k_scale=None,
+    v_scale=None,
+    window: int = 0,
+):
     """The gather + SDPA path: one prompt chunk's (`pf`, a `PrefillSpan`) attention, `[q_len, heads *
     head_dim]`, from the step's `q [T, heads, D]`:
     SDPA over the chunk's gathered context with grouped heads (`enable_gqa`), causal for a prompt's first
     chunk, masked after a cached prefix or an earlier chunk. On CPU this takes SDPA's fused kernel,
-    which makes no score matrix (`kvgate.memory.workspace._prefill_attention` charges what it does make)."""
+    which makes no score matrix (`kvgate.memory.workspace._prefill_attention` charges what it does make).
+    `window`: each query sees only the last `window` positions up to its own (Gemma's sliding layers)."""
     n = pf.q_len
     qp = q[pf.start : pf.start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
 
@@ -89,6 +98,10 @@ def sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pf, k_scal
     kp, vp = context(k_pool, k_scale), context(v_pool, v_scale)
     whole = pf.ctx_len == n  # a prompt's first chunk: plain causal, no mask to read
     mask = None if whole else pf.mask
+    if window and pf.ctx_len > window:  # the window, within the causal mask
+        keys = torch.arange(pf.ctx_len, device=q.device)
+        first = torch.arange(pf.ctx_len - n, pf.ctx_len, device=q.device)[:, None] - window
+        mask, whole = (keys <= first + window) & (keys > first), False
     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=whole, enable_gqa=True)
     return op[0].transpose(0, 1).reshape(n, -1)
 

