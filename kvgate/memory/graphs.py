@@ -96,7 +96,7 @@ def decode_terms(spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_si
     rows = limits.max_logit_rows
     decode = replace(limits, prefill_chunk=0, max_seqs=rows, speculate=0)
     terms = step_workspace(spec, dtype_bytes, decode, block_size)
-    return terms["layer_activations"] + KERNEL_SLACK + max(terms[k] for k in TRANSIENT_TERMS)
+    return terms["layer_activations"] + terms["gemma"] + KERNEL_SLACK + max(terms[k] for k in TRANSIENT_TERMS)
 
 
 def piece_terms(spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_size: int) -> int:
@@ -105,7 +105,7 @@ def piece_terms(spec: ModelSpec, dtype_bytes: int, limits: StepLimits, block_siz
     transient. Attention and the LM head run eagerly, inside the step workspace."""
     terms = step_workspace(spec, dtype_bytes, limits, block_size)
     glue = ("embedding", "rms_norm", "residual", "rope", "mlp")
-    return terms["layer_activations"] + KERNEL_SLACK + max(terms[k] for k in glue)
+    return terms["layer_activations"] + terms["gemma"] + KERNEL_SLACK + max(terms[k] for k in glue)
 
 
 def graph_bytes(

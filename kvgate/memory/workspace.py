@@ -163,7 +163,7 @@ def step_workspace(
         + cap
         + 2 * C * Lp
         + S * (Lp // block_size) * 8
-        + 2 * T * D * b
+        + 2 * T * D * b * spec.rope_sets
         # draft positions (speculation) run as decode rows of their own: a mask and a block table each
         + (LR - S) * (Lp + Lp // block_size * 8)
         # every decode row's block table and context length, for the paged kernel (build_step)
@@ -196,11 +196,11 @@ def step_workspace(
         )
         if limits.grammars
         else 0,
-        # Gemma 3 (kvgate.models.gemma): a sliding layer's window masks (a decode group's and a prompt
-        # chunk's, bool, with their two comparison temporaries, and the positions they compare), an
-        # output norm's input beside the residual, the scaled embeddings beside the looked-up ones, q
-        # times the query scale
-        "gemma": 3 * (cap + C * Lp) + 16 * Lp + 2 * T * h * b + T * H * D * b
+        # Gemma 3 (kvgate.models.gemma): a sliding layer's window masks off the kernels (a decode group's
+        # and a prompt chunk's, bool, with their two comparison temporaries, and the positions they
+        # compare), an output norm's input beside the residual, the scaled embeddings beside the looked-up
+        # ones, q times the query scale, the layer's half of the gathered cos and sin made contiguous
+        "gemma": 3 * (cap + C * Lp) + 16 * Lp + 2 * T * h * b + T * H * D * b + 2 * T * D * b
         if spec.architecture == "gemma3"
         else 0,
         # transients, one at a time:

@@ -12,12 +12,13 @@ Gemma 3 (`Gemma3ForCausalLM`; llama.cpp's `gemma3`) differs from the Llama layer
 - scores are scaled by 1/sqrt(query_pre_attn_scalar) (= head_dim but in 27B): q is multiplied by the
   ratio to 1/sqrt(head_dim), so every attention path keeps its own scale.
 
-The forward is `LlamaModel`'s PyTorch-op path (`glue_in`, `attend`, `glue_out`), which these methods
-override; so CUDA graphs and the step pieces run Gemma too. kvgate's C++ layer ops and the C++ decode
-stack are Llama's layer and stay off. A sliding layer takes the model's attention kernels while the
-step's every position is inside the window (then the window masks nothing); past it, that layer's
-attention is gather + SDPA with the window in the mask. Both K/V of sliding layers are kept for the
-whole context, as for any layer: the plan charges that, which is more than the window needs.
+The forward is `LlamaModel`'s PyTorch-op path (`glue_in`, `attend`, `glue_out`), whose glue these methods
+override, with kvgate's C++ RMSNorm, q/k norm and RoPE + K/V write in float32 on CPU; so CUDA graphs and
+the step pieces run Gemma too. The C++ decode stack is Llama's layer and stays off. A sliding layer's
+window is an argument of every attention path (`LlamaModel.attend`): the paged decode and prefill kernels
+start each row or query at its window, so a row's numbers stay its own whatever runs beside it; the gather
+and SDPA paths mask it. K/V of sliding layers are kept for the whole context, as for any layer: the plan
+charges that, which is more than the window needs.
 """
 
 from __future__ import annotations
@@ -28,9 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgate.models import rope
-from kvgate.models.llama import LlamaModel, StepBatch
-from kvgate.models.paged_attention import gather_attention, window_mask
-from kvgate.models.prefill_attention import sdpa
+from kvgate.models.llama import LlamaModel
 
 NORMS = (
     "input_layernorm",
@@ -63,8 +62,8 @@ class GemmaModel(LlamaModel):
             p + "post_attention_layernorm.weight": p + "pre_feedforward_layernorm.weight" for p in prefix
         }
         super().__init__(spec, weights, dtype, device, **kw)
-        self.layer_ops = self.decode_stack = None  # Llama's C++ layer: see the module doc
-        self.windows = [spec.sliding_window if i in spec.window_layers else 0 for i in range(spec.num_layers)]
+        # the forward's C++ path and decode stack are Llama's layer; Gemma's glue calls the ops itself
+        self.ops, self.layer_ops, self.decode_stack = self.layer_ops, None, None
         # the sliding layers' RoPE beside the full layers' in one table, [positions, 2 * head_dim]: every
         # caller's `cos[positions]` gathers both, and `glue_in` takes the layer's half
         cos, sin = rope.tables(spec.rope_local_theta, spec.head_dim, self.cos.shape[0], {})
@@ -84,38 +83,46 @@ class GemmaModel(LlamaModel):
         return super().embed_tokens(ids) * self.embed_scale
 
     def glue_in(self, li: int, x, pending, cos, sin, slots, kv, n_dec: int):
-        D = self.spec.head_dim
+        s, ops = self.spec, self.ops
+        H, KVH, D = s.num_heads, s.num_kv_heads, s.head_dim
         half = slice(D, 2 * D) if self.windows[li] else slice(0, D)
-        x, q = super().glue_in(li, x, pending, cos[..., half], sin[..., half], slots, kv, n_dec)
+        if ops is None:
+            x, q = super().glue_in(li, x, pending, cos[..., half], sin[..., half], slots, kv, n_dec)
+        else:  # float32 on CPU: kvgate's C++ RMSNorm (+ the residual add), q/k norms, RoPE + K/V write
+            ln1, qkv_proj = self.layers[li][:2]
+            eps = s.rms_norm_eps
+            h = ops.rms_norm(x, ln1, eps) if pending is None else ops.add_rms_norm_(x, pending, ln1, eps)
+            qkv = self.qk_norm(li, qkv_proj(h, n_dec))
+            c, n = cos[:, 0, half].contiguous(), sin[:, 0, half].contiguous()
+            ops.rope_write_kv_(qkv, H, KVH, c, n, slots, kv.k[li], kv.v[li], *kv.scales(li))
+            q = qkv[:, : H * D].view(-1, H, D)
         return x, (q if self.q_factor is None else q * self.q_factor)
 
-    def glue_out(self, li: int, x, attn, n_dec: int):
+    def qk_norm(self, li: int, qkv: torch.Tensor) -> torch.Tensor:
+        if self.ops is None:
+            return super().qk_norm(li, qkv)
         s = self.spec
+        self.ops.qk_norm_(qkv, s.num_heads, s.num_kv_heads, *self.qk_norms[li], s.rms_norm_eps)
+        return qkv
+
+    def glue_out(self, li: int, x, attn, n_dec: int):
+        s, ops = self.spec, self.ops
         _, _, o_proj, ln2, gate_up_proj, down_proj = self.layers[li]
         after_attn, after_mlp = self.out_norms[li]
-        x = x + F.rms_norm(o_proj(attn, n_dec), (s.hidden_size,), after_attn, s.rms_norm_eps)
-        h = F.rms_norm(x, (s.hidden_size,), ln2, s.rms_norm_eps)
+        eps = s.rms_norm_eps
+
+        def norm(t, w):
+            return F.rms_norm(t, (s.hidden_size,), w, eps) if ops is None else ops.rms_norm(t, w, eps)
+
+        if ops is None:
+            x = x + norm(o_proj(attn, n_dec), after_attn)
+            h = norm(x, ln2)
+        else:  # x += the normed attention output, in place, then the norm before the MLP
+            h = ops.add_rms_norm_(x, norm(o_proj(attn, n_dec), after_attn), ln2, eps)
         gu = gate_up_proj(h, n_dec)
         inter = gu.shape[-1] // 2
         down = down_proj(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:], n_dec)
-        return x, F.rms_norm(down, (s.hidden_size,), after_mlp, s.rms_norm_eps)
-
-    def attend(self, li: int, q, batch: StepBatch, kv, n_dec: int, out=None):
-        W = self.windows[li]
-        if not W or (self.device.type == "cpu" and int(batch.positions.max()) < W):
-            return super().attend(li, q, batch, kv, n_dec, out)
-        H, D = self.spec.num_heads, self.spec.head_dim
-        T = batch.input_ids.shape[0]
-        k_pool, v_pool = kv.k[li], kv.v[li]
-        scales = kv.scales(li)
-        attn = out if out is not None else torch.empty((T, H * D), dtype=q.dtype, device=q.device)
-        for grp in batch.decode_groups:
-            mask = window_mask(grp.lens, grp.width, W)
-            og = gather_attention(q[grp.start : grp.end], k_pool, v_pool, grp.block_tables, mask, *scales)
-            attn[grp.start : grp.end] = og.reshape(grp.end - grp.start, H * D)
-        for pf in batch.prefills:
-            attn[pf.start : pf.start + pf.q_len] = sdpa(q, k_pool, v_pool, pf, *scales, window=W)
-        return attn
+        return x, norm(down, after_mlp)
 
 
 class _Renamed(MutableMapping):

@@ -51,7 +51,7 @@ from kvgate.models.block_formats import held as held_blocks
 from kvgate.models.head_blocks import BlockTable, head_name, head_scales
 from kvgate.models.head_blocks import build as build_head
 from kvgate.models.linear import Linear, packs_weights
-from kvgate.models.paged_attention import gather_attention
+from kvgate.models.paged_attention import gather_attention, window_mask
 from kvgate.models.paged_attention import kernel as paged_kernel
 from kvgate.models.prefill_attention import run as run_prefill
 from kvgate.models.prefill_attention import sdpa as prefill_attention  # the SDPA path (tests call it here)
@@ -178,6 +178,7 @@ class LlamaModel:
                 )
             )
         self.norm = w("model.norm.weight")
+        self.windows = [spec.sliding_window if i in spec.window_layers else 0 for i in range(spec.num_layers)]
         # Qwen3: each q and k head's RMSNorm weights [head_dim], per layer (`qk_norm`)
         self.qk_norms = (
             [
@@ -360,9 +361,10 @@ class LlamaModel:
         T = batch.input_ids.shape[0]
         k_pool, v_pool = kv.k[li], kv.v[li]
         scales = kv.scales(li)  # an int8 pool's (k_scale, v_scale); (None, None) otherwise
+        W = self.windows[li]  # Gemma's sliding layers: only the last W positions (0: all)
         if self.paged_attention and n_dec:  # every decode row in one call, reading the pool in place
             od = paged_kernel()(
-                q[:n_dec], k_pool, v_pool, batch.decode_tables, batch.decode_lens, D**-0.5, *scales
+                q[:n_dec], k_pool, v_pool, batch.decode_tables, batch.decode_lens, D**-0.5, *scales, W
             )
             if n_dec == T and out is None:
                 return od.view(T, H * D)
@@ -372,14 +374,17 @@ class LlamaModel:
             attn = out if out is not None else torch.empty((T, H * D), dtype=q.dtype, device=q.device)
             for grp in batch.decode_groups:
                 qg = q[grp.start : grp.end]
-                og = gather_attention(qg, k_pool, v_pool, grp.block_tables, grp.mask, *scales)
+                mask = window_mask(grp.lens, grp.width, W) if W else grp.mask
+                og = gather_attention(qg, k_pool, v_pool, grp.block_tables, mask, *scales)
                 attn[grp.start : grp.end] = og.reshape(grp.end - grp.start, H * D)
         for pf in batch.prefills:
             if self.prefill_kernel is not None:  # in place: no gathered context, no mask
                 rows = attn[pf.start : pf.start + pf.q_len]
-                run_prefill(self.prefill_kernel, rows, q, k_pool, v_pool, pf, D**-0.5, *scales)
+                run_prefill(self.prefill_kernel, rows, q, k_pool, v_pool, pf, D**-0.5, *scales, window=W)
             else:
-                attn[pf.start : pf.start + pf.q_len] = prefill_attention(q, k_pool, v_pool, pf, *scales)
+                attn[pf.start : pf.start + pf.q_len] = prefill_attention(
+                    q, k_pool, v_pool, pf, *scales, window=W
+                )
         return attn
 
     def glue_out(self, li: int, x, attn, n_dec: int):

@@ -54,9 +54,10 @@ def unsupported(device, dtype: torch.dtype, head_dim: int) -> str | None:
     return None
 
 
-def run(ext, out, q, k_pool, v_pool, span, scale: float, k_scale=None, v_scale=None):
+def run(ext, out, q, k_pool, v_pool, span, scale: float, k_scale=None, v_scale=None, window: int = 0):
     """Span `span` (a `PrefillSpan`) of the step's `q [T, H, D]`, written into `out [q_len, H * D]`
-    (an int8 pool with its scales, `kvgate.models.kv_int8`)."""
+    (an int8 pool with its scales, `kvgate.models.kv_int8`; `window` > 0: each query sees only the last
+    `window` positions up to its own, Gemma's sliding layers)."""
     ext.prefill_attention_(
         out,
         q,
@@ -69,6 +70,7 @@ def run(ext, out, q, k_pool, v_pool, span, scale: float, k_scale=None, v_scale=N
         scale,
         k_scale,
         v_scale,
+        window,
     )
 
 

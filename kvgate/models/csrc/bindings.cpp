@@ -33,7 +33,7 @@ int64_t prefill_attention_lanes();
 void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_pool,
                         const torch::Tensor& v_pool, const torch::Tensor& block_table, int64_t start, int64_t n,
                         int64_t ctx, double scale, const c10::optional<torch::Tensor>& k_scale,
-                        const c10::optional<torch::Tensor>& v_scale);
+                        const c10::optional<torch::Tensor>& v_scale, int64_t window);
 std::string int8_isa();
 namespace kvgate_amx {
 std::string isa();
@@ -123,7 +123,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("out"), pybind11::arg("q"),
           pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("block_table"), pybind11::arg("start"),
           pybind11::arg("n"), pybind11::arg("ctx"), pybind11::arg("scale"), pybind11::arg("k_scale") = pybind11::none(),
-          pybind11::arg("v_scale") = pybind11::none());
+          pybind11::arg("v_scale") = pybind11::none(), pybind11::arg("window") = 0);
   mod.def("draw_tokens", &draw_tokens,
           "one token per row of float32 logits[rows] (temperature, top-k, top-p, min-p per row; u: each row's "
           "uniform), at most max_threads rows at a time",

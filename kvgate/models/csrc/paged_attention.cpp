@@ -1,7 +1,8 @@
 // Decode attention that reads the paged K/V pool in place (kvgate.models.paged_attention).
 //
 // kvgate::paged_decode_attention(q [R, H, D], k_pool [N, bs, KVH, D], v_pool, block_tables [R, maxblk]
-// int64/int32, context_lens [R] int64, scale, k_scale?, v_scale?) -> out [R, H, D] in q's dtype. The pools
+// int64/int32, context_lens [R] int64, scale, k_scale?, v_scale?, window) -> out [R, H, D] in q's dtype
+// (window > 0: each row attends over only its last `window` positions, Gemma 3's sliding layers). The pools
 // are in q's dtype, or float16 / bfloat16 / int8 under float32 q (a narrower KV cache, `--kv-dtype`). An
 // int8 pool (kvgate.models.kv_int8) holds codes and, in k_scale / v_scale [N, bs, KVH, 2], a step s and
 // offset z per (slot, KV head): a code c stands for c s + z. The loops read the codes as float32 integers;
@@ -338,6 +339,15 @@ constexpr int64_t kChunk = 128;
 
 inline int64_t chunks_of(int64_t L) { return (L + kChunk - 1) / kChunk; }
 
+// A row's first position: 0, or with a sliding window (Gemma's local layers) the first of its last
+// `window` positions. Its chunks start there, so they depend on the row's own length and window only.
+inline int64_t first_of(const int64_t* lens, int64_t r, int64_t window) {
+  return window > 0 && lens[r] > window ? lens[r] - window : 0;
+}
+inline int64_t row_chunks(const int64_t* lens, int64_t r, int64_t window) {
+  return chunks_of(lens[r] - first_of(lens, r, window));
+}
+
 // One chunk's partial result per query: the V sum under unnormalized weights (D floats), the chunk's
 // max score and the sum of its weights.
 inline int64_t part_floats(int64_t D) { return D + 2; }
@@ -370,11 +380,13 @@ struct Attend {
   // int8 pools (`--kv-dtype int8`): a step and an offset per (slot, KV head), [N * bs * KVH * 2]; null for
   // float pools
   const float *ks = nullptr, *vs = nullptr;
+  int64_t window = 0;  // > 0: a row attends over only its last `window` positions
 
   // Writes the chunk's partial result of query j of the row (j = kh0 * g ..) at part + j * part_floats(D).
   void operator()(int64_t r, int64_t c, int64_t kh0, int64_t kh1, Scratch& s, float* part) const {
     const int64_t g = H / KVH, nh = kh1 - kh0, gq = nh * g;  // gq queries in this task
-    const int64_t t0 = c * kChunk, L = std::min(lens[r], t0 + kChunk) - t0;  // positions [t0, t0 + L)
+    const int64_t t0 = first_of(lens, r, window) + c * kChunk;
+    const int64_t L = std::min(lens[r], t0 + kChunk) - t0;  // positions [t0, t0 + L)
     const I* table = tables + r * maxblk;
     const int64_t pos_stride = KVH * D;  // between consecutive positions of the pool
     s.qf.resize(gq * D), s.acc.assign(gq * D, 0.f), s.buf.resize(4 * D), s.denom.resize(gq), s.top.resize(gq);
@@ -657,9 +669,10 @@ void Scratch::reserve(int64_t R, int64_t H, int64_t D, int64_t max_len) {
 
 // The split rows' first task / partial (see `run`): first[i] for split row whole + i, first.back() in all.
 // Written into `first` (a reserved Scratch::first stays within its capacity).
-inline void split_firsts(const int64_t* lens, int64_t R, int64_t whole, std::vector<int64_t>& first) {
+inline void split_firsts(const int64_t* lens, int64_t R, int64_t whole, std::vector<int64_t>& first,
+                         int64_t window = 0) {
   first.assign(R - whole + 1, 0);
-  for (int64_t r = whole; r < R; ++r) first[r - whole + 1] = first[r - whole] + chunks_of(lens[r]);
+  for (int64_t r = whole; r < R; ++r) first[r - whole + 1] = first[r - whole] + row_chunks(lens, r, window);
 }
 
 // Every thread of the current parallel region runs this (its worksharing loops bind to that region); it
@@ -673,7 +686,7 @@ void team_body(const Attend<Q, T, I>& attend, int64_t R, int64_t whole, const st
   float* acc = s.sum.data();
 #pragma omp for schedule(static) nowait
   for (int64_t r = 0; r < whole; ++r) {
-    const int64_t n = chunks_of(attend.lens[r]);
+    const int64_t n = row_chunks(attend.lens, r, attend.window);
     s.own.resize(static_cast<size_t>(n * H * pf));
     for (int64_t c = 0; c < n; ++c) attend(r, c, 0, KVH, s, s.own.data() + c * H * pf);
     attend.merge(r, n, s.own.data(), 0, KVH, acc);
@@ -694,16 +707,16 @@ void team_body(const Attend<Q, T, I>& attend, int64_t R, int64_t whole, const st
 template <typename Q, typename T, typename I>
 void run(const Q* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, const T* v, const I* tables,
          int64_t maxblk, const int64_t* lens, Q* out, int64_t R, int64_t H, int64_t KVH, int64_t D,
-         int64_t bs, double scale, const float* ks, const float* vs) {
+         int64_t bs, double scale, const float* ks, const float* vs, int64_t window) {
   const Attend<Q, T, I> attend{q,  k,  v,  q_row_stride, q_head_stride, tables, maxblk, lens, out, H, KVH, D, bs,
-                               static_cast<float>(scale), ks, vs};
+                               static_cast<float>(scale), ks, vs, window};
   // Whole rows (a task streams each block as one stretch, chunk after chunk) while every thread gets
   // one; the last R % threads rows split into (chunk, KV head) tasks, so that, e.g., a lone row still
   // uses every thread, and are merged after those tasks.
   const int64_t threads = omp_get_max_threads();
   const int64_t whole = R - R % threads;
   std::vector<int64_t> first;
-  split_firsts(lens, R, whole, first);
+  split_firsts(lens, R, whole, first, window);
   std::vector<float> parts(static_cast<size_t>(first.back() * H * part_floats(D)));
 #pragma omp parallel
   {
@@ -714,7 +727,8 @@ void run(const Q* q, int64_t q_row_stride, int64_t q_head_stride, const T* k, co
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+                                  const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                                  int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
               "paged_decode_attention is a CPU kernel; got q on ", q.device(), " and the pool on ",
               k_pool.device());
@@ -748,10 +762,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     const T* v = reinterpret_cast<const T*>(v_pool.data_ptr());
     if (block_tables.scalar_type() == at::kLong)
       run(qp, q.stride(0), q.stride(1), k, v, block_tables.data_ptr<int64_t>(), maxblk, lens, op, R, H, KVH, D, bs,
-          scale, ks, vs);
+          scale, ks, vs, window);
     else
       run(qp, q.stride(0), q.stride(1), k, v, block_tables.data_ptr<int32_t>(), maxblk, lens, op, R, H, KVH, D, bs,
-          scale, ks, vs);
+          scale, ks, vs, window);
   };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -776,7 +790,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                 const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
-  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, k_scale, v_scale);
+  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, k_scale, v_scale, 0);
 }
 
 // The block tables and context lengths of R rows over a pool of N blocks of bs positions: shapes, dtypes,
@@ -858,7 +872,7 @@ void paged_attention_team(const float* q, int64_t q_row_stride, int64_t q_head_s
 TORCH_LIBRARY(kvgate, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-      "Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+      "Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgate, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

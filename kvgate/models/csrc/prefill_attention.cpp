@@ -3,7 +3,7 @@
 // prefill_attention_(out [n, H * D], q [T, H, D], k_pool, v_pool [N, bs, KVH, D], block_table [blocks],
 // start, n, ctx, scale, k_scale?, v_scale?): the chunk's queries are q's rows [start, start + n), at positions
 // [ctx - n, ctx); query i attends keys [0, ctx - n + i] (causal by position, over a cached prefix or
-// earlier chunks too). float32 q and out; float32, float16 or bfloat16 pools, or int8 ones with a float32
+// earlier chunks too), or with `window` > 0 only the last `window` of them (Gemma 3's sliding layers). float32 q and out; float32, float16 or bfloat16 pools, or int8 ones with a float32
 // step s and offset z per (slot, KV head) in k_scale / v_scale, read as code * s + z (one fused multiply-
 // add: within an ulp of the PyTorch paths' two roundings). What it replaces: a gather
 // of the context's blocks and SDPA's CPU flash kernel, which with is_causal still scores every key of
@@ -29,6 +29,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -62,6 +63,10 @@ struct Vec {
   static R causal(R s, R key, R pos) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(key, pos, _CMP_GT_OQ), s, set1(-INFINITY));
   }
+  // s where key > lim, else -inf (a sliding window's lower edge: lim = pos - window)
+  static R above(R s, R key, R lim) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(key, lim, _CMP_LE_OQ), s, set1(-INFINITY));
+  }
 };
 #else
 struct Vec {
@@ -80,6 +85,9 @@ struct Vec {
   static R div(R a, R b) { return _mm256_div_ps(a, b); }
   static R causal(R s, R key, R pos) {
     return _mm256_blendv_ps(s, set1(-INFINITY), _mm256_cmp_ps(key, pos, _CMP_GT_OQ));
+  }
+  static R above(R s, R key, R lim) {
+    return _mm256_blendv_ps(s, set1(-INFINITY), _mm256_cmp_ps(key, lim, _CMP_LE_OQ));
   }
 };
 #endif
@@ -135,6 +143,7 @@ struct Chunk {
   int64_t start, n, ctx, H, KVH, D, bs;
   float scale;
   const float *ks, *vs;  // int8 pools: a step and an offset per (slot, KV head); null for float pools
+  int64_t window;        // > 0: query at position p attends keys (p - window, p] only (Gemma's sliding layers)
 
   // key j's KV head kvh: its index among the pool's [slot][KV head] vectors
   int64_t at(int64_t j, int64_t kvh) const { return (table[j / bs] * bs + j % bs) * KVH + kvh; }
@@ -157,11 +166,18 @@ struct Chunk {
     alignas(64) float lane_pos[W];
     for (int i = 0; i < W; ++i) lane_pos[i] = static_cast<float>(first + std::min<int64_t>(i, valid - 1));
     const R pos = Vec::load(lane_pos);
+    // A window: key blocks still start at multiples of KB from key 0 (the first one holding the lowest
+    // lane's first key), and a key below a lane's window scores -inf. The running max starts at the
+    // lowest finite float, not -inf, so a block with no key for a lane (every score -inf) rescales it by
+    // exp(0) = 1 and adds 0: whatever blocks a lane's tile-mates bring, its output is its own.
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    const int64_t below = window > 0 ? first + valid - 1 - window : -1;  // keys <= below: some lane masks them
+    const R lim = Vec::sub(pos, Vec::set1(static_cast<float>(window)));
     R m[NV], l[NV];
-    for (int v = 0; v < NV; ++v) m[v] = Vec::set1(-INFINITY), l[v] = Vec::zero();
+    for (int v = 0; v < NV; ++v) m[v] = Vec::set1(window > 0 ? -FLT_MAX : -INFINITY), l[v] = Vec::zero();
     const float* kr[KB];
     const float* vr[KB];
-    for (int64_t j0 = 0; j0 < keys; j0 += KB) {
+    for (int64_t j0 = lo / KB * KB; j0 < keys; j0 += KB) {
       const int64_t kb = std::min(KB, keys - j0);
       for (int64_t jj = 0; jj < kb; ++jj) {
         const int64_t a = at(j0 + jj, kvh);
@@ -187,6 +203,7 @@ struct Chunk {
           for (int v = 0; v < NV; ++v) {
             R sc = a[u][v];
             if (j0 + jj + u > first) sc = Vec::causal(sc, key_pos, pos);
+            if (j0 + jj + u <= below) sc = Vec::above(sc, key_pos, lim);
             Vec::store(st + (jj + u) * L + v * W, sc);
           }
         }
@@ -272,7 +289,7 @@ int64_t prefill_attention_lanes() {
 void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_pool,
                         const torch::Tensor& v_pool, const torch::Tensor& block_table, int64_t start, int64_t n,
                         int64_t ctx, double scale, const c10::optional<torch::Tensor>& k_scale,
-                        const c10::optional<torch::Tensor>& v_scale) {
+                        const c10::optional<torch::Tensor>& v_scale, int64_t window) {
 #ifndef KVGATE_PREFILL
   TORCH_CHECK(false, "prefill_attention_: this build has no vector prefill attention (it needs AVX2, FMA and F16C)");
 #else
@@ -309,7 +326,7 @@ void prefill_attention_(torch::Tensor out, const torch::Tensor& q, const torch::
     using T = decltype(tag);
     run_chunk(Chunk<T>{q.data_ptr<float>(), q.stride(0), q.stride(1), reinterpret_cast<const T*>(k_pool.data_ptr()),
                        reinterpret_cast<const T*>(v_pool.data_ptr()), table, out.data_ptr<float>(), start, n, ctx, H,
-                       KVH, D, bs, static_cast<float>(scale), ks, vs});
+                       KVH, D, bs, static_cast<float>(scale), ks, vs, window});
   };
   if (k_pool.scalar_type() == at::kFloat)
     go(float{});
