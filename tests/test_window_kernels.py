@@ -2,10 +2,11 @@
 decode kernel and the prompt-chunk kernel compute what gather + SDPA with the window in the mask computes,
 and a row's (or a query's) output keeps its own bits whatever shares the call, as without a window.
 
-Seen red: the decode kernel's chunks started at position 0 (the window ignored: off by up to 1.3); the
-prompt kernel's key blocks started at 0 with the running max at -inf (NaN for lanes whose first block
-held no key of their window); its lower mask left out (off by up to 1.5); the decode kernel's chunk count
-taken from the whole context (a zero-length chunk read past the row).
+Seen red (one build, 23 of 24 failed): the decode kernel's row start left at position 0 (the window
+ignored) together with the prompt kernel's lower mask left out. Not red: the prompt kernel's running max
+started at -inf instead of the lowest finite float; a block with no key for a lane then computes
+exp(-inf - -inf), which the vector exp's clamp (its max with the lowest argument drops a NaN) happens to
+make ~0 with nothing yet summed, so the same bits: the finite start is kept so as not to rest on that.
 """
 
 from __future__ import annotations
