@@ -105,3 +105,14 @@ def real_base():
     with running_server(engine, model_name="SmolLM2-135M-Instruct") as (b, _app):
         yield b
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def op():
+    """The paged decode attention kernel, or a skip saying why it is not here."""
+    from kvgate.models.paged_attention import kernel
+
+    k = kernel()
+    if k is None:
+        pytest.skip("the paged attention extension could not be built here (see the kvgate.models log line)")
+    return k

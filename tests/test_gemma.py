@@ -29,8 +29,8 @@ from kvgate.models import load_model
 from kvgate.models.errors import ModelLoadError
 from kvgate.request import GenerationRequest
 from kvgate.sampling import SamplingParams
-from tests.tiny_gguf import _add_tensor, prompt_logits
-from tests.tiny_model import CHAT_TEMPLATE, SPECIALS, build_tokenizer, byte_level_vocab
+from tests.tiny_gguf import _add_tensor, prompt_logits, write_hf_header
+from tests.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,30 +122,13 @@ def gguf_tensor_name(hf: str) -> str:
 
 def write_gguf(model, path, matrix_type: str = "F32"):
     c = model.config
-    tokens, merges = byte_level_vocab()
     w = GGUFWriter(str(path), "gemma3")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    write_hf_header(w, c, c.rope_parameters["full_attention"]["rope_theta"])
     w.add_sliding_window(c.sliding_window)
     full = c.rope_parameters["full_attention"]
     if full["rope_type"] == "linear":  # llama.cpp writes the full layers' scaling as rope.scaling.*
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHAT_TEMPLATE)
     for name, t in model.state_dict().items():
         arr = t.float().numpy()
         if name.endswith("norm.weight"):  # the converter stores Gemma's norms as 1 + w

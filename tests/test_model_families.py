@@ -21,7 +21,7 @@ from gguf import GGUFWriter, RopeScalingType
 
 from kvgate.models import load_model
 from kvgate.models.errors import ModelLoadError
-from tests.tiny_gguf import _add_tensor, gguf_name, llama_cpp_permute, prompt_logits
+from tests.tiny_gguf import _add_tensor, gguf_name, llama_cpp_permute, prompt_logits, write_hf_header
 from tests.tiny_model import CHAT_TEMPLATE, SPECIALS, build_tokenizer, byte_level_vocab
 
 transformers = pytest.importorskip("transformers")
@@ -108,31 +108,14 @@ def write_gguf(model, arch: str, rope: dict, path, matrix_type: str = "F32"):
     c = model.config
     theta = c.rope_parameters["rope_theta"]
     hd = c.head_dim
-    tokens, merges = byte_level_vocab()
     w = GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    write_hf_header(w, c, theta)
     w.add_rope_dimension_count(rope.get("rotated", hd))
-    w.add_rope_freq_base(theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if rope["rope_type"] in ("linear", "yarn", "longrope"):
         w.add_rope_scaling_type(RopeScalingType(rope["rope_type"]))
         w.add_rope_scaling_factor(rope["factor"])
     if rope["rope_type"] == "yarn":
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHAT_TEMPLATE)
     if rope["rope_type"] == "llama3":
         w.add_tensor("rope_freqs.weight", np.array(llama3_factors(rope, theta, hd), dtype=np.float32))
     for name, t in model.state_dict().items():

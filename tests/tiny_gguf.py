@@ -139,6 +139,29 @@ def write_tiny_gguf(
     return Path(path)
 
 
+def write_hf_header(w: GGUFWriter, c, theta: float) -> None:
+    """A transformers config's geometry as llama.cpp's converter writes it (head_dim from the config, RoPE
+    base `theta`), and the tiny byte-level vocabulary with its chat template (tests.tiny_model)."""
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    tokens, merges = byte_level_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def _add_tensor(w: GGUFWriter, name: str, arr: np.ndarray, qtype: str) -> None:
     if qtype == "F32":
         w.add_tensor(name, arr)
