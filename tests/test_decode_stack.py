@@ -305,10 +305,11 @@ def test_a_k_quant_models_stack_runs_its_block_tiles_on_the_team_as_the_loop(
 def q4_qwen3_dir(tmp_path_factory):
     """A tiny Qwen3 (per-head q/k RMSNorm, head_dim 32 over a 64-wide hidden state) whose layer matrices
     are exact Q4_1 blocks."""
-    from tests.test_model_families import hf_model, save_dir
+    from tests.test_model_families import hf_model
     from tests.test_q4_1 import ggml_q4_1
+    from tests.tiny_model import save_hf_dir
 
-    path = save_dir(hf_model("qwen3", {"rope_type": "default"}), tmp_path_factory.mktemp("q4-qwen3"))
+    path = save_hf_dir(hf_model("qwen3", {"rope_type": "default"}), tmp_path_factory.mktemp("q4-qwen3"))
     w = load_file(str(path / "model.safetensors"))
     for name in [n for n in w if n.endswith("proj.weight")]:
         w[name] = ggml_q4_1(w[name]).contiguous()

@@ -30,7 +30,7 @@ from kvgate.models.errors import ModelLoadError
 from kvgate.request import GenerationRequest
 from kvgate.sampling import SamplingParams
 from tests.tiny_gguf import _add_tensor, prompt_logits, write_hf_header
-from tests.tiny_model import CHAT_TEMPLATE, build_tokenizer
+from tests.tiny_model import build_tokenizer, save_hf_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,15 +84,6 @@ def reference(model):
     process to process (up to 2e-4 apart past position ~70, with the same weights and buffers), while
     kvgate's float32 was the same in every process and 1.2e-6 from the float64 one."""
     return copy.deepcopy(model).double()
-
-
-def save_dir(model, path):
-    model.save_pretrained(path)
-    build_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "add_bos_token": False})
-    )
-    return path
 
 
 _NAMES = {  # llama.cpp's gemma3 tensor names
@@ -154,7 +145,7 @@ def case(request, tmp_path_factory):
     with torch.no_grad():
         want = reference(model)(torch.tensor([IDS])).logits[0].float()
     root = tmp_path_factory.mktemp(request.param)
-    return request.param, save_dir(model, root / "hf"), want, root
+    return request.param, save_hf_dir(model, root / "hf"), want, root
 
 
 def test_a_hugging_face_directory_gives_transformers_logits_at_every_position(case):
@@ -211,7 +202,7 @@ def test_served_greedy_tokens_match_transformers_generate(case, knobs):
 
 
 def test_soft_capping_is_refused_by_name(tmp_path):
-    d = save_dir(hf_model("default"), tmp_path / "m")
+    d = save_hf_dir(hf_model("default"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     cfg["final_logit_softcapping"] = 30.0
     (d / "config.json").write_text(json.dumps(cfg))

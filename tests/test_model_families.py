@@ -22,7 +22,7 @@ from gguf import GGUFWriter, RopeScalingType
 from kvgate.models import load_model
 from kvgate.models.errors import ModelLoadError
 from tests.tiny_gguf import _add_tensor, gguf_name, llama_cpp_permute, prompt_logits, write_hf_header
-from tests.tiny_model import CHAT_TEMPLATE, SPECIALS, build_tokenizer, byte_level_vocab
+from tests.tiny_model import SPECIALS, build_tokenizer, byte_level_vocab, save_hf_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,15 +75,6 @@ def hf_model(arch: str, rope: dict, seed: int = 0):
             else:
                 p.normal_(0, 0.5 if "embed" in name else 0.08)
     return model.eval()
-
-
-def save_dir(model, path):
-    model.save_pretrained(path)
-    build_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "add_bos_token": False})
-    )
-    return path
 
 
 def llama3_factors(rope: dict, theta: float, dim: int) -> list[float]:
@@ -148,7 +139,7 @@ def case(request, tmp_path_factory):
     with torch.no_grad():
         want = model(torch.tensor([IDS])).logits[0].float()
     root = tmp_path_factory.mktemp(request.param)
-    d = save_dir(model, root / "hf")
+    d = save_hf_dir(model, root / "hf")
     g = write_gguf(model, arch, rope, root / "model.gguf")
     return request.param, d, g, want
 
@@ -186,7 +177,7 @@ def test_the_same_model_as_a_gguf_file_gives_the_same_logits(case):
 def test_a_rope_kvgate_does_not_compute_is_refused_by_name(tmp_path, rope, words):
     """Red with the kind check removed: 'dynamic' loaded as if unscaled."""
     model = hf_model("llama", {"rope_type": "default"})
-    d = save_dir(model, tmp_path / "m")
+    d = save_hf_dir(model, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_theta": 10000.0, **rope}
     (d / "config.json").write_text(json.dumps(cfg))
@@ -215,7 +206,7 @@ def test_an_older_config_with_rope_scaling_beside_rope_theta_reads_the_same(tmp_
     """transformers 4's config.json: `rope_theta` at the top, `rope_scaling` with `type`. Red when the
     old key is ignored (loaded unscaled)."""
     model = hf_model("llama", LLAMA3)
-    d = save_dir(model, tmp_path / "m")
+    d = save_hf_dir(model, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     params = cfg.pop("rope_parameters")
     cfg["rope_theta"] = params.pop("rope_theta")

@@ -111,3 +111,13 @@ def make_tiny_hf_dir(path: Path, seed: int = 0, tie: bool = False, geometry: dic
     )
     save_file(random_weights(vocab, seed, tie, geometry), str(path / "model.safetensors"))
     return path
+
+
+def save_hf_dir(model, path: Path) -> Path:
+    """A transformers model saved as an HF directory with the tiny tokenizer and its chat template."""
+    model.save_pretrained(path)
+    build_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "add_bos_token": False})
+    )
+    return path
