@@ -29,7 +29,7 @@ from kvgate.models import load_model
 from kvgate.models.errors import ModelLoadError
 from kvgate.request import GenerationRequest
 from kvgate.sampling import SamplingParams
-from tests.tiny_gguf import _add_tensor, prompt_logits, write_hf_header
+from tests.tiny_gguf import _add_tensor, prompt_logits, served_greedy, write_hf_header
 from tests.tiny_model import build_tokenizer, save_hf_dir
 
 transformers = pytest.importorskip("transformers")
@@ -164,23 +164,6 @@ def test_the_same_model_as_a_gguf_file_gives_the_same_logits(case):
     assert loaded.spec.norm_offset == 0 and loaded.spec.window_layers == (0, 1, 2, 3, 4, 6)
     err = (prompt_logits(loaded, IDS) - want).abs().max().item()
     assert err < ATOL, f"{name}: max logit error {err:.2e}"
-
-
-def served_greedy(path, prompt: list[int], **knobs) -> list[int]:
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-    from kvgate.request import GenerationRequest
-    from kvgate.sampling import SamplingParams
-
-    cfg = EngineConfig(dtype="float32", kv_dtype="float32", memory_limit="2GiB", kv_cache_bytes=16 << 20)
-    for k, v in knobs.items():
-        setattr(cfg, k, v)
-    e = Engine.from_model(str(path), cfg, overhead_bytes=0).start()
-    try:
-        req = GenerationRequest(prompt, SamplingParams(temperature=0), max_tokens=24, ignore_eos=True)
-        return list(e.generate(req, timeout=120).token_ids)
-    finally:
-        e.shutdown()
 
 
 @pytest.mark.parametrize(

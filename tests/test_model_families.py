@@ -21,7 +21,14 @@ from gguf import GGUFWriter, RopeScalingType
 
 from kvgate.models import load_model
 from kvgate.models.errors import ModelLoadError
-from tests.tiny_gguf import _add_tensor, gguf_name, llama_cpp_permute, prompt_logits, write_hf_header
+from tests.tiny_gguf import (
+    _add_tensor,
+    gguf_name,
+    llama_cpp_permute,
+    prompt_logits,
+    served_greedy,
+    write_hf_header,
+)
 from tests.tiny_model import SPECIALS, build_tokenizer, byte_level_vocab, save_hf_dir
 
 transformers = pytest.importorskip("transformers")
@@ -216,22 +223,6 @@ def test_an_older_config_with_rope_scaling_beside_rope_theta_reads_the_same(tmp_
     assert dict(spec.rope_scaling) == {**{k: v for k, v in LLAMA3.items()}}
 
 
-def served_greedy(path, prompt: list[int], weights: str = "full") -> list[int]:
-    from kvgate.config import EngineConfig
-    from kvgate.core.engine import Engine
-    from kvgate.request import GenerationRequest
-    from kvgate.sampling import SamplingParams
-
-    cfg = EngineConfig(dtype="float32", kv_dtype="float32", memory_limit="2GiB", kv_cache_bytes=16 << 20)
-    cfg.weights = weights
-    e = Engine.from_model(str(path), cfg, overhead_bytes=0).start()
-    try:
-        req = GenerationRequest(prompt, SamplingParams(temperature=0), max_tokens=24, ignore_eos=True)
-        return list(e.generate(req, timeout=120).token_ids)
-    finally:
-        e.shutdown()
-
-
 PROMPT = IDS[:150]  # past every case's original context, then 24 tokens more
 
 
@@ -251,7 +242,7 @@ def test_a_q8_0_file_held_as_its_blocks_gives_the_tokens_of_its_float_weights(ca
     name = case[0]
     arch, rope = CASES[name]
     g = write_gguf(hf_model(arch, rope), arch, rope, tmp_path / "q8.gguf", matrix_type="Q8_0")
-    assert served_greedy(g, PROMPT, "gguf") == served_greedy(g, PROMPT, "full"), name
+    assert served_greedy(g, PROMPT, weights="gguf") == served_greedy(g, PROMPT, weights="full"), name
 
 
 @pytest.mark.parametrize("pre,pieces", [("llama-bpe", 1), ("qwen2", 4)])

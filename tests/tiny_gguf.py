@@ -225,3 +225,22 @@ def prompt_logits(loaded, ids: list[int], block_size: int = 16) -> torch.Tensor:
     )
     batch.logits_index = torch.arange(len(ids), device=model.device)
     return model.forward(batch, kv)
+
+
+def served_greedy(path, prompt: list[int], **knobs) -> list[int]:
+    """24 greedy tokens after `prompt` from an engine on `path` (float32, float32 KV, 16 MiB of KV), with
+    `knobs` set on its EngineConfig (e.g. weights="gguf", decode_attention="gather")."""
+    from kvgate.config import EngineConfig
+    from kvgate.core.engine import Engine
+    from kvgate.request import GenerationRequest
+    from kvgate.sampling import SamplingParams
+
+    cfg = EngineConfig(dtype="float32", kv_dtype="float32", memory_limit="2GiB", kv_cache_bytes=16 << 20)
+    for k, v in knobs.items():
+        setattr(cfg, k, v)
+    e = Engine.from_model(str(path), cfg, overhead_bytes=0).start()
+    try:
+        req = GenerationRequest(prompt, SamplingParams(temperature=0), max_tokens=24, ignore_eos=True)
+        return list(e.generate(req, timeout=120).token_ids)
+    finally:
+        e.shutdown()
