@@ -46,6 +46,19 @@ def more_than(kind: type, low):
 PORT = at_least(int, 1, 65535)
 
 
+def one_of(*values: str):
+    """A converter refusing a word outside `values`; unlike argparse's `choices`, it also checks a default
+    read from the environment (argparse converts a string default with `type`)."""
+
+    def convert(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(values)}")
+        return text
+
+    convert.__name__ = "word"
+    return convert
+
+
 def auto_or(kind):
     """`kind`, or None for the word auto."""
 

@@ -76,7 +76,6 @@ def gguf_config(reader, path: Path, cfg: dict) -> None:
     # llama.cpp's rule: 27B (62 layers) scales by hidden / heads, the rest by head_dim
     heads_width = cfg["hidden_size"] // cfg["num_attention_heads"]
     cfg["query_pre_attn_scalar"] = heads_width if layers == 62 else cfg["head_dim"]
-    cfg["sliding_window"] = int(field(reader, "gemma3.attention.sliding_window", 0) or 0)
     cfg["layer_types"] = [
         "sliding_attention" if i in window_layers(layers) else "full_attention" for i in range(layers)
     ]

@@ -12,8 +12,9 @@ no repetition penalty. Only these five fields are taken, as vLLM takes them; `ma
 
 from __future__ import annotations
 
-import argparse
 import os
+
+from kvgate.flag_types import one_of
 
 CHOICES = ("auto", "vllm")
 
@@ -38,15 +39,9 @@ def announce(engine, settings) -> str | None:
 def add_generation_config_flag(parser) -> None:
     parser.add_argument(
         "--generation-config",
-        type=_choice,
+        type=one_of(*CHOICES),
         default=os.environ.get("KVGATE_GENERATION_CONFIG", "auto"),
         help="auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty out gets "
         "the model's own (generation_config.json, a GGUF's general.sampling.*), as vLLM and llama-server "
         "do; vllm: kvgate's defaults (temperature 1, none of the others) [KVGATE_GENERATION_CONFIG]",
     )
-
-
-def _choice(value: str) -> str:
-    if value not in CHOICES:
-        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(CHOICES)}")
-    return value

@@ -32,12 +32,12 @@ Promises:
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
 from dataclasses import dataclass
 
+from kvgate.flag_types import one_of
 from kvgate.stop import _partial
 
 log = logging.getLogger("kvgate.server")
@@ -51,17 +51,11 @@ TAIL_TOKENS = 16  # the prompt's last tokens read for an opened or closed think 
 def add_reasoning_flag(parser) -> None:
     parser.add_argument(
         "--reasoning-parser",
-        type=_parser_name,
+        type=one_of(*PARSERS),
         default=os.environ.get("KVGATE_REASONING_PARSER", "auto"),
         help="a thinking model's <think> block as the message's reasoning_content: auto (on when the chat "
         "template or vocabulary has <think> and </think>), none, deepseek_r1, qwen3",
     )
-
-
-def _parser_name(value: str) -> str:
-    if value not in PARSERS:
-        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(PARSERS)}")
-    return value
 
 
 def resolve(name: str, tok) -> str | None:
