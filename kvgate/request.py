@@ -71,6 +71,8 @@ class GenerationRequest:
     # row's first draft source (kvgate.core.predicted); it changes how fast, never what, is generated
     prediction_ids: list[int] | None = None
     skip_special_tokens: bool = True  # false: special tokens the model writes stay in the text
+    # special tokens written out all the same: the markers a tool format is read by (Mistral's [TOOL_CALLS])
+    keep_special: frozenset[int] = frozenset()
     # vLLM's: the stop string (or stop token's text) that ended the output stays in its text
     include_stop_str: bool = False
     # the stop token (EOS, stop_token_ids) is a Token event too, with its logprobs, as vLLM lists it: set

@@ -72,7 +72,13 @@ class TextTokenizer:
                 ids = [bos, *ids]
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()
+    ) -> str:
+        """`keep`: special tokens written out though the others are skipped (a tool format's markers)."""
+        if skip_special_tokens and keep:
+            ids = [i for i in ids if i in keep or i not in self._skipped]
+            skip_special_tokens = False
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(
@@ -178,16 +184,24 @@ _BYTE_OF = _gpt2_byte_decoder()
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: TextTokenizer, prompt_ids: list[int], context: int = 6, skip_special: bool = True
+        self,
+        tokenizer: TextTokenizer,
+        prompt_ids: list[int],
+        context: int = 6,
+        skip_special: bool = True,
+        keep: frozenset[int] = frozenset(),
     ):
         self.tok = tokenizer
         self.ids = list(prompt_ids[-context:])
         self.prefix = 0
         self.read = len(self.ids)
         self.skip_special = skip_special  # false: special tokens are written out (vLLM's skip_special_tokens)
+        self.keep = keep  # special tokens written out all the same (`TextTokenizer.decode`)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids) if self.skip_special else self.tok.decode(ids, skip_special_tokens=False)
+        if not self.skip_special:
+            return self.tok.decode(ids, skip_special_tokens=False)
+        return self.tok.decode(ids, keep=self.keep) if self.keep else self.tok.decode(ids)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)

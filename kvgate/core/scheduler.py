@@ -236,7 +236,9 @@ class Scheduler:
             gate=DraftGate() if speculates else None,
             prediction=self._prediction(req) if speculates and req.prediction_ids else None,
             stop=StopMatcher(stop_ids, req.stop, req.stop_exempt, req.include_stop_str),
-            detok=IncrementalDetokenizer(self.tok, req.prompt_ids, skip_special=req.skip_special_tokens),
+            detok=IncrementalDetokenizer(
+                self.tok, req.prompt_ids, skip_special=req.skip_special_tokens, keep=req.keep_special
+            ),
             budget_cap=cap,
             admitted_at=time.monotonic(),
             tokens=list(req.prompt_ids),

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 
 from kvgate.sampling import MAX_TOP_LOGPROBS
+from kvgate.server import mistral_tools as MT
 from kvgate.server import protocol as P
 from kvgate.server import tools as T
 from kvgate.server.chat_messages import chat_messages
@@ -81,8 +82,12 @@ def features_of(engine, req, think: Reasoning | None = None) -> Features:
     if f.tools is not None:
         # Llama 3.x's bare call where its template asks for it, never beside an answer format (the
         # parser and the stop strings read `bare` too); Qwen's tags as their own tokens
-        f.tools.bare = answer is None and T.asks_bare(engine.tokenizer)
-        text = T.grammar(f.tools, answer, reach, T.tag_ids(engine.tokenizer))
+        f.tools.mistral = MT.mistral_format(engine.tokenizer)  # Mistral's own `[TOOL_CALLS]` calls
+        if f.tools.mistral is not None:
+            text = MT.grammar(f.tools, answer, reach)
+        else:
+            f.tools.bare = answer is None and T.asks_bare(engine.tokenizer)
+            text = T.grammar(f.tools, answer, reach, T.tag_ids(engine.tokenizer))
     elif answer is not None:
         text = f"start: {answer}\n"
     elif guided is not None:

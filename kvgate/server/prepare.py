@@ -138,6 +138,7 @@ def prepare_generation(
             prompt_logprobs=feats.logprobs if feats.scores_prompt else None,
             prediction_ids=predicted,
             skip_special_tokens=req.skip_special_tokens,
+            keep_special=feats.tools.mistral.kept if feats.tools and feats.tools.mistral else frozenset(),
             include_stop_str=req.include_stop_str_in_output,
             report_stop_token=req.return_token_ids or req.return_tokens_as_token_ids,
             cache_salt=req.cache_salt,

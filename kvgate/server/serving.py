@@ -31,6 +31,7 @@ from kvgate.server.errors import APIError, from_refusal
 from kvgate.server.held import hold
 from kvgate.server.logprob_body import choice_writer, logprob_response
 from kvgate.server.logprobs import decorate_body
+from kvgate.server.mistral_tools import parser_for
 from kvgate.server.prepare import prepare_generation, submit_all
 from kvgate.server.responses import ChunkMaker, completion_body, named_stop_ids, usage
 from kvgate.server.sse import ENGINE_ERROR, HandledStream, failure_error, observe_after_cancel, sse_stream
@@ -132,7 +133,7 @@ async def generate(
     for choice, res in zip(body["choices"], results, strict=True):
         reasoning = think.take(choice) if think is not None else None  # tools read the content alone
         if prepared.features.tools is not None:
-            read_calls(choice, model_ended(res), prepared.features.tools.bare_names)
+            read_calls(choice, model_ended(res), parser=parser_for(prepared.features.tools))
         if think is not None:
             think.put(choice, reasoning)
     if prepared.request.return_token_ids:

@@ -30,6 +30,7 @@ import string
 from kvgate.request import Result, Token
 from kvgate.server import logprobs as L
 from kvgate.server import tool_parser as TP
+from kvgate.server.mistral_tools import parser_for
 from kvgate.server.responses import ChunkMaker, finish_reason, named_stop_ids, stop_reason
 from kvgate.server.vllm_extras import prompt_ids_on
 
@@ -113,7 +114,7 @@ class StreamShaper:
         reason = result.finish_reason
         if self.f is not None and self.f.tools is not None:
             parser = self._parser(i)
-            in_remark = parser.state == "tail"
+            in_remark = parser.after_calls
             out += self._tool_events(i, parser.end(cut=not TP.model_ended(result)))
             reason = TP.finish_reason(reason, parser.calls, in_remark)
         stop_ids = named_stop_ids(self.p.request, self.tok) if self.p is not None else ()
@@ -154,8 +155,8 @@ class StreamShaper:
     def _is_reasoning(chunks: list[dict]) -> bool:
         return bool(chunks) and "reasoning_content" in chunks[0]["choices"][0]["delta"]
 
-    def _parser(self, i: int) -> TP.ToolCallParser:
-        return self.parsers.setdefault(i, TP.ToolCallParser(self.f.tools.bare_names))
+    def _parser(self, i: int):
+        return self.parsers.setdefault(i, parser_for(self.f.tools))
 
     def _tool_events(self, i: int, events) -> list[dict]:
         return [self._dress(c) for c in self._tool_chunks(i, events)]

@@ -24,7 +24,7 @@ class ParsedCall:
 
 
 @dataclass
-class _ArgsScan:
+class ArgsScan:
     """Where a call's arguments (one JSON value) end: at the `}` (or whitespace) that comes at depth 0
     outside a string. No `}` of the arguments is ever taken for the wrapper's, nor the other way."""
 
@@ -82,8 +82,13 @@ class ToolCallParser:
     state: str = "start"  # start | content | head | args | close | between | tail
     calls: list[ParsedCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
-    scan: _ArgsScan = field(default_factory=_ArgsScan)
+    scan: ArgsScan = field(default_factory=ArgsScan)
     in_bare: bool = False  # the output is a bare call (`{"name": ...` at its start)
+
+    @property
+    def after_calls(self) -> bool:
+        """The output is in the remark after the calls, which is dropped (max_tokens there cut nothing)."""
+        return self.state == "tail"
 
     def push(self, text: str) -> list[tuple]:
         self.buf += text
@@ -181,7 +186,7 @@ class ToolCallParser:
     def _open_call(self, events, name: str) -> None:
         call = ParsedCall(len(self.calls), "call_" + uuid.uuid4().hex[:24], name)
         self.calls.append(call)
-        self.scan = _ArgsScan()
+        self.scan = ArgsScan()
         events.append(("call", call))
 
     def _args(self, events) -> None:
@@ -241,7 +246,7 @@ def _parsed(text: str, cut: bool, bare_names: frozenset[str] = frozenset()) -> T
     return p
 
 
-def _content(p: ToolCallParser) -> str | None:
+def _content(p) -> str | None:
     """The answer's text; None when there is none beside the calls (OpenAI's content of a call turn)."""
     content = "".join(p.content)
     return content if content or not p.calls else None
@@ -255,15 +260,20 @@ def model_ended(result) -> bool:
     return result.finish_reason == "stop" and (why.startswith("token:") or why == "grammar")
 
 
-def read_calls(choice: dict, ended: bool = False, bare_names: frozenset[str] = frozenset()) -> None:
+def read_calls(
+    choice: dict, ended: bool = False, bare_names: frozenset[str] = frozenset(), parser=None
+) -> None:
     """Turn a finished chat choice's text into its message: content, or tool calls (the choice then
     finishes with `tool_calls` when every call is whole; cut short, it keeps `length` or `stop` with the
-    calls so far, as a stream gives). `bare_names`: `ToolPlan.bare_names`."""
-    p = _parsed(choice["message"]["content"], not ended, bare_names)
+    calls so far, as a stream gives). `bare_names`: `ToolPlan.bare_names`; `parser`: a new reader of the
+    request's format (`mistral_tools.parser_for`) in place of a Hermes one with those names."""
+    p = parser if parser is not None else ToolCallParser(bare_names)
+    p.push(choice["message"]["content"])
+    p.end(not ended)
     choice["message"] = {"role": "assistant", "content": _content(p)}
     if p.calls:
         choice["message"]["tool_calls"] = call_dicts(p.calls)
-    choice["finish_reason"] = finish_reason(choice["finish_reason"], p.calls, p.state == "tail")
+    choice["finish_reason"] = finish_reason(choice["finish_reason"], p.calls, p.after_calls)
 
 
 def finish_reason(reason: str, calls: list[ParsedCall], in_remark: bool = False) -> str:

@@ -15,6 +15,8 @@ never starts with `{"name": ` (`BARE`), the parser reads a bare call of a declar
 stop strings do not apply inside one (`stop_regions`). Every other model (SmolLM2's and Qwen's
 templates) gets the Hermes blocks alone. Where the vocabulary has `<tool_call>` and `</tool_call>` as
 added tokens (Qwen2.5/Qwen3), the grammar takes each as its token as well as its text (`tag_ids`).
+A Mistral model (its template writes `[TOOL_CALLS]`, its vocabulary has the token) gets its own format
+instead, grammar and parser from kvgate/server/mistral_tools.py (`ToolPlan.mistral`).
 
 Rendering: a chat template that reads `tools` gets them (OpenAI's list) and the turns as Hugging Face
 templates expect them (an assistant turn's `tool_calls` with `arguments` as an object, `{}` when
@@ -65,6 +67,9 @@ BARE_KEYS = (', "parameters": ', ARGS_AT)  # a bare call's arguments key: Llama'
 CALL_REGION = (OPEN.rstrip(), END)  # where the request's stop strings do not apply (kvgate.stop)
 BARE_REGION = (BARE, None)  # a bare call: from its opening to the end of its JSON object (kvgate.stop)
 TAIL_CHARS = 16  # a remark after the calls: the model may start one, and the output ends within it
+MISTRAL_MARK = "[TOOL_CALLS]"  # Mistral's control token that opens its calls (kvgate.server.mistral_tools)
+# Mistral's calls run to the output's end: a closing that never comes (JSON never holds a raw NUL)
+MISTRAL_REGION = (MISTRAL_MARK, "\x00")
 
 PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -82,6 +87,7 @@ class ToolPlan:
     functions: list[P.FunctionDef]
     parallel: bool
     bare: bool = False  # Llama 3.x's bare call is offered (`asks_bare`, and no response_format)
+    mistral: object = None  # the model's `mistral_tools.MistralFormat`: its calls, not Hermes blocks
 
     @property
     def bare_names(self) -> frozenset[str]:
@@ -115,6 +121,8 @@ def stop_regions(plan: ToolPlan | None):
     """The output regions a request's stop strings do not apply in (`GenerationRequest.stop_exempt`)."""
     if plan is None:
         return None
+    if plan.mistral is not None:
+        return MISTRAL_REGION
     return (CALL_REGION, BARE_REGION) if plan.bare else CALL_REGION
 
 
