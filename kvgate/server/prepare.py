@@ -138,7 +138,7 @@ def prepare_generation(
             prompt_logprobs=feats.logprobs if feats.scores_prompt else None,
             prediction_ids=predicted,
             skip_special_tokens=req.skip_special_tokens,
-            keep_special=feats.tools.mistral.kept if feats.tools and feats.tools.mistral else frozenset(),
+            keep_special=kept_tokens(feats, think),
             include_stop_str=req.include_stop_str_in_output,
             report_stop_token=req.return_token_ids or req.return_tokens_as_token_ids,
             cache_salt=req.cache_salt,
@@ -179,6 +179,17 @@ def prepare_generation(
         truncated=frozenset(k for k, (a, b) in enumerate(zip(prompts, sent)) if a != b),
         reasoning=think,
     )
+
+
+def kept_tokens(feats: Features, think: R.Reasoning | None) -> frozenset[int]:
+    """The control tokens the detokenizer writes for this request: Mistral's `[TOOL_CALLS]` (and
+    `[ARGS]`, `[CALL_ID]`) for its tool parser, `[THINK]` and `[/THINK]` for its reasoning splitter."""
+    tools = (
+        feats.tools.mistral.kept
+        if feats.tools is not None and feats.tools.mistral is not None
+        else frozenset()
+    )
+    return tools | (think.kept if think is not None else frozenset())
 
 
 def reasoning_of(engine, req, settings: ServerSettings) -> tuple[R.Reasoning | None, list | None]:

@@ -6,7 +6,9 @@ Promises:
 - `--reasoning-parser` (`ServerSettings.reasoning_parser`, `resolve`): `none` leaves the text as the
   model wrote it; `deepseek_r1` and `qwen3` split it; `auto` (the default) is on when the chat template
   or the vocabulary has both `<think>` and `</think>`: `deepseek_r1` when the template writes them and
-  does not read `enable_thinking` (the R1 distills'), else `qwen3`. Chat answers only (and the
+  does not read `enable_thinking` (the R1 distills'), else `qwen3`; `mistral` (tags `[THINK]` and
+  `[/THINK]`, control tokens the detokenizer writes for it: `Reasoning.kept`) where the template and the
+  vocabulary both have them (Magistral, Ministral 3 Reasoning), checked first. Chat answers only (and the
   Responses and Messages APIs, which are chat answers); `/v1/completions` text is never split.
 - Where an answer starts (`start_state`, from the end of the rendered prompt, as llama.cpp's
   "thinking forced open"): a prompt ending in `<think>` (R1 distills' and Qwen3.5's templates open it)
@@ -32,6 +34,7 @@ Promises:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -43,7 +46,8 @@ from kvgate.stop import _partial
 log = logging.getLogger("kvgate.server")
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
+MISTRAL_TAGS = ("[THINK]", "[/THINK]")  # Magistral's and Ministral 3 Reasoning's control tokens
+PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "mistral")
 FIELDS = ("reasoning_content", "reasoning")  # a message's and a delta's fields, the same text in each
 TAIL_TOKENS = 16  # the prompt's last tokens read for an opened or closed think block
 
@@ -54,7 +58,8 @@ def add_reasoning_flag(parser) -> None:
         type=one_of(*PARSERS),
         default=os.environ.get("KVGATE_REASONING_PARSER", "auto"),
         help="a thinking model's <think> block as the message's reasoning_content: auto (on when the chat "
-        "template or vocabulary has <think> and </think>), none, deepseek_r1, qwen3",
+        "template or vocabulary has <think> and </think>, or both have [THINK] and [/THINK]), none, "
+        "deepseek_r1, qwen3, mistral",
     )
 
 
@@ -67,6 +72,8 @@ def resolve(name: str, tok) -> str | None:
     info = getattr(tok, "info", None)
     template = (getattr(info, "chat_template", None) or "") if info is not None else ""
     vocab = getattr(tok, "tok", None)
+    if vocab is not None and all(t in template and vocab.token_to_id(t) is not None for t in MISTRAL_TAGS):
+        return "mistral"  # its control tokens, in the vocabulary and written by the template
     in_template = OPEN in template and CLOSE in template
     in_vocab = vocab is not None and all(vocab.token_to_id(t) is not None for t in (OPEN, CLOSE))
     if not (in_template or in_vocab):
@@ -78,10 +85,11 @@ def start_state(tok, prompt_ids: list[int], parser: str, thinking: bool = True) 
     """ "reasoning", "content" or "start" (the output may open `<think>`): see the module doc."""
     if parser == "qwen3" and not thinking:
         return "content"
+    opening, closing = tags_of(parser)
     tail = tok.decode(list(prompt_ids[-TAIL_TOKENS:]), skip_special_tokens=False).rstrip()
-    if tail.endswith(OPEN):
+    if tail.endswith(opening):
         return "reasoning"
-    if tail.endswith(CLOSE):
+    if tail.endswith(closing):
         return "content"
     return "start"
 
@@ -99,12 +107,24 @@ class Reasoning:
     close_id: int | None = None
 
     @property
+    def tags(self) -> tuple[str, str]:
+        return tags_of(self.parser)
+
+    @property
+    def kept(self) -> frozenset[int]:
+        """Tags the detokenizer must write though they are control tokens (Mistral's): the splitter reads
+        them in the text. `<think>` is text in every vocabulary that has it."""
+        if self.parser != "mistral":
+            return frozenset()
+        return frozenset(i for i in (self.open_id, self.close_id) if i is not None)
+
+    @property
     def missing(self) -> str:
         """Where output that opens no think block goes."""
         return "reasoning" if self.parser == "deepseek_r1" and not self.grammar else "content"
 
     def splitter(self) -> ReasoningSplitter:
-        return ReasoningSplitter(self.state, self.missing)
+        return ReasoningSplitter(self.state, self.missing, self.tags)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole output: (reasoning or None, content)."""
@@ -137,8 +157,13 @@ def plan(name: str, engine, req, prompt_ids: list[int]) -> Reasoning | None:
     r.state = start_state(engine.tokenizer, prompt_ids, parser, r.thinking)
     vocab = getattr(engine.tokenizer, "tok", None)
     if vocab is not None:
-        r.open_id, r.close_id = vocab.token_to_id(OPEN), vocab.token_to_id(CLOSE)
+        r.open_id, r.close_id = (vocab.token_to_id(t) for t in r.tags)
     return r
+
+
+def tags_of(parser: str) -> tuple[str, str]:
+    """The opening and closing of a parser's think block."""
+    return MISTRAL_TAGS if parser == "mistral" else (OPEN, CLOSE)
 
 
 class ReasoningSplitter:
@@ -147,9 +172,10 @@ class ReasoningSplitter:
     `push_token` also counts the tokens generated while reasoning was open (usage's `reasoning_tokens`:
     the opening's tokens, the reasoning's, and the one that completes `</think>`)."""
 
-    def __init__(self, state: str = "start", missing: str = "content"):
+    def __init__(self, state: str = "start", missing: str = "content", tags: tuple[str, str] = (OPEN, CLOSE)):
         self.state = state  # start | reasoning | content
         self.missing = missing
+        self.open, self.close = tags
         self.buf = ""
         self.lead = True  # nothing of the current field sent yet: its leading whitespace is dropped
         self.final = False
@@ -195,27 +221,27 @@ class ReasoningSplitter:
 
     def _start(self, out) -> None:
         body = self.buf.lstrip()
-        if body.startswith(OPEN):
-            self.buf = body[len(OPEN) :]
+        if body.startswith(self.open):
+            self.buf = body[len(self.open) :]
             self._enter("reasoning")
-        elif self.final or not OPEN.startswith(body):  # it can no longer become `<think>`
+        elif self.final or not self.open.startswith(body):  # it can no longer become the opening
             self._enter(self.missing)
 
     def _reasoning(self, out) -> None:
         if self.lead:  # opened by the prompt, and by the output again: the second opening is dropped
             self.buf = self.buf.lstrip()
-            if self.buf.startswith(OPEN):
-                self.buf = self.buf[len(OPEN) :]
+            if self.buf.startswith(self.open):
+                self.buf = self.buf[len(self.open) :]
                 return
-            if self.buf and OPEN.startswith(self.buf) and not self.final:
+            if self.buf and self.open.startswith(self.buf) and not self.final:
                 return
-        at = self.buf.find(CLOSE)
+        at = self.buf.find(self.close)
         if at >= 0:
             self._send(out, "reasoning", self.buf[:at].rstrip())
-            self.buf = self.buf[at + len(CLOSE) :]
+            self.buf = self.buf[at + len(self.close) :]
             self._enter("content")
             return
-        keep = 0 if self.final else _partial(self.buf, CLOSE)
+        keep = 0 if self.final else _partial(self.buf, self.close)
         text = self.buf[: len(self.buf) - keep]
         sent = text.rstrip()  # whitespace is held: `</think>` may come right after it
         self._send(out, "reasoning", sent)
@@ -243,8 +269,10 @@ def wrap_grammar(text: str, r: Reasoning | None) -> str:
         return text
     from kvgate.server.tools import not_containing  # here: `kvgate` (cli) imports this module for its flag
 
-    free = f"({not_containing(CLOSE)})".replace("/", "\\/")
-    lines = [f"KVGATE_THINK: /{free}?<\\/think>[ \\t\\r\\n]*/"]
+    opening_text, closing_text = r.tags
+    free = f"({not_containing(closing_text)})".replace("/", "\\/")
+    closing = re.escape(closing_text).replace("/", "\\/")
+    lines = [f"KVGATE_THINK: /{free}?{closing}[ \\t\\r\\n]*/"]
     think = "KVGATE_THINK"
     if r.close_id is not None:
         think = f"(KVGATE_THINK | KVGATE_TEXT? <[{r.close_id}]> KVGATE_WS?)"
@@ -256,6 +284,7 @@ def wrap_grammar(text: str, r: Reasoning | None) -> str:
         again = "" if r.open_id is None else f"(KVGATE_WS? <[{r.open_id}]>)? "
         head = f"start: {again}{think} kvgate_answer"
     else:
-        opening = f'"{OPEN}"' if r.open_id is None else f'("{OPEN}" | <[{r.open_id}]>)'
+        quoted = json.dumps(opening_text)
+        opening = quoted if r.open_id is None else f"({quoted} | <[{r.open_id}]>)"
         head = f"start: kvgate_answer | {opening} {think} kvgate_answer"
     return "\n".join([head, *lines, _START.sub(r"\1kvgate_answer\2", text)])
