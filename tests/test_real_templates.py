@@ -130,6 +130,23 @@ def test_tools_and_documents_are_defined_as_none_when_absent():
     assert served(t, [ASK], tools=[WEATHER]) == "TOOLS D Weather in Paris?"
 
 
+def test_a_tools_fields_reach_the_template_as_vllm_passes_them():
+    """vLLM gives a template each tool's `description` and `parameters`, None when the request left them
+    out (`FunctionDefinition.model_dump()`), and `strict` only when sent. Command R7B's and Cohere2's
+    templates write `description | tojson`, Hermes 2 Pro's and 3's tool_use ones read `parameters`: on
+    a tool without them kvgate answered a 400 where vLLM renders (13 of llama.cpp's 70 templates
+    fail either way, 23 did in kvgate: session 49). Seen red with `tool_list`'s `exclude_none` dump
+    given to native templates (Undefined is not JSON serializable: a 400)."""
+    t = "{% for t in tools %}{{ t.function | tojson }};{% endfor %}{{ messages[0].content }}"
+    strict = {"type": "function", "function": {**TIME["function"], "name": "now", "strict": True}}
+    got = served(t, [ASK], tools=[{"type": "function", "function": {"name": "get_time"}}, strict])
+    assert got == (
+        '{"name": "get_time", "description": null, "parameters": null};'
+        '{"name": "now", "description": "The time now", "parameters": null, "strict": true};Weather in Paris?'
+    )
+    assert served("{{ tools[0].function.description | tojson }}", [ASK], tools=[TIME]) == '"The time now"'
+
+
 def test_a_template_that_fails_on_the_messages_is_a_400_not_a_500():
     """DeepSeek-R1-Distill's template joins `'...' + arguments`, a TypeError when they are an object;
     any template can index past a list. vLLM answers those with a 400; kvgate raised them past

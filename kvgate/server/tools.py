@@ -163,11 +163,26 @@ def tool_list(functions: list[P.FunctionDef]) -> list[dict]:
     return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
 
 
+def template_tools(functions: list[P.FunctionDef]) -> list[dict]:
+    """The `tools` a chat template reads, as vLLM passes them (its `FunctionDefinition.model_dump()`):
+    `description` and `parameters` always there, None when the request left them out, `strict` only
+    when sent. Templates that write `tool.description | tojson` (Command R7B's, Cohere2's) or read
+    `tool.parameters` (Hermes 2 Pro's and 3's tool_use) failed on a tool without them: a 400 from
+    kvgate (and transformers) where vLLM renders `null`."""
+    out = []
+    for f in functions:
+        fn = {"name": f.name, "description": f.description, "parameters": f.parameters}
+        if f.strict is not None:
+            fn["strict"] = f.strict
+        out.append({"type": "function", "function": fn})
+    return out
+
+
 def render(messages: list[dict], plan: ToolPlan | None, native: bool) -> tuple[list[dict], list | None]:
     """Messages for the chat template, and the `tools` to pass it (native templates only)."""
     if native:
         out = [_native_turn(m) for m in messages]
-        return out, tool_list(plan.functions) if plan else None
+        return out, template_tools(plan.functions) if plan else None
     out: list[dict] = []
     for m in messages:
         if m["role"] == "tool":
