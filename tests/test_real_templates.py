@@ -147,6 +147,20 @@ def test_a_tools_fields_reach_the_template_as_vllm_passes_them():
     assert served("{{ tools[0].function.description | tojson }}", [ASK], tools=[TIME]) == '"The time now"'
 
 
+def test_text_parts_are_joined_by_a_newline_as_vllm_and_llama_cpp_join_them():
+    """A message's text parts reach the template as one text, the parts joined by "\n" (vLLM's
+    `_parse_chat_message_content_parts`, llama.cpp's `to_json_oaicompat`): joined with nothing,
+    ["Hello", "world"] was "Helloworld". The Responses API's input_text parts and the Messages API's
+    text blocks (which become such parts) take the same rule. Seen red with "".join in
+    `chat_messages` and in `responses_input._text`."""
+    from kvgate.server.responses_input import to_chat
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert served("{{ messages[0].content }}", [{"role": "user", "content": parts}]) == "Hello\nworld"
+    item = {"role": "user", "content": [{"type": "input_text", "text": t} for t in ("Hello", "world")]}
+    assert to_chat({"model": "m", "input": [item]})[0]["messages"][0]["content"] == "Hello\nworld"
+
+
 def test_a_template_that_fails_on_the_messages_is_a_400_not_a_500():
     """DeepSeek-R1-Distill's template joins `'...' + arguments`, a TypeError when they are an object;
     any template can index past a list. vLLM answers those with a 400; kvgate raised them past

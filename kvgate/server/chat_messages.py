@@ -1,6 +1,6 @@
 """A chat request's messages as the template sees them, checked first as OpenAI checks them.
 
-`chat_messages` turns the request's messages into plain dicts (text parts joined, `developer` as
+`chat_messages` turns the request's messages into plain dicts (text parts joined by a newline, `developer` as
 `system`, a replayed response's own fields dropped when empty, an assistant turn's reasoning as
 `reasoning_content`, sent as that or as vLLM's `reasoning`, for the templates that read it) and refuses, each with a 400 naming
 the message, what OpenAI's API refuses: an unknown role or message field, a non-text part, a user,
@@ -42,7 +42,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                         param=f"messages.{i}.content.{j}.text",
                     )
                 texts.append(part.text)
-            content = "".join(texts)
+            content = "\n".join(texts)  # vLLM's and llama.cpp's rule for a template that takes text
         elif m.content is None and m.role != "assistant":  # an assistant's may be null (a call turn)
             raise invalid(
                 f"messages[{i}] ({m.role}) has no content: a {m.role} message needs its 'content' (an "

@@ -7,7 +7,7 @@ with `store` off: `to_chat` turns the body into a chat completion body, which th
 path whole (template, tools, grammar, admission), so the two endpoints can never drift apart.
 
 Input items, in order, become messages: a string is one user message; `{"role", "content"}` items
-(type `message` or none) keep their role, their `input_text` / `output_text` parts joined;
+(type `message` or none) keep their role, their `input_text` / `output_text` parts joined by a newline;
 `function_call` items become the assistant's `tool_calls` (consecutive ones, and one after the
 assistant's text, in one message, as the chat templates expect them); `function_call_output` items
 become `tool` messages. `instructions` is a system message before them all.
@@ -197,7 +197,7 @@ def input_messages(items) -> tuple[list[dict], list[str]]:
 
 
 def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
 def responses_param(param: str | None, origin: list[str]) -> str | None:
