@@ -9,6 +9,7 @@ is released at once, and the held tail is released when generation ends for anot
 from __future__ import annotations
 
 THINK_CLOSE = "</think>"  # the end of a thinking model's reasoning (kvgate.server.reasoning's CLOSE)
+THINK_CLOSES = (THINK_CLOSE, "[/THINK]")  # with Mistral's (reasoning.MISTRAL_TAGS), written out for it
 
 
 class StopMatcher:
@@ -23,12 +24,14 @@ class StopMatcher:
         pairs: a tool call's `<tool_call>` ... `</tool_call>`, whose arguments a grammar writes (a stop
         string there cut a call's JSON in two, and agents ran the broken call: QA pass 6). A closing of
         None: the region ends where the JSON object that its opening begins with `{` ends (a bare call,
-        `{"name": ...}`, kvgate.server.tools): such a region opens only where the answer starts, as the
-        grammar and the tool parser allow a bare call only there (review of session 47: prose with an
-        unbalanced `{"name": ` turned stop strings off for the rest of the output): at the output's
-        first character, or, after a think block, at the first character that is not whitespace after
-        the first `</think>` (the stop matcher sees the reasoning too; `wrap_grammar` lets the answer
-        follow it; a prose `</think>` where no reasoning is split is taken for its end as well).
+        `{"name": ...}`, kvgate.server.tools). Such a region, and one given as (opening, closing,
+        "start") (Mistral's calls beside an answer format, whose JSON strings may hold the mark), opens
+        only where the answer starts, as the grammar and the tool parser allow those calls only there
+        (review of session 47: prose with an unbalanced `{"name": ` turned stop strings off for the
+        rest of the output): at the output's first character, or, after a think block, at the first
+        character that is not whitespace after the first `</think>` or `[/THINK]` (the stop matcher sees
+        the reasoning too; `wrap_grammar` lets the answer follow it; a prose closing where no
+        reasoning is split is taken for its end as well).
         `include`: the text is cut after the stop string, not before it (vLLM's
         `include_stop_str_in_output`)."""
         self.include = include
@@ -140,17 +143,18 @@ class StopMatcher:
         return sorted(s - base for s in starts if base <= s < base + size)
 
     def _find_opening(self, text: str, pair: tuple, base: int) -> int:
-        if pair[1] is not None:
+        if not _at_start(pair):
             return text.find(pair[0])
         return next((i for i in self._bare_starts(base, len(text)) if text.startswith(pair[0], i)), -1)
 
     def _partial_opening(self, text: str, base: int) -> int:
-        """The longest end of `text` that may still become an opening (a bare one only at the answer's start)."""
-        keep = [_partial(text, opening) for opening, closing in self.exempt if closing is not None]
-        for opening, closing in self.exempt:
-            if closing is None:
+        """The longest end of `text` that may still become an opening (a bare one, or one marked "start",
+        only at the answer's start)."""
+        keep = [_partial(text, pair[0]) for pair in self.exempt if not _at_start(pair)]
+        for pair in self.exempt:
+            if _at_start(pair):
                 keep += [
-                    len(text) - i for i in self._bare_starts(base, len(text)) if opening.startswith(text[i:])
+                    len(text) - i for i in self._bare_starts(base, len(text)) if pair[0].startswith(text[i:])
                 ]
         return max(keep, default=0)
 
@@ -159,12 +163,13 @@ class StopMatcher:
         then where the answer starts (reasoning ends at the first `</think>`: kvgate.server.reasoning)."""
         if self._think is not None:  # the tag not yet found
             tail = self._think + text
-            at = tail.find(THINK_CLOSE)
-            if at < 0:
-                self._think = tail[len(tail) - _partial(tail, THINK_CLOSE) :]
+            found = [(at, tag) for tag in THINK_CLOSES if (at := tail.find(tag)) >= 0]
+            if not found:
+                self._think = tail[len(tail) - max(_partial(tail, tag) for tag in THINK_CLOSES) :]
                 return
-            self._think, self.answer_at = None, self.pushed - len(tail) + at + len(THINK_CLOSE)
-            text = tail[at + len(THINK_CLOSE) :]
+            at, tag = min(found)
+            self._think, self.answer_at = None, self.pushed - len(tail) + at + len(tag)
+            text = tail[at + len(tag) :]
         elif self.answer_at is None or self.answer_at < self.pushed - len(text):
             return  # the answer's start already passed
         start = self.pushed - len(text)  # where `text` starts; answer_at lies at or after it
@@ -189,6 +194,12 @@ class StopMatcher:
                     return n + 1, 0
         self._scan = [depth, in_string, escaped]
         return -1, 0
+
+
+def _at_start(pair: tuple) -> bool:
+    """Whether a region opens only at the answer's start: a bare call's (closing None), or one whose
+    third element is "start" (Mistral's calls beside an answer format, whose JSON may hold the mark)."""
+    return pair[1] is None or pair[2:] == ("start",)
 
 
 def _partial(text: str, word: str) -> int:

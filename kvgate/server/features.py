@@ -83,7 +83,9 @@ def features_of(engine, req, think: Reasoning | None = None) -> Features:
         # Llama 3.x's bare call where its template asks for it, never beside an answer format (the
         # parser and the stop strings read `bare` too); Qwen's tags as their own tokens
         f.tools.mistral = MT.mistral_format(engine.tokenizer)  # Mistral's own `[TOOL_CALLS]` calls
+        f.tools.formatted = answer is not None
         if f.tools.mistral is not None:
+            MT.check_names(f.tools)
             text = MT.grammar(f.tools, answer, reach)
         else:
             f.tools.bare = answer is None and T.asks_bare(engine.tokenizer)

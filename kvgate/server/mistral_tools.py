@@ -33,6 +33,7 @@ import string
 from dataclasses import dataclass, field
 
 from kvgate.server import tools as T
+from kvgate.server.errors import invalid
 from kvgate.server.tool_parser import ARGS_AT, BARE, ArgsScan, ParsedCall, ToolCallParser
 
 MARK, ARGS, CALL_ID = T.MISTRAL_MARK, "[ARGS]", "[CALL_ID]"
@@ -103,6 +104,19 @@ def grammar(plan: T.ToolPlan, answer_rule: str | None, reach: int | None = None)
     return "\n".join(lines) + "\n"
 
 
+def check_names(plan: T.ToolPlan) -> None:
+    """Mistral's markup around a name is made of brackets: a function name holding `[`, `]` or a NUL
+    could read as markup (`a[ARGS]b`). OpenAI allows only letters, digits, `_` and `-` in one."""
+    for i, f in enumerate(plan.functions):
+        if any(c in f.name for c in "[]\x00"):
+            raise invalid(
+                f"tool {f.name!r}: this model marks its calls with bracketed tokens ([TOOL_CALLS], [ARGS]), "
+                "so a function name may not hold '[', ']' or NUL; use letters, digits, '_' and '-' "
+                "(OpenAI's rule for names)",
+                param=f"tools.{i}.function.name",
+            )
+
+
 def new_id() -> str:
     return "".join(random.choices(ID_CHARS, k=9))
 
@@ -110,19 +124,25 @@ def new_id() -> str:
 @dataclass
 class MistralCallParser:
     """Incremental reader of a Mistral output: `push(text)` -> events, `end(cut)` -> the last events,
-    the events of `ToolCallParser`. `listed`: the JSON list form, else a token per call.
+    the events of `ToolCallParser`. `listed`: the JSON list form, else a token per call. `lead`: calls
+    may follow text; false beside an answer format, where they can only open the output (the grammar's
+    `answer | calls`) and a JSON answer's strings may hold the mark's characters (review of session 49).
 
-    States: content, open (after the list's `[TOOL_CALLS]`, before its `[`), head (a listed call's
+    States: start (`lead` false: the output's first characters), text (an answer: all content), content, open (after the list's `[TOOL_CALLS]`, before its `[`), head (a listed call's
     `{"name": ..., "arguments": `), name (a token-per-call name, up to `[ARGS]` or `[CALL_ID]`), call_id,
     args, close (a listed call's optional id and `}`), between (`, ` and the next listed call, or `]`),
     after (a token-per-call call's end: the next `[TOOL_CALLS]`), done (the calls ended)."""
 
     listed: bool
+    lead: bool = True
     buf: str = ""
-    state: str = "content"
+    state: str = ""
     calls: list[ParsedCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     scan: ArgsScan = field(default_factory=ArgsScan)
+
+    def __post_init__(self) -> None:
+        self.state = self.state or ("content" if self.lead else "start")
 
     @property
     def after_calls(self) -> bool:
@@ -140,15 +160,14 @@ class MistralCallParser:
         return events
 
     def end(self, cut: bool = True) -> list[tuple]:
-        """As `ToolCallParser.end`: held-back text that may have become `[TOOL_CALLS]` is an answer when the
-        model ended the output and dropped when it was cut (the whitespace before it is text either way);
-        a listed call cut after its whole name comes out with empty arguments, as a Hermes call does."""
+        """As `ToolCallParser.end`, but held-back text is always an answer: `[TOOL_CALLS]` is one token,
+        whose text comes whole, so a held part of it (`See [TOOL_C`) was the model's text, cut or not
+        (review of session 49: it was dropped on a cut). A listed call cut after its whole name comes
+        out with empty arguments, as a Hermes call does."""
         events: list[tuple] = []
-        if self.state == "content" and self.buf:
-            text = self.buf if not cut else self.buf[: len(self.buf) - len(self.buf.lstrip())]
-            if text:
-                self.content.append(text)
-                events.append(("content", text))
+        if self.state in ("content", "start", "text") and self.buf:
+            self.content.append(self.buf)
+            events.append(("content", self.buf))
         elif self.state == "head":
             name = ToolCallParser._name(self.buf)
             if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
@@ -156,12 +175,24 @@ class MistralCallParser:
         self.buf = ""
         return events
 
+    def _start(self, events) -> None:
+        if self.buf.startswith(MARK):
+            self.buf = self.buf[len(MARK) :]
+            self.state = "open" if self.listed else "name"
+        elif not MARK.startswith(self.buf):
+            self.state = "text"
+
+    def _text(self, events) -> None:
+        self.content.append(self.buf)
+        events.append(("content", self.buf))
+        self.buf = ""
+
     def _content(self, events) -> None:
         at = self.buf.find(MARK)
         if at >= 0:
             text, self.buf = self.buf[:at].rstrip(), self.buf[at + len(MARK) :]
             self.state = "open" if self.listed else "name"
-        else:  # hold back what may still become the mark, and the whitespace before it
+        else:  # hold back what may still become the mark (for a stream split inside it), and whitespace
             keep = next((n for n in range(len(MARK) - 1, 0, -1) if self.buf.endswith(MARK[:n])), 0)
             cut = len(self.buf[: len(self.buf) - keep].rstrip())
             text, self.buf = self.buf[:cut], self.buf[cut:]
@@ -251,5 +282,5 @@ class MistralCallParser:
 def parser_for(plan: T.ToolPlan):
     """The output reader for a request's tool plan: Mistral's where the model writes Mistral's format."""
     if plan.mistral is not None:
-        return MistralCallParser(listed=plan.mistral.args is None)
+        return MistralCallParser(listed=plan.mistral.args is None, lead=not plan.formatted)
     return ToolCallParser(plan.bare_names)

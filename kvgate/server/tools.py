@@ -70,6 +70,7 @@ TAIL_CHARS = 16  # a remark after the calls: the model may start one, and the ou
 MISTRAL_MARK = "[TOOL_CALLS]"  # Mistral's control token that opens its calls (kvgate.server.mistral_tools)
 # Mistral's calls run to the output's end: a closing that never comes (JSON never holds a raw NUL)
 MISTRAL_REGION = (MISTRAL_MARK, "\x00")
+MISTRAL_LEAD_REGION = (*MISTRAL_REGION, "start")  # beside an answer format: at the answer's start only
 
 PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -88,6 +89,7 @@ class ToolPlan:
     parallel: bool
     bare: bool = False  # Llama 3.x's bare call is offered (`asks_bare`, and no response_format)
     mistral: object = None  # the model's `mistral_tools.MistralFormat`: its calls, not Hermes blocks
+    formatted: bool = False  # an answer format beside the tools (`answer | calls`: calls come first)
 
     @property
     def bare_names(self) -> frozenset[str]:
@@ -122,7 +124,7 @@ def stop_regions(plan: ToolPlan | None):
     if plan is None:
         return None
     if plan.mistral is not None:
-        return MISTRAL_REGION
+        return MISTRAL_LEAD_REGION if plan.formatted else MISTRAL_REGION
     return (CALL_REGION, BARE_REGION) if plan.bare else CALL_REGION
 
 
