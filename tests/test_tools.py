@@ -211,6 +211,54 @@ def test_max_tokens_inside_the_dropped_remark_still_finishes_with_tool_calls():
     assert choice["finish_reason"] == "length"
 
 
+def test_max_tokens_in_the_forced_end_of_the_only_call_finishes_with_tool_calls():
+    """QA pass 17 (instructor, pydantic-ai): with parallel_tool_calls false (or a named function) all
+    that may follow a call's closed arguments is the wrapper's forced end, `}\n</tool_call>` in several
+    tokens; a max_tokens there gave a whole, valid call finish_reason `length`, which instructor
+    refuses (`IncompleteOutputException`). Now `tool_calls`, for Hermes blocks, Llama's bare call and
+    both Mistral forms; with parallel calls the cut keeps `length` (another call may have been coming),
+    and a cut inside the arguments keeps it always. Seen red with the single-call rule left out of
+    `ToolCallParser.end` and of `MistralCallParser.end`."""
+    from kvgate.server.mistral_tools import MistralFormat, parser_for
+
+    fns = [P.FunctionDef(name="get_time")]
+    block = T._block("get_time", "{}")
+    cases = [  # (plan, output cut in the forced end, output cut in the arguments)
+        (T.ToolPlan("auto", fns, False), block[: -len(T.END) + 3], block[: block.index("{}") + 1]),
+        (T.ToolPlan("auto", fns, False), block + "\n", block[: block.index("{}") + 1]),
+        (
+            T.ToolPlan("auto", fns, False, bare=True),
+            '{"name": "get_time", "parameters": {}',
+            '{"name": "get_time", "parameters": {',
+        ),
+        (
+            T.ToolPlan("auto", fns, False, mistral=MistralFormat(5)),
+            '[TOOL_CALLS][{"name": "get_time", "arguments": {}',
+            '[TOOL_CALLS][{"name": "get_time", "arguments": {',
+        ),
+        (
+            T.ToolPlan("auto", fns, False, mistral=MistralFormat(5, 6)),
+            "[TOOL_CALLS]get_time[ARGS]{}",
+            "[TOOL_CALLS]get_time[ARGS]{",
+        ),
+    ]
+    for plan, forced, inside in cases:
+        for text, parallel, want in (
+            (forced, False, "tool_calls"),
+            (forced, True, "length"),
+            (inside, False, "length"),
+        ):
+            plan.parallel = parallel
+            choice = {"message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            TP.read_calls(choice, parser=parser_for(plan))
+            got = choice["message"].get("tool_calls")
+            assert got and got[0]["function"]["name"] == "get_time", (text, choice)
+            if not plan.bare:  # a bare call is one call whatever the flag says
+                assert choice["finish_reason"] == want, (text, parallel, choice)
+            elif text == forced:
+                assert choice["finish_reason"] == "tool_calls", (text, choice)
+
+
 def cut_expectation(cut: int) -> list[tuple[str, str]]:
     """The calls an OUTPUT cut after `cut` characters must give: each call whose name is whole, with
     its argument text up to the cut (never past the end of the arguments)."""

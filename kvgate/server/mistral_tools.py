@@ -135,6 +135,7 @@ class MistralCallParser:
 
     listed: bool
     lead: bool = True
+    single: bool = False  # no call may follow another (parallel_tool_calls false, a named function)
     buf: str = ""
     state: str = ""
     calls: list[ParsedCall] = field(default_factory=list)
@@ -172,6 +173,8 @@ class MistralCallParser:
             name = ToolCallParser._name(self.buf)
             if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
                 self._open_call(events, name[0])
+        elif self.single and self.calls and self.scan.ended and self.state in ("close", "after"):
+            self.calls[-1].done, self.state = True, "done"  # all that could follow was forced markup
         self.buf = ""
         return events
 
@@ -282,5 +285,5 @@ class MistralCallParser:
 def parser_for(plan: T.ToolPlan):
     """The output reader for a request's tool plan: Mistral's where the model writes Mistral's format."""
     if plan.mistral is not None:
-        return MistralCallParser(listed=plan.mistral.args is None, lead=not plan.formatted)
-    return ToolCallParser(plan.bare_names)
+        return MistralCallParser(plan.mistral.args is None, not plan.formatted, not plan.parallel)
+    return ToolCallParser(plan.bare_names, not plan.parallel)

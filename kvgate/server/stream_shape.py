@@ -114,9 +114,8 @@ class StreamShaper:
         reason = result.finish_reason
         if self.f is not None and self.f.tools is not None:
             parser = self._parser(i)
-            in_remark = parser.after_calls
             out += self._tool_events(i, parser.end(cut=not TP.model_ended(result)))
-            reason = TP.finish_reason(reason, parser.calls, in_remark)
+            reason = TP.finish_reason(reason, parser.calls, parser.after_calls)
         stop_ids = named_stop_ids(self.p.request, self.tok) if self.p is not None else ()
         end = self.chunks.finish(i, reason, stop_reason(result, stop_ids))
         self._new_ids(i, [end], result.token_ids[self.ids_sent.get(i, 0) :])  # a stop token not yet sent

@@ -78,6 +78,7 @@ class ToolCallParser:
     """
 
     bare_names: frozenset[str] = frozenset()  # a bare call's possible names; empty: no bare calls
+    single: bool = False  # no call may follow another (parallel_tool_calls false, a named function)
     buf: str = ""
     state: str = "start"  # start | content | head | args | close | between | tail
     calls: list[ParsedCall] = field(default_factory=list)
@@ -124,6 +125,10 @@ class ToolCallParser:
             if text and (not cut or self.state == "content"):
                 self.content.append(text)
                 events.append(("content", text))
+        elif self.state in ("close", "between") and (self.single or self.in_bare) and self.scan.ended:
+            # the arguments closed, and all that could follow was the wrapper's forced end (QA pass 17:
+            # a max_tokens there gave `length` to a whole call, which instructor refused)
+            self.calls[-1].done, self.state = True, "tail"
         self.buf = ""
         return events
 
