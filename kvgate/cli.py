@@ -13,6 +13,7 @@ from kvgate.flag_types import PORT, at_least
 from kvgate.server.cors import add_cors_flag
 from kvgate.server.generation_defaults import add_generation_config_flag
 from kvgate.server.reasoning import add_reasoning_flag
+from kvgate.server.request_log import add_request_log_flags
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cors_flag(s)
     add_reasoning_flag(s)
     add_generation_config_flag(s)
+    add_request_log_flags(s)
     s.add_argument("--log-level", default="info")
 
     t = sub.add_parser(

@@ -56,6 +56,8 @@ class ClusterOptions:
     cors_origins: list[str] | None = None
     reasoning_parser: str = "auto"  # the ingress's --reasoning-parser (kvgate.server.reasoning)
     generation_config: str = "auto"  # the ingress's --generation-config (kvgate.server.generation_defaults)
+    log_requests: bool = False  # the ingress's --log-requests and --max-log-len (kvgate.server.request_log)
+    max_log_len: int | None = None
     step_delay: float = 0.0  # test-only: sleep before every forward pass of every replica
     log_level: str = "info"  # the ingress's and the replicas' kvgate loggers (`kvgate.cluster.logs`)
 
@@ -89,6 +91,8 @@ class ClusterOptions:
             "cors_origins": self.cors_origins,
             "reasoning_parser": self.reasoning_parser,
             "generation_config": self.generation_config,
+            "log_requests": self.log_requests,
+            "max_log_len": self.max_log_len,
         }
 
     def actor_options(self) -> dict:

@@ -28,6 +28,7 @@ from kvgate.flag_types import PORT, at_least, byte_size, more_than
 from kvgate.server.cors import add_cors_flag, cors_origins
 from kvgate.server.generation_defaults import add_generation_config_flag
 from kvgate.server.reasoning import add_reasoning_flag
+from kvgate.server.request_log import add_request_log_flags
 
 
 def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
@@ -84,6 +85,7 @@ def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     add_cors_flag(c)
     add_reasoning_flag(c)
     add_generation_config_flag(c)
+    add_request_log_flags(c)
     return c
 
 
@@ -106,6 +108,8 @@ def options_from(args) -> ClusterOptions:
         cors_origins=cors_origins(args),
         reasoning_parser=args.reasoning_parser,
         generation_config=args.generation_config,
+        log_requests=args.log_requests,
+        max_log_len=args.max_log_len,
         log_level=args.log_level,
     )
 

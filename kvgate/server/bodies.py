@@ -14,6 +14,8 @@ from typing import Any
 
 from fastapi import Request
 
+from kvgate.server import request_log
+from kvgate.server.auth import REQUEST_ID
 from kvgate.server.errors import APIError, invalid
 
 
@@ -28,6 +30,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         body += piece
         if len(body) > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes", "body_too_large")
+    settings = getattr(request.app.state, "settings", None)
+    request_log.body(settings, REQUEST_ID.get(), request.method, request.url.path, bytes(body))
     return bytes(body)
 
 

@@ -35,6 +35,9 @@ class ServerSettings:
     reasoning_parser: str = "auto"
     # --generation-config: auto gives left-out sampling fields the model's own (generation_defaults)
     generation_config: str = "auto"
+    # --log-requests / --max-log-len: bodies and outcomes in the log (kvgate.server.request_log)
+    log_requests: bool = False
+    max_log_len: int | None = None
 
 
 def refused(state, code: str, retry_after: int | None = None) -> None:

@@ -115,6 +115,8 @@ def serve(args) -> int:
         cors_origins=cors_origins(args),
         reasoning_parser=args.reasoning_parser,
         generation_config=args.generation_config,
+        log_requests=args.log_requests,
+        max_log_len=args.max_log_len,
         responses_store_bytes=0,  # the plan's (--responses-store), once the engine has one
     )
     app = create_app(settings)

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvgate.core.admission import shutting_down_refusal
 from kvgate.request import Admitted, Finished, Refusal, Token
+from kvgate.server import request_log
 from kvgate.server.auth import REQUEST_ID
 from kvgate.server.bodies import read_body
 from kvgate.server.context import ready_engine, refused
@@ -82,9 +83,12 @@ async def generate(
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
 
+    logged = REQUEST_ID.get()
+
     def on_result(res) -> None:
         state.metrics.observe_result(res)
         state.live.observe_result(res)
+        request_log.outcome(settings, logged, res)
 
     if prepared.stream:
         chunks = ChunkMaker(kind, rid, created, settings.model_name, prepared.n)
