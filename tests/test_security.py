@@ -191,6 +191,8 @@ def _serve_args(**kw):
         model="default",
         reasoning_parser="auto",
         generation_config="auto",
+        log_requests=False,
+        max_log_len=None,
     )
     return SimpleNamespace(**{**base, **kw})
 
