@@ -1,9 +1,9 @@
 """Build a `tokenizers` fast tokenizer from a GGUF's vocabulary: byte-level BPE (`gpt2`) or SentencePiece
 (`llama`: Llama 1-2, Mistral 7B, TinyLlama, Gemma).
 
-Byte-level BPE: the pre-tokenizer follows llama.cpp's table for `tokenizer.ggml.pre`: the split regex
-decides which merges can ever apply, so using the wrong one changes token ids for text with digits or
-contractions.
+Byte-level BPE: the pre-tokenizer follows llama.cpp's table for `tokenizer.ggml.pre`
+(kvgate/bpe_splits.py): the split decides which merges can ever apply, so using the wrong one changes
+token ids for text with digits, punctuation or contractions; a name not in the table is refused.
 
 SentencePiece: llama.cpp (`llm_tokenizer_spm`) splits the text into characters and merges, again and
 again, the adjacent pair whose joined text is a vocabulary entry with the highest score (the leftmost
@@ -17,41 +17,25 @@ from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-_GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_LLAMA3 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-_SPLITS = {
-    "llama3": _LLAMA3,
-    "llama-v3": _LLAMA3,
-    "llama-bpe": _LLAMA3,
-    "smaug-bpe": _LLAMA3,
-    "qwen2": _QWEN2,
-    "deepseek-r1-qwen": _QWEN2,
-}
-
-# llama.cpp (and Llama 3's own tokenizer.json) take a pre-token that is a whole vocabulary entry as one
-# token before any merge: without that, " Việt" was 3 tokens where Llama 3 has one (llama.cpp's
-# ggml-vocab-llama-bpe.gguf test set, 45 of 46 texts before, 46 after)
-IGNORE_MERGES = ("llama3", "llama-v3", "llama-bpe")
+from kvgate.bpe_splits import IGNORE_MERGES, SPLITS
 
 
 def _pre_tokenizer(pre: str):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in _SPLITS:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), "isolated"), byte_level])
-    steps = []
-    if pre == "smollm":  # llama.cpp: every digit is its own word, then the GPT-2 split
-        steps.append(pre_tokenizers.Digits(individual_digits=True))
-    steps.append(pre_tokenizers.Split(Regex(_GPT2), "isolated"))
-    steps.append(byte_level)
+    """The byte-level BPE split for `tokenizer.ggml.pre` (`bpe_splits.SPLITS`), then the byte mapping."""
+    regexes = SPLITS.get(pre)
+    if regexes is None:
+        raise UnknownPreTokenizer(pre)
+    steps = [pre_tokenizers.Split(Regex(r), "isolated") for r in regexes]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     return pre_tokenizers.Sequence(steps)
+
+
+class UnknownPreTokenizer(ValueError):
+    """A `tokenizer.ggml.pre` kvgate has no split for (`kvgate.models.gguf_tokenizer` says what to do)."""
+
+    def __init__(self, pre: str):
+        super().__init__(pre)
+        self.pre = pre
 
 
 def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:

@@ -38,9 +38,9 @@ from kvgate.models.gguf_tokenizer import field, tokenizer_from_metadata
 
 log = logging.getLogger("kvgate.models")
 
-CACHE_FORMAT = 7  # bumped when the output changes (2: Qwen2 q/k kept, Llama q/k biases unpermuted; 4: scales;
+CACHE_FORMAT = 8  # bumped when the output changes (2: Qwen2 q/k kept, Llama q/k biases unpermuted; 4: scales;
 # 5: Llama 3 tokenizers ignore merges for whole-vocabulary words, rope scaling and Qwen3 read; 6: the head's
-# block scales written; 7: general.sampling.* kept)
+# block scales written; 7: general.sampling.* kept; 8: every tokenizer.ggml.pre's own split, bpe_splits)
 # llama.cpp permutes q/k rows (weights and biases) only for architectures it runs with GPT-J style
 # RoPE; Qwen2 and Qwen3 use NeoX (rotate-half) RoPE and are written in HF order, untouched.
 PERMUTED_QK_ARCHS = ("llama", "mistral", "smollm")

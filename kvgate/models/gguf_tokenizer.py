@@ -41,7 +41,8 @@ def field(reader, key: str, default=None):
 
 
 def tokenizer_from_metadata(reader, path: Path) -> tuple[str, dict]:
-    from kvgate.tokenizer_build import build_bpe_tokenizer, build_spm_tokenizer
+    from kvgate.bpe_splits import SPLITS
+    from kvgate.tokenizer_build import UnknownPreTokenizer, build_bpe_tokenizer, build_spm_tokenizer
 
     model = field(reader, "tokenizer.ggml.model")
     if model not in ("gpt2", "llama"):
@@ -70,7 +71,15 @@ def tokenizer_from_metadata(reader, path: Path) -> tuple[str, dict]:
     else:
         merges = list(field(reader, "tokenizer.ggml.merges", []))
         pre = field(reader, "tokenizer.ggml.pre", "default")
-        tok = build_bpe_tokenizer(tokens, merges, token_types, pre)
+        try:
+            tok = build_bpe_tokenizer(tokens, merges, token_types, pre)
+        except UnknownPreTokenizer:
+            raise ModelLoadError(
+                f"{path.name}: its vocabulary's pre-tokenizer '{pre}' (tokenizer.ggml.pre) is not one kvgate "
+                "knows, and a guessed one would give other token ids than the model was trained on. Use the "
+                "model's Hugging Face directory (its tokenizer.json carries the exact pre-tokenizer), or a "
+                f"GGUF of the same model converted with one of: {', '.join(sorted(SPLITS))}"
+            ) from None
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     eog = set()
