@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from kvgate.server import tools as T
 from kvgate.server.errors import invalid
-from kvgate.server.tool_parser import ARGS_AT, BARE, ArgsScan, ParsedCall, ToolCallParser
+from kvgate.server.tool_parser import ARGS_AT, BARE, ArgsScan, CallReader, ParsedCall, ToolCallParser
 
 MARK, ARGS, CALL_ID = T.MISTRAL_MARK, "[ARGS]", "[CALL_ID]"
 ID_KEY = ', "id": "'  # the JSON list form's optional id, after the arguments (Nemo's template writes it)
@@ -122,7 +122,7 @@ def new_id() -> str:
 
 
 @dataclass
-class MistralCallParser:
+class MistralCallParser(CallReader):
     """Incremental reader of a Mistral output: `push(text)` -> events, `end(cut)` -> the last events,
     the events of `ToolCallParser`. `listed`: the JSON list form, else a token per call. `lead`: calls
     may follow text; false beside an answer format, where they can only open the output (the grammar's
@@ -149,16 +149,6 @@ class MistralCallParser:
     def after_calls(self) -> bool:
         """The output went past the calls' end (max_tokens there cut nothing returned)."""
         return self.state == "done"
-
-    def push(self, text: str) -> list[tuple]:
-        self.buf += text
-        events: list[tuple] = []
-        while self.buf:
-            before = (self.state, len(self.buf))
-            getattr(self, "_" + self.state)(events)
-            if (self.state, len(self.buf)) == before:
-                break  # waiting for more text
-        return events
 
     def end(self, cut: bool = True) -> list[tuple]:
         """As `ToolCallParser.end`, but held-back text is always an answer: `[TOOL_CALLS]` is one token,
@@ -235,12 +225,7 @@ class MistralCallParser:
             self.buf, self.state = self.buf[at + len(ARGS) :], "args"
 
     def _args(self, events) -> None:
-        n = self.scan.length(self.buf)
-        if n:
-            self.calls[-1].arguments += self.buf[:n]
-            events.append(("args", self.calls[-1].index, self.buf[:n]))
-            self.buf = self.buf[n:]
-        if self.scan.ended:
+        if self._read_args(events):
             if self.listed:
                 self.state = "close"
             else:
@@ -275,11 +260,8 @@ class MistralCallParser:
     def _done(self, events) -> None:
         self.buf = ""  # the grammar ends the output with the calls
 
-    def _open_call(self, events, name: str) -> None:
-        call = ParsedCall(len(self.calls), new_id(), name)
-        self.calls.append(call)
-        self.scan = ArgsScan()
-        events.append(("call", call))
+    def _new_id(self) -> str:
+        return new_id()
 
 
 def parser_for(plan: T.ToolPlan):

@@ -62,8 +62,43 @@ class ArgsScan:
         return len(text)
 
 
+class CallReader:
+    """What the two call parsers (this module's and `mistral_tools.MistralCallParser`) share: `push` runs
+    the state's method (`_<state>`) until the text is spent or the state waits for more; a call opens
+    with a new id; arguments are released as they come, up to their JSON's end. Each parser holds
+    `buf`, `state`, `calls` and `scan`."""
+
+    def push(self, text: str) -> list[tuple]:
+        self.buf += text
+        events: list[tuple] = []
+        while self.buf:
+            before = (self.state, len(self.buf))
+            getattr(self, "_" + self.state)(events)
+            if (self.state, len(self.buf)) == before:
+                break  # waiting for more text
+        return events
+
+    def _new_id(self) -> str:
+        return "call_" + uuid.uuid4().hex[:24]
+
+    def _open_call(self, events, name: str) -> None:
+        call = ParsedCall(len(self.calls), self._new_id(), name)
+        self.calls.append(call)
+        self.scan = ArgsScan()
+        events.append(("call", call))
+
+    def _read_args(self, events) -> bool:
+        """Release what of the text is the last call's arguments; whether they ended."""
+        n = self.scan.length(self.buf)
+        if n:
+            self.calls[-1].arguments += self.buf[:n]
+            events.append(("args", self.calls[-1].index, self.buf[:n]))
+            self.buf = self.buf[n:]
+        return self.scan.ended
+
+
 @dataclass
-class ToolCallParser:
+class ToolCallParser(CallReader):
     """Incremental reader of generated text: `push(text)` -> events, `end()` -> the last events.
 
     Events: ("content", text), ("call", ParsedCall) when a call's name is known, ("args", index, text).
@@ -90,16 +125,6 @@ class ToolCallParser:
     def after_calls(self) -> bool:
         """The output is in the remark after the calls, which is dropped (max_tokens there cut nothing)."""
         return self.state == "tail"
-
-    def push(self, text: str) -> list[tuple]:
-        self.buf += text
-        events: list[tuple] = []
-        while self.buf:
-            before = (self.state, len(self.buf))
-            getattr(self, "_" + self.state)(events)
-            if (self.state, len(self.buf)) == before:
-                break  # waiting for more text
-        return events
 
     def end(self, cut: bool = True) -> list[tuple]:
         """The output ended (`cut`: by max_tokens, maybe inside a call): a call whose name is whole but
@@ -188,19 +213,8 @@ class ToolCallParser:
         except json.JSONDecodeError:
             return None
 
-    def _open_call(self, events, name: str) -> None:
-        call = ParsedCall(len(self.calls), "call_" + uuid.uuid4().hex[:24], name)
-        self.calls.append(call)
-        self.scan = ArgsScan()
-        events.append(("call", call))
-
     def _args(self, events) -> None:
-        n = self.scan.length(self.buf)
-        if n:
-            self.calls[-1].arguments += self.buf[:n]
-            events.append(("args", self.calls[-1].index, self.buf[:n]))
-            self.buf = self.buf[n:]
-        if self.scan.ended:
+        if self._read_args(events):
             self.state = "close"
 
     def _close(self, events) -> None:
