@@ -88,6 +88,15 @@ _GROUPS: dict[tuple[str, ...], list[str]] = {
     ],
     ("deepseek-coder",): [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"],
     ("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"): [r"\p{N}{1,3}", _CJK_KANA, DEEPSEEK_V3],
+    # Seed-Coder: Qwen2's with newlines kept out of punctuation runs
+    ("seed-coder",): [
+        rf"(?i:{_CONTRACTIONS})|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}| ?[^\s\p{{L}}\p{{N}}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ],
+    ("viking",): [" ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+", r"\p{N}"],
+    ("minicpm5",): [
+        r"\p{N}{1,3}",
+        rf"(?i:{_CONTRACTIONS})|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}+| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ],
     ("falcon",): [r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]"],
     # a file that names none: llama.cpp's default, which it loads with a warning that quality may drop
     ("default",): [r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
@@ -98,5 +107,5 @@ SPLITS: dict[str, list[str]] = {name: regexes for names, regexes in _GROUPS.item
 # (Llama 3's tokenizer.json says so too): without it, " Việt" was 3 tokens where Llama 3 has one
 IGNORE_MERGES = frozenset(
     {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
-    | {"jina-v5-nano", "tekken", "glm4", "glm5"}
+    | {"jina-v5-nano", "tekken", "glm4", "glm5", "minicpm5"}
 )

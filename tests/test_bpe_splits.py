@@ -63,11 +63,11 @@ def test_an_unknown_name_is_refused_at_load_with_the_way_out(tmp_path):
     from kvgate.models.gguf_tokenizer import tokenizer_from_metadata
 
     with pytest.raises(UnknownPreTokenizer):
-        _pre_tokenizer("seed-coder")
+        _pre_tokenizer("jais-2")
     path = tmp_path / "vocab.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("seed-coder")
+    w.add_tokenizer_pre("jais-2")
     w.add_token_list(["a", "b", "ab"])
     w.add_token_types([1, 1, 1])
     w.add_token_merges(["a b"])
@@ -76,9 +76,28 @@ def test_an_unknown_name_is_refused_at_load_with_the_way_out(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError) as err:
         tokenizer_from_metadata(gguf.GGUFReader(str(path)), path)
-    assert (
-        "'seed-coder'" in str(err.value) and "tekken" in str(err.value) and "Hugging Face" in str(err.value)
-    )
+    assert "'jais-2'" in str(err.value) and "tekken" in str(err.value) and "Hugging Face" in str(err.value)
+
+
+def test_an_empty_name_is_llama_cpps_default(tmp_path):
+    """A file whose `tokenizer.ggml.pre` is there but empty loads with llama.cpp's default split, as a file
+    without the key does (llama.cpp warns and uses it). Seen red with the empty name refused."""
+    import gguf
+
+    from kvgate.models.gguf_tokenizer import tokenizer_from_metadata
+
+    path = tmp_path / "vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_key_value("tokenizer.ggml.pre", "", gguf.GGUFValueType.STRING)  # (add_tokenizer_pre skips "")
+    w.add_token_list(["a", "b", "ab", "+"])
+    w.add_token_types([1, 1, 1, 1])
+    w.add_token_merges(["a b"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    js, _ = tokenizer_from_metadata(gguf.GGUFReader(str(path)), path)
+    assert "[0-9][0-9][0-9]" in js  # the default sequence's last regex
 
 
 def test_every_name_compiles_and_the_merge_rule_names_known_ones():

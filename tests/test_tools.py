@@ -218,7 +218,8 @@ def test_max_tokens_in_the_forced_end_of_the_only_call_finishes_with_tool_calls(
     refuses (`IncompleteOutputException`). Now `tool_calls`, for Hermes blocks, Llama's bare call and
     both Mistral forms; with parallel calls the cut keeps `length` (another call may have been coming),
     and a cut inside the arguments keeps it always. Seen red with the single-call rule left out of
-    `ToolCallParser.end` and of `MistralCallParser.end`."""
+    `ToolCallParser.end` and of `MistralCallParser.end`, and (the review's two cases) with "between"
+    left out of Mistral's rule and with a single call's `_between` opening a second call's head."""
     from kvgate.server.mistral_tools import MistralFormat, parser_for
 
     fns = [P.FunctionDef(name="get_time")]
@@ -226,6 +227,8 @@ def test_max_tokens_in_the_forced_end_of_the_only_call_finishes_with_tool_calls(
     cases = [  # (plan, output cut in the forced end, output cut in the arguments)
         (T.ToolPlan("auto", fns, False), block[: -len(T.END) + 3], block[: block.index("{}") + 1]),
         (T.ToolPlan("auto", fns, False), block + "\n", block[: block.index("{}") + 1]),
+        # the remark may start like a call; with one call allowed it is the remark (review of session 49)
+        (T.ToolPlan("auto", fns, False), block + '\n<tool_call>\n{"na', block[: block.index("{}") + 1]),
         (
             T.ToolPlan("auto", fns, False, bare=True),
             '{"name": "get_time", "parameters": {}',
@@ -234,6 +237,11 @@ def test_max_tokens_in_the_forced_end_of_the_only_call_finishes_with_tool_calls(
         (
             T.ToolPlan("auto", fns, False, mistral=MistralFormat(5)),
             '[TOOL_CALLS][{"name": "get_time", "arguments": {}',
+            '[TOOL_CALLS][{"name": "get_time", "arguments": {',
+        ),
+        (  # after the call's `}`, before the list's `]` (review of session 49)
+            T.ToolPlan("auto", fns, False, mistral=MistralFormat(5)),
+            '[TOOL_CALLS][{"name": "get_time", "arguments": {}}',
             '[TOOL_CALLS][{"name": "get_time", "arguments": {',
         ),
         (

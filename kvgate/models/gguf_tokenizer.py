@@ -70,7 +70,7 @@ def tokenizer_from_metadata(reader, path: Path) -> tuple[str, dict]:
         tok = build_spm_tokenizer(tokens, [float(x) for x in scores], token_types, unk, prefix)
     else:
         merges = list(field(reader, "tokenizer.ggml.merges", []))
-        pre = field(reader, "tokenizer.ggml.pre", "default")
+        pre = field(reader, "tokenizer.ggml.pre") or "default"  # absent or empty: llama.cpp's default
         try:
             tok = build_bpe_tokenizer(tokens, merges, token_types, pre)
         except UnknownPreTokenizer:

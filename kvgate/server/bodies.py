@@ -30,9 +30,11 @@ async def read_body(request: Request, limit: int) -> bytes:
         body += piece
         if len(body) > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes", "body_too_large")
+    raw = bytes(body)
     settings = getattr(request.app.state, "settings", None)
-    request_log.body(settings, REQUEST_ID.get(), request.method, request.url.path, bytes(body))
-    return bytes(body)
+    if getattr(settings, "log_requests", False):
+        request_log.body(settings, REQUEST_ID.get(), request.method, request.url.path, raw)
+    return raw
 
 
 def parse_json(raw: bytes) -> Any:

@@ -163,7 +163,7 @@ class MistralCallParser(CallReader):
             name = ToolCallParser._name(self.buf)
             if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
                 self._open_call(events, name[0])
-        elif self.single and self.calls and self.scan.ended and self.state in ("close", "after"):
+        elif self.single and self.calls and self.scan.ended and self.state in ("close", "between", "after"):
             self.calls[-1].done, self.state = True, "done"  # all that could follow was forced markup
         self.buf = ""
         return events

@@ -34,12 +34,18 @@ def add_request_log_flags(parser) -> None:
     )
 
 
+def enable(on: bool) -> None:
+    """`--log-requests` asks for these lines: they show at INFO whatever `--log-level` says."""
+    if on:
+        log.setLevel(logging.INFO)
+
+
 def body(settings, rid: str, method: str, path: str, raw: bytes) -> None:
     if not getattr(settings, "log_requests", False):
         return
-    text = raw.decode("utf-8", "replace")
     limit = settings.max_log_len
-    more = f" ... ({len(text) - limit} more characters)" if limit is not None and len(text) > limit else ""
+    text = raw.decode("utf-8", "replace") if limit is None else raw[: 4 * limit].decode("utf-8", "replace")
+    more = f" ... ({len(raw)} bytes in all)" if limit is not None and len(text) > limit else ""
     log.info("request %s %s %s: body %s%s", rid, method, path, text[:limit] if more else text, more)
 
 

@@ -17,6 +17,7 @@ import time
 import uvicorn
 
 from kvgate.memory.overhead import load_peak_warning
+from kvgate.server import request_log
 from kvgate.server.app import ServerSettings, create_app
 from kvgate.server.auth import FLUSH_SECONDS
 from kvgate.server.cors import cors_origins
@@ -96,6 +97,7 @@ def serve(args) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    request_log.enable(args.log_requests)
     if not is_loopback(args.host) and not args.api_key and not args.allow_unauthenticated:
         print(
             f"kvgate: error: refusing to bind {args.host} (not a loopback address) without --api-key. Set "

@@ -236,7 +236,9 @@ class ToolCallParser(CallReader):
 
     def _between(self, events) -> None:
         rest = self.buf.lstrip(SEP)
-        if rest != self.buf and rest.startswith(OPEN):  # newlines, then the next call
+        if self.single and self.buf:  # no second call may come: what follows is the remark (review of
+            self.state = "tail"  # session 49: a remark "\n<tool_call>..." cut short gave `length`)
+        elif rest != self.buf and rest.startswith(OPEN):  # newlines, then the next call
             self.buf = rest[len(OPEN) :]
             self.state = "head"
         elif self.buf and (rest == self.buf or not OPEN.startswith(rest)):
