@@ -27,7 +27,7 @@ from kvgate.cluster.facade import ClusterEngine
 from kvgate.cluster.logs import configure as configure_logging
 from kvgate.cluster.remote import SERVED_BY
 from kvgate.cluster.views import published
-from kvgate.server import routes
+from kvgate.server import request_log, routes
 from kvgate.server.app import create_app
 from kvgate.server.auth import FLUSH_SECONDS
 from kvgate.server.context import ServerSettings
@@ -165,6 +165,7 @@ class KvgateIngress:
         log_level: str = "info",
     ):
         configure_logging(log_level)  # refusals and failures logged at INFO, as under `kvgate serve`
+        request_log.enable(bool(settings.get("log_requests")))  # --log-requests: whatever the level
         self.settings = dict(settings)
         key = (replicas.app_name, replicas.deployment_name)
         self.cluster = ClusterEngine(replicas, lambda: published(*key), policy, health_period)
