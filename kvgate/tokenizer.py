@@ -199,9 +199,7 @@ class IncrementalDetokenizer:
         self.keep = keep  # special tokens written out all the same (`TextTokenizer.decode`)
 
     def _decode(self, ids: list[int]) -> str:
-        if not self.skip_special:
-            return self.tok.decode(ids, skip_special_tokens=False)
-        return self.tok.decode(ids, keep=self.keep) if self.keep else self.tok.decode(ids)
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special, keep=self.keep)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)

@@ -33,10 +33,6 @@ def _pre_tokenizer(pre: str):
 class UnknownPreTokenizer(ValueError):
     """A `tokenizer.ggml.pre` kvgate has no split for (`kvgate.models.gguf_tokenizer` says what to do)."""
 
-    def __init__(self, pre: str):
-        super().__init__(pre)
-        self.pre = pre
-
 
 def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every split of every entry into two entries, the highest-scoring entry's first; one entry's

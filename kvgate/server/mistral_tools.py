@@ -117,10 +117,6 @@ def check_names(plan: T.ToolPlan) -> None:
             )
 
 
-def new_id() -> str:
-    return "".join(random.choices(ID_CHARS, k=9))
-
-
 @dataclass
 class MistralCallParser(CallReader):
     """Incremental reader of a Mistral output: `push(text)` -> events, `end(cut)` -> the last events,
@@ -261,7 +257,7 @@ class MistralCallParser(CallReader):
         self.buf = ""  # the grammar ends the output with the calls
 
     def _new_id(self) -> str:
-        return new_id()
+        return "".join(random.choices(ID_CHARS, k=9))
 
 
 def parser_for(plan: T.ToolPlan):

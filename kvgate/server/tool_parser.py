@@ -260,8 +260,9 @@ def parse_output(
     return _content(p), p.calls
 
 
-def _parsed(text: str, cut: bool, bare_names: frozenset[str] = frozenset()) -> ToolCallParser:
-    p = ToolCallParser(bare_names)
+def _parsed(text: str, cut: bool, bare_names: frozenset[str] = frozenset(), parser=None):
+    """`text` read whole by `parser` (a new one), or by a Hermes parser with `bare_names`."""
+    p = parser if parser is not None else ToolCallParser(bare_names)
     p.push(text)
     p.end(cut)
     return p
@@ -288,9 +289,7 @@ def read_calls(
     finishes with `tool_calls` when every call is whole; cut short, it keeps `length` or `stop` with the
     calls so far, as a stream gives). `bare_names`: `ToolPlan.bare_names`; `parser`: a new reader of the
     request's format (`mistral_tools.parser_for`) in place of a Hermes one with those names."""
-    p = parser if parser is not None else ToolCallParser(bare_names)
-    p.push(choice["message"]["content"])
-    p.end(not ended)
+    p = _parsed(choice["message"]["content"], not ended, bare_names, parser)
     choice["message"] = {"role": "assistant", "content": _content(p)}
     if p.calls:
         choice["message"]["tool_calls"] = call_dicts(p.calls)
