@@ -34,7 +34,15 @@ from dataclasses import dataclass, field
 
 from kvgate.server import tools as T
 from kvgate.server.errors import invalid
-from kvgate.server.tool_parser import ARGS_AT, BARE, ArgsScan, CallReader, ParsedCall, ToolCallParser
+from kvgate.server.tool_parser import (
+    ARGS_AT,
+    BARE,
+    ArgsScan,
+    CallReader,
+    ParsedCall,
+    ToolCallParser,
+    head_name,
+)
 
 MARK, ARGS, CALL_ID = T.MISTRAL_MARK, "[ARGS]", "[CALL_ID]"
 ID_KEY = ', "id": "'  # the JSON list form's optional id, after the arguments (Nemo's template writes it)
@@ -156,9 +164,7 @@ class MistralCallParser(CallReader):
             self.content.append(self.buf)
             events.append(("content", self.buf))
         elif self.state == "head":
-            name = ToolCallParser._name(self.buf)
-            if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
-                self._open_call(events, name[0])
+            self._open_cut_head(events)
         elif self.single and self.calls and self.scan.ended and self.state in ("close", "between", "after"):
             self.calls[-1].done, self.state = True, "done"  # all that could follow was forced markup
         self.buf = ""
@@ -177,17 +183,8 @@ class MistralCallParser(CallReader):
         self.buf = ""
 
     def _content(self, events) -> None:
-        at = self.buf.find(MARK)
-        if at >= 0:
-            text, self.buf = self.buf[:at].rstrip(), self.buf[at + len(MARK) :]
+        if self._text_until(events, MARK):  # (a part of the mark is held for a stream split inside it)
             self.state = "open" if self.listed else "name"
-        else:  # hold back what may still become the mark (for a stream split inside it), and whitespace
-            keep = next((n for n in range(len(MARK) - 1, 0, -1) if self.buf.endswith(MARK[:n])), 0)
-            cut = len(self.buf[: len(self.buf) - keep].rstrip())
-            text, self.buf = self.buf[:cut], self.buf[cut:]
-        if text:
-            self.content.append(text)
-            events.append(("content", text))
 
     def _open(self, events) -> None:
         rest = self.buf.lstrip()
@@ -200,7 +197,7 @@ class MistralCallParser(CallReader):
 
     def _head(self, events) -> None:
         self.buf = self.buf.lstrip()
-        name = ToolCallParser._name(self.buf)
+        name = head_name(self.buf)
         if name is not None and isinstance(name[0], str) and self.buf.startswith(ARGS_AT, name[1]):
             self._open_call(events, name[0])
             self.buf, self.state = self.buf[name[1] + len(ARGS_AT) :], "args"

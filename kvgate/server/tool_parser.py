@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvgate.server.tools import ARGS_AT, BARE, BARE_KEYS, END, OPEN, SEP
+from kvgate.stop import _partial
 
 
 @dataclass
@@ -62,6 +63,16 @@ class ArgsScan:
         return len(text)
 
 
+def head_name(text: str) -> tuple[str, int] | None:
+    """The name of a call's head, `{"name": "..."`, and where it ends, once it is whole."""
+    if not text.startswith(BARE):
+        return None
+    try:
+        return json.JSONDecoder().raw_decode(text, len(BARE))
+    except json.JSONDecodeError:
+        return None
+
+
 class CallReader:
     """What the two call parsers (this module's and `mistral_tools.MistralCallParser`) share: `push` runs
     the state's method (`_<state>`) until the text is spent or the state waits for more; a call opens
@@ -86,6 +97,28 @@ class CallReader:
         self.calls.append(call)
         self.scan = ArgsScan()
         events.append(("call", call))
+
+    def _text_until(self, events, opening: str) -> bool:
+        """Release text up to `opening` (whether it came; then the text after it is left), less the
+        whitespace before it; the end of the text that could still become that whitespace and opening
+        is held back."""
+        at = self.buf.find(opening)
+        if at >= 0:
+            text, self.buf = self.buf[:at].rstrip(), self.buf[at + len(opening) :]
+        else:
+            cut = len(self.buf[: len(self.buf) - _partial(self.buf, opening)].rstrip())
+            text, self.buf = self.buf[:cut], self.buf[cut:]
+        if text:
+            self.content.append(text)
+            events.append(("content", text))
+        return at >= 0
+
+    def _open_cut_head(self, events) -> None:
+        """The output was cut in a `{"name": ..., "arguments": ` head: the call, its arguments empty,
+        once its name is whole."""
+        name = head_name(self.buf)
+        if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
+            self._open_call(events, name[0])
 
     def _read_args(self, events) -> bool:
         """Release what of the text is the last call's arguments; whether they ended."""
@@ -141,9 +174,7 @@ class ToolCallParser(CallReader):
                 self.content.append(self.buf)
                 events.append(("content", self.buf))
         elif self.state == "head":
-            name = self._name(self.buf)
-            if name is not None and ARGS_AT.startswith(self.buf[name[1] :]):
-                self._open_call(events, name[0])
+            self._open_cut_head(events)
         elif self.state in ("start", "content") and self.buf:
             # cut: a held opening may have been a call's, the whitespace before it was text
             text = self.buf if not cut else self.buf[: len(self.buf) - len(self.buf.lstrip())]
@@ -170,22 +201,14 @@ class ToolCallParser(CallReader):
         """Text, up to a `<tool_call>` opening that follows it (its calls come next; the whitespace
         between, `render`'s newline among it, is no content); the end of the text that could still
         become that whitespace and opening is held back."""
-        at = self.buf.find(OPEN)
-        if at >= 0:
-            text, self.buf, self.state = self.buf[:at].rstrip(), self.buf[at + len(OPEN) :], "head"
-        else:
-            keep = next((n for n in range(len(OPEN) - 1, 0, -1) if self.buf.endswith(OPEN[:n])), 0)
-            cut = len(self.buf[: len(self.buf) - keep].rstrip())
-            text, self.buf = self.buf[:cut], self.buf[cut:]
-        if text:
-            self.content.append(text)
-            events.append(("content", text))
+        if self._text_until(events, OPEN):
+            self.state = "head"
 
     def _head(self, events) -> None:
         if self.in_bare:
             self._bare_head(events)
             return
-        name = self._name(self.buf)
+        name = head_name(self.buf)
         if name is not None and isinstance(name[0], str) and self.buf.startswith(ARGS_AT, name[1]):
             self._open_call(events, name[0])
             self.buf = self.buf[name[1] + len(ARGS_AT) :]
@@ -202,16 +225,6 @@ class ToolCallParser(CallReader):
             self.state = "args"
         elif not any(h.startswith(self.buf) for h, _ in heads):
             self.state, self.in_bare = "content", False
-
-    @staticmethod
-    def _name(text: str) -> tuple[str, int] | None:
-        """The call's name and where it ends, once it is whole."""
-        if not text.startswith(BARE):
-            return None
-        try:
-            return json.JSONDecoder().raw_decode(text, len(BARE))
-        except json.JSONDecodeError:
-            return None
 
     def _args(self, events) -> None:
         if self._read_args(events):
